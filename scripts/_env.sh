@@ -1,0 +1,27 @@
+# Shared set-up for scripts/demo and scripts/test: creates .venv if missing and
+# installs the project with its dependencies. Sourced, not run.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv"
+  "$PY" -m venv .venv
+fi
+VPY="$ROOT/.venv/bin/python"
+# Re-install only when the dependency declarations changed.
+STAMP=.venv/.abs-installed
+WANT="$(cat setup.cfg pyproject.toml | "$VPY" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')"
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
+  echo "[setup] installing the project and its dependencies into .venv (first time: about a minute)"
+  LOG=.venv/install.log
+  if ! { "$VPY" -m pip install --upgrade pip && "$VPY" -m pip install -e ".[test]"; } >"$LOG" 2>&1; then
+    tail -n 40 "$LOG" >&2
+    echo "[setup] installation failed; the full log is in $LOG" >&2
+    exit 1
+  fi
+  echo "$WANT" > "$STAMP"
+fi
+export PATH="$ROOT/.venv/bin:$PATH"
+export PYSPARK_PYTHON="$VPY"
+export SPARK_LOCAL_IP=127.0.0.1
