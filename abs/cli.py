@@ -1,0 +1,154 @@
+"""``abs-snapshot``: inspect and maintain snapshot roots.
+
+Commands dispatch to :mod:`storage` (later: :mod:`recovery`). Exit codes: 0 success,
+1 problems found in the data (verify, corrupt files, GC refused), 2 usage errors and
+unreadable / unknown roots or ids. Errors print one line to stderr, no traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, Sequence
+
+from storage import (
+    CheckpointNotFoundError,
+    SnapshotStore,
+    StateNotFoundError,
+    StorageConfigError,
+    StorageError,
+    StorageUnavailableError,
+)
+from storage.inspect import dump_lines, list_lines, parse_storage_options, show_lines
+
+__all__ = ["main", "build_parser"]
+
+_USAGE_ERRORS = (StorageUnavailableError, StorageConfigError, CheckpointNotFoundError, StateNotFoundError)
+
+
+class _RootMissing(StorageError):
+    """The path given as ROOT holds no snapshots. Remedy: check the path / URL."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="abs-snapshot", description="Inspect and maintain ABS snapshot roots.")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("root", metavar="ROOT", help="snapshot root: path, file://, memory://, s3://bucket/prefix")
+    common.add_argument("--storage-option", "-o", action="append", default=[], metavar="KEY=VALUE",
+                        help="fsspec storage option (repeatable; JSON values; dotted keys nest), "
+                             "e.g. endpoint_url=http://127.0.0.1:9000")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    sub.add_parser("ls", parents=[common], help="list complete checkpoints")
+
+    p = sub.add_parser("show", parents=[common], help="show a checkpoint (default: the latest)")
+    p.add_argument("id", nargs="?", type=int, metavar="ID")
+    p.add_argument("--files", action="store_true", help="also print file paths")
+
+    p = sub.add_parser("dump", parents=[common], help="print the resolved rows of a keyed state")
+    p.add_argument("id", type=int, metavar="ID")
+    p.add_argument("--operator", required=True, metavar="UID")
+    p.add_argument("--state", required=True, metavar="NAME")
+    p.add_argument("--key-group", type=int, metavar="G", help="one key group (default: all)")
+    p.add_argument("--format", choices=("table", "jsonl"), default="table")
+    p.add_argument("--limit", type=int, default=100, metavar="N", help="at most N rows (0 = all; default 100)")
+    p.add_argument("--unpickle", action="store_true",
+                   help="unpickle pickled keys/values (runs code from the snapshot: only for snapshots you trust)")
+
+    p = sub.add_parser("verify", parents=[common], help="check manifests, chains, sizes and checksums")
+    p.add_argument("id", nargs="?", type=int, metavar="ID", help="one checkpoint (default: all)")
+
+    p = sub.add_parser("gc", parents=[common], help="delete checkpoints beyond retention and unreferenced files")
+    p.add_argument("--retain", type=int, required=True, metavar="K", help="keep the K newest checkpoints (+ savepoints)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan, delete nothing")
+    p.add_argument("--job-stopped", action="store_true",
+                   help="the job is not running: also delete unreferenced files of attempts newer than the newest "
+                        "complete checkpoint (never use while the job runs)")
+    return parser
+
+
+def _open(args: argparse.Namespace) -> SnapshotStore:
+    try:
+        options = parse_storage_options(args.storage_option)
+    except ValueError as exc:
+        raise StorageConfigError(f"{exc}; use --storage-option key=value") from exc
+    store = SnapshotStore.open(args.root, options)
+    if not store.exists():
+        raise _RootMissing(f"{args.root}: holds no snapshots (no _job.json, no manifests); check the path or URL")
+    return store
+
+
+def _out(lines: Sequence[str]) -> None:
+    for line in lines:
+        print(line)
+
+
+def _ls(args: argparse.Namespace) -> int:
+    _out(list_lines(_open(args)))
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    store = _open(args)
+    cid = args.id if args.id is not None else store.latest_checkpoint()
+    if cid is None:
+        raise CheckpointNotFoundError(f"{args.root}: no complete checkpoint to show; take one first")
+    _out(show_lines(store.read_manifest(cid), files=args.files))
+    return 0
+
+
+def _dump(args: argparse.Namespace) -> int:
+    if args.limit < 0:
+        raise StorageConfigError(f"--limit {args.limit}: use N >= 0 (0 = all rows)")
+    store = _open(args)
+    manifest = store.read_manifest(args.id)
+    _out(dump_lines(store, manifest, args.operator, args.state, key_group=args.key_group, fmt=args.format,
+                    limit=args.limit or None, unpickle=args.unpickle))
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    report = _open(args).verify(args.id)
+    _out(report.lines())
+    return 0 if report.ok else 1
+
+
+def _gc(args: argparse.Namespace) -> int:
+    store = _open(args)
+    guard = None
+    if args.job_stopped:
+        guard = max(store.next_checkpoint_id() - 1, 0)
+    plan = store.gc(args.retain, protect_newer_than=guard, dry_run=args.dry_run)
+    verb = "would delete" if args.dry_run else "deleted"
+    _out([f"{verb} {p}" for p in plan.delete_files + plan.delete_manifests])
+    _out([("dry run: " if args.dry_run else "") + plan.summary()])
+    return 0
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "ls": _ls, "show": _show, "dump": _dump, "verify": _verify, "gc": _gc,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse already printed the usage message
+        return int(exc.code or 0)
+    try:
+        return _COMMANDS[args.command](args)
+    except _RootMissing as exc:
+        print(f"abs-snapshot: error: {exc}", file=sys.stderr)
+        return 2
+    except _USAGE_ERRORS as exc:
+        print(f"abs-snapshot: error: {exc}", file=sys.stderr)
+        return 2
+    except (StorageError, ValueError) as exc:
+        print(f"abs-snapshot: error: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

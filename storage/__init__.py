@@ -1,0 +1,88 @@
+"""State-centric snapshot storage over fsspec (local disk, memory, S3).
+
+Per operator, state and key group, checkpoints write Arrow IPC files (zstd) holding either a
+base or an incremental delta; manifests (JSON) list each key group's chain and are the commit
+point. See ``storage/FORMAT.md`` for the on-disk format.
+
+This package does not import ``abs`` or ``recovery``.
+"""
+from __future__ import annotations
+
+from . import errors
+from .chains import CompactionPolicy, resolve_chain
+from .errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptFileError,
+    CorruptManifestError,
+    DeltaSchemaError,
+    FingerprintError,
+    GcRefusedError,
+    InvalidChainError,
+    InvalidPathError,
+    JobMismatchError,
+    MissingFileError,
+    StateNotFoundError,
+    StorageConfigError,
+    StorageError,
+    StorageUnavailableError,
+    UnsupportedFormatError,
+)
+from .format import (
+    KEY_COLUMN,
+    META_KEY_ENCODING,
+    META_VALUE_ENCODING,
+    OP_COLUMN,
+    OP_DELETE,
+    OP_UPSERT,
+)
+from .gc import GcPlan, plan_gc
+from .ids import CheckpointId, KeyGroup, OperatorUid, StateName, SubtaskIndex
+from .manifest import FORMAT_VERSION, FileRef, Manifest
+from .paths import StoragePaths, decode_name, encode_name
+from .store import SnapshotStore
+from .verify import Problem, VerifyReport
+
+__all__ = [
+    "SnapshotStore",
+    "FileRef",
+    "Manifest",
+    "CompactionPolicy",
+    "VerifyReport",
+    "Problem",
+    "GcPlan",
+    "plan_gc",
+    "resolve_chain",
+    "StoragePaths",
+    "encode_name",
+    "decode_name",
+    "FORMAT_VERSION",
+    "KEY_COLUMN",
+    "OP_COLUMN",
+    "OP_UPSERT",
+    "OP_DELETE",
+    "META_KEY_ENCODING",
+    "META_VALUE_ENCODING",
+    "CheckpointId",
+    "KeyGroup",
+    "SubtaskIndex",
+    "OperatorUid",
+    "StateName",
+    "errors",
+    "StorageError",
+    "StorageUnavailableError",
+    "StorageConfigError",
+    "JobMismatchError",
+    "FingerprintError",
+    "InvalidPathError",
+    "CorruptFileError",
+    "MissingFileError",
+    "CorruptManifestError",
+    "UnsupportedFormatError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "StateNotFoundError",
+    "DeltaSchemaError",
+    "InvalidChainError",
+    "GcRefusedError",
+]

@@ -1,0 +1,216 @@
+"""The small file-system contract the store relies on, over any fsspec file system.
+
+``RootIO`` is the only code that touches the file system. Its guarantees:
+
+- :meth:`RootIO.put` writes a file under a *fresh unique* name. A crash may leave a partial
+  file; that is harmless because no manifest names it yet, and checksums catch it otherwise.
+- :meth:`RootIO.put_new` is the commit primitive: readers see the file whole or not at all,
+  and it fails with ``FileExistsError`` when the name exists.
+
+  * object stores (``s3``): one ``PUT`` with ``If-None-Match: *`` (``pipe_file(mode="create")``),
+    a true atomic create-if-absent;
+  * local disk: write + fsync a temporary file, ``link()`` it to the final name (atomic,
+    fails if the name exists), unlink the temporary, fsync the directory;
+  * any other file system (memory, wrappers): temporary file, existence check, rename. The
+    rename makes the content appear at once, but two writers racing for the same name are
+    not excluded (check-then-rename). Only the coordinator commits, so this is acceptable.
+- :meth:`RootIO.delete` is idempotent.
+- Errors of the file system become :class:`StorageUnavailableError` naming the root;
+  ``FileNotFoundError`` / ``FileExistsError`` pass through for the caller to interpret.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import posixpath
+import threading
+from typing import Any, Iterator
+
+from fsspec import AbstractFileSystem
+from fsspec.implementations.local import LocalFileSystem
+
+from .errors import StorageUnavailableError
+from .paths import validate_relative_path
+
+__all__ = ["RootIO", "OBJECT_STORE_PROTOCOLS", "protocols_of"]
+
+OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
+
+
+def protocols_of(fs: AbstractFileSystem) -> set[str]:
+    """The protocol names an fsspec file system answers to."""
+    proto = fs.protocol
+    return {proto} if isinstance(proto, str) else set(proto)
+
+
+def _is_foreign_error(exc: BaseException) -> bool:
+    return type(exc).__module__.split(".")[0] in ("botocore", "aiobotocore", "aiohttp", "urllib3")
+
+
+class RootIO:
+    """File operations relative to one snapshot root."""
+
+    def __init__(self, fs: AbstractFileSystem, root: str, url: str, *, fsync: bool = True) -> None:
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self.url = url
+        self.fsync = fsync
+        self.object_store = bool(protocols_of(fs) & OBJECT_STORE_PROTOCOLS)
+        self.local = isinstance(fs, LocalFileSystem)
+        self._made_dirs: set[str] = set()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ helpers
+    def full(self, rel: str) -> str:
+        validate_relative_path(rel)
+        return f"{self.root}/{rel}" if self.root else rel
+
+    def rel(self, full: str) -> str | None:
+        prefix = f"{self.root}/" if self.root else ""
+        if not full.startswith(prefix):
+            return None
+        return full[len(prefix):]
+
+    @contextlib.contextmanager
+    def errors(self, what: str) -> Iterator[None]:
+        """Map file-system failures to :class:`StorageUnavailableError` naming the root."""
+        try:
+            yield
+        except (FileNotFoundError, FileExistsError):
+            raise
+        except StorageUnavailableError:
+            raise
+        except OSError as exc:
+            raise StorageUnavailableError(
+                f"{self.url}: {what} failed ({type(exc).__name__}: {exc}); storage refused or failed the request; "
+                "check the URL, credentials, network and free space, then retry"
+            ) from exc
+        except Exception as exc:  # noqa: BLE001 - only client-library errors are translated
+            if not _is_foreign_error(exc):
+                raise
+            raise StorageUnavailableError(
+                f"{self.url}: {what} failed ({type(exc).__name__}: {exc}); the storage endpoint is unreachable "
+                "or refused the request; check the endpoint URL, credentials and network, then retry"
+            ) from exc
+
+    def _ensure_parent(self, full: str) -> None:
+        if self.object_store:
+            return
+        parent = posixpath.dirname(full)
+        with self._lock:
+            if parent in self._made_dirs:
+                return
+        self.fs.makedirs(parent, exist_ok=True)
+        with self._lock:
+            self._made_dirs.add(parent)
+
+    # ------------------------------------------------------------------ operations
+    def put(self, rel: str, data: bytes) -> None:
+        """Write a file under a fresh unique name (see module docstring)."""
+        full = self.full(rel)
+        with self.errors(f"writing {rel}"):
+            self._ensure_parent(full)
+            if self.local:
+                self._local_write(full, data, exclusive=False)
+            else:
+                self.fs.pipe_file(full, data)
+
+    def put_new(self, rel: str, data: bytes, tmp_rel: str) -> None:
+        """Atomically create ``rel`` with ``data``; ``FileExistsError`` if it exists."""
+        full = self.full(rel)
+        with self.errors(f"committing {rel}"):
+            if self.object_store:
+                self.fs.pipe_file(full, data, mode="create")
+                return
+            self._ensure_parent(full)
+            tmp = self.full(tmp_rel)
+            if self.local:
+                try:
+                    self._local_write(tmp, data, exclusive=True)
+                    os.link(tmp, full)
+                finally:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(tmp)
+                self._fsync_dir(posixpath.dirname(full))
+                return
+            try:
+                self.fs.pipe_file(tmp, data)
+                if self.fs.exists(full):
+                    raise FileExistsError(full)
+                self.fs.mv(tmp, full)
+                if not self.fs.exists(full):
+                    raise StorageUnavailableError(
+                        f"{self.url}: renaming the temporary file to {rel} reported success but {rel} does not exist; "
+                        "the file system lost the rename; the commit did not happen; retry"
+                    )
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    self.fs.rm_file(tmp)
+                raise
+
+    def get(self, rel: str) -> bytes:
+        full = self.full(rel)
+        with self.errors(f"reading {rel}"):
+            return bytes(self.fs.cat_file(full))
+
+    def exists(self, rel: str) -> bool:
+        full = self.full(rel)
+        with self.errors(f"checking {rel}"):
+            return bool(self.fs.exists(full))
+
+    def list(self, prefix: str = "") -> dict[str, int]:
+        """Every file under ``prefix`` (relative; ``""`` = the whole root): relative path -> size."""
+        base = self.full(prefix) if prefix else self.root
+        with self.errors(f"listing {prefix or 'the root'}"):
+            with contextlib.suppress(Exception):
+                self.fs.invalidate_cache(base)
+            try:
+                found: dict[str, Any] = self.fs.find(base, detail=True)
+            except FileNotFoundError as exc:
+                if self.object_store:
+                    raise StorageUnavailableError(
+                        f"{self.url}: the bucket does not exist ({exc}); create it or fix the URL, then retry"
+                    ) from exc
+                return {}
+        out: dict[str, int] = {}
+        for full, info in found.items():
+            if info.get("type", "file") != "file":
+                continue
+            rel = self.rel(full)
+            if rel:
+                out[rel] = int(info.get("size") or 0)
+        return out
+
+    def delete(self, rel: str) -> bool:
+        """Delete a file; ``False`` if it was already gone (idempotent)."""
+        full = self.full(rel)
+        with self.errors(f"deleting {rel}"):
+            try:
+                self.fs.rm_file(full)
+            except FileNotFoundError:
+                return False
+            return True
+
+    # ------------------------------------------------------------------ local disk
+    def _local_write(self, full: str, data: bytes, *, exclusive: bool) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
+        fd = os.open(full, flags, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _fsync_dir(self, directory: str) -> None:
+        if not self.fsync:
+            return
+        with contextlib.suppress(OSError):
+            fd = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)

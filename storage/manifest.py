@@ -1,0 +1,355 @@
+"""File references and checkpoint manifests, with their JSON form (format version 1)."""
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Literal, Mapping
+
+from .errors import CorruptManifestError, InvalidPathError, StateNotFoundError, UnsupportedFormatError
+from .ids import CheckpointId
+from .paths import FileKind, ParsedPath, StoragePaths, validate_relative_path
+
+__all__ = [
+    "FORMAT_VERSION",
+    "FileRef",
+    "Manifest",
+    "ManifestKind",
+    "KEYED_KINDS",
+    "chain_problems",
+    "manifest_problems",
+]
+
+FORMAT_VERSION = 1
+"""Version of the on-disk format (manifests, ``_job.json``, file layout) this code writes and reads."""
+
+ManifestKind = Literal["checkpoint", "savepoint"]
+KEYED_KINDS = ("base", "delta")
+_FILE_KINDS = ("base", "delta", "opstate", "channel")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class FileRef:
+    """A file of a snapshot as the manifest records it.
+
+    ``path`` is relative to the root (validated: relative POSIX, no ``..``, and its name must
+    match ``kind`` and ``checkpoint_id``); ``checksum`` is the lower-case hex SHA-256 of the
+    whole file; ``bytes`` its size; ``rows`` the number of rows of the Arrow table in it.
+    """
+
+    path: str
+    kind: FileKind
+    checkpoint_id: CheckpointId
+    rows: int
+    bytes: int
+    checksum: str
+
+    def __post_init__(self) -> None:
+        validate_relative_path(self.path)
+        if self.kind not in _FILE_KINDS:
+            raise InvalidPathError(f"file {self.path}: kind {self.kind!r} is not one of {_FILE_KINDS}")
+        for name in ("checkpoint_id", "rows", "bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidPathError(f"file {self.path}: {name}={value!r} is not a non-negative integer")
+        if not isinstance(self.checksum, str) or not _SHA256_RE.match(self.checksum):
+            raise InvalidPathError(f"file {self.path}: checksum {self.checksum!r} is not a sha256 hex digest")
+        parsed = StoragePaths.parse(self.path)
+        if parsed is None or parsed.category != self.kind or parsed.checkpoint_id != self.checkpoint_id:
+            raise InvalidPathError(
+                f"file {self.path}: the name does not denote a {self.kind} file of checkpoint {self.checkpoint_id}; "
+                "refusing the reference"
+            )
+
+    def location(self) -> ParsedPath:
+        """Operator / state / key group / subtask / task encoded in the path."""
+        parsed = StoragePaths.parse(self.path)
+        assert parsed is not None  # validated in __post_init__
+        return parsed
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "kind": self.kind,
+            "checkpoint_id": self.checkpoint_id,
+            "rows": self.rows,
+            "bytes": self.bytes,
+            "checksum": self.checksum,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "FileRef":
+        if not isinstance(data, Mapping):
+            raise InvalidPathError(f"file reference {data!r} is not an object")
+        missing = {"path", "kind", "checkpoint_id", "rows", "bytes", "checksum"} - set(data)
+        if missing:
+            raise InvalidPathError(f"file reference {data.get('path', '?')!r} lacks {sorted(missing)}")
+        return cls(
+            path=data["path"], kind=data["kind"], checkpoint_id=CheckpointId(data["checkpoint_id"]),
+            rows=data["rows"], bytes=data["bytes"], checksum=data["checksum"],
+        )
+
+
+def _now() -> float:
+    return time.time()
+
+
+@dataclass(kw_only=True)
+class Manifest:
+    """Everything needed to restore checkpoint ``checkpoint_id``; its existence in storage
+    is the commit point.
+
+    - ``keyed[operator][state][key_group]``: the chain (a base, then deltas, oldest first).
+    - ``operator_state[operator][subtask]``: one file per subtask; ``operator_state_rules[operator]``
+      names its redistribution rule (``"split"``, ``"union"``, ``"broadcast"``, ...).
+    - ``channel_logs``: logged in-flight records of iteration heads.
+    - ``source_offsets[operator][split_id]`` and ``sink_transactions[operator]``: JSON values.
+    - ``stats``: free-form JSON; :meth:`SnapshotStore.commit` adds the storage figures
+      (see :func:`storage.stats.storage_stats`).
+    """
+
+    checkpoint_id: CheckpointId
+    job_name: str
+    max_parallelism: int
+    kind: ManifestKind = "checkpoint"
+    format_version: int = FORMAT_VERSION
+    created_at: float = field(default_factory=_now)
+    keyed: dict[str, dict[str, dict[int, list[FileRef]]]] = field(default_factory=dict)
+    operator_state: dict[str, dict[int, FileRef]] = field(default_factory=dict)
+    operator_state_rules: dict[str, str] = field(default_factory=dict)
+    channel_logs: list[FileRef] = field(default_factory=list)
+    source_offsets: dict[str, dict[str, Any]] = field(default_factory=dict)
+    sink_transactions: dict[str, Any] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ access
+    def iter_refs(self) -> Iterator[FileRef]:
+        """Every file reference, in manifest order (a shared file may appear more than once)."""
+        for states in self.keyed.values():
+            for chains in states.values():
+                for chain in chains.values():
+                    yield from chain
+        for subtasks in self.operator_state.values():
+            yield from subtasks.values()
+        yield from self.channel_logs
+
+    def files(self) -> dict[str, FileRef]:
+        """Distinct referenced files by path."""
+        return {ref.path: ref for ref in self.iter_refs()}
+
+    def chains(self, operator: str, state: str) -> dict[int, list[FileRef]]:
+        """Chains by key group of one keyed state; :class:`StateNotFoundError` if absent."""
+        if operator not in self.keyed:
+            raise StateNotFoundError(
+                f"checkpoint {self.checkpoint_id}: no keyed state for operator {operator!r} "
+                f"(operators: {sorted(self.keyed)}); check the operator uid"
+            )
+        states = self.keyed[operator]
+        if state not in states:
+            raise StateNotFoundError(
+                f"checkpoint {self.checkpoint_id}: operator {operator!r} has no state {state!r} "
+                f"(states: {sorted(states)}); check the state name"
+            )
+        return states[state]
+
+    @property
+    def pinned(self) -> bool:
+        """Savepoints are pinned: GC keeps them and their files regardless of retention."""
+        return self.kind == "savepoint"
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format_version": self.format_version,
+            "checkpoint_id": self.checkpoint_id,
+            "kind": self.kind,
+            "job_name": self.job_name,
+            "max_parallelism": self.max_parallelism,
+            "created_at": self.created_at,
+            "keyed": {
+                op: {
+                    st: {str(kg): [r.to_dict() for r in chain] for kg, chain in sorted(chains.items())}
+                    for st, chains in states.items()
+                }
+                for op, states in self.keyed.items()
+            },
+            "operator_state": {
+                op: {str(i): ref.to_dict() for i, ref in sorted(subtasks.items())}
+                for op, subtasks in self.operator_state.items()
+            },
+            "operator_state_rules": dict(self.operator_state_rules),
+            "channel_logs": [r.to_dict() for r in self.channel_logs],
+            "source_offsets": self.source_offsets,
+            "sink_transactions": self.sink_transactions,
+            "stats": self.stats,
+        }
+
+    def to_json(self) -> str:
+        try:
+            return json.dumps(self.to_dict(), indent=1, sort_keys=False, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise CorruptManifestError(
+                f"checkpoint {self.checkpoint_id}: the manifest is not JSON-serialisable ({exc}); "
+                "refusing to commit it; make source offsets, sink transactions and stats plain JSON values"
+            ) from exc
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, source: str = "manifest") -> "Manifest":
+        """Parse a manifest; ``source`` names it in error messages."""
+        try:
+            data = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise CorruptManifestError(
+                f"{source}: does not parse as JSON ({exc}); the checkpoint is incomplete or corrupt; "
+                "restore from another checkpoint"
+            ) from exc
+        return cls.from_dict(data, source=source)
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "manifest") -> "Manifest":
+        if not isinstance(data, dict):
+            raise CorruptManifestError(f"{source}: is not a JSON object; the checkpoint is corrupt; restore from another checkpoint")
+        version = data.get("format_version")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise CorruptManifestError(f"{source}: format_version {version!r} is invalid; the manifest is corrupt")
+        if version > FORMAT_VERSION:
+            raise UnsupportedFormatError(
+                f"{source}: written with storage format version {version}, this toolkit reads up to "
+                f"{FORMAT_VERSION}; upgrade to a release that supports format version {version}"
+            )
+        try:
+            manifest = cls._from_dict_v1(data)
+        except CorruptManifestError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CorruptManifestError(
+                f"{source}: {exc}; the manifest is corrupt or names files outside the root; "
+                "do not restore from it, use another checkpoint"
+            ) from exc
+        return manifest
+
+    @classmethod
+    def _from_dict_v1(cls, data: dict[str, Any]) -> "Manifest":
+        def refs_of(items: Any, section: str, kinds: tuple[str, ...]) -> list[FileRef]:
+            if not isinstance(items, list):
+                raise ValueError(f"{section} is not a list")
+            out = [FileRef.from_dict(item) for item in items]
+            for ref in out:
+                if ref.kind not in kinds:
+                    raise ValueError(f"{section}: file {ref.path} of kind {ref.kind} does not belong there")
+            return out
+
+        def int_key(key: str, what: str) -> int:
+            if not isinstance(key, str) or not key.isdigit():
+                raise ValueError(f"{what} {key!r} is not a non-negative integer")
+            return int(key)
+
+        cid = data["checkpoint_id"]
+        if not isinstance(cid, int) or isinstance(cid, bool) or cid < 1:
+            raise ValueError(f"checkpoint_id {cid!r} is invalid")
+        kind = data.get("kind", "checkpoint")
+        if kind not in ("checkpoint", "savepoint"):
+            raise ValueError(f"kind {kind!r} is not 'checkpoint' or 'savepoint'")
+        max_par = data["max_parallelism"]
+        if not isinstance(max_par, int) or max_par < 1:
+            raise ValueError(f"max_parallelism {max_par!r} is invalid")
+        created = data.get("created_at", 0.0)
+        if not isinstance(created, (int, float)) or not math.isfinite(created):
+            raise ValueError(f"created_at {created!r} is invalid")
+        keyed = {
+            str(op): {
+                str(st): {
+                    int_key(kg, "key group"): refs_of(chain, f"keyed/{op}/{st}/{kg}", KEYED_KINDS)
+                    for kg, chain in chains.items()
+                }
+                for st, chains in states.items()
+            }
+            for op, states in data.get("keyed", {}).items()
+        }
+        operator_state = {
+            str(op): {
+                int_key(i, "subtask"): refs_of([ref], f"operator_state/{op}/{i}", ("opstate",))[0]
+                for i, ref in subtasks.items()
+            }
+            for op, subtasks in data.get("operator_state", {}).items()
+        }
+        rules = data.get("operator_state_rules", {})
+        if not isinstance(rules, dict) or not all(isinstance(v, str) for v in rules.values()):
+            raise ValueError("operator_state_rules is not an object of strings")
+        for name in ("source_offsets", "sink_transactions", "stats"):
+            if not isinstance(data.get(name, {}), dict):
+                raise ValueError(f"{name} is not an object")
+        job_name = data["job_name"]
+        if not isinstance(job_name, str):
+            raise ValueError(f"job_name {job_name!r} is not a string")
+        return cls(
+            format_version=data["format_version"],
+            checkpoint_id=CheckpointId(cid),
+            kind=kind,
+            job_name=job_name,
+            max_parallelism=max_par,
+            created_at=float(created),
+            keyed=keyed,
+            operator_state=operator_state,
+            operator_state_rules=dict(rules),
+            channel_logs=refs_of(data.get("channel_logs", []), "channel_logs", ("channel",)),
+            source_offsets=data.get("source_offsets", {}),
+            sink_transactions=data.get("sink_transactions", {}),
+            stats=data.get("stats", {}),
+        )
+
+
+def chain_problems(chain: list[FileRef], *, operator: str, state: str, key_group: int,
+                   max_checkpoint_id: int | None = None) -> list[tuple[str | None, str]]:
+    """Structural problems of one key group's chain, as ``(path or None, message)`` pairs.
+
+    A chain is non-empty, starts with a base, continues with deltas, never goes back in
+    checkpoint ids, and every file lives in the directory of (operator, state, key_group).
+    """
+    problems: list[tuple[str | None, str]] = []
+    where = f"{operator}/{state}/kg {key_group}"
+    if not chain:
+        return [(None, f"{where}: empty chain")]
+    if chain[0].kind != "base":
+        problems.append((chain[0].path, f"{where}: chain starts with a {chain[0].kind}, not a base"))
+    expected_dir = StoragePaths.key_group_dir(operator, state, key_group) + "/"
+    last = 0
+    for i, ref in enumerate(chain):
+        if i > 0 and ref.kind != "delta":
+            problems.append((ref.path, f"{where}: position {i} is a {ref.kind}, only deltas may follow the base"))
+        if not ref.path.startswith(expected_dir):
+            problems.append((ref.path, f"{where}: file belongs to another operator/state/key group"))
+        if ref.checkpoint_id < last:
+            problems.append((ref.path, f"{where}: checkpoint ids go backwards along the chain"))
+        if max_checkpoint_id is not None and ref.checkpoint_id > max_checkpoint_id:
+            problems.append((ref.path, f"{where}: file of checkpoint {ref.checkpoint_id} is newer than the manifest"))
+        last = ref.checkpoint_id
+    if len({r.path for r in chain}) != len(chain):
+        problems.append((None, f"{where}: the same file appears twice in the chain"))
+    return problems
+
+
+def manifest_problems(manifest: Manifest) -> list[tuple[str | None, str]]:
+    """Structural problems of a manifest (pure; no I/O): chains, key-group range, placement."""
+    problems: list[tuple[str | None, str]] = []
+    cid = manifest.checkpoint_id
+    for op, states in manifest.keyed.items():
+        for st, chains in states.items():
+            for kg, chain in chains.items():
+                if not 0 <= kg < manifest.max_parallelism:
+                    problems.append((None, f"{op}/{st}: key group {kg} outside [0, {manifest.max_parallelism})"))
+                problems.extend(chain_problems(chain, operator=op, state=st, key_group=kg, max_checkpoint_id=cid))
+    for op, subtasks in manifest.operator_state.items():
+        for i, ref in subtasks.items():
+            loc = ref.location()
+            if loc.operator != op or loc.subtask != i:
+                problems.append((ref.path, f"operator state of {op}[{i}] points at a file of {loc.operator}[{loc.subtask}]"))
+            if ref.checkpoint_id > cid:
+                problems.append((ref.path, f"operator state file of checkpoint {ref.checkpoint_id} is newer than the manifest"))
+    for ref in manifest.channel_logs:
+        if ref.checkpoint_id > cid:
+            problems.append((ref.path, f"channel log of checkpoint {ref.checkpoint_id} is newer than the manifest"))
+    return problems

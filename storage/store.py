@@ -1,0 +1,570 @@
+"""``SnapshotStore``: the snapshot root as the runtime, recovery and the CLI see it."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import fsspec
+import fsspec.core
+import pyarrow as pa
+from fsspec import AbstractFileSystem
+
+from .backend import RootIO, protocols_of
+from .chains import CompactionPolicy, compaction_reason, resolve_chain
+from .errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptFileError,
+    CorruptManifestError,
+    DeltaSchemaError,
+    FingerprintError,
+    InvalidChainError,
+    InvalidPathError,
+    JobMismatchError,
+    MissingFileError,
+    StateNotFoundError,
+    StorageConfigError,
+    StorageError,
+    UnsupportedFormatError,
+)
+from .format import EncodedFile, decode_table, delta_for_file, encode_table, normalize_delta, sha256_hex
+from .gc import GcPlan, plan_gc
+from .ids import CheckpointId, SubtaskIndex
+from .manifest import FORMAT_VERSION, FileRef, Manifest, chain_problems, manifest_problems
+from .paths import FileKind, StoragePaths
+from .stats import storage_stats
+from .verify import VerifyReport, check_files, structural_problems
+
+__all__ = ["SnapshotStore"]
+
+_RESTORE_HINT = "restore from an earlier checkpoint or a savepoint ('abs-snapshot verify ROOT' lists intact ones)"
+
+
+class SnapshotStore:
+    """A snapshot root (any fsspec URL) holding the checkpoints of one job.
+
+    Build it with :meth:`open`. Thread-safe: the asynchronous snapshot part may write key
+    groups from several threads at once.
+    """
+
+    def __init__(self, io: RootIO, *, policy: CompactionPolicy, clock: Callable[[], float] = time.time) -> None:
+        self._io = io
+        self.policy = policy
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._manifests: dict[str, Manifest] = {}
+        self._job: dict[str, Any] | None = None
+
+    # ================================================================== opening
+    @classmethod
+    def open(
+        cls,
+        url: str,
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        fs: AbstractFileSystem | None = None,
+        policy: CompactionPolicy = CompactionPolicy(),
+        clock: Callable[[], float] = time.time,
+        fsync: bool = True,
+        check: bool = True,
+    ) -> "SnapshotStore":
+        """Open the root at ``url`` (plain path, ``file://``, ``memory://``, ``s3://bucket/prefix``).
+
+        ``storage_options`` go to the fsspec file system (s3fs: ``key``, ``secret``,
+        ``endpoint_url``, ``client_kwargs``, ...). ``fs`` replaces the file system resolved from
+        ``url`` (e.g. :class:`storage.testing.FaultyFileSystem`); ``url`` then only names the root.
+        ``fsync`` makes local-disk writes durable before the manifest is written. ``check``
+        lists the root once, so an unreachable endpoint or missing bucket fails here.
+        """
+        if not isinstance(url, str) or not url:
+            raise StorageConfigError(f"snapshot root {url!r} is not a URL or path; pass e.g. /data/ckpt or s3://bucket/prefix")
+        options = dict(storage_options or {})
+        try:
+            if fs is None:
+                fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True, **options)
+            else:
+                root = fs._strip_protocol(url)
+        except (ValueError, TypeError, ImportError, KeyError) as exc:
+            raise StorageConfigError(
+                f"{url}: cannot build a file system for this URL and storage options ({type(exc).__name__}: {exc}); "
+                "check the URL scheme and the storage options"
+            ) from exc
+        if isinstance(root, list):
+            raise StorageConfigError(f"{url}: names several paths; a snapshot root is one directory or prefix")
+        store = cls(RootIO(fs, root, url, fsync=fsync), policy=policy, clock=clock)
+        if check:
+            try:
+                store._io.list(StoragePaths.CHECKPOINTS_DIR)
+            except TypeError as exc:  # some clients validate options lazily, on first use
+                raise StorageConfigError(
+                    f"{url}: the storage options were rejected ({exc}); fix them (e.g. --storage-option key=value)"
+                ) from exc
+        return store
+
+    @property
+    def url(self) -> str:
+        return self._io.url
+
+    @property
+    def fs(self) -> AbstractFileSystem:
+        return self._io.fs
+
+    def __repr__(self) -> str:
+        return f"SnapshotStore({self.url!r})"
+
+    def exists(self) -> bool:
+        """True when the root holds a job fingerprint or any manifest."""
+        return self._io.exists(StoragePaths.JOB) or bool(self._manifest_paths())
+
+    def list_files(self) -> dict[str, int]:
+        """Every file under the root: relative path -> size in bytes."""
+        return self._io.list()
+
+    # ================================================================== job fingerprint
+    def init_job(self, fingerprint: Mapping[str, Any]) -> None:
+        """Claim the root for a job, or check that it is this job's.
+
+        ``fingerprint`` needs ``job_name`` (or ``name``) and ``max_parallelism``; anything else
+        (operators, state descriptors) is stored as given by the first writer and not compared
+        here. Raises :class:`JobMismatchError` when the root belongs to another job.
+        """
+        if not isinstance(fingerprint, Mapping):
+            raise FingerprintError(f"job fingerprint must be a dict, got {type(fingerprint).__name__}")
+        doc = dict(fingerprint)
+        name = doc.get("job_name", doc.get("name"))
+        max_par = doc.get("max_parallelism")
+        if not isinstance(name, str) or not name:
+            raise FingerprintError(f"{self.url}: job fingerprint lacks a 'job_name' string; add it")
+        if not isinstance(max_par, int) or isinstance(max_par, bool) or max_par < 1:
+            raise FingerprintError(f"{self.url}: job fingerprint has max_parallelism={max_par!r}; pass an integer >= 1")
+        doc.update(job_name=name, max_parallelism=max_par, format_version=FORMAT_VERSION)
+        try:
+            data = json.dumps(doc, indent=1, sort_keys=True, allow_nan=False).encode()
+        except (TypeError, ValueError) as exc:
+            raise FingerprintError(f"{self.url}: job fingerprint is not JSON-serialisable ({exc}); use plain JSON values") from exc
+        try:
+            self._io.put_new(StoragePaths.JOB, data, StoragePaths.job_temp())
+        except FileExistsError:
+            existing = self.read_job()
+            if existing is None:  # deleted between our attempt and the read
+                raise CorruptManifestError(f"{self.url}: _job.json vanished while being checked; retry") from None
+            self._check_same_job(existing, name, max_par, FORMAT_VERSION)
+            with self._lock:
+                self._job = existing
+            return
+        with self._lock:
+            self._job = json.loads(data)
+
+    def read_job(self) -> dict[str, Any] | None:
+        """The stored job fingerprint (``_job.json``), or ``None`` when the root is unclaimed."""
+        try:
+            raw = self._io.get(StoragePaths.JOB)
+        except FileNotFoundError:
+            return None
+        try:
+            doc = json.loads(raw)
+            if not isinstance(doc, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as exc:
+            raise CorruptManifestError(
+                f"{self.url}: _job.json does not parse ({exc}); the root's job fingerprint is corrupt; "
+                "restore it from a backup or use another storage root"
+            ) from exc
+        version = doc.get("format_version")
+        if isinstance(version, int) and version > FORMAT_VERSION:
+            raise UnsupportedFormatError(
+                f"{self.url}: _job.json has storage format version {version}, this toolkit reads up to "
+                f"{FORMAT_VERSION}; upgrade to a release that supports format version {version}"
+            )
+        return doc
+
+    def _check_same_job(self, existing: Mapping[str, Any], name: str, max_par: int, version: int) -> None:
+        old = (existing.get("job_name"), existing.get("max_parallelism"), existing.get("format_version"))
+        if old != (name, max_par, version):
+            raise JobMismatchError(
+                f"{self.url}: this storage root belongs to job {old[0]!r} (max_parallelism {old[1]}, format {old[2]}), "
+                f"but job {name!r} (max_parallelism {max_par}, format {version}) tried to use it; refusing to mix them; "
+                "use another storage root, or restore / re-key the existing job's snapshots"
+            )
+
+    def _known_job(self) -> dict[str, Any] | None:
+        """The job fingerprint, read once per store (``{}`` remembers an unclaimed root)."""
+        with self._lock:
+            job = self._job
+        if job is None:
+            job = self.read_job() or {}
+            with self._lock:
+                self._job = job
+        return job or None
+
+    # ================================================================== ids and listing
+    def next_checkpoint_id(self) -> CheckpointId:
+        """1 + the highest checkpoint id named by any file in the root (manifests, temporaries,
+        state, operator-state and channel files of crashed attempts): ids are never reused."""
+        highest = 0
+        for path in self._io.list():
+            parsed = StoragePaths.parse(path)
+            if parsed is not None and parsed.checkpoint_id is not None:
+                highest = max(highest, parsed.checkpoint_id)
+        return CheckpointId(highest + 1)
+
+    def _manifest_paths(self) -> dict[int, str]:
+        out = {}
+        for path in self._io.list(StoragePaths.CHECKPOINTS_DIR):
+            parsed = StoragePaths.parse(path)
+            if parsed is not None and parsed.category == "manifest":
+                assert parsed.checkpoint_id is not None
+                out[parsed.checkpoint_id] = path
+        return out
+
+    def _load_manifests(self, paths: Mapping[int, str]) -> tuple[dict[int, Manifest], dict[int, str]]:
+        """Parse the given manifests; returns (parsed by id, unreadable id -> reason)."""
+        parsed: dict[int, Manifest] = {}
+        bad: dict[int, str] = {}
+        for cid, path in sorted(paths.items()):
+            try:
+                parsed[cid] = self._read_manifest_path(cid, path)
+            except (CorruptManifestError, UnsupportedFormatError) as exc:
+                bad[cid] = str(exc)
+            except FileNotFoundError:
+                continue  # deleted by a concurrent GC
+        return parsed, bad
+
+    def list_checkpoints(self) -> list[CheckpointId]:
+        """Ids of complete checkpoints (manifest exists and parses; savepoints included), sorted.
+
+        Manifests of a newer format count as complete (reading them raises
+        :class:`UnsupportedFormatError`); manifests that do not parse do not.
+        """
+        out = []
+        for cid, path in sorted(self._manifest_paths().items()):
+            try:
+                self._read_manifest_path(cid, path)
+            except UnsupportedFormatError:
+                pass
+            except (CorruptManifestError, FileNotFoundError):
+                continue
+            out.append(CheckpointId(cid))
+        return out
+
+    def latest_checkpoint(self) -> CheckpointId | None:
+        ids = self.list_checkpoints()
+        return ids[-1] if ids else None
+
+    def read_manifest(self, checkpoint_id: int) -> Manifest:
+        """The manifest of a complete checkpoint; :class:`CheckpointNotFoundError` if none."""
+        path = StoragePaths.manifest(checkpoint_id)
+        try:
+            return self._read_manifest_path(checkpoint_id, path)
+        except FileNotFoundError:
+            known = self.list_checkpoints()
+            raise CheckpointNotFoundError(
+                f"{self.url}: checkpoint {checkpoint_id} does not exist or is incomplete (no {path}); "
+                f"complete checkpoints: {known[-10:] if known else 'none'}; pick one of those"
+            ) from None
+
+    def _read_manifest_path(self, checkpoint_id: int, path: str) -> Manifest:
+        with self._lock:
+            cached = self._manifests.get(path)
+        if cached is not None:
+            return cached
+        raw = self._io.get(path)
+        source = f"{self.url}: checkpoint {checkpoint_id}: manifest {path}"
+        manifest = Manifest.from_json(raw, source=source)
+        if manifest.checkpoint_id != checkpoint_id:
+            raise CorruptManifestError(
+                f"{source}: records checkpoint id {manifest.checkpoint_id}; the manifest is corrupt or misplaced; "
+                "restore from another checkpoint"
+            )
+        with self._lock:
+            self._manifests[path] = manifest
+        return manifest
+
+    # ================================================================== writing
+    def _put(self, path: str, encoded: EncodedFile, kind: FileKind, checkpoint_id: int) -> FileRef:
+        ref = FileRef(path=path, kind=kind, checkpoint_id=CheckpointId(checkpoint_id), rows=encoded.rows,
+                      bytes=encoded.size, checksum=encoded.checksum)
+        self._io.put(path, encoded.data)
+        return ref
+
+    def _write_table(self, path: str, table: pa.Table, kind: FileKind, checkpoint_id: int) -> FileRef:
+        return self._put(path, encode_table(table, kind), kind, checkpoint_id)
+
+    def _check_key_group(self, key_group: int, what: str) -> None:
+        job = self._known_job()
+        if job is not None and not 0 <= key_group < int(job.get("max_parallelism", key_group + 1)):
+            raise InvalidPathError(
+                f"{what}: key group {key_group} is outside [0, {job['max_parallelism']}) of job {job.get('job_name')!r}; "
+                "compute key groups with the job's max_parallelism"
+            )
+
+    def write_key_group(
+        self,
+        checkpoint_id: int,
+        operator: str,
+        state: str,
+        key_group: int,
+        prev_chain: Sequence[FileRef],
+        delta: pa.Table,
+    ) -> list[FileRef]:
+        """Write the changes of one key group and return its new chain.
+
+        ``delta`` has ``key``, value column(s) and ``op`` (int8, 0 upsert / 1 delete; absent =
+        all upserts). Returns ``prev_chain + [delta file]``, or ``[new base]`` when
+        ``prev_chain`` is empty (deletes of absent keys dropped) or the compaction policy
+        says so. An empty delta on a non-empty chain writes nothing and returns ``prev_chain``.
+        """
+        what = f"checkpoint {checkpoint_id}: {operator}/{state} key group {key_group}"
+        delta = normalize_delta(delta, what=what)
+        self._check_key_group(key_group, what)
+        chain = list(prev_chain)
+        if chain:
+            problems = chain_problems(chain, operator=operator, state=state, key_group=key_group,
+                                      max_checkpoint_id=checkpoint_id)
+            if problems:
+                raise InvalidChainError(
+                    f"{what}: the previous chain is malformed ({problems[0][1]}); refusing to extend it; "
+                    "pass the chain returned by the previous write_key_group or the last complete manifest"
+                )
+        base_path = StoragePaths.state_file(checkpoint_id, operator, state, key_group, "base")
+        if not chain:
+            return [self._write_table(base_path, resolve_chain([delta], first_is_base=False), "base", checkpoint_id)]
+        if delta.num_rows == 0:
+            return chain
+        encoded = encode_table(delta_for_file(delta), "delta")
+        if compaction_reason(self.policy, chain, encoded.size) is None:
+            delta_path = StoragePaths.state_file(checkpoint_id, operator, state, key_group, "delta")
+            return chain + [self._put(delta_path, encoded, "delta", checkpoint_id)]
+        tables = [self.read_file(ref) for ref in chain] + [delta]
+        try:
+            base = resolve_chain(tables, first_is_base=True)
+        except DeltaSchemaError as exc:
+            raise DeltaSchemaError(f"{what}: {exc}") from exc
+        return [self._write_table(base_path, base, "base", checkpoint_id)]
+
+    def write_operator_state(self, checkpoint_id: int, operator: str, subtask: int, table: pa.Table) -> FileRef:
+        """Write the operator (non-keyed) state of one subtask."""
+        if not isinstance(table, pa.Table):
+            raise DeltaSchemaError(f"checkpoint {checkpoint_id}: operator state of {operator}[{subtask}] must be a pyarrow.Table")
+        path = StoragePaths.opstate_file(checkpoint_id, operator, SubtaskIndex(subtask))
+        return self._write_table(path, table, "opstate", checkpoint_id)
+
+    def write_channel_log(self, checkpoint_id: int, task: str, table: pa.Table) -> FileRef:
+        """Write the in-flight records a task logged on its back-edges for this checkpoint."""
+        if not isinstance(table, pa.Table):
+            raise DeltaSchemaError(f"checkpoint {checkpoint_id}: channel log of {task} must be a pyarrow.Table")
+        return self._write_table(StoragePaths.channel_file(checkpoint_id, task), table, "channel", checkpoint_id)
+
+    def commit(self, manifest: Manifest) -> Manifest:
+        """Make checkpoint ``manifest.checkpoint_id`` complete by writing its manifest atomically.
+
+        Adds the storage figures to ``stats`` (see :func:`storage.stats.storage_stats`; they
+        override caller keys of the same name) and returns the manifest as stored. Raises
+        :class:`CheckpointExistsError` if the id exists, :class:`JobMismatchError` if the manifest
+        is of another job than ``_job.json``, :class:`CorruptManifestError` if it is malformed.
+        """
+        if not isinstance(manifest, Manifest):
+            raise TypeError(f"commit expects a Manifest, got {type(manifest).__name__}")
+        cid = manifest.checkpoint_id
+        problems = manifest_problems(manifest)
+        if problems:
+            path, message = problems[0]
+            raise CorruptManifestError(
+                f"checkpoint {cid}: refusing to commit a malformed manifest: {path + ': ' if path else ''}{message} "
+                f"({len(problems)} problem(s)); fix the chains the runtime hands in"
+            )
+        job = self._known_job()
+        if job is not None:
+            self._check_same_job(job, manifest.job_name, manifest.max_parallelism, FORMAT_VERSION)
+        stored = dataclasses.replace(manifest, format_version=FORMAT_VERSION,
+                                     stats={**manifest.stats, **storage_stats(manifest)})
+        path = StoragePaths.manifest(cid)
+        try:
+            self._io.put_new(path, stored.to_json().encode(), StoragePaths.manifest_temp(cid))
+        except FileExistsError:
+            raise CheckpointExistsError(
+                f"{self.url}: checkpoint {cid} already has a manifest ({path}); ids are never reused; "
+                "take the next id from next_checkpoint_id()"
+            ) from None
+        with self._lock:
+            self._manifests[path] = stored
+        return stored
+
+    # ================================================================== reading
+    def read_bytes(self, ref: FileRef, *, checkpoint_id: int | None = None) -> bytes:
+        """The raw bytes of a referenced file, after checking size and SHA-256."""
+        who = f"checkpoint {checkpoint_id if checkpoint_id is not None else ref.checkpoint_id}"
+        origin = f" (written by checkpoint {ref.checkpoint_id})" if checkpoint_id not in (None, ref.checkpoint_id) else ""
+        try:
+            data = self._io.get(ref.path)
+        except FileNotFoundError:
+            raise MissingFileError(
+                f"{self.url}: {who}: file {ref.path}{origin} is missing; the checkpoint cannot be restored; {_RESTORE_HINT}"
+            ) from None
+        if len(data) != ref.bytes:
+            raise CorruptFileError(
+                f"{self.url}: {who}: file {ref.path}{origin} has {len(data)} bytes, the manifest says {ref.bytes} "
+                f"(torn or altered write); the checkpoint cannot be restored; {_RESTORE_HINT}"
+            )
+        if sha256_hex(data) != ref.checksum:
+            raise CorruptFileError(
+                f"{self.url}: {who}: file {ref.path}{origin} fails its sha256 checksum; the file is corrupt; {_RESTORE_HINT}"
+            )
+        return data
+
+    def read_file(self, ref: FileRef, *, checkpoint_id: int | None = None) -> pa.Table:
+        """Read one file as a table (verified). Deltas keep their ``op`` column (absent when
+        every row is an upsert)."""
+        data = self.read_bytes(ref, checkpoint_id=checkpoint_id)
+        table = decode_table(data, source=f"{self.url}: file {ref.path}")
+        if table.num_rows != ref.rows:
+            raise CorruptFileError(
+                f"{self.url}: file {ref.path} has {table.num_rows} rows, the manifest says {ref.rows}; "
+                f"the file or manifest is corrupt; {_RESTORE_HINT}"
+            )
+        return table
+
+    def read_chain(self, chain: Sequence[FileRef], *, checkpoint_id: int | None = None) -> pa.Table:
+        """Resolve a key group's chain: ``key`` + value columns, one row per live key."""
+        chain = list(chain)
+        if not chain:
+            raise InvalidChainError("read_chain got an empty chain; pass a chain from a manifest")
+        loc = chain[0].location()
+        if loc.operator is None or loc.state is None or loc.key_group is None:
+            raise InvalidChainError(f"read_chain: {chain[0].path} is not a state file; pass a key group's chain")
+        problems = chain_problems(chain, operator=loc.operator, state=loc.state, key_group=loc.key_group)
+        if problems:
+            raise InvalidChainError(f"read_chain: malformed chain ({problems[0][1]}); pass a chain from a manifest")
+        tables = [self.read_file(ref, checkpoint_id=checkpoint_id) for ref in chain]
+        return resolve_chain(tables, first_is_base=True)
+
+    def read_key_group(self, manifest: Manifest, operator: str, state: str, key_group: int) -> pa.Table:
+        """Resolved state of one key group at ``manifest``'s checkpoint."""
+        cid = manifest.checkpoint_id
+        chains = manifest.chains(operator, state)
+        if key_group not in chains:
+            raise StateNotFoundError(
+                f"checkpoint {cid}: {operator}/{state} has no chain for key group {key_group}; "
+                "the key group held no state at this checkpoint"
+            )
+        return self.read_chain(chains[key_group], checkpoint_id=cid)
+
+    # ================================================================== verify
+    def verify(self, checkpoint_id: int | None = None) -> VerifyReport:
+        """Check one checkpoint (or all manifests in the root): manifests parse, chains are well
+        formed, every referenced file exists with its recorded size and checksum."""
+        paths = self._manifest_paths()
+        if checkpoint_id is not None:
+            if checkpoint_id not in paths:
+                raise CheckpointNotFoundError(
+                    f"{self.url}: checkpoint {checkpoint_id} has no manifest; "
+                    f"manifests present: {sorted(paths)[-10:] or 'none'}; pick one of those"
+                )
+            paths = {checkpoint_id: paths[checkpoint_id]}
+        manifests, unreadable = self._load_manifests(paths)
+        listing = self._io.list()
+        problems = structural_problems(manifests, unreadable)
+        file_problems, files, nbytes = check_files(manifests, listing, self._io.get)
+        problems.extend(file_problems)
+        return VerifyReport(
+            checkpoints=tuple(CheckpointId(c) for c in sorted(paths)),
+            files_checked=files,
+            bytes_checked=nbytes,
+            problems=tuple(problems),
+        )
+
+    # ================================================================== retention
+    def plan_gc(
+        self,
+        retain: int,
+        in_flight: Iterable[FileRef | str] = (),
+        protect_newer_than: int | None = None,
+    ) -> GcPlan:
+        """Plan a GC (no deletion); see :mod:`storage.gc` for the rules.
+
+        ``in_flight``: files pending checkpoints may reference (new ones and the older files
+        their chains build on). ``protect_newer_than``: unreferenced files of checkpoints above
+        this id are kept (default: the newest complete checkpoint).
+        """
+        listing = self._io.list()
+        paths = {}
+        for path in listing:
+            parsed = StoragePaths.parse(path)
+            if parsed is not None and parsed.category == "manifest":
+                assert parsed.checkpoint_id is not None
+                paths[parsed.checkpoint_id] = path
+        manifests, unreadable = self._load_manifests(paths)
+        return plan_gc(listing, manifests, retain=retain, in_flight=list(in_flight),
+                       protect_newer_than=protect_newer_than, unreadable=unreadable)
+
+    def gc(
+        self,
+        retain: int,
+        in_flight: Iterable[FileRef | str] = (),
+        protect_newer_than: int | None = None,
+        *,
+        dry_run: bool = False,
+    ) -> GcPlan:
+        """Plan and (unless ``dry_run``) execute a GC: data files first, manifests last, each
+        delete idempotent. Returns the plan."""
+        plan = self.plan_gc(retain, in_flight, protect_newer_than)
+        if not dry_run:
+            self.execute_gc(plan)
+        return plan
+
+    def execute_gc(self, plan: GcPlan) -> None:
+        """Carry out a plan from :meth:`plan_gc` (idempotent)."""
+        for path in plan.delete_files:
+            self._io.delete(path)
+        for path in plan.delete_manifests:
+            self._io.delete(path)
+            with self._lock:
+                self._manifests.pop(path, None)
+
+    # ================================================================== savepoints
+    def savepoint(
+        self,
+        checkpoint_id: int,
+        dest_url: str,
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        fs: AbstractFileSystem | None = None,
+    ) -> Manifest:
+        """Write a self-contained, pinned copy of checkpoint ``checkpoint_id`` to ``dest_url``
+        (may be this root). Without ``storage_options`` and ``fs``, a destination of the same
+        protocol reuses this store's file system (and credentials). See
+        :func:`storage.savepoint.take_savepoint`."""
+        from .savepoint import take_savepoint
+
+        if storage_options is None and fs is None:
+            protocol = fsspec.core.split_protocol(dest_url)[0] or "file"
+            if protocol in protocols_of(self._io.fs):
+                fs = self._io.fs
+        dest = SnapshotStore.open(dest_url, storage_options, fs=fs, policy=self.policy, clock=self._clock,
+                                  fsync=self._io.fsync)
+        return take_savepoint(self, checkpoint_id, dest)
+
+    def delete_savepoint(self, checkpoint_id: int) -> None:
+        """Unpin a savepoint by deleting its manifest; the next GC reclaims its files."""
+        manifest = self.read_manifest(checkpoint_id)
+        if manifest.kind != "savepoint":
+            raise StorageError(
+                f"{self.url}: checkpoint {checkpoint_id} is a regular checkpoint, not a savepoint; "
+                "nothing was deleted; retention (gc --retain) removes checkpoints"
+            )
+        path = StoragePaths.manifest(checkpoint_id)
+        self._io.delete(path)
+        with self._lock:
+            self._manifests.pop(path, None)
+
+    # internal hooks for storage.savepoint
+    def _copy_in(self, data: bytes, ref: FileRef, path: str, checkpoint_id: int) -> FileRef:
+        encoded = EncodedFile(data=data, rows=ref.rows, checksum=ref.checksum)
+        return self._put(path, encoded, ref.kind, checkpoint_id)
+
+    def _now(self) -> float:
+        return self._clock()
+

@@ -1,0 +1,161 @@
+"""Chain reconstruction equals a model dict under random upsert/delete/compaction sequences."""
+from __future__ import annotations
+
+import pickle
+import uuid
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from storage import CompactionPolicy, DeltaSchemaError, InvalidChainError, SnapshotStore, resolve_chain
+from storage.chains import compaction_reason
+
+KEYS = {
+    "int": st.integers(min_value=-3, max_value=12),
+    "str": st.sampled_from(["", "a", "b", "ä", "key/with/slash", "k" * 30, "0"]),
+}
+PY_VALUES = st.one_of(st.integers(), st.text(max_size=5), st.tuples(st.integers(), st.booleans()), st.none())
+
+
+def make_delta(ops: list[tuple[Any, int, Any]], key_kind: str, value_kind: str) -> pa.Table:
+    keys = pa.array([k for k, _, _ in ops], pa.int64() if key_kind == "int" else pa.string())
+    if value_kind == "typed":
+        values = {"count": pa.array([hash(repr(v)) % 1000 for _, _, v in ops], pa.int64()),
+                  "label": pa.array([repr(v) for _, _, v in ops], pa.string())}
+        meta = {b"abs.key_encoding": b"arrow", b"abs.value_encoding": b"arrow"}
+    else:
+        values = {"value": pa.array([pickle.dumps(v) for _, _, v in ops], pa.binary())}
+        meta = {b"abs.key_encoding": b"arrow", b"abs.value_encoding": b"pickle"}
+    table = pa.table({"key": keys, **values, "op": pa.array([o for _, o, _ in ops], pa.int8())})
+    return table.replace_schema_metadata(meta)
+
+
+def decode(table: pa.Table, value_kind: str) -> dict[Any, Any]:
+    keys = table.column("key").to_pylist()
+    if value_kind == "typed":
+        return dict(zip(keys, table.column("label").to_pylist()))
+    return {k: pickle.loads(v) for k, v in zip(keys, table.column("value").to_pylist())}
+
+
+def model_value(v: Any, value_kind: str) -> Any:
+    return repr(v) if value_kind == "typed" else v
+
+
+@st.composite
+def histories(draw):
+    key_kind = draw(st.sampled_from(sorted(KEYS)))
+    value_kind = draw(st.sampled_from(["typed", "pickled"]))
+    op = st.tuples(KEYS[key_kind], st.sampled_from([0, 0, 1]), PY_VALUES)
+    checkpoints = draw(st.lists(st.lists(op, max_size=12), min_size=1, max_size=8))
+    policy = CompactionPolicy(max_chain_length=draw(st.integers(1, 4)),
+                              max_delta_ratio=draw(st.sampled_from([0.05, 1.0, 1000.0])))
+    return key_kind, value_kind, checkpoints, policy
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(histories())
+def test_reading_a_chain_equals_the_model_after_every_checkpoint(history):
+    key_kind, value_kind, checkpoints, policy = history
+    name = f"/chains-{uuid.uuid4().hex}"
+    store = SnapshotStore.open(f"memory://{name}", policy=policy)
+    try:
+        model: dict[Any, Any] = {}
+        chain: list = []
+        for cid, ops in enumerate(checkpoints, start=1):
+            for key, op, value in ops:
+                if op == 0:
+                    model[key] = model_value(value, value_kind)
+                else:
+                    model.pop(key, None)
+            chain = store.write_key_group(cid, "op", "state", 7, chain, make_delta(ops, key_kind, value_kind))
+            assert chain[0].kind == "base" and all(r.kind == "delta" for r in chain[1:])
+            assert len(chain) <= policy.max_chain_length
+            resolved = store.read_chain(chain)
+            assert "op" not in resolved.column_names
+            assert resolved.num_rows == len(model)
+            assert decode(resolved, value_kind) == model
+            assert resolved.schema.metadata[b"abs.value_encoding"] == (b"arrow" if value_kind == "typed" else b"pickle")
+    finally:
+        fsspec.filesystem("memory").rm(name, recursive=True)
+
+
+def delta(rows: list[tuple[Any, Any, int]]) -> pa.Table:
+    return pa.table({"key": [r[0] for r in rows], "value": [r[1] for r in rows],
+                     "op": pa.array([r[2] for r in rows], pa.int8())})
+
+
+def test_resolve_keeps_the_last_row_of_a_key_within_one_delta():
+    out = resolve_chain([delta([(1, "a", 0), (1, "b", 0), (2, "x", 0), (2, "", 1), (3, "c", 1), (3, "C", 0)])],
+                        first_is_base=False)
+    assert dict(zip(out["key"].to_pylist(), out["value"].to_pylist())) == {1: "b", 3: "C"}
+
+
+def test_pickled_keys_compare_by_their_bytes():
+    k1, k2 = pickle.dumps(("user", 1)), pickle.dumps(("user", 2))
+    base = pa.table({"key": pa.array([k1, k2], pa.binary()), "value": [1, 2]})
+    out = resolve_chain([base, pa.table({"key": pa.array([k1], pa.binary()), "value": [0],
+                                          "op": pa.array([1], pa.int8())})], first_is_base=True)
+    assert out["key"].to_pylist() == [k2]
+
+
+def test_a_delta_whose_columns_differ_from_the_base_is_refused():
+    base = pa.table({"key": [1], "value": ["a"]})
+    other = pa.table({"key": [2], "other": ["b"], "op": pa.array([0], pa.int8())})
+    with pytest.raises(DeltaSchemaError, match="does not match its base"):
+        resolve_chain([base, other], first_is_base=True)
+
+
+@pytest.mark.parametrize("table, message", [
+    (pa.table({"value": [1]}), "needs exactly one 'key' column"),
+    (pa.table({"key": [1, None], "value": [1, 2]}), "null keys"),
+    (pa.table({"key": [1], "value": [1], "op": pa.array([2], pa.int8())}), "other than 0"),
+    (pa.table({"key": [1], "value": [1], "op": ["upsert"]}), "expected int8"),
+])
+def test_malformed_deltas_are_refused_naming_the_key_group(memory_root, table, message):
+    store = SnapshotStore.open(memory_root)
+    with pytest.raises(DeltaSchemaError, match=rf"checkpoint 1: op/s key group 3: .*{message}"):
+        store.write_key_group(1, "op", "s", 3, [], table)
+    assert store.list_files() == {}
+
+
+def test_a_delta_without_op_column_is_all_upserts(memory_root):
+    store = SnapshotStore.open(memory_root)
+    chain = store.write_key_group(1, "op", "s", 0, [], pa.table({"key": [1, 2], "value": ["a", "b"]}))
+    assert store.read_chain(chain).num_rows == 2
+
+
+def test_a_previous_chain_of_another_key_group_is_refused(memory_root):
+    store = SnapshotStore.open(memory_root)
+    chain = store.write_key_group(1, "op", "s", 0, [], delta([(1, "a", 0)]))
+    with pytest.raises(InvalidChainError, match="another operator/state/key group"):
+        store.write_key_group(2, "op", "s", 1, chain, delta([(2, "b", 0)]))
+    with pytest.raises(InvalidChainError, match="only deltas may follow the base"):
+        store.write_key_group(2, "op", "s", 0, chain + chain, delta([(2, "b", 0)]))
+
+
+def test_key_groups_outside_max_parallelism_are_refused(memory_root):
+    store = SnapshotStore.open(memory_root)
+    store.init_job({"job_name": "j", "max_parallelism": 4})
+    with pytest.raises(ValueError, match=r"key group 4 is outside \[0, 4\)"):
+        store.write_key_group(1, "op", "s", 4, [], delta([(1, "a", 0)]))
+
+
+def test_compaction_rule():
+    from storage import FileRef
+
+    def ref(kind: str, cid: int, size: int) -> FileRef:
+        return FileRef(path=f"state/o/s/kg-0000/{cid:08d}-{kind}-{'0' * 32}.arrow", kind=kind, checkpoint_id=cid,
+                       rows=1, bytes=size, checksum="0" * 64)
+
+    policy = CompactionPolicy(max_chain_length=3, max_delta_ratio=0.5)
+    assert compaction_reason(policy, [], 10_000) is None
+    assert compaction_reason(policy, [ref("base", 1, 1000)], 400) is None
+    assert "delta/base" in compaction_reason(policy, [ref("base", 1, 1000)], 501)
+    assert compaction_reason(policy, [ref("base", 1, 1000), ref("delta", 2, 100)], 100) is None
+    assert "chain length 4 > 3" in compaction_reason(policy, [ref("base", 1, 1000), ref("delta", 2, 1), ref("delta", 3, 1)], 1)
+    with pytest.raises(ValueError, match="max_chain_length"):
+        CompactionPolicy(max_chain_length=0)
