@@ -1,0 +1,96 @@
+"""Configuration objects, passed explicitly (never read from the environment)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from abs.errors import ConfigError
+
+__all__ = ["CheckpointConfig", "CHECKPOINT_MODES"]
+
+CHECKPOINT_MODES = ("aligned", "stop_the_world")
+"""``aligned``: Asynchronous Barrier Snapshotting (the product). ``stop_the_world``: pause
+every source, drain, snapshot everything, resume; a benchmark baseline only."""
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """When and how checkpoints are taken.
+
+    * ``interval``: seconds between periodic checkpoint triggers; ``None`` turns periodic
+      checkpoints off (on-request checkpoints and savepoints still work).
+    * ``timeout``: seconds after its trigger at which a checkpoint that has not received every
+      acknowledgement is aborted.
+    * ``min_pause``: minimum seconds between the end (completion or abort) of one checkpoint
+      and the periodic trigger of the next. When positive, at most one checkpoint is in flight
+      at a time whatever ``max_concurrent`` says (as in Flink).
+    * ``max_concurrent``: checkpoints in flight at once (triggered, not yet completed or
+      aborted).
+    * ``retained``: completed checkpoints kept by retention (savepoints are pinned apart).
+    * ``mode``: ``"aligned"`` or ``"stop_the_world"`` (benchmark baseline only).
+    * ``tolerable_failures``: consecutive failed checkpoints (timeouts, declines, failed
+      commits) tolerated before the job fails; ``None`` tolerates any number.
+    """
+
+    interval: float | None = None
+    timeout: float = 600.0
+    min_pause: float = 0.0
+    max_concurrent: int = 1
+    retained: int = 3
+    mode: str = "aligned"
+    tolerable_failures: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.interval is not None and not (_is_number(self.interval) and self.interval > 0):
+            raise ConfigError(
+                f"CheckpointConfig.interval must be a positive number of seconds or None, got "
+                f"{self.interval!r}; pass e.g. interval=1.0, or None to turn periodic "
+                "checkpoints off"
+            )
+        if not (_is_number(self.timeout) and self.timeout > 0):
+            raise ConfigError(
+                f"CheckpointConfig.timeout must be a positive number of seconds, got "
+                f"{self.timeout!r}; pass e.g. timeout=600.0"
+            )
+        if not (_is_number(self.min_pause) and self.min_pause >= 0):
+            raise ConfigError(
+                f"CheckpointConfig.min_pause must be a number of seconds >= 0, got "
+                f"{self.min_pause!r}; pass e.g. min_pause=0.0"
+            )
+        if not (_is_int(self.max_concurrent) and self.max_concurrent >= 1):
+            raise ConfigError(
+                f"CheckpointConfig.max_concurrent must be an int >= 1, got "
+                f"{self.max_concurrent!r}; pass e.g. max_concurrent=1"
+            )
+        if not (_is_int(self.retained) and self.retained >= 1):
+            raise ConfigError(
+                f"CheckpointConfig.retained must be an int >= 1, got {self.retained!r}; "
+                "pass e.g. retained=3"
+            )
+        if self.mode not in CHECKPOINT_MODES:
+            raise ConfigError(
+                f"CheckpointConfig.mode must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, "
+                f"got {self.mode!r}; use 'aligned' ('stop_the_world' is a benchmark baseline)"
+            )
+        if self.mode == "stop_the_world" and self.max_concurrent != 1:
+            raise ConfigError(
+                f"CheckpointConfig.max_concurrent must be 1 with mode='stop_the_world', got "
+                f"{self.max_concurrent!r}; the baseline pauses the whole job per checkpoint"
+            )
+        if self.tolerable_failures is not None and not (
+            _is_int(self.tolerable_failures) and self.tolerable_failures >= 0
+        ):
+            raise ConfigError(
+                f"CheckpointConfig.tolerable_failures must be an int >= 0 or None, got "
+                f"{self.tolerable_failures!r}; pass e.g. tolerable_failures=3, or None to "
+                "tolerate any number"
+            )

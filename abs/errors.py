@@ -1,0 +1,83 @@
+"""One exception tree for the runtime. Every class states its cause and remedy.
+
+Storage errors live in :mod:`storage.errors` (the storage layer does not import
+``abs``); they are re-exported here so that users can catch both from one place.
+"""
+from __future__ import annotations
+
+__all__ = [
+    "AbsError",
+    "GraphError",
+    "DuplicateUidError",
+    "ConfigError",
+    "JobFailedError",
+    "WorkerLostError",
+    "OperatorError",
+    "StateError",
+    "AlignmentError",
+]
+
+
+class AbsError(Exception):
+    """Root of every error this toolkit raises on purpose."""
+
+
+class GraphError(AbsError, ValueError):
+    """The dataflow graph is malformed (accidental cycle, dangling stream, bad edge).
+
+    Remedy: fix the graph as the message says; cycles need the explicit iteration construct.
+    """
+
+
+class DuplicateUidError(GraphError):
+    """Two operators share a uid. State is stored under uids, so they must be unique.
+
+    Remedy: give each operator, source and sink its own ``uid``.
+    """
+
+
+class ConfigError(AbsError, ValueError):
+    """An option passed to ``abs.run`` / ``abs.submit`` or a config object is invalid.
+
+    Remedy: the message names the option and the allowed values.
+    """
+
+
+class JobFailedError(AbsError, RuntimeError):
+    """The job failed and could not (or was not allowed to) recover.
+
+    ``result`` holds the :class:`abs.JobResult` with the checkpoints completed so far.
+    """
+
+    def __init__(self, message: str, result: object | None = None) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+class WorkerLostError(JobFailedError):
+    """A worker process died or stopped answering (killed, out of memory, crashed)."""
+
+
+class OperatorError(JobFailedError):
+    """A user function raised inside an operator; the message names the operator uid and
+    the worker, and carries the remote traceback."""
+
+
+class StateError(AbsError, RuntimeError):
+    """Keyed state was used in a way that cannot be right: a key group outside the backend's
+    range, an undeclared state name, checkpoint ids that do not increase, a value that does not
+    fit the state's declared Arrow type, or a table that cannot be restored.
+
+    Remedy: the message names the operator, state and key group; fix the call (or the declared
+    type) as it says. Key groups outside the range usually mean the routing table and the
+    backend's key-group range disagree (a runtime bug).
+    """
+
+
+class AlignmentError(AbsError, RuntimeError):
+    """The barrier aligner got an event that breaks the channel protocol: an unknown channel,
+    an event from a blocked or already ended channel, a second end of stream.
+
+    Remedy: this is a runtime bug (the runtime must not consume from blocked channels); the
+    message names the channel and the checkpoint.
+    """

@@ -1,0 +1,919 @@
+"""Keyed state: declared state descriptors and an in-memory backend that tracks, per key
+group, the keys changed since the last confirmed checkpoint.
+
+Descriptors
+===========
+``ValueState(name, type=None)``, ``ListState(name, element_type=None)``,
+``MapState(name, key_type=None, value_type=None)``, ``ReducingState(name, reduce_fn, type=None)``.
+A declared Arrow type makes snapshots real Arrow columns (readable by pyarrow and Spark);
+without one, values are pickled into a binary column.
+
+The backend and the hot path
+============================
+:class:`KeyedStateBackend` keeps, per declared state, one ``dict`` (key -> value) per key
+group of its :class:`~abs.keygroups.KeyGroupRange`, in a list indexed by the *absolute* key
+group (slots of key groups outside the range are ``None``).  Before calling user code for a
+record, the runtime sets the current key with two plain attribute writes, no method call::
+
+    backend.current_key = key
+    backend.current_kg = kg          # key_group(key, max_parallelism)
+
+State handles (``backend.state(name)``) read those two attributes on each call.  What is
+checked, and when:
+
+* ``current_kg`` outside the backend's range (or unset) is detected for free: the lookup
+  hits a ``None`` slot or the end of the list and the handle raises :class:`StateError`.
+  A *negative* ``current_kg`` is not detected (Python list indexing); key groups computed by
+  :func:`~abs.keygroups.key_group` are never negative.
+* That ``current_kg`` is the key group of ``current_key`` is **not** checked per call; use
+  :meth:`KeyedStateBackend.set_current_key` where speed does not matter.
+* Values returned by ``value()``/``get()`` of value, reducing and map states are the live
+  stored objects: mutate state only through ``update``/``add``/``put``, otherwise the change is
+  invisible to dirty tracking and missing from the next incremental checkpoint.
+  ``ListState.get()`` returns a copy.
+
+Snapshots
+=========
+Every write adds the key to the per-key-group *dirty set* of its state (one ``set.add``).
+:meth:`KeyedStateBackend.capture` (the synchronous part of a snapshot) returns, for every key
+group with keys changed since the last **confirmed** checkpoint, a delta table
+(``key``, ``value``, ``op``: 0 upsert, 1 delete), values copied into Arrow (or pickled) at once.
+Because a delta covers everything since the last confirmed checkpoint ``c`` (the value of
+:attr:`KeyedStateBackend.last_confirmed` when it was captured), the state at checkpoint ``n`` is
+``chain(b) + delta(n)`` for any *completed* checkpoint ``b`` with ``c <= b < n`` (``c`` itself
+always works).  Captured-but-unconfirmed checkpoints may overlap (``max_concurrent > 1``);
+:meth:`confirm` forgets what was captured by checkpoints ``<= id``; :meth:`abort` forgets
+nothing.
+
+Table encoding: the key column is ``int64``, ``string`` or ``binary`` when every key of the
+table is an ``int`` (in int64 range), a ``str`` or a ``bytes``; otherwise a ``binary`` column of
+pickled keys.  The value column has the state's Arrow type (see ``value_arrow_type()``), or is
+a ``binary`` column of pickled values (pickle protocol 5).  Deleted keys have a null value.
+Schema metadata: ``abs.key_encoding`` (``arrow``|``pickle``), ``abs.value_encoding``
+(``arrow``|``pickle``), ``abs.state_kind``.  :meth:`KeyedStateBackend.restore` is the inverse.
+"""
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Sequence, Union
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from abs.errors import ConfigError, StateError
+from abs.keygroups import KeyGroupRange, check_max_parallelism, key_group
+
+__all__ = [
+    "ValueState",
+    "ListState",
+    "MapState",
+    "ReducingState",
+    "StateDescriptor",
+    "KeyedStateBackend",
+    "ValueStateHandle",
+    "ListStateHandle",
+    "MapStateHandle",
+    "ReducingStateHandle",
+    "OP_UPSERT",
+    "OP_DELETE",
+    "META_KEY_ENCODING",
+    "META_VALUE_ENCODING",
+    "META_STATE_KIND",
+]
+
+OP_UPSERT = 0
+OP_DELETE = 1
+META_KEY_ENCODING = b"abs.key_encoding"
+META_VALUE_ENCODING = b"abs.value_encoding"
+META_STATE_KIND = b"abs.state_kind"
+_PICKLE_PROTOCOL = 5
+_MISSING: Any = object()
+
+
+# ----------------------------------------------------------------------------- descriptors
+
+
+def _check_name(cls: str, name: Any) -> None:
+    if not isinstance(name, str) or not name or any(c in name for c in "/\\\0"):
+        raise ConfigError(
+            f"{cls} name must be a non-empty str without '/', '\\' or NUL (it names storage "
+            f"folders), got {name!r}; choose a name like 'count'"
+        )
+
+
+def _check_type(cls: str, name: str, field: str, value: Any) -> None:
+    if value is not None and not isinstance(value, pa.DataType):
+        raise ConfigError(
+            f"{cls}({name!r}): {field} must be a pyarrow DataType or None, got {value!r}; "
+            "pass e.g. pyarrow.int64(), or None to store pickled values"
+        )
+
+
+def _type_json(t: pa.DataType | None) -> str | None:
+    return None if t is None else str(t)
+
+
+@dataclass(frozen=True)
+class ValueState:
+    """One value per key. ``type``: Arrow type of the value, or None (pickled)."""
+
+    name: str
+    type: pa.DataType | None = None
+    kind: ClassVar[str] = "value"
+
+    def __post_init__(self) -> None:
+        _check_name("ValueState", self.name)
+        _check_type("ValueState", self.name, "type", self.type)
+
+    def value_arrow_type(self) -> pa.DataType | None:
+        """Arrow type of the snapshot's value column; None means pickled binary."""
+        return self.type
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "name": self.name, "type": _type_json(self.type)}
+
+
+@dataclass(frozen=True)
+class ListState:
+    """A list of elements per key. ``element_type``: Arrow type of one element, or None."""
+
+    name: str
+    element_type: pa.DataType | None = None
+    kind: ClassVar[str] = "list"
+
+    def __post_init__(self) -> None:
+        _check_name("ListState", self.name)
+        _check_type("ListState", self.name, "element_type", self.element_type)
+
+    def value_arrow_type(self) -> pa.DataType | None:
+        return None if self.element_type is None else pa.list_(self.element_type)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "name": self.name, "element_type": _type_json(self.element_type)}
+
+
+@dataclass(frozen=True)
+class MapState:
+    """A map per key. Give both ``key_type`` and ``value_type`` (typed) or neither (pickled)."""
+
+    name: str
+    key_type: pa.DataType | None = None
+    value_type: pa.DataType | None = None
+    kind: ClassVar[str] = "map"
+
+    def __post_init__(self) -> None:
+        _check_name("MapState", self.name)
+        _check_type("MapState", self.name, "key_type", self.key_type)
+        _check_type("MapState", self.name, "value_type", self.value_type)
+        if (self.key_type is None) != (self.value_type is None):
+            raise ConfigError(
+                f"MapState({self.name!r}): give both key_type and value_type, or neither "
+                "(then the map is pickled)"
+            )
+
+    def value_arrow_type(self) -> pa.DataType | None:
+        if self.key_type is None or self.value_type is None:
+            return None
+        return pa.map_(self.key_type, self.value_type)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "name": self.name,
+            "key_type": _type_json(self.key_type),
+            "value_type": _type_json(self.value_type),
+        }
+
+
+@dataclass(frozen=True)
+class ReducingState:
+    """One value per key folded with ``reduce_fn(accumulated, new)`` on each ``add``."""
+
+    name: str
+    reduce_fn: Callable[[Any, Any], Any]
+    type: pa.DataType | None = None
+    kind: ClassVar[str] = "reducing"
+
+    def __post_init__(self) -> None:
+        _check_name("ReducingState", self.name)
+        if not callable(self.reduce_fn):
+            raise ConfigError(
+                f"ReducingState({self.name!r}): reduce_fn must be callable, got "
+                f"{self.reduce_fn!r}; pass a function (accumulated, value) -> accumulated"
+            )
+        _check_type("ReducingState", self.name, "type", self.type)
+
+    def value_arrow_type(self) -> pa.DataType | None:
+        return self.type
+
+    def to_json(self) -> dict[str, Any]:
+        fn = self.reduce_fn
+        qualname = getattr(fn, "__qualname__", type(fn).__qualname__)
+        module = getattr(fn, "__module__", None) or type(fn).__module__
+        return {
+            "kind": self.kind,
+            "name": self.name,
+            "type": _type_json(self.type),
+            "reduce_fn": f"{module}.{qualname}",
+        }
+
+
+StateDescriptor = Union[ValueState, ListState, MapState, ReducingState]
+_KINDS = {"value": ValueState, "list": ListState, "map": MapState, "reducing": ReducingState}
+
+
+# ----------------------------------------------------------------------------- handles
+# Hot path. Each handle holds the backend and the two per-key-group lists of its state
+# (``_data[kg]``: dict key -> value, ``_dirty[kg]``: set of changed keys). A lookup error
+# (None slot, index past the end, unset kg) is turned into a StateError by ``_fail``, which
+# re-raises the original exception when the key group is fine (unhashable key, an error in
+# a reduce function...).
+
+
+class _Handle:
+    __slots__ = ("_backend", "_data", "_dirty", "name")
+
+    def __init__(self, backend: KeyedStateBackend, name: str, data: list, dirty: list) -> None:
+        self._backend = backend
+        self._data = data
+        self._dirty = dirty
+        self.name = name
+
+    def _fail(self) -> None:
+        self._backend._check_current_kg(self.name)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self._backend.operator_uid}/{self.name}>"
+
+
+class ValueStateHandle(_Handle):
+    """Handle of a :class:`ValueState` scoped to the backend's current key."""
+
+    __slots__ = ()
+
+    def value(self) -> Any:
+        """The value of the current key, or None if it has none."""
+        b = self._backend
+        try:
+            return self._data[b.current_kg].get(b.current_key)
+        except (TypeError, AttributeError, IndexError):
+            self._fail()
+            raise
+
+    def update(self, value: Any) -> None:
+        """Set the value of the current key (None is stored as a value; use clear())."""
+        b = self._backend
+        kg = b.current_kg
+        key = b.current_key
+        try:
+            self._data[kg][key] = value
+            self._dirty[kg].add(key)
+        except (TypeError, AttributeError, IndexError):
+            self._fail()
+            raise
+
+    def clear(self) -> None:
+        """Delete the current key's value."""
+        b = self._backend
+        kg = b.current_kg
+        key = b.current_key
+        try:
+            if self._data[kg].pop(key, _MISSING) is not _MISSING:
+                self._dirty[kg].add(key)
+        except (TypeError, AttributeError, IndexError):
+            self._fail()
+            raise
+
+
+class ListStateHandle(_Handle):
+    """Handle of a :class:`ListState` scoped to the backend's current key."""
+
+    __slots__ = ()
+
+    def get(self) -> list:
+        """A copy of the current key's list ([] when it has none)."""
+        b = self._backend
+        try:
+            lst = self._data[b.current_kg].get(b.current_key)
+        except (TypeError, AttributeError, IndexError):
+            self._fail()
+            raise
+        return [] if lst is None else lst.copy()
+
+    def add(self, value: Any) -> None:
+        """Append ``value`` to the current key's list."""
+        b = self._backend
+        kg = b.current_kg
+        key = b.current_key
+        try:
+            d = self._data[kg]
+            lst = d.get(key)
+            if lst is None:
+                d[key] = [value]
+            else:
+                lst.append(value)
+            self._dirty[kg].add(key)
+        except (TypeError, AttributeError, IndexError):
+            self._fail()
+            raise
+
+    def update(self, values: Iterable[Any]) -> None:
+        """Replace the current key's list (an empty list deletes it)."""
+        b = self._backend
+        kg = b.current_kg
+        key = b.current_key
+        new = list(values)
+        try:
+            d = self._data[kg]
+            if new:
+                d[key] = new
+            elif d.pop(key, _MISSING) is _MISSING:
+                return
+            self._dirty[kg].add(key)
+        except (TypeError, AttributeError, IndexError):
+            self._fail()
+            raise
+
+    def clear(self) -> None:
+        b = self._backend
+        kg = b.current_kg
+        key = b.current_key
+        try:
+            if self._data[kg].pop(key, _MISSING) is not _MISSING:
+                self._dirty[kg].add(key)
+        except (TypeError, AttributeError, IndexError):
+            self._fail()
+            raise
+
+
+_EMPTY: dict = {}
+
+
+class MapStateHandle(_Handle):
+    """Handle of a :class:`MapState` scoped to the backend's current key.
+
+    An empty map is never stored: removing the last entry deletes the key.
+    """
+
+    __slots__ = ()
+
+    def _map(self) -> dict:
+        b = self._backend
+        try:
+            return self._data[b.current_kg].get(b.current_key, _EMPTY)
+        except (TypeError, AttributeError, IndexError):
+            self._fail()
+            raise
+
+    def get(self, map_key: Any, default: Any = None) -> Any:
+        b = self._backend
+        try:
+            m = self._data[b.current_kg].get(b.current_key)
+        except (TypeError, AttributeError, IndexError):
+            self._fail()
+            raise
+        if m is None:
+            return default
+        return m.get(map_key, default)
+
+    def put(self, map_key: Any, value: Any) -> None:
+        b = self._backend
+        kg = b.current_kg
+        key = b.current_key
+        try:
+            d = self._data[kg]
+            m = d.get(key)
+            if m is None:
+                d[key] = {map_key: value}
+            else:
+                m[map_key] = value
+            self._dirty[kg].add(key)
+        except (TypeError, AttributeError, IndexError):
+            self._fail()
+            raise
+
+    def remove(self, map_key: Any) -> None:
+        b = self._backend
+        kg = b.current_kg
+        key = b.current_key
+        try:
+            d = self._data[kg]
+            m = d.get(key)
+            if m is None or m.pop(map_key, _MISSING) is _MISSING:
+                return
+            if not m:
+                del d[key]
+            self._dirty[kg].add(key)
+        except (TypeError, AttributeError, IndexError):
+            self._fail()
+            raise
+
+    def contains(self, map_key: Any) -> bool:
+        return map_key in self._map()
+
+    def items(self) -> Any:
+        """A read-only view of the current key's entries."""
+        return self._map().items()
+
+    def keys(self) -> Any:
+        return self._map().keys()
+
+    def values(self) -> Any:
+        return self._map().values()
+
+    def is_empty(self) -> bool:
+        return not self._map()
+
+    def clear(self) -> None:
+        b = self._backend
+        kg = b.current_kg
+        key = b.current_key
+        try:
+            if self._data[kg].pop(key, _MISSING) is not _MISSING:
+                self._dirty[kg].add(key)
+        except (TypeError, AttributeError, IndexError):
+            self._fail()
+            raise
+
+
+class ReducingStateHandle(_Handle):
+    """Handle of a :class:`ReducingState` scoped to the backend's current key."""
+
+    __slots__ = ("_fn",)
+
+    def __init__(self, backend: KeyedStateBackend, name: str, data: list, dirty: list, fn: Callable) -> None:
+        super().__init__(backend, name, data, dirty)
+        self._fn = fn
+
+    def get(self) -> Any:
+        b = self._backend
+        try:
+            return self._data[b.current_kg].get(b.current_key)
+        except (TypeError, AttributeError, IndexError):
+            self._fail()
+            raise
+
+    def add(self, value: Any) -> None:
+        """Fold ``value`` into the current key's accumulator (the first value is stored as is)."""
+        b = self._backend
+        kg = b.current_kg
+        key = b.current_key
+        try:
+            d = self._data[kg]
+            acc = d.get(key, _MISSING)
+            d[key] = value if acc is _MISSING else self._fn(acc, value)
+            self._dirty[kg].add(key)
+        except (TypeError, AttributeError, IndexError):
+            self._fail()
+            raise
+
+    def clear(self) -> None:
+        b = self._backend
+        kg = b.current_kg
+        key = b.current_key
+        try:
+            if self._data[kg].pop(key, _MISSING) is not _MISSING:
+                self._dirty[kg].add(key)
+        except (TypeError, AttributeError, IndexError):
+            self._fail()
+            raise
+
+
+# ----------------------------------------------------------------------------- backend
+
+
+class _StateSlot:
+    """Storage of one declared state: per absolute key group a dict and a dirty set."""
+
+    __slots__ = ("descriptor", "data", "dirty", "handle", "arrow_type")
+
+    def __init__(self, descriptor: StateDescriptor, backend: KeyedStateBackend) -> None:
+        self.descriptor = descriptor
+        self.arrow_type = descriptor.value_arrow_type()
+        self.data: list = [None] * backend.max_parallelism
+        self.dirty: list = [None] * backend.max_parallelism
+        for kg in backend.key_group_range:
+            self.data[kg] = {}
+            self.dirty[kg] = set()
+        name = descriptor.name
+        self.handle: _Handle
+        if isinstance(descriptor, ReducingState):
+            self.handle = ReducingStateHandle(backend, name, self.data, self.dirty, descriptor.reduce_fn)
+        else:
+            handle_class = {"value": ValueStateHandle, "list": ListStateHandle, "map": MapStateHandle}
+            self.handle = handle_class[descriptor.kind](backend, name, self.data, self.dirty)
+
+
+class KeyedStateBackend:
+    """In-memory keyed state of one operator subtask, with per-key-group dirty tracking.
+
+    ``current_key`` / ``current_kg`` are plain attributes set by the runtime before user code
+    runs for a record (see the module docstring for what is checked).
+    """
+
+    __slots__ = (
+        "current_key",
+        "current_kg",
+        "operator_uid",
+        "max_parallelism",
+        "key_group_range",
+        "_slots",
+        "_pending",
+        "_last_captured",
+        "_last_confirmed",
+    )
+
+    def __init__(
+        self,
+        operator_uid: str,
+        descriptors: Sequence[StateDescriptor],
+        max_parallelism: int,
+        key_group_range: KeyGroupRange,
+    ) -> None:
+        check_max_parallelism(max_parallelism)
+        if not isinstance(key_group_range, KeyGroupRange) or key_group_range.end >= max_parallelism:
+            raise ConfigError(
+                f"operator {operator_uid!r}: key group range {key_group_range} is not a "
+                f"KeyGroupRange within [0, {max_parallelism - 1}]; compute it with "
+                "key_group_range(max_parallelism, parallelism, subtask)"
+            )
+        self.current_key: Any = None
+        self.current_kg: Any = None
+        self.operator_uid = operator_uid
+        self.max_parallelism = max_parallelism
+        self.key_group_range = key_group_range
+        self._slots: dict[str, _StateSlot] = {}
+        for d in descriptors:
+            if not isinstance(d, tuple(_KINDS.values())):
+                raise ConfigError(
+                    f"operator {operator_uid!r}: {d!r} is not a state descriptor; declare "
+                    "ValueState, ListState, MapState or ReducingState"
+                )
+            if d.name in self._slots:
+                raise ConfigError(
+                    f"operator {operator_uid!r}: state {d.name!r} is declared twice; give "
+                    "each state its own name"
+                )
+            self._slots[d.name] = _StateSlot(d, self)
+        # checkpoint id -> state name -> kg -> keys changed before that capture (and after
+        # the previous one), for captures not yet confirmed; insertion order = id order.
+        self._pending: dict[int, dict[str, dict[int, set]]] = {}
+        self._last_captured: int | None = None
+        self._last_confirmed: int | None = None
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def descriptors(self) -> tuple[StateDescriptor, ...]:
+        return tuple(s.descriptor for s in self._slots.values())
+
+    @property
+    def last_confirmed(self) -> int | None:
+        """Highest confirmed checkpoint id (None before the first confirm)."""
+        return self._last_confirmed
+
+    @property
+    def pending_captures(self) -> tuple[int, ...]:
+        """Ids captured and neither confirmed nor aborted, ascending."""
+        return tuple(self._pending)
+
+    def state(self, name: str) -> Any:
+        """The handle of state ``name`` (the same object on every call)."""
+        return self._slot(name).handle
+
+    def set_current_key(self, key: Any) -> None:
+        """Checked alternative to the two attribute writes: computes and checks the key group."""
+        kg = key_group(key, self.max_parallelism)
+        if kg not in self.key_group_range:
+            raise StateError(
+                f"operator {self.operator_uid!r}: key {key!r} belongs to key group {kg}, outside "
+                f"this subtask's range {self.key_group_range}; the record was routed to the "
+                "wrong subtask (routing table and key-group range disagree)"
+            )
+        self.current_key = key
+        self.current_kg = kg
+
+    def _slot(self, name: str) -> _StateSlot:
+        try:
+            return self._slots[name]
+        except KeyError:
+            declared = ", ".join(map(repr, self._slots)) or "none"
+            raise StateError(
+                f"operator {self.operator_uid!r} has no state named {name!r} (declared: "
+                f"{declared}); declare it in the operator's state=[...]"
+            ) from None
+
+    def _check_kg(self, kg: Any, what: str) -> None:
+        if type(kg) is not int or kg not in self.key_group_range:
+            raise StateError(
+                f"operator {self.operator_uid!r}: {what} key group {kg!r} is outside this "
+                f"subtask's range {self.key_group_range}; the record or call was routed to the "
+                "wrong subtask"
+            )
+
+    def _check_current_kg(self, name: str) -> None:
+        kg = self.current_kg
+        if kg is None:
+            raise StateError(
+                f"operator {self.operator_uid!r}, state {name!r}: no current key is set; set "
+                "backend.current_key and backend.current_kg before using state"
+            )
+        if isinstance(kg, int) and not isinstance(kg, bool) and kg in self.key_group_range:
+            return  # the key group is fine: the caller re-raises the original error
+        raise StateError(
+            f"operator {self.operator_uid!r}, state {name!r}: current key group {kg!r} (key "
+            f"{self.current_key!r}) is outside this subtask's range {self.key_group_range}; "
+            "the record was routed to the wrong subtask"
+        )
+
+    # ------------------------------------------------------------------ bulk API
+    def get_many(self, name: str, kg: int, keys: Iterable[Any]) -> list:
+        """Values of ``keys`` (all in key group ``kg``) in state ``name``; None when absent.
+
+        Returned objects are live (see the module docstring).
+        """
+        slot = self._slot(name)
+        self._check_kg(kg, "get_many:")
+        get = slot.data[kg].get
+        return [get(k) for k in keys]
+
+    def put_many(self, name: str, kg: int, keys: Sequence[Any], values: Sequence[Any]) -> None:
+        """Set the values of ``keys`` (all in key group ``kg``) in state ``name``.
+
+        Values are stored as given (for list and map states a list / dict; an empty or None one
+        deletes the key). A reducing state's value is replaced, not folded.
+        """
+        slot = self._slot(name)
+        self._check_kg(kg, "put_many:")
+        if not isinstance(keys, list):
+            keys = list(keys)
+        if not isinstance(values, list):
+            values = list(values)
+        if len(keys) != len(values):
+            raise StateError(
+                f"operator {self.operator_uid!r}, state {name!r}: put_many got {len(keys)} keys "
+                f"and {len(values)} values; pass one value per key"
+            )
+        d = slot.data[kg]
+        if slot.descriptor.kind in ("list", "map"):
+            for k, v in zip(keys, values):
+                if v:
+                    d[k] = v
+                else:
+                    d.pop(k, None)
+        else:
+            d.update(zip(keys, values))
+        slot.dirty[kg].update(keys)
+
+    def delete_many(self, name: str, kg: int, keys: Iterable[Any]) -> None:
+        """Delete ``keys`` (all in key group ``kg``) from state ``name``."""
+        slot = self._slot(name)
+        self._check_kg(kg, "delete_many:")
+        d = slot.data[kg]
+        dirty = slot.dirty[kg]
+        for k in keys:
+            if d.pop(k, _MISSING) is not _MISSING:
+                dirty.add(k)
+
+    def items(self, name: str, kg: int | None = None) -> Iterator[tuple[Any, Any]]:
+        """``(key, value)`` pairs of state ``name`` in key group ``kg`` (all key groups of the
+        range when None). Do not modify the state while iterating."""
+        slot = self._slot(name)
+        if kg is not None:
+            self._check_kg(kg, "items:")
+            return iter(slot.data[kg].items())
+        return (item for g in self.key_group_range for item in slot.data[g].items())
+
+    # ------------------------------------------------------------------ snapshots
+    def _check_capture_id(self, checkpoint_id: int) -> None:
+        if type(checkpoint_id) is not int:
+            raise StateError(
+                f"operator {self.operator_uid!r}: checkpoint id {checkpoint_id!r} is not an int"
+            )
+        for last, what in ((self._last_captured, "captured"), (self._last_confirmed, "confirmed")):
+            if last is not None and checkpoint_id <= last:
+                raise StateError(
+                    f"operator {self.operator_uid!r}: capture({checkpoint_id}) after checkpoint "
+                    f"{last} was already {what}; checkpoint ids must increase (a runtime bug)"
+                )
+
+    def _take_dirty(self, checkpoint_id: int) -> None:
+        """Move the current dirty sets into the pending record of ``checkpoint_id``."""
+        self._check_capture_id(checkpoint_id)
+        rng = range(self.key_group_range.start, self.key_group_range.end + 1)
+        taken: dict[str, dict[int, set]] = {}
+        for name, slot in self._slots.items():
+            dirty = slot.dirty
+            moved: dict[int, set] = {}
+            for kg in [g for g in rng if dirty[g]]:
+                moved[kg] = dirty[kg]
+                dirty[kg] = set()
+            taken[name] = moved
+        self._pending[checkpoint_id] = taken
+        self._last_captured = checkpoint_id
+
+    def _unconfirmed_keys(self, name: str) -> dict[int, Iterable[Any]]:
+        """kg -> keys changed since the last confirmed checkpoint (read-only sets)."""
+        by_kg: dict[int, list[set]] = {}
+        for taken in self._pending.values():
+            for kg, keys in taken[name].items():
+                by_kg.setdefault(kg, []).append(keys)
+        return {kg: sets[0] if len(sets) == 1 else set().union(*sets) for kg, sets in by_kg.items()}
+
+    def capture(self, checkpoint_id: int) -> dict[str, dict[int, pa.Table]]:
+        """Synchronous part of snapshot ``checkpoint_id``: state name -> key group -> delta.
+
+        Only key groups with keys changed since the last confirmed checkpoint appear; every
+        declared state name appears (possibly with an empty dict). Cost is proportional to the
+        number of changed keys (plus a scan of the range's dirty sets).
+        """
+        self._take_dirty(checkpoint_id)
+        out: dict[str, dict[int, pa.Table]] = {}
+        for name, slot in self._slots.items():
+            data = slot.data
+            out[name] = {
+                kg: self._encode(slot, kg, keys, data[kg], with_op=True)
+                for kg, keys in sorted(self._unconfirmed_keys(name).items())
+            }
+        return out
+
+    def capture_full(self, checkpoint_id: int) -> dict[str, dict[int, pa.Table]]:
+        """Every non-empty key group's full contents as upserts (stop-the-world baseline).
+
+        Counts as a capture for dirty tracking. Key groups without keys are omitted: a full
+        capture is self-contained, an absent key group is empty.
+        """
+        self._take_dirty(checkpoint_id)
+        out: dict[str, dict[int, pa.Table]] = {}
+        for name, slot in self._slots.items():
+            data = slot.data
+            out[name] = {
+                kg: self._encode(slot, kg, data[kg], data[kg], with_op=True)
+                for kg in self.key_group_range
+                if data[kg]
+            }
+        return out
+
+    def confirm(self, checkpoint_id: int) -> None:
+        """Checkpoint ``checkpoint_id`` completed: forget the changes captured by every
+        checkpoint ``<= checkpoint_id``. Out-of-order or repeated confirmations are harmless."""
+        if self._last_confirmed is not None and checkpoint_id <= self._last_confirmed:
+            return
+        for cid in [c for c in self._pending if c <= checkpoint_id]:
+            del self._pending[cid]
+        self._last_confirmed = checkpoint_id
+
+    def abort(self, checkpoint_id: int) -> None:
+        """Checkpoint ``checkpoint_id`` will never complete: nothing is forgotten.
+
+        Its captured changes are folded into the next pending capture (which already contains
+        them) or, if there is none, back into the dirty sets. Unknown ids are ignored.
+        """
+        taken = self._pending.pop(checkpoint_id, None)
+        if taken is None:
+            return
+        later = next((c for c in self._pending if c > checkpoint_id), None)
+        for name, by_kg in taken.items():
+            if later is not None:
+                target = self._pending[later][name]
+                for kg, keys in by_kg.items():
+                    if kg in target:
+                        target[kg] = target[kg] | keys
+                    else:
+                        target[kg] = keys
+            else:
+                dirty = self._slots[name].dirty
+                for kg, keys in by_kg.items():
+                    dirty[kg].update(keys)
+
+    # ------------------------------------------------------------------ encoding
+    def _encode(self, slot: _StateSlot, kg: int, keys: Iterable[Any], d: dict, *, with_op: bool) -> pa.Table:
+        keys = list(keys)
+        get = d.get
+        missing = _MISSING
+        values = [get(k, missing) for k in keys]
+        ops = [OP_DELETE if v is missing else OP_UPSERT for v in values]
+        if OP_DELETE in ops:
+            values = [None if v is missing else v for v in values]
+        key_arr, key_enc = _encode_keys(keys)
+        value_arr, value_enc = self._encode_values(slot, kg, keys, values, ops)
+        fields = [pa.field("key", key_arr.type), pa.field("value", value_arr.type)]
+        arrays = [key_arr, value_arr]
+        if with_op:
+            fields.append(pa.field("op", pa.int8(), nullable=False))
+            arrays.append(pa.array(ops, pa.int8()))
+        schema = pa.schema(
+            fields,
+            metadata={
+                META_KEY_ENCODING: key_enc,
+                META_VALUE_ENCODING: value_enc,
+                META_STATE_KIND: slot.descriptor.kind.encode(),
+            },
+        )
+        return pa.Table.from_arrays(arrays, schema=schema)
+
+    def _encode_values(self, slot: _StateSlot, kg: int, keys: list, values: list, ops: list) -> tuple[pa.Array, bytes]:
+        t = slot.arrow_type
+        if t is None:
+            dumps = pickle.dumps
+            blobs = [None if o else dumps(v, _PICKLE_PROTOCOL) for v, o in zip(values, ops)]
+            return pa.array(blobs, pa.binary()), b"pickle"
+        if slot.descriptor.kind == "map":
+            values = [None if v is None else list(v.items()) for v in values]
+        try:
+            return pa.array(values, t), b"arrow"
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError) as exc:
+            bad_key, bad_value = _first_unconvertible(keys, values, t)
+            raise StateError(
+                f"operator {self.operator_uid!r}, state {slot.descriptor.name!r}, key group "
+                f"{kg}: value {bad_value!r} of key {bad_key!r} does not fit the declared Arrow "
+                f"type {t} ({exc}); write values of that type or declare the state without a "
+                "type (pickled)"
+            ) from exc
+
+    # ------------------------------------------------------------------ restore
+    def restore(self, state_name: str, kg: int, table: pa.Table, *, verify: bool = False) -> None:
+        """Load a resolved table (``key``, ``value``; no ``op`` column or only upserts) of key
+        group ``kg`` into state ``state_name``, decoding per the schema metadata. Entries are
+        upserted into what is there; restored keys are not dirty. ``verify=True`` also checks
+        that every key hashes to ``kg``."""
+        slot = self._slot(state_name)
+        self._check_kg(kg, "restore:")
+        where = f"operator {self.operator_uid!r}, state {state_name!r}, key group {kg}"
+        meta = table.schema.metadata or {}
+        kind = meta.get(META_STATE_KIND)
+        if kind is not None and kind.decode() != slot.descriptor.kind:
+            raise StateError(
+                f"{where}: the table holds {kind.decode()} state but the state is declared as "
+                f"{slot.descriptor.kind} state; restore into a state of the same kind (or migrate "
+                "the snapshot offline)"
+            )
+        names = table.schema.names
+        if "key" not in names or "value" not in names:
+            raise StateError(f"{where}: table has columns {names}, needs 'key' and 'value'; "
+                             "pass a table produced by capture (resolved)")
+        if "op" in names and table.num_rows and pc.any(pc.not_equal(table.column("op"), OP_UPSERT)).as_py():
+            raise StateError(
+                f"{where}: the table contains deletes; resolve the chain (apply deltas in order) "
+                "before restoring"
+            )
+        keys = _decode(table.column("key"), meta.get(META_KEY_ENCODING), where, "key")
+        values = _decode(table.column("value"), meta.get(META_VALUE_ENCODING), where, "value")
+        kind_name = slot.descriptor.kind
+        if kind_name == "map":
+            values = [None if v is None else dict(v) for v in values]
+        if verify:
+            m = self.max_parallelism
+            for k in keys:
+                if key_group(k, m) != kg:
+                    raise StateError(
+                        f"{where}: key {k!r} belongs to key group {key_group(k, m)}; the "
+                        "snapshot file is in the wrong key group (corrupt or re-keyed with "
+                        "another max_parallelism)"
+                    )
+        d = slot.data[kg]
+        if kind_name in ("list", "map"):
+            for k, v in zip(keys, values):
+                if v:
+                    d[k] = v
+        else:
+            d.update(zip(keys, values))
+
+
+# ----------------------------------------------------------------------------- codecs
+
+
+def _encode_keys(keys: list) -> tuple[pa.Array, bytes]:
+    types = set(map(type, keys))
+    if len(types) == 1:
+        (only,) = types
+        arrow_type = {int: pa.int64(), str: pa.string(), bytes: pa.binary()}.get(only)
+        if arrow_type is not None:
+            try:
+                return pa.array(keys, arrow_type), b"arrow"
+            except (OverflowError, pa.ArrowInvalid, pa.ArrowTypeError, UnicodeEncodeError):
+                pass  # ints beyond int64, lone surrogates: pickle below
+    dumps = pickle.dumps
+    return pa.array([dumps(k, _PICKLE_PROTOCOL) for k in keys], pa.binary()), b"pickle"
+
+
+def _decode(column: pa.ChunkedArray, encoding: bytes | None, where: str, what: str) -> list:
+    if encoding == b"arrow":
+        return column.to_pylist()
+    if encoding == b"pickle":
+        loads = pickle.loads
+        return [None if b is None else loads(b) for b in column.to_pylist()]
+    raise StateError(
+        f"{where}: {what} column has encoding {encoding!r} in the schema metadata "
+        f"({META_KEY_ENCODING.decode()}/{META_VALUE_ENCODING.decode()} must be 'arrow' or "
+        "'pickle'); the file was not written by this version of abs or is corrupt"
+    )
+
+
+def _first_unconvertible(keys: list, values: list, t: pa.DataType) -> tuple[Any, Any]:
+    for k, v in zip(keys, values):
+        try:
+            pa.array([v], t)
+        except Exception:  # noqa: BLE001 - only locating the culprit for the message
+            return k, v
+    return None, None

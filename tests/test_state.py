@@ -1,0 +1,768 @@
+"""Keyed state backend: handles, bulk API, dirty tracking, capture/confirm/abort, encoding
+and restore. The state-machine test fails if dirty tracking ever loses a change."""
+from __future__ import annotations
+
+import copy
+import operator
+import pickle
+
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from abs.errors import ConfigError, StateError
+from abs.keygroups import KeyGroupRange, key_group
+from abs.state import (
+    KeyedStateBackend,
+    ListState,
+    MapState,
+    ReducingState,
+    ValueState,
+)
+
+M = 16
+RANGE = KeyGroupRange(4, 11)
+
+
+def keys_in_range(candidates, rng=RANGE, m=M, n=6):
+    return [k for k in candidates if key_group(k, m) in rng][:n]
+
+
+INT_KEYS = keys_in_range(range(1000))
+STR_KEYS = keys_in_range(f"user-{i}" for i in range(1000))
+TUPLE_KEYS = keys_in_range((i, f"t{i}") for i in range(1000))
+OUT_OF_RANGE_KEY = next(k for k in range(1000) if key_group(k, M) not in RANGE)
+
+
+def backend(*descriptors, rng=RANGE):
+    return KeyedStateBackend("op", list(descriptors), M, rng)
+
+
+def at(b, key):
+    b.current_key = key
+    b.current_kg = key_group(key, M)
+
+
+def decode_table(table):
+    """Independent decoder used by the tests: {key: (op, value)}."""
+    meta = table.schema.metadata
+    keys = table.column("key").to_pylist()
+    values = table.column("value").to_pylist()
+    if meta[b"abs.key_encoding"] == b"pickle":
+        keys = [pickle.loads(k) for k in keys]
+    if meta[b"abs.value_encoding"] == b"pickle":
+        values = [None if v is None else pickle.loads(v) for v in values]
+    if meta[b"abs.state_kind"] == b"map":
+        values = [None if v is None else dict(v) for v in values]
+    ops = table.column("op").to_pylist() if "op" in table.schema.names else [0] * len(keys)
+    return {k: (o, v) for k, o, v in zip(keys, ops, values)}
+
+
+def apply_deltas(base, deltas):
+    """base: {state: {key: value}}; deltas: capture() output. Returns a new dict."""
+    out = copy.deepcopy(base)
+    for state, by_kg in deltas.items():
+        target = out.setdefault(state, {})
+        for kg, table in by_kg.items():
+            for key, (op, value) in decode_table(table).items():
+                assert key_group(key, M) == kg
+                if op == 0:
+                    target[key] = value
+                else:
+                    assert op == 1
+                    target.pop(key, None)
+    return out
+
+
+def contents(b):
+    return {d.name: dict(b.items(d.name)) for d in b.descriptors}
+
+
+# ----------------------------------------------------------------------------- descriptors
+
+
+def test_descriptor_kinds_types_and_json():
+    def add(a, x):
+        return a + x
+
+    v = ValueState("v", pa.int64())
+    l = ListState("l", pa.string())
+    m = MapState("m", pa.string(), pa.float64())
+    r = ReducingState("r", add, pa.int64())
+    assert [d.kind for d in (v, l, m, r)] == ["value", "list", "map", "reducing"]
+    assert v.value_arrow_type() == pa.int64()
+    assert l.value_arrow_type() == pa.list_(pa.string())
+    assert m.value_arrow_type() == pa.map_(pa.string(), pa.float64())
+    assert r.value_arrow_type() == pa.int64()
+    assert ValueState("u").value_arrow_type() is None
+    assert ListState("u").value_arrow_type() is None
+    assert MapState("u").value_arrow_type() is None
+    assert v.to_json() == {"kind": "value", "name": "v", "type": "int64"}
+    assert l.to_json() == {"kind": "list", "name": "l", "element_type": "string"}
+    assert m.to_json() == {"kind": "map", "name": "m", "key_type": "string", "value_type": "double"}
+    assert r.to_json() == {
+        "kind": "reducing",
+        "name": "r",
+        "type": "int64",
+        "reduce_fn": f"{__name__}.test_descriptor_kinds_types_and_json.<locals>.add",
+    }
+    assert ReducingState("x", operator.add).to_json()["reduce_fn"] == "_operator.add"
+    with pytest.raises(Exception):
+        v.name = "w"  # frozen
+
+
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda: ValueState(""), "non-empty str"),
+        (lambda: ValueState("a/b"), "without '/'"),
+        (lambda: ValueState(3), "non-empty str"),
+        (lambda: ValueState("v", "int64"), "pyarrow DataType"),
+        (lambda: ListState("l", int), "element_type must be a pyarrow DataType"),
+        (lambda: MapState("m", pa.string()), "both key_type and value_type"),
+        (lambda: ReducingState("r", 5), "reduce_fn must be callable"),
+    ],
+)
+def test_descriptor_validation_raises_config_error(make, match):
+    with pytest.raises(ConfigError, match=match):
+        make()
+
+
+def test_backend_validation():
+    with pytest.raises(ConfigError, match="declared twice"):
+        backend(ValueState("a"), ListState("a"))
+    with pytest.raises(ConfigError, match="not a state descriptor"):
+        backend("a")
+    with pytest.raises(ConfigError, match="within"):
+        KeyedStateBackend("op", [], 8, KeyGroupRange(0, 8))
+    b = backend(ValueState("a"), ListState("b"))
+    with pytest.raises(StateError, match=r"no state named 'c' \(declared: 'a', 'b'\)"):
+        b.state("c")
+    assert b.state("a") is b.state("a")
+
+
+# ----------------------------------------------------------------------------- handles
+
+
+def test_value_state_handle():
+    b = backend(ValueState("v"))
+    v = b.state("v")
+    k1, k2 = STR_KEYS[:2]
+    at(b, k1)
+    assert v.value() is None
+    v.update({"x": 1})
+    at(b, k2)
+    assert v.value() is None
+    v.update(None)  # None is a value; clear() deletes
+    assert dict(b.items("v")) == {k1: {"x": 1}, k2: None}
+    v.clear()
+    at(b, k1)
+    assert v.value() == {"x": 1}
+    assert dict(b.items("v")) == {k1: {"x": 1}}
+
+
+def test_list_state_handle_returns_copies():
+    b = backend(ListState("l"))
+    lst = b.state("l")
+    at(b, INT_KEYS[0])
+    assert lst.get() == []
+    lst.add(1)
+    lst.add(2)
+    got = lst.get()
+    got.append(99)
+    assert lst.get() == [1, 2]
+    lst.update(x for x in (5, 6))
+    assert lst.get() == [5, 6]
+    lst.update([])
+    assert list(b.items("l")) == []
+    lst.add(3)
+    lst.clear()
+    assert lst.get() == []
+
+
+def test_map_state_handle():
+    b = backend(MapState("m"))
+    m = b.state("m")
+    at(b, TUPLE_KEYS[0])
+    assert m.is_empty() and m.get("a") is None and m.get("a", 7) == 7 and not m.contains("a")
+    assert list(m.items()) == [] and list(m.keys()) == [] and list(m.values()) == []
+    m.put("a", 1)
+    m.put("b", 2)
+    assert m.get("a") == 1 and m.contains("b") and not m.is_empty()
+    assert dict(m.items()) == {"a": 1, "b": 2}
+    assert sorted(m.keys()) == ["a", "b"] and sorted(m.values()) == [1, 2]
+    m.remove("a")
+    m.remove("zzz")
+    assert dict(m.items()) == {"b": 2}
+    m.remove("b")  # the last entry: the key disappears
+    assert m.is_empty() and list(b.items("m")) == []
+    m.put("c", 3)
+    m.clear()
+    assert m.is_empty()
+
+
+def test_reducing_state_handle():
+    b = backend(ReducingState("r", lambda acc, x: acc + x))
+    r = b.state("r")
+    at(b, INT_KEYS[0])
+    assert r.get() is None
+    r.add(5)
+    r.add(7)
+    assert r.get() == 12
+    r.clear()
+    assert r.get() is None
+    r.add("x")  # the first value is stored as is
+    assert r.get() == "x"
+
+
+def test_out_of_range_key_group_raises_state_error_on_every_handle_method():
+    b = backend(ValueState("v"), ListState("l"), MapState("m"), ReducingState("r", operator.add))
+    b.current_key = OUT_OF_RANGE_KEY
+    b.current_kg = key_group(OUT_OF_RANGE_KEY, M)
+    calls = [
+        lambda: b.state("v").value(),
+        lambda: b.state("v").update(1),
+        lambda: b.state("v").clear(),
+        lambda: b.state("l").get(),
+        lambda: b.state("l").add(1),
+        lambda: b.state("l").update([1]),
+        lambda: b.state("l").clear(),
+        lambda: b.state("m").get(1),
+        lambda: b.state("m").put(1, 2),
+        lambda: b.state("m").remove(1),
+        lambda: b.state("m").contains(1),
+        lambda: b.state("m").items(),
+        lambda: b.state("m").is_empty(),
+        lambda: b.state("m").clear(),
+        lambda: b.state("r").get(),
+        lambda: b.state("r").add(1),
+        lambda: b.state("r").clear(),
+    ]
+    for call in calls:
+        with pytest.raises(StateError, match="outside this subtask's range"):
+            call()
+    b.current_kg = M + 3  # past the end of the list
+    with pytest.raises(StateError, match="outside"):
+        b.state("v").update(1)
+    b.current_kg = None
+    with pytest.raises(StateError, match="no current key"):
+        b.state("v").update(1)
+    assert contents(b) == {"v": {}, "l": {}, "m": {}, "r": {}}
+
+
+def test_errors_that_are_not_about_key_groups_propagate_unchanged():
+    def bad(acc, x):
+        raise TypeError("boom in reduce")
+
+    b = backend(ValueState("v"), ReducingState("r", bad))
+    at(b, INT_KEYS[0])
+    b.state("r").add(1)
+    with pytest.raises(TypeError, match="boom in reduce"):
+        b.state("r").add(2)
+    assert b.state("r").get() == 1
+    b.current_key = ["unhashable"]
+    with pytest.raises(TypeError, match="unhashable"):
+        b.state("v").update(1)
+
+
+def test_set_current_key_checks_the_range():
+    b = backend(ValueState("v"))
+    b.set_current_key(INT_KEYS[0])
+    assert b.current_kg == key_group(INT_KEYS[0], M)
+    with pytest.raises(StateError, match="wrong subtask"):
+        b.set_current_key(OUT_OF_RANGE_KEY)
+
+
+# ----------------------------------------------------------------------------- bulk API
+
+
+def test_bulk_get_put_delete_items():
+    b = backend(ValueState("v", pa.int64()), ListState("l"))
+    kg = key_group(INT_KEYS[0], M)
+    same = [k for k in range(2000) if key_group(k, M) == kg][:4]
+    assert b.get_many("v", kg, same) == [None] * 4
+    b.put_many("v", kg, same, [1, 2, 3, 4])
+    assert b.get_many("v", kg, same) == [1, 2, 3, 4]
+    b.delete_many("v", kg, same[:2] + [10**9])
+    assert b.get_many("v", kg, same) == [None, None, 3, 4]
+    assert dict(b.items("v", kg)) == {same[2]: 3, same[3]: 4}
+    assert dict(b.items("v")) == {same[2]: 3, same[3]: 4}
+    b.put_many("l", kg, same[:2], [[1], []])  # an empty list deletes
+    assert dict(b.items("l")) == {same[0]: [1]}
+    with pytest.raises(StateError, match="2 keys and 1 values"):
+        b.put_many("v", kg, same[:2], [1])
+    out_kg = key_group(OUT_OF_RANGE_KEY, M)
+    for call in (
+        lambda: b.get_many("v", out_kg, [1]),
+        lambda: b.put_many("v", out_kg, [1], [1]),
+        lambda: b.delete_many("v", out_kg, [1]),
+        lambda: b.items("v", out_kg),
+        lambda: b.restore("v", out_kg, pa.table({"key": [1], "value": [1]})),
+    ):
+        with pytest.raises(StateError, match="outside"):
+            call()
+    deltas = b.capture(1)
+    assert set(deltas["v"]) == {kg}
+    assert decode_table(deltas["v"][kg]) == {same[0]: (1, None), same[1]: (1, None), same[2]: (0, 3), same[3]: (0, 4)}
+
+
+# ----------------------------------------------------------------------------- capture
+
+
+def test_capture_returns_only_changed_key_groups_and_nothing_when_unchanged():
+    b = backend(ValueState("v", pa.int64()), ValueState("w"))
+    assert b.capture(1) == {"v": {}, "w": {}}
+    v = b.state("v")
+    at(b, INT_KEYS[0])
+    v.update(1)
+    d = b.capture(2)
+    assert set(d["v"]) == {key_group(INT_KEYS[0], M)} and d["w"] == {}
+    b.confirm(2)
+    assert b.capture(3) == {"v": {}, "w": {}}
+    at(b, INT_KEYS[1])
+    v.clear()  # deleting a key that does not exist changes nothing
+    assert b.capture(4) == {"v": {}, "w": {}}
+
+
+def test_delta_covers_everything_since_the_last_confirmed_checkpoint():
+    b = backend(ValueState("v", pa.int64()))
+    v = b.state("v")
+    k1, k2, k3 = INT_KEYS[:3]
+    at(b, k1)
+    v.update(1)
+    d1 = b.capture(1)
+    at(b, k2)
+    v.update(2)
+    d2 = b.capture(2)  # 1 not confirmed: its key is in 2 as well
+    assert apply_deltas({}, d2) == {"v": {k1: 1, k2: 2}}
+    b.abort(2)
+    at(b, k3)
+    v.update(3)
+    d3 = b.capture(3)  # 2 aborted: nothing lost
+    assert apply_deltas({}, d3) == {"v": {k1: 1, k2: 2, k3: 3}}
+    b.confirm(1)
+    at(b, k1)
+    v.clear()
+    d4 = b.capture(4)  # base: checkpoint 1
+    assert b.last_confirmed == 1
+    assert apply_deltas(apply_deltas({}, d1), d4) == {"v": {k2: 2, k3: 3}}
+    b.confirm(4)  # implies 3
+    assert b.pending_captures == ()
+    assert b.capture(5) == {"v": {}}
+
+
+def test_out_of_order_and_skipped_confirmations():
+    b = backend(ValueState("v", pa.int64()))
+    v = b.state("v")
+    for i, k in enumerate(INT_KEYS[:4], start=3):
+        at(b, k)
+        v.update(i)
+        b.capture(i)
+    assert b.pending_captures == (3, 4, 5, 6)
+    b.confirm(5)  # 3 and 4 implied
+    assert b.pending_captures == (6,) and b.last_confirmed == 5
+    b.confirm(4)  # late: no effect
+    assert b.pending_captures == (6,) and b.last_confirmed == 5
+    assert set(b.capture(7)["v"]) == {key_group(INT_KEYS[3], M)}
+    b.abort(99)  # unknown: ignored
+    with pytest.raises(StateError, match="must increase"):
+        b.capture(7)
+    with pytest.raises(StateError, match="must increase"):
+        b.capture(2)
+
+
+def test_abort_with_later_pending_capture_loses_nothing():
+    b = backend(ValueState("v", pa.int64()))
+    v = b.state("v")
+    k1, k2 = INT_KEYS[:2]
+    at(b, k1)
+    v.update(1)
+    b.capture(1)
+    at(b, k2)
+    v.update(2)
+    b.capture(2)
+    b.abort(1)  # folded into 2
+    b.abort(2)  # folded back into the dirty sets
+    assert apply_deltas({}, b.capture(3)) == {"v": {k1: 1, k2: 2}}
+
+
+def test_aborted_changes_are_forgotten_once_a_later_capture_containing_them_is_confirmed():
+    b = backend(ValueState("v", pa.int64()))
+    v = b.state("v")
+    k1, k2 = INT_KEYS[:2]
+    at(b, k1)
+    v.update(1)
+    b.capture(1)
+    at(b, k2)
+    v.update(2)
+    b.capture(2)
+    b.abort(1)
+    b.confirm(2)
+    assert b.capture(3) == {"v": {}}  # no redundant upserts
+
+
+def test_mutation_after_capture_does_not_change_the_captured_tables():
+    b = backend(
+        ListState("l"),
+        ListState("lt", pa.int64()),
+        MapState("m"),
+        MapState("mt", pa.string(), pa.int64()),
+        ValueState("v"),
+    )
+    k = STR_KEYS[0]
+    at(b, k)
+    obj = {"nested": [1]}
+    b.state("v").update(obj)
+    for name in ("l", "lt"):
+        b.state(name).add(1)
+    for name in ("m", "mt"):
+        b.state(name).put("a", 1)
+    deltas = b.capture(1)
+    before = apply_deltas({}, deltas)
+    obj["nested"].append(2)  # in-place mutation of a live value
+    for name in ("l", "lt"):
+        b.state(name).add(2)
+    for name in ("m", "mt"):
+        b.state(name).put("b", 2)
+    assert apply_deltas({}, deltas) == before
+    assert before["v"][k] == {"nested": [1]} and before["l"][k] == [1] and before["mt"][k] == {"a": 1}
+
+
+def test_capture_full_returns_every_non_empty_key_group_and_counts_as_a_capture():
+    b = backend(ValueState("v", pa.int64()), MapState("m"))
+    for i, k in enumerate(INT_KEYS):
+        at(b, k)
+        b.state("v").update(i)
+    b.confirm(0)
+    full = b.capture_full(1)
+    kgs = {key_group(k, M) for k in INT_KEYS}
+    assert set(full["v"]) == kgs and full["m"] == {}
+    for table in full["v"].values():
+        assert set(table.column("op").to_pylist()) == {0}
+    assert apply_deltas({}, full) == contents(b) | {"m": {}}
+    b.confirm(1)
+    assert b.capture(2) == {"v": {}, "m": {}}
+
+
+def test_typed_value_that_does_not_fit_raises_naming_the_key():
+    b = backend(ValueState("v", pa.int64()))
+    at(b, STR_KEYS[0])
+    b.state("v").update("not an int")
+    with pytest.raises(StateError, match=r"state 'v'.*value 'not an int' of key 'user-\d+'.*int64"):
+        b.capture(1)
+
+
+# ----------------------------------------------------------------------------- encoding
+
+
+def _single_table(deltas, state):
+    (table,) = deltas[state].values()
+    return table
+
+
+@pytest.mark.parametrize(
+    "key,key_type,key_encoding",
+    [
+        (INT_KEYS[0], pa.int64(), b"arrow"),
+        (STR_KEYS[0], pa.string(), b"arrow"),
+        (b"raw", pa.binary(), b"arrow"),
+        (TUPLE_KEYS[0], pa.binary(), b"pickle"),
+        (2**70, pa.binary(), b"pickle"),
+        (True, pa.binary(), b"pickle"),
+        (1.5, pa.binary(), b"pickle"),
+    ],
+)
+def test_key_column_encoding(key, key_type, key_encoding):
+    rng = KeyGroupRange(0, M - 1)
+    b = backend(ValueState("v"), rng=rng)
+    at(b, key)
+    b.state("v").update(1)
+    t = _single_table(b.capture(1), "v")
+    assert t.schema.field("key").type == key_type
+    assert t.schema.metadata[b"abs.key_encoding"] == key_encoding
+    assert t.schema.metadata[b"abs.value_encoding"] == b"pickle"
+    assert t.schema.metadata[b"abs.state_kind"] == b"value"
+    assert t.schema.field("op").type == pa.int8()
+    assert decode_table(t) == {key: (0, 1)}
+
+
+def test_mixed_key_types_in_one_key_group_are_pickled():
+    rng = KeyGroupRange(0, M - 1)
+    b = backend(ValueState("v", pa.int64()), rng=rng)
+    kg = key_group(1, M)
+    other = next(f"s{i}" for i in range(1000) if key_group(f"s{i}", M) == kg)
+    b.put_many("v", kg, [1, other], [10, 20])
+    t = _single_table(b.capture(1), "v")
+    assert t.schema.metadata[b"abs.key_encoding"] == b"pickle"
+    assert t.schema.metadata[b"abs.value_encoding"] == b"arrow"
+    assert t.schema.field("value").type == pa.int64()
+    assert decode_table(t) == {1: (0, 10), other: (0, 20)}
+
+
+def test_value_column_types():
+    b = backend(
+        ValueState("v", pa.float64()),
+        ListState("l", pa.int32()),
+        MapState("m", pa.string(), pa.int64()),
+        ReducingState("r", operator.add, pa.int64()),
+    )
+    at(b, INT_KEYS[0])
+    b.state("v").update(1.5)
+    b.state("l").add(3)
+    b.state("m").put("x", 1)
+    b.state("r").add(4)
+    d = b.capture(1)
+    assert _single_table(d, "v").schema.field("value").type == pa.float64()
+    assert _single_table(d, "l").schema.field("value").type == pa.list_(pa.int32())
+    assert _single_table(d, "m").schema.field("value").type == pa.map_(pa.string(), pa.int64())
+    assert _single_table(d, "r").schema.field("value").type == pa.int64()
+    assert _single_table(d, "l").column("value").to_pylist() == [[3]]
+
+
+# ----------------------------------------------------------------------------- restore
+
+KINDS = [
+    (ValueState("s", pa.int64()), lambda i: i * 10),
+    (ValueState("s"), lambda i: {"any": [i, "thing"]}),
+    (ListState("s", pa.string()), lambda i: [f"e{i}", "x"]),
+    (ListState("s"), lambda i: [i, (i, "t")]),
+    (MapState("s", pa.string(), pa.float64()), lambda i: {"a": float(i), "b": 0.5}),
+    (MapState("s"), lambda i: {(i,): [i]}),
+    (ReducingState("s", operator.add, pa.int64()), lambda i: i + 1),
+    (ReducingState("s", operator.add), lambda i: (i,)),
+]
+
+
+def _kind_id(x):
+    return "-".join(str(v) for v in x.to_json().values()) if hasattr(x, "to_json") else ""
+
+
+@pytest.mark.parametrize("descriptor,make_value", KINDS, ids=_kind_id)
+@pytest.mark.parametrize("keys", [INT_KEYS, STR_KEYS, TUPLE_KEYS], ids=["int", "str", "tuple"])
+def test_restore_round_trip(descriptor, make_value, keys):
+    src = backend(descriptor)
+    for i, k in enumerate(keys):
+        src.put_many("s", key_group(k, M), [k], [make_value(i)])
+    full = src.capture_full(1)
+    incremental = src.capture(2)  # 1 not confirmed: also everything, with an op column
+    for deltas in (full, incremental):
+        dst = backend(descriptor)
+        for kg, table in deltas["s"].items():
+            dst.restore("s", kg, table, verify=True)
+        assert contents(dst) == contents(src)
+        assert dst.capture(1) == {"s": {}}  # restored keys are not dirty
+    # without the op column too
+    dst = backend(descriptor)
+    for kg, table in full["s"].items():
+        dst.restore("s", kg, table.drop_columns(["op"]))
+    assert contents(dst) == contents(src)
+
+
+def test_restore_rejects_bad_tables():
+    b = backend(ValueState("v", pa.int64()), ListState("l"))
+    at(b, INT_KEYS[0])
+    b.state("v").update(1)
+    b.confirm(1)
+    b.state("v").clear()
+    kg = key_group(INT_KEYS[0], M)
+    delta = b.capture(2)["v"][kg]
+    with pytest.raises(StateError, match="contains deletes; resolve the chain"):
+        backend(ValueState("v", pa.int64())).restore("v", kg, delta)
+    b.state("l").add(1)
+    list_table = b.capture(3)["l"][kg]
+    with pytest.raises(StateError, match="holds list state but the state is declared as value"):
+        backend(ValueState("l")).restore("l", kg, list_table)
+    bad_meta = list_table.replace_schema_metadata({b"abs.key_encoding": b"zstd-v9", b"abs.value_encoding": b"pickle"})
+    with pytest.raises(StateError, match="encoding b'zstd-v9'"):
+        backend(ListState("l")).restore("l", kg, bad_meta)
+    with pytest.raises(StateError, match="needs 'key' and 'value'"):
+        backend(ListState("l")).restore("l", kg, pa.table({"k": [1]}))
+    wrong_kg = next(g for g in RANGE if g != kg)
+    with pytest.raises(StateError, match="wrong key group"):
+        backend(ListState("l")).restore("l", wrong_kg, list_table, verify=True)
+
+
+# ----------------------------------------------------------------------------- state machine
+
+POOL = INT_KEYS[:2] + STR_KEYS[:1] + TUPLE_KEYS[:1]
+DESCRIPTORS = [
+    ValueState("v", pa.int64()),
+    ValueState("vp"),
+    ListState("l"),
+    MapState("m", pa.string(), pa.int64()),
+    ReducingState("r", operator.add, pa.int64()),
+]
+
+
+class DirtyTrackingMachine(RuleBasedStateMachine):
+    """Random writes, captures (incremental and full), confirms (any pending id: out of order,
+    skipping older ones) and aborts. At every capture, applying the delta to the state of its
+    base (the last confirmed checkpoint) must give the live state, and exactly the key groups
+    written since that base must appear; at every confirm, the confirmed state is rebuilt from
+    the stored deltas, and every later pending delta must also apply on top of it."""
+
+    @initialize()
+    def setup(self):
+        self.b = backend(*DESCRIPTORS)
+        self.truth = {d.name: {} for d in DESCRIPTORS}
+        self.clock = 0  # counts writes that change state
+        self.touched = []  # (time, state, kg)
+        self.next_id = 1
+        self.captures = {}  # id -> dict(full, base, deltas, truth, time)
+        self.pending = []  # captured, neither confirmed nor aborted
+        self.materialized = {None: {d.name: {} for d in DESCRIPTORS}}  # confirmed id -> state
+        self.confirmed = None
+        self.confirm_time = 0
+
+    def _touch(self, state, key):
+        self.clock += 1
+        self.touched.append((self.clock, state, key_group(key, M)))
+
+    @rule(key=st.sampled_from(POOL), value=st.integers(-5, 5))
+    def value_update(self, key, value):
+        at(self.b, key)
+        self.b.state("v").update(value)
+        self.truth["v"][key] = value
+        self._touch("v", key)
+
+    @rule(key=st.sampled_from(POOL), value=st.one_of(st.none(), st.lists(st.integers(0, 3), max_size=2)))
+    def pickled_value_update(self, key, value):
+        at(self.b, key)
+        self.b.state("vp").update(value)
+        self.truth["vp"][key] = copy.deepcopy(value)
+        self._touch("vp", key)
+
+    @rule(key=st.sampled_from(POOL), state=st.sampled_from([d.name for d in DESCRIPTORS]))
+    def clear(self, key, state):
+        at(self.b, key)
+        self.b.state(state).clear()
+        if key in self.truth[state]:
+            del self.truth[state][key]
+            self._touch(state, key)
+
+    @rule(key=st.sampled_from(POOL), value=st.integers(0, 9))
+    def list_add(self, key, value):
+        at(self.b, key)
+        self.b.state("l").add(value)
+        self.truth["l"].setdefault(key, []).append(value)
+        self._touch("l", key)
+
+    @rule(key=st.sampled_from(POOL), values=st.lists(st.integers(0, 9), max_size=2))
+    def list_update(self, key, values):
+        at(self.b, key)
+        self.b.state("l").update(values)
+        if values:
+            self.truth["l"][key] = list(values)
+            self._touch("l", key)
+        elif self.truth["l"].pop(key, None) is not None:
+            self._touch("l", key)
+
+    @rule(key=st.sampled_from(POOL), mk=st.sampled_from(["a", "b"]), value=st.integers(0, 9))
+    def map_put(self, key, mk, value):
+        at(self.b, key)
+        self.b.state("m").put(mk, value)
+        self.truth["m"].setdefault(key, {})[mk] = value
+        self._touch("m", key)
+
+    @rule(key=st.sampled_from(POOL), mk=st.sampled_from(["a", "b"]))
+    def map_remove(self, key, mk):
+        at(self.b, key)
+        self.b.state("m").remove(mk)
+        m = self.truth["m"].get(key)
+        if m is not None and mk in m:
+            del m[mk]
+            if not m:
+                del self.truth["m"][key]
+            self._touch("m", key)
+
+    @rule(key=st.sampled_from(POOL), value=st.integers(0, 9))
+    def reduce_add(self, key, value):
+        at(self.b, key)
+        self.b.state("r").add(value)
+        self.truth["r"][key] = self.truth["r"].get(key, 0) + value
+        self._touch("r", key)
+
+    @rule(keys=st.lists(st.sampled_from(POOL), max_size=4, unique=True), value=st.integers(0, 3), delete=st.booleans())
+    def bulk(self, keys, value, delete):
+        by_kg = {}
+        for k in keys:
+            by_kg.setdefault(key_group(k, M), []).append(k)
+        for kg, ks in by_kg.items():
+            if delete:
+                self.b.delete_many("v", kg, ks)
+                for k in ks:
+                    if self.truth["v"].pop(k, None) is not None:
+                        self._touch("v", k)
+            else:
+                self.b.put_many("v", kg, ks, [value] * len(ks))
+                for k in ks:
+                    self.truth["v"][k] = value
+                    self._touch("v", k)
+
+    @rule(gap=st.integers(1, 3), full=st.booleans())
+    def capture(self, gap, full):
+        cid = self.next_id
+        self.next_id += gap
+        base = self.b.last_confirmed
+        assert base == self.confirmed
+        deltas = self.b.capture_full(cid) if full else self.b.capture(cid)
+        truth = copy.deepcopy(self.truth)
+        start = self.materialized[None] if full else self.materialized[base]
+        assert apply_deltas(start, deltas) == truth, f"capture {cid} on base {base} lost a change"
+        if not full:
+            expected = {d.name: set() for d in DESCRIPTORS}
+            for t, state, kg in self.touched:
+                if t > self.confirm_time:
+                    expected[state].add(kg)
+            assert {s: set(by_kg) for s, by_kg in deltas.items()} == expected
+        self.captures[cid] = dict(full=full, base=base, deltas=deltas, truth=truth, time=self.clock)
+        self.pending.append(cid)
+
+    @rule()
+    def checkpoint_completes_at_once(self):
+        self.capture(1, False)
+        self._confirm(self.pending[-1])
+
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data())
+    def confirm(self, data):
+        self._confirm(data.draw(st.sampled_from(self.pending)))
+
+    def _confirm(self, cid):
+        c = self.captures[cid]
+        start = self.materialized[None] if c["full"] else self.materialized[c["base"]]
+        state = apply_deltas(start, c["deltas"])
+        assert state == c["truth"], f"stored delta {cid} no longer reproduces its capture"
+        self.b.confirm(cid)
+        self.materialized[cid] = state
+        self.confirmed = cid
+        self.confirm_time = c["time"]
+        for later in [x for x in self.pending if x > cid]:
+            lc = self.captures[later]
+            if not lc["full"] and (lc["base"] is None or lc["base"] <= cid):
+                assert apply_deltas(state, lc["deltas"]) == lc["truth"], f"delta {later} on base {cid}"
+        self.pending = [x for x in self.pending if x > cid]
+
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data())
+    def abort(self, data):
+        cid = data.draw(st.sampled_from(self.pending))
+        self.b.abort(cid)
+        self.pending.remove(cid)
+
+    @invariant()
+    def backend_equals_model(self):
+        if hasattr(self, "b"):
+            assert contents(self.b) == self.truth
+            assert self.b.pending_captures == tuple(self.pending)
+
+
+DirtyTrackingMachine.TestCase.settings = settings(
+    max_examples=100,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestDirtyTracking = DirtyTrackingMachine.TestCase
