@@ -1,0 +1,215 @@
+"""Sources: the split-enumerator / split-reader pattern.
+
+A :class:`Source` is a picklable description shipped to every worker. In the driver its
+:meth:`Source.splits` enumerates the splits (stable string ids) once at job start; the
+driver assigns splits to the source's subtasks (round robin, or from a restored
+checkpoint's offsets, redistributed over the new parallelism). In each worker,
+:meth:`Source.create_reader` builds a :class:`SourceReader` for the splits of that
+subtask, starting at the given offsets.
+
+The runtime calls :meth:`SourceReader.poll` in the source task's loop and injects
+checkpoint barriers *between* two polls: the offsets returned by
+:meth:`SourceReader.offsets` at that moment are what the checkpoint stores, so a reader
+restarted from them must produce exactly the records that follow the barrier.
+
+Offsets are JSON values (numbers, strings, lists, dicts of those).
+"""
+from __future__ import annotations
+
+import abc
+import time
+from typing import Any, Callable, Mapping
+
+import pyarrow as pa
+
+__all__ = [
+    "Source",
+    "SourceReader",
+    "END",
+    "GeneratorSource",
+    "FileSource",
+]
+
+Offset = Any  # a JSON value
+
+
+class _End:
+    """Sentinel returned by :meth:`SourceReader.poll` when every split is exhausted."""
+
+    _instance: "_End | None" = None
+
+    def __new__(cls) -> "_End":
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "END"
+
+    def __reduce__(self) -> str:
+        return "END"
+
+
+END = _End()
+
+
+class SourceReader(abc.ABC):
+    """Reads the splits assigned to one source subtask."""
+
+    @abc.abstractmethod
+    def poll(self) -> "pa.RecordBatch | None | _End":
+        """Return the next batch, ``None`` when nothing is available right now (the runtime
+        waits at most :meth:`wait_hint` seconds, handling barriers meanwhile), or
+        :data:`END` when every split is exhausted (bounded sources)."""
+
+    @abc.abstractmethod
+    def offsets(self) -> dict[str, Offset]:
+        """Current position of every assigned split: the next record to be read."""
+
+    def wait_hint(self) -> float:
+        """Seconds until :meth:`poll` may return data again after it returned ``None``."""
+        return 0.01
+
+    def notify_checkpoint_complete(self, checkpoint_id: int, offsets: Mapping[str, Offset]) -> None:
+        """Checkpoint ``checkpoint_id``, which stored ``offsets``, is durable (hook)."""
+
+    def close(self) -> None:
+        """Release resources."""
+
+
+class Source(abc.ABC):
+    """A picklable source description (see the module docstring)."""
+
+    @abc.abstractmethod
+    def splits(self) -> list[str]:
+        """Split ids, stable across runs (called once, in the driver)."""
+
+    def initial_offset(self, split: str) -> Offset:
+        """Offset at which a never-read split starts."""
+        return 0
+
+    @abc.abstractmethod
+    def create_reader(self, splits: Mapping[str, Offset], subtask: int, parallelism: int) -> SourceReader:
+        """Reader for ``splits`` (split id -> start offset), in the worker."""
+
+
+# --------------------------------------------------------------------------- generator
+
+
+def _default_event(split: int, index: int) -> tuple[int, int]:
+    return index, 1
+
+
+class GeneratorSource(Source):
+    """Deterministic, replayable test-data source.
+
+    Split ``s`` (of ``num_splits``) yields records ``i = s, s + num_splits, s + 2*num_splits, ...``
+    below ``count`` (``None``: unbounded), as Arrow batches with columns ``key`` (int64,
+    ``i % num_keys``), ``value`` (int64, 1) and ``seq`` (int64, ``i``) unless ``make_batch``
+    is given: ``make_batch(indices: numpy int64 array) -> pa.RecordBatch`` builds the batch
+    for global record indices, and must be a pure function of them (replayability).
+
+    The offset of a split is the number of its records already emitted. ``rate`` limits
+    records per second per split (``None``: as fast as possible).
+    """
+
+    def __init__(
+        self,
+        count: int | None,
+        *,
+        num_keys: int = 1000,
+        num_splits: int = 4,
+        batch_size: int = 4096,
+        rate: float | None = None,
+        make_batch: Callable[[Any], pa.RecordBatch] | None = None,
+    ) -> None:
+        if count is not None and count < 0:
+            raise ValueError(f"GeneratorSource: count must be >= 0 or None, got {count}")
+        if num_splits < 1 or batch_size < 1 or num_keys < 1:
+            raise ValueError("GeneratorSource: num_splits, batch_size and num_keys must be >= 1")
+        if rate is not None and rate <= 0:
+            raise ValueError(f"GeneratorSource: rate must be > 0 or None, got {rate}")
+        self.count = count
+        self.num_keys = num_keys
+        self.num_splits = num_splits
+        self.batch_size = batch_size
+        self.rate = rate
+        self.make_batch = make_batch
+
+    def splits(self) -> list[str]:
+        return [str(s) for s in range(self.num_splits)]
+
+    def split_length(self, split: int) -> int | None:
+        """Number of records split ``split`` holds (``None`` if unbounded)."""
+        if self.count is None:
+            return None
+        return max(0, (self.count - split + self.num_splits - 1) // self.num_splits)
+
+    def build_batch(self, indices: Any) -> pa.RecordBatch:
+        """The batch for global record indices (a numpy int64 array)."""
+        if self.make_batch is not None:
+            return self.make_batch(indices)
+        return pa.RecordBatch.from_arrays(
+            [pa.array(indices % self.num_keys), pa.array(indices * 0 + 1), pa.array(indices)],
+            names=["key", "value", "seq"],
+        )
+
+    def records_before(self, offsets: Mapping[str, Offset]) -> Any:
+        """Global indices of every record emitted before ``offsets`` (for tests and checks)."""
+        import numpy as np
+
+        parts = [int(s) + self.num_splits * np.arange(int(o), dtype=np.int64) for s, o in offsets.items()]
+        return np.sort(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
+
+    def create_reader(self, splits: Mapping[str, Offset], subtask: int, parallelism: int) -> SourceReader:
+        return _GeneratorReader(self, {str(k): int(v) for k, v in splits.items()})
+
+
+class _GeneratorReader(SourceReader):
+    def __init__(self, source: GeneratorSource, offsets: dict[str, int]) -> None:
+        self._src = source
+        self._offsets = dict(offsets)
+        self._order = sorted(self._offsets, key=int)
+        self._turn = 0
+        self._started = time.monotonic()
+        self._emitted_since_start = 0
+        self._wait = 0.0
+
+    def offsets(self) -> dict[str, int]:
+        return dict(self._offsets)
+
+    def wait_hint(self) -> float:
+        return self._wait
+
+    def poll(self) -> "pa.RecordBatch | None | _End":
+        import numpy as np
+
+        src = self._src
+        live = [s for s in self._order if src.split_length(int(s)) is None or self._offsets[s] < src.split_length(int(s))]
+        if not live:
+            return END
+        n = src.batch_size
+        if src.rate is not None:
+            allowed = int((time.monotonic() - self._started) * src.rate * len(self._order)) - self._emitted_since_start
+            if allowed <= 0:
+                self._wait = min(0.05, 1.0 / (src.rate * len(self._order)))
+                return None
+            n = min(n, allowed)
+        split = live[self._turn % len(live)]
+        self._turn += 1
+        start = self._offsets[split]
+        length = src.split_length(int(split))
+        if length is not None:
+            n = min(n, length - start)
+        idx = int(split) + src.num_splits * np.arange(start, start + n, dtype=np.int64)
+        self._offsets[split] = start + n
+        self._emitted_since_start += n
+        return src.build_batch(idx)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FileSource":
+        from .files import FileSource
+
+        return FileSource
+    raise AttributeError(name)
