@@ -1,0 +1,56 @@
+"""Consistent, incremental, rescalable snapshots for Python dataflows.
+
+Public API::
+
+    import abs
+    flow = abs.Dataflow("counts")
+    ...
+    result = abs.run(flow, parallelism=3, checkpoint=abs.CheckpointConfig(interval=1.0), storage="./snapshots")
+"""
+from .api import JobHandle, run, submit
+from .config import CheckpointConfig
+from .dataflow import Dataflow, KeyedStream, Stream
+from .errors import (
+    AbsError,
+    ConfigError,
+    DuplicateUidError,
+    GraphError,
+    JobFailedError,
+    OperatorError,
+    WorkerLostError,
+)
+from .runtime.driver import CheckpointStats, JobResult
+from .sinks import CollectSink, Sink, SinkWriter
+from .sources import END, GeneratorSource, Source, SourceReader
+from .state import ListState, MapState, ReducingState, ValueState
+
+__all__ = [
+    "Dataflow",
+    "Stream",
+    "KeyedStream",
+    "run",
+    "submit",
+    "JobHandle",
+    "JobResult",
+    "CheckpointStats",
+    "CheckpointConfig",
+    "ValueState",
+    "ListState",
+    "MapState",
+    "ReducingState",
+    "Source",
+    "SourceReader",
+    "END",
+    "GeneratorSource",
+    "Sink",
+    "SinkWriter",
+    "CollectSink",
+    "AbsError",
+    "ConfigError",
+    "GraphError",
+    "DuplicateUidError",
+    "JobFailedError",
+    "OperatorError",
+    "WorkerLostError",
+]
+__version__ = "0.1.0"

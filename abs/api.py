@@ -1,0 +1,156 @@
+"""Running a dataflow: :func:`run` blocks, :func:`submit` returns a :class:`JobHandle`."""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+from .config import CheckpointConfig
+from .dataflow import Dataflow
+from .errors import ConfigError, JobFailedError
+from .runtime.driver import JobDriver, JobResult, LocalExecutor
+
+__all__ = ["run", "submit", "JobHandle"]
+
+
+def _driver(
+    flow: Dataflow,
+    parallelism: int,
+    checkpoint: CheckpointConfig | None,
+    storage: str | None,
+    storage_options: dict | None,
+    restore: Any,
+    executor: Any,
+    faults: tuple,
+) -> JobDriver:
+    if not isinstance(flow, Dataflow):
+        raise ConfigError(f"expected an abs.Dataflow, got {type(flow).__name__}")
+    if executor in (None, "local"):
+        executor = LocalExecutor()
+    elif isinstance(executor, str):
+        raise ConfigError(f"executor must be 'local' or an executor object (e.g. abs.SparkExecutor), got {executor!r}")
+    if checkpoint is not None and not isinstance(checkpoint, CheckpointConfig):
+        raise ConfigError(f"checkpoint must be an abs.CheckpointConfig, got {type(checkpoint).__name__}")
+    if storage is not None and checkpoint is None:
+        checkpoint = CheckpointConfig()  # on-request and final checkpoints only
+    return JobDriver(
+        flow,
+        parallelism=parallelism,
+        checkpoint=checkpoint,
+        storage=storage,
+        storage_options=storage_options,
+        restore=restore,
+        executor=executor,
+        faults=faults,
+    )
+
+
+def run(
+    flow: Dataflow,
+    *,
+    parallelism: int = 1,
+    checkpoint: CheckpointConfig | None = None,
+    storage: str | None = None,
+    storage_options: dict | None = None,
+    restore: Any = None,
+    executor: Any = "local",
+    faults: tuple = (),
+) -> JobResult:
+    """Run ``flow`` on ``parallelism`` workers until its bounded sources are exhausted.
+
+    ``checkpoint``: when and how to checkpoint (needs ``storage``). ``storage``: a path or
+    fsspec URL (``file://``, ``memory://``, ``s3://bucket/prefix`` with ``storage_options``).
+    ``restore``: ``None``, ``"latest"``, a checkpoint id, or a savepoint path.
+    Returns a :class:`JobResult`; raises :class:`abs.JobFailedError` (with ``.result``) if
+    the job fails.
+    """
+    return _driver(flow, parallelism, checkpoint, storage, storage_options, restore, executor, faults).run()
+
+
+class JobHandle:
+    """A running job (see :func:`submit`)."""
+
+    def __init__(self, driver: JobDriver) -> None:
+        self._driver = driver
+        self._thread = threading.Thread(target=self._run, name=f"job-{driver.flow.name}", daemon=True)
+        self._exc: BaseException | None = None
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._driver.run()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
+            self._exc = exc
+
+    @property
+    def status(self) -> str:
+        return self._driver.status
+
+    def trigger_checkpoint(self, timeout: float = 120.0) -> int:
+        """Trigger a checkpoint now; returns its id once it is complete."""
+        return self._request("checkpoint", timeout)
+
+    def savepoint(self, path: str | None = None, timeout: float = 300.0, storage_options: dict | None = None) -> str:
+        """Take a checkpoint and write it as a self-contained savepoint at ``path`` (default:
+        ``<storage>/savepoints/sp-<id>``); returns the savepoint's location."""
+        cid = self._request("checkpoint", timeout)
+        store = self._driver.store
+        assert store is not None
+        dest = path or f"{self._driver.storage_url.rstrip('/')}/savepoints/sp-{cid:08d}"
+        store.savepoint(cid, dest, storage_options)
+        return dest
+
+    def _request(self, kind: str, timeout: float) -> int:
+        if not self._thread.is_alive():
+            raise JobFailedError(f"job {self._driver.flow.name!r} is not running ({self.status})")
+        reply: "queue.Queue[Any]" = queue.Queue()
+        self._driver.requests.put((kind, reply))
+        try:
+            value = reply.get(timeout=timeout)
+        except queue.Empty:
+            raise JobFailedError(f"checkpoint did not complete within {timeout:.0f} s") from None
+        if isinstance(value, BaseException):
+            raise value
+        return value
+
+    def cancel(self) -> JobResult:
+        """Stop the job (no final checkpoint) and return its result."""
+        reply: "queue.Queue[Any]" = queue.Queue()
+        self._driver.requests.put(("cancel", reply))
+        return self.wait()
+
+    def wait(self, timeout: float | None = None) -> JobResult:
+        """Block until the job ends; returns its result or raises its error."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"job {self._driver.flow.name!r} still running after {timeout} s")
+        if self._exc is not None:
+            raise self._exc
+        assert self._driver.result is not None
+        return self._driver.result
+
+    def metrics(self) -> dict:
+        """Live counters: records in per operator uid, checkpoints completed and failed."""
+        d = self._driver
+        return {
+            "status": d.status,
+            "records_in": d._records_total(),
+            "completed_checkpoints": len(d.completed),
+            "failed_checkpoints": len(d.failed),
+            "last_checkpoint": d.completed[-1].checkpoint_id if d.completed else None,
+        }
+
+
+def submit(
+    flow: Dataflow,
+    *,
+    parallelism: int = 1,
+    checkpoint: CheckpointConfig | None = None,
+    storage: str | None = None,
+    storage_options: dict | None = None,
+    restore: Any = None,
+    executor: Any = "local",
+    faults: tuple = (),
+) -> JobHandle:
+    """Start ``flow`` in the background; see :func:`run` for the arguments."""
+    return JobHandle(_driver(flow, parallelism, checkpoint, storage, storage_options, restore, executor, faults))

@@ -1,0 +1,198 @@
+"""Channels: framing of stream elements, input gates with bounded per-channel buffers, and
+senders (local: straight into the downstream gate; remote: framed over TCP).
+
+Elements on a channel are Arrow record batches, :class:`Barrier`, :class:`CancelMarker`
+and :data:`EOS`, strictly FIFO per channel.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import struct
+import threading
+from typing import Any, Sequence
+
+import pyarrow as pa
+
+__all__ = [
+    "Barrier",
+    "CancelMarker",
+    "EOS",
+    "encode",
+    "decode",
+    "InputGate",
+    "LocalSender",
+    "RemoteSender",
+    "GateClosed",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Barrier:
+    """Checkpoint barrier ``checkpoint_id``: everything before it on a channel belongs to
+    the snapshot, everything after it does not."""
+
+    checkpoint_id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CancelMarker:
+    """Checkpoint ``checkpoint_id`` was aborted upstream; stop aligning it."""
+
+    checkpoint_id: int
+
+
+class _Eos:
+    def __repr__(self) -> str:
+        return "EOS"
+
+
+EOS = _Eos()
+
+# the type tag is padded to 8 bytes so that the Arrow IPC body that follows stays 8-byte
+# aligned in the receive buffer (compute kernels warn about, and copy, unaligned buffers)
+_BATCH, _BARRIER, _CANCEL, _EOS = b"B" * 8, b"R" * 8, b"C" * 8, b"E" * 8
+_TAG = 8
+_ID = struct.Struct("<q")
+
+
+class GateClosed(Exception):
+    """The gate was closed (the task is shutting down)."""
+
+
+def encode(item: Any) -> Any:
+    """Frame one element as bytes-like: a type byte, then the payload."""
+    if isinstance(item, pa.RecordBatch):
+        sink = pa.BufferOutputStream()
+        sink.write(_BATCH)
+        with pa.ipc.new_stream(sink, item.schema) as writer:
+            writer.write_batch(item)
+        return sink.getvalue()
+    if isinstance(item, Barrier):
+        return _BARRIER + _ID.pack(item.checkpoint_id)
+    if isinstance(item, CancelMarker):
+        return _CANCEL + _ID.pack(item.checkpoint_id)
+    if item is EOS:
+        return _EOS
+    raise TypeError(f"cannot send {type(item).__name__} on a channel")
+
+
+def decode(frame: bytes) -> Any:
+    kind = frame[:_TAG]
+    if kind == _BATCH:
+        return pa.ipc.open_stream(pa.py_buffer(frame)[_TAG:]).read_next_batch()
+    if kind == _BARRIER:
+        return Barrier(_ID.unpack_from(frame, _TAG)[0])
+    if kind == _CANCEL:
+        return CancelMarker(_ID.unpack_from(frame, _TAG)[0])
+    if kind == _EOS:
+        return EOS
+    raise ValueError(f"corrupt channel frame (type byte {kind!r})")
+
+
+class InputGate:
+    """The inputs of one task: ``n`` FIFO channels with at most ``capacity`` buffered
+    elements each, plus a queue of control events that always go first.
+
+    ``take(blocked)`` returns the next element of a channel that is not blocked (round
+    robin, so no channel starves), which is how barrier alignment stops only the channels
+    that delivered the barrier.
+    """
+
+    def __init__(self, num_channels: int, capacity: int = 8) -> None:
+        self._cond = threading.Condition()
+        self._queues: list[collections.deque] = [collections.deque() for _ in range(num_channels)]
+        self._control: collections.deque = collections.deque()
+        self._capacity = capacity
+        self._next = 0
+        self._closed = False
+
+    @property
+    def num_channels(self) -> int:
+        return len(self._queues)
+
+    def put(self, channel: int, item: Any) -> None:
+        """Append to a channel; blocks while that channel's buffer is full (backpressure)."""
+        with self._cond:
+            q = self._queues[channel]
+            while len(q) >= self._capacity and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                raise GateClosed()
+            q.append(item)
+            self._cond.notify_all()
+
+    def put_control(self, event: Any) -> None:
+        with self._cond:
+            self._control.append(event)
+            self._cond.notify_all()
+
+    def take(self, blocked: "frozenset[int] | set[int]", timeout: float) -> "tuple[int, Any] | None":
+        """Next ``(channel, element)`` from an unblocked channel, ``(-1, event)`` for a control
+        event, or ``None`` after ``timeout`` seconds without either."""
+        with self._cond:
+            waited = False
+            while True:
+                if self._control:
+                    return -1, self._control.popleft()
+                n = len(self._queues)
+                for step in range(n):
+                    ch = (self._next + step) % n
+                    q = self._queues[ch]
+                    if q and ch not in blocked:
+                        self._next = (ch + 1) % n
+                        item = q.popleft()
+                        if len(q) == self._capacity - 1:
+                            self._cond.notify_all()
+                        return ch, item
+                if waited:
+                    return None
+                self._cond.wait(timeout)
+                waited = True
+
+    def wait_control(self, timeout: float) -> "Any | None":
+        """Wait up to ``timeout`` for a control event (source tasks have no channels)."""
+        with self._cond:
+            if not self._control and timeout > 0:
+                self._cond.wait(timeout)
+            return self._control.popleft() if self._control else None
+
+    def buffered(self) -> list[int]:
+        with self._cond:
+            return [len(q) for q in self._queues]
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+class LocalSender:
+    """A channel to a task in the same worker: elements are handed over without copying."""
+
+    def __init__(self, gate: InputGate, channel: int) -> None:
+        self._gate = gate
+        self._channel = channel
+
+    def send(self, item: Any) -> None:
+        self._gate.put(self._channel, item)
+
+    def close(self) -> None:
+        pass
+
+
+class RemoteSender:
+    """A channel to a task in another worker over an authenticated connection."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+
+    def send(self, item: Any) -> None:
+        self._conn.send_bytes(encode(item))
+
+    def close(self) -> None:
+        try:
+            self._conn.close()
+        except OSError:
+            pass
+

@@ -1,0 +1,604 @@
+"""The driver: launches workers, hosts the checkpoint coordinator and the source split
+enumerators, commits manifests, and supervises the job.
+
+The coordinator (:mod:`abs.coordinator`) is pure; this module is the thin layer that turns
+its actions into messages and storage calls:
+
+    Trigger(n)         -> "trigger" to every worker (source tasks inject barrier n)
+    Abort(n)           -> "abort" to every worker (tasks aligning n stop, cancel markers flow)
+    Commit(n, acks)    -> manifest n written atomically (the commit point), then
+    NotifyComplete(n)  -> "complete" to every worker (sinks commit, deltas are confirmed)
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import queue
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Listener, wait
+from typing import Any
+
+import pyarrow as pa
+
+from ..config import CheckpointConfig
+from ..coordinator import Abort, CheckpointCoordinator, Commit, NotifyComplete, Trigger
+from ..dataflow import Dataflow
+from ..errors import ConfigError, JobFailedError, OperatorError, WorkerLostError
+from ..keygroups import routing_table
+from .plan import compile_plan
+from .worker import WorkerSpec
+
+__all__ = ["JobDriver", "CheckpointStats", "JobResult", "LocalExecutor"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointStats:
+    """One completed checkpoint as the driver saw it."""
+
+    checkpoint_id: int
+    trigger_time: float  # seconds since job start
+    duration: float  # trigger to manifest committed
+    alignment_time: float  # max over tasks
+    sync_time: float  # max over tasks: synchronous part of the snapshot
+    async_time: float  # max over tasks: encoding + upload
+    bytes_written: int
+    full_size: int
+    files_written: int
+
+
+@dataclasses.dataclass
+class JobResult:
+    """What :func:`abs.run` returns (and :meth:`abs.JobHandle.wait`)."""
+
+    job_name: str
+    status: str  # FINISHED | FAILED | CANCELED
+    parallelism: int
+    duration: float
+    completed_checkpoints: list[CheckpointStats]
+    failed_checkpoints: list[tuple[int, str]]
+    restarts: list[dict]
+    restored_from: int | None
+    records_in: dict[str, int]
+    bytes_restored_per_worker: list[int]
+    timings: dict = dataclasses.field(default_factory=dict)  # startup_s, processing_s, finishing_s
+    error: str | None = None
+    _collected: dict[str, list[bytes]] = dataclasses.field(default_factory=dict, repr=False)
+
+    def collected(self, uid: str) -> pa.Table:
+        """Every record a :class:`abs.sinks.CollectSink` with this uid received."""
+        from .channels import decode
+
+        batches = [decode(b) for b in self._collected.get(uid, [])]
+        if not batches:
+            return pa.table({})
+        return pa.Table.from_batches(batches).combine_chunks() if len({b.schema for b in batches}) == 1 else pa.concat_tables(
+            [pa.Table.from_batches([b]) for b in batches], promote_options="default"
+        )
+
+    @property
+    def last_checkpoint(self) -> int | None:
+        return self.completed_checkpoints[-1].checkpoint_id if self.completed_checkpoints else None
+
+
+class LocalExecutor:
+    """Runs the workers as processes on this machine (the embedded default)."""
+
+    def launch(self, index: int, boot: dict) -> subprocess.Popen:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "from abs.runtime.worker import main; main()"], stdin=subprocess.PIPE, env=env, close_fds=True
+        )
+        assert proc.stdin is not None
+        proc.stdin.write((json.dumps(boot) + "\n").encode())
+        proc.stdin.close()
+        return proc
+
+
+class JobDriver:
+    def __init__(
+        self,
+        flow: Dataflow,
+        *,
+        parallelism: int,
+        checkpoint: CheckpointConfig | None,
+        storage: str | None,
+        storage_options: dict | None,
+        restore: Any,
+        executor: Any,
+        faults: tuple = (),
+        startup_timeout: float = 120.0,
+        heartbeat_timeout: float = 60.0,
+    ) -> None:
+        flow.validate()
+        if not isinstance(parallelism, int) or parallelism < 1:
+            raise ConfigError(f"parallelism must be a positive integer, got {parallelism!r}")
+        if parallelism > flow.max_parallelism:
+            raise ConfigError(
+                f"parallelism {parallelism} exceeds max_parallelism {flow.max_parallelism} of dataflow {flow.name!r}; "
+                "lower the parallelism (max_parallelism changes only through the offline re-key tool)"
+            )
+        self.flow = flow
+        self.P = parallelism
+        self.config = checkpoint or CheckpointConfig()
+        self.checkpointing = storage is not None and (checkpoint is not None)
+        if checkpoint is not None and storage is None:
+            raise ConfigError("checkpoint= needs storage= (a path or fsspec URL where snapshots are written)")
+        if restore is not None and storage is None and not isinstance(restore, str):
+            raise ConfigError("restore= needs storage= or a savepoint path")
+        self.storage_url = storage
+        self.storage_options = storage_options
+        self.restore = restore
+        self.executor = executor or LocalExecutor()
+        self.faults = tuple(faults)
+        self.startup_timeout = startup_timeout
+        self.heartbeat_timeout = heartbeat_timeout
+        self.plan = compile_plan(flow)
+        self.requests: "queue.Queue[tuple]" = queue.Queue()
+        self.store = None
+        self._collected: dict[str, list[bytes]] = {}
+        self._records: dict[int, dict] = {}
+        self._bytes_restored: list[int] = [0] * parallelism
+        self.completed: list[CheckpointStats] = []
+        self.failed: list[tuple[int, str]] = []
+        self.restored_from: int | None = None
+        self.status = "CREATED"
+        self._waiters: dict[int, "queue.Queue[Any]"] = {}
+        self._done = threading.Event()
+        self.result: JobResult | None = None
+        self.error: BaseException | None = None
+
+    # ------------------------------------------------------------------ set-up
+    def _open_storage(self) -> tuple[int, dict]:
+        """Open the store, check the job fingerprint, resolve what to restore."""
+        restore_info: dict = {}
+        first_id = 1
+        if self.storage_url is not None:
+            from storage import SnapshotStore
+
+            self.store = SnapshotStore.open(self.storage_url, self.storage_options)
+            self.store.init_job(self.flow.fingerprint())
+            first_id = self.store.next_checkpoint_id()
+        if self.restore is not None:
+            restore_info = self._resolve_restore()
+        return first_id, restore_info
+
+    def _resolve_restore(self) -> dict:
+        from storage import SnapshotStore
+
+        r = self.restore
+        if isinstance(r, str) and r != "latest":
+            store = SnapshotStore.open(r, None)
+            ids = store.list_checkpoints()
+            if not ids:
+                raise ConfigError(f"restore={r!r}: no complete checkpoint or savepoint there; give another path")
+            manifest, url, opts = store.read_manifest(ids[-1]), r, None
+        else:
+            assert self.store is not None
+            if r == "latest":
+                latest = self.store.latest_checkpoint()
+                if latest is None:
+                    return {}  # nothing to restore yet: a fresh start, like Flink's "latest" with no checkpoint
+                cid = latest
+            else:
+                if not isinstance(r, int):
+                    raise ConfigError(f"restore must be None, 'latest', a checkpoint id or a savepoint path, got {r!r}")
+                if r not in self.store.list_checkpoints():
+                    raise ConfigError(
+                        f"restore={r}: checkpoint {r} is not complete in {self.storage_url} "
+                        f"(complete: {self.store.list_checkpoints()}); pick one of those"
+                    )
+                cid = r
+            manifest, url, opts = self.store.read_manifest(cid), self.storage_url, self.storage_options
+        if manifest.max_parallelism != self.flow.max_parallelism:
+            raise ConfigError(
+                f"checkpoint {manifest.checkpoint_id} was taken with max_parallelism {manifest.max_parallelism}, "
+                f"the job has {self.flow.max_parallelism}; keep max_parallelism or re-key the snapshot offline"
+            )
+        self.restored_from = manifest.checkpoint_id
+        return {"manifest": manifest, "url": url, "options": opts}
+
+    def _assign_splits(self, manifest: Any) -> dict:
+        out: dict = {}
+        for node in self.flow.nodes:
+            if node.kind != "source":
+                continue
+            source = node.spec["source"]
+            restored = dict((manifest.source_offsets.get(node.uid, {}) if manifest is not None else {}))
+            splits = sorted(set(source.splits()) | set(restored))
+            per_subtask: dict[int, dict] = {s: {} for s in range(self.P)}
+            for j, split in enumerate(splits):
+                offset = restored[split] if split in restored else source.initial_offset(split)
+                per_subtask[j % self.P][split] = offset
+            out[node.uid] = per_subtask
+        return out
+
+    def _spec(self, restore_info: dict) -> WorkerSpec:
+        manifest = restore_info.get("manifest")
+        sink_txns = {}
+        if manifest is not None:
+            for uid, by_subtask in manifest.sink_transactions.items():
+                txns = []
+                for _s, lst in sorted(by_subtask.items(), key=lambda kv: int(kv[0])):
+                    txns.extend(lst)
+                sink_txns[uid] = txns
+        return WorkerSpec(
+            flow=self.flow,
+            parallelism=self.P,
+            routing=routing_table(self.flow.max_parallelism, self.P),
+            checkpointing=self.checkpointing,
+            checkpoint_mode=self.config.mode,
+            storage_url=self.storage_url,
+            storage_options=self.storage_options,
+            source_splits=self._assign_splits(manifest),
+            restore_url=restore_info.get("url"),
+            restore_storage_options=restore_info.get("options"),
+            keyed_chains=dict(manifest.keyed) if manifest is not None else None,
+            sink_transactions=sink_txns or None,
+            faults=self.faults,
+        )
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> JobResult:
+        t_start = time.monotonic()
+        self.t_start = t_start
+        procs: list = []
+        conns: dict[int, Any] = {}
+        try:
+            first_id, restore_info = self._open_storage()
+            spec = self._spec(restore_info)
+            procs, conns = self._launch(spec)
+            self._t_started = time.monotonic()
+            self.status = "RUNNING"
+            self._loop(procs, conns, first_id)
+            self.status = "FINISHED"
+        except BaseException as exc:
+            self.status = "CANCELED" if isinstance(exc, _Canceled) else "FAILED"
+            self.error = exc
+        finally:
+            self._teardown(procs, conns)
+        self.result = JobResult(
+            job_name=self.flow.name,
+            status=self.status,
+            parallelism=self.P,
+            duration=time.monotonic() - t_start,
+            completed_checkpoints=list(self.completed),
+            failed_checkpoints=list(self.failed),
+            restarts=[],
+            restored_from=self.restored_from,
+            records_in=self._records_total(),
+            bytes_restored_per_worker=list(self._bytes_restored),
+            timings=self._timings(t_start),
+            error=None if self.error is None else str(self.error),
+            _collected=self._collected,
+        )
+        self._done.set()
+        if self.status == "FAILED":
+            err = self.error
+            if isinstance(err, JobFailedError):
+                err.result = self.result
+                raise err
+            if isinstance(err, (ConfigError,)) or not isinstance(err, Exception):
+                raise err  # type: ignore[misc]
+            raise JobFailedError(f"job {self.flow.name!r} failed: {err}", self.result) from err
+        return self.result
+
+    def _timings(self, t_start: float) -> dict:
+        end = time.monotonic()
+        started = getattr(self, "_t_started", end)
+        exhausted = getattr(self, "_t_exhausted", end)
+        return {
+            "startup_s": started - t_start,
+            "processing_s": max(exhausted - started, 1e-9),
+            "finishing_s": end - exhausted,
+        }
+
+    def _records_total(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for per_worker in self._records.values():
+            for uid, n in per_worker.items():
+                total[uid] = total.get(uid, 0) + n
+        return total
+
+    def _launch(self, spec: WorkerSpec) -> tuple[list, dict]:
+        import cloudpickle
+
+        secret = secrets.token_bytes(32)
+        listener = Listener(("127.0.0.1", 0), authkey=secret)
+        procs = []
+        conns: dict[int, Any] = {}
+        try:
+            for i in range(self.P):
+                boot = {"driver": list(listener.address), "secret": secret.hex(), "index": i}
+                procs.append(self.executor.launch(i, boot))
+            accepted: list = []
+            acceptor = threading.Thread(target=lambda: [accepted.append(listener.accept()) for _ in range(self.P)], daemon=True)
+            acceptor.start()
+            deadline = time.monotonic() + self.startup_timeout
+            while acceptor.is_alive() and time.monotonic() < deadline:
+                acceptor.join(0.1)
+                self._check_procs(procs, conns)
+            if len(accepted) < self.P:
+                raise WorkerLostError(f"only {len(accepted)} of {self.P} workers connected within {self.startup_timeout:.0f} s")
+            for c in accepted:
+                kind, index = c.recv()
+                conns[index] = c
+            payload = cloudpickle.dumps(spec)
+            for c in conns.values():
+                c.send(("spec", payload))
+            addresses = [self._expect(conns[i], "listening", procs) for i in range(self.P)]
+            for c in conns.values():
+                c.send(("peers", addresses))
+            for i in range(self.P):
+                stats = self._expect(conns[i], "ready", procs)
+                self._bytes_restored[i] = stats.get("bytes_restored", 0)
+            for c in conns.values():
+                c.send(("start",))
+        finally:
+            listener.close()
+        return procs, conns
+
+    def _expect(self, conn: Any, kind: str, procs: list) -> Any:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if conn.poll(0.1):
+                msg = conn.recv()
+                if msg[0] == kind:
+                    return msg[1]
+                if msg[0] == "failed":
+                    raise JobFailedError(f"job {self.flow.name!r}: {msg[1]} failed to start:\n{msg[3]}")
+                continue
+            self._check_procs(procs, {})
+        raise WorkerLostError(f"job {self.flow.name!r}: a worker did not report {kind!r} within {self.startup_timeout:.0f} s")
+
+    def _check_procs(self, procs: list, conns: dict) -> None:
+        for i, p in enumerate(procs):
+            code = p.poll()
+            if code is not None and code != 0:
+                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                raise WorkerLostError(
+                    f"job {self.flow.name!r}: worker {i} (pid {p.pid}) {how}; no checkpoint after the last "
+                    "complete one is used; restart the job with restore='latest'"
+                )
+
+    # ------------------------------------------------------------------ main loop
+    def _loop(self, procs: list, conns: dict, first_id: int) -> None:
+        expected = self.plan.task_keys(self.P)
+        source_keys = {k for k in expected if self.plan.tasks[int(k[4:].split("#")[0])].is_source}
+        coord = CheckpointCoordinator(self.config, expected, first_id, clock=time.monotonic)
+        self.coord = coord
+        exhausted: set[str] = set()
+        done_tasks: set[str] = set()
+        final_from: int | None = None  # first checkpoint id triggered after every source was exhausted
+        finishing = False
+        last_seen = {i: time.monotonic() for i in conns}
+        trigger_times: dict[int, float] = {}
+        finals_requested = 0
+        by_conn = {id(c): i for i, c in conns.items()}
+
+        def broadcast(msg: tuple) -> None:
+            for c in conns.values():
+                try:
+                    c.send(msg)
+                except OSError:
+                    pass
+
+        def handle(actions: list) -> None:
+            nonlocal final_from, finishing
+            for a in actions:
+                if isinstance(a, Trigger):
+                    trigger_times[a.checkpoint_id] = time.monotonic()
+                    if final_from is None and len(exhausted) == len(source_keys):
+                        final_from = a.checkpoint_id
+                    broadcast(("trigger", a.checkpoint_id))
+                elif isinstance(a, Abort):
+                    self.failed.append((a.checkpoint_id, a.reason))
+                    broadcast(("abort", a.checkpoint_id, a.reason))
+                    if self.config.mode == "stop_the_world":
+                        broadcast(("resume", a.checkpoint_id))
+                    self._notify_waiter(a.checkpoint_id, JobFailedError(f"checkpoint {a.checkpoint_id} failed: {a.reason}"))
+                    if final_from is not None and a.checkpoint_id >= final_from:
+                        final_from = None  # retry the final checkpoint
+                elif isinstance(a, Commit):
+                    try:
+                        self._commit(a, trigger_times.get(a.checkpoint_id, a.started_at))
+                    except Exception as exc:  # noqa: BLE001 - a failed commit fails the checkpoint only
+                        handle(coord.on_commit_failed(a.checkpoint_id, f"{type(exc).__name__}: {exc}"))
+                        continue
+                    handle(coord.on_committed(a.checkpoint_id))
+                elif isinstance(a, NotifyComplete):
+                    broadcast(("complete", a.checkpoint_id))
+                    if self.config.mode == "stop_the_world":
+                        broadcast(("resume", a.checkpoint_id))
+                    self._notify_waiter(a.checkpoint_id, a.checkpoint_id)
+                    if final_from is not None and a.checkpoint_id >= final_from and not finishing:
+                        finishing = True
+                        broadcast(("finish",))
+
+        while True:
+            self._check_procs(procs, conns)
+            for conn in wait(list(conns.values()), timeout=0.02):
+                i = by_conn[id(conn)]
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    self._check_procs(procs, conns)
+                    time.sleep(0.2)
+                    self._check_procs(procs, conns)
+                    raise WorkerLostError(f"job {self.flow.name!r}: lost the connection to worker {i}; restart with restore='latest'")
+                last_seen[i] = time.monotonic()
+                kind = msg[0]
+                if kind == "ack":
+                    handle(coord.on_ack(msg[1], msg[2], msg[3]))
+                elif kind == "decline":
+                    handle(coord.on_decline(msg[1], msg[2], msg[3]))
+                elif kind == "collect":
+                    self._collected.setdefault(msg[1], []).append(msg[2])
+                elif kind == "metrics":
+                    self._records[msg[1]] = msg[2]["records_in"]
+                elif kind == "source_exhausted":
+                    exhausted.add(msg[1])
+                    if len(exhausted) == len(source_keys):
+                        self._t_exhausted = time.monotonic()
+                elif kind == "task_done":
+                    done_tasks.add(msg[1])
+                    coord.on_task_finished(msg[1])
+                elif kind == "failed":
+                    handle(coord.on_task_failed(msg[1]))
+                    raise OperatorError(
+                        f"job {self.flow.name!r}: operator {msg[2]!r} failed in {msg[1]} (worker {i}):\n{msg[3]}"
+                    )
+            now = time.monotonic()
+            for i, seen in last_seen.items():
+                if now - seen > self.heartbeat_timeout:
+                    raise WorkerLostError(
+                        f"job {self.flow.name!r}: worker {i} sent nothing for {now - seen:.0f} s (heartbeat timeout); "
+                        "it is hung or overloaded"
+                    )
+            self._serve_requests(coord, handle, broadcast)
+            if len(done_tasks) == len(expected):
+                broadcast(("shutdown",))
+                self._collect_done(conns, procs)
+                return
+            if finishing:
+                continue
+            if len(exhausted) == len(source_keys):
+                if not self.checkpointing:
+                    finishing = True
+                    broadcast(("finish",))
+                    continue
+                if final_from is None and not coord.pending_ids():
+                    finals_requested += 1
+                    if finals_requested > 5:
+                        raise JobFailedError(
+                            f"job {self.flow.name!r}: the final checkpoint failed 5 times "
+                            f"(last: {self.failed[-1][1] if self.failed else '?'}); output since the last complete "
+                            "checkpoint is not committed; fix the cause and restart with restore='latest'"
+                        )
+                    coord.request()
+            handle(coord.tick())
+
+    def _serve_requests(self, coord: Any, handle: Any, broadcast: Any) -> None:
+        while True:
+            try:
+                req = self.requests.get_nowait()
+            except queue.Empty:
+                return
+            kind, reply = req
+            if kind == "cancel":
+                broadcast(("stop",))
+                raise _Canceled()
+            if not self.checkpointing:
+                reply.put(JobFailedError("checkpointing is off for this job (no storage= or checkpoint=)"))
+                continue
+            cid = coord.request()
+            if cid is None:
+                cid = coord.queued_id() if hasattr(coord, "queued_id") else None
+            if cid is None:
+                reply.put(JobFailedError("could not trigger a checkpoint now; try again"))
+            else:
+                self._waiters[cid] = reply
+            handle(coord.tick())
+
+    def _notify_waiter(self, cid: int, value: Any) -> None:
+        q = self._waiters.pop(cid, None)
+        if q is not None:
+            q.put(value)
+
+    def _commit(self, a: Any, triggered: float) -> None:
+        from storage import Manifest
+
+        keyed: dict = {}
+        offsets: dict = {}
+        sinks: dict = {}
+        align = sync = asyn = 0.0
+        written = files = 0
+        for task, ack in a.acks.items():
+            for uid, states in ack["keyed"].items():
+                for state, by_kg in states.items():
+                    keyed.setdefault(uid, {}).setdefault(state, {}).update(by_kg)
+            for uid, offs in ack["source_offsets"].items():
+                offsets.setdefault(uid, {}).update(offs)
+            for uid, by_sub in ack["sink_transactions"].items():
+                sinks.setdefault(uid, {}).update(by_sub)
+            align = max(align, ack["alignment_time"])
+            sync = max(sync, ack["sync_time"])
+            asyn = max(asyn, ack["async_time"])
+            written += ack["bytes_written"]
+            files += ack["files_written"]
+        now = time.monotonic()
+        manifest = Manifest(
+            checkpoint_id=a.checkpoint_id,
+            job_name=self.flow.name,
+            max_parallelism=self.flow.max_parallelism,
+            keyed=keyed,
+            source_offsets=offsets,
+            sink_transactions=sinks,
+            stats={
+                "duration_s": now - triggered,
+                "alignment_s": align,
+                "sync_s": sync,
+                "async_s": asyn,
+                "parallelism": self.P,
+                "mode": self.config.mode,
+            },
+        )
+        self.store.commit(manifest)
+        self.store_gc()
+        full = sum(r.bytes for r in manifest.files().values())
+        self.completed.append(
+            CheckpointStats(
+                a.checkpoint_id, triggered - self.t_start, now - triggered, align, sync, asyn, written, full, files
+            )
+        )
+
+    def store_gc(self) -> None:
+        try:
+            self.store.gc(self.config.retained)
+        except Exception as exc:  # noqa: BLE001 - GC failures never fail a checkpoint
+            print(f"[abs] warning: garbage collection failed ({exc}); files are kept", file=sys.stderr)
+
+    def _collect_done(self, conns: dict, procs: list) -> None:
+        pending = set(conns)
+        deadline = time.monotonic() + 60
+        while pending and time.monotonic() < deadline:
+            for conn in wait([conns[i] for i in pending], timeout=0.1):
+                i = next(k for k, c in conns.items() if c is conn)
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    pending.discard(i)
+                    continue
+                if msg[0] == "done":
+                    self._records[msg[1]] = msg[2]["records_in"]
+                    pending.discard(i)
+                elif msg[0] == "collect":
+                    self._collected.setdefault(msg[1], []).append(msg[2])
+
+    def _teardown(self, procs: list, conns: dict) -> None:
+        for c in conns.values():
+            try:
+                c.send(("stop",))
+            except OSError:
+                pass
+        deadline = time.monotonic() + 5
+        for p in procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for c in conns.values():
+            try:
+                c.close()
+            except OSError:
+                pass
+
+
+class _Canceled(Exception):
+    pass

@@ -1,0 +1,472 @@
+"""Operator runtimes: what a task runs for each node of its chain.
+
+Every operator receives Arrow batches in :meth:`OperatorRuntime.process` and pushes its
+output to ``self.outputs`` (chained operators' ``process`` or exchange writers). At a
+barrier the task calls :meth:`OperatorRuntime.snapshot` on every operator of the chain, in
+topological order, *before* forwarding the barrier: that is the synchronous part of the
+snapshot, and it returns an :class:`OpSnapshot` that the uploader turns into files.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ..dataflow import Node
+from ..errors import GraphError
+from ..keygroups import KeyGroupRange, key_groups
+from ..sinks import CollectSink, SinkWriter
+from ..state import KeyedStateBackend
+
+__all__ = ["OpSnapshot", "OperatorRuntime", "build_operator", "KeyExtractor", "UserFunctionError"]
+
+
+class UserFunctionError(Exception):
+    """A user function (map, key function, process...) raised; carries the operator uid."""
+
+    def __init__(self, uid: str, what: str, exc: BaseException) -> None:
+        super().__init__(f"operator {uid!r}: {what} raised {type(exc).__name__}: {exc}")
+        self.uid = uid
+
+
+@dataclasses.dataclass
+class OpSnapshot:
+    """The synchronous part of one operator's snapshot for checkpoint ``checkpoint_id``."""
+
+    uid: str
+    deltas: dict = dataclasses.field(default_factory=dict)  # state -> kg -> pa.Table
+    prev_chains: dict = dataclasses.field(default_factory=dict)  # state -> kg -> [FileRef]
+    source_offsets: dict | None = None
+    sink_transactions: list | None = None
+    on_chains: Callable[[int, dict], None] | None = None  # uploader reports the new chains
+
+
+class KeyExtractor:
+    """Keys and key groups of a batch for a key spec: a column, a tuple of columns or a
+    function of the record."""
+
+    def __init__(self, uid: str, key: Any, max_parallelism: int) -> None:
+        self.uid = uid
+        self.key = key
+        self.max_parallelism = max_parallelism
+
+    def _column(self, batch: pa.RecordBatch, name: str) -> pa.Array:
+        idx = batch.schema.get_field_index(name)
+        if idx < 0:
+            raise GraphError(
+                f"operator {self.uid!r}: key column {name!r} is not in the stream "
+                f"(columns: {', '.join(batch.schema.names)}); fix the key_by(...) column name"
+            )
+        return batch.column(idx)
+
+    def key_groups(self, batch: pa.RecordBatch, rows: list | None = None) -> np.ndarray:
+        key = self.key
+        if isinstance(key, str):
+            return key_groups(self._column(batch, key), self.max_parallelism)
+        return key_groups(self.keys(batch, rows), self.max_parallelism)
+
+    def keys(self, batch: pa.RecordBatch, rows: list | None = None) -> list:
+        key = self.key
+        if isinstance(key, str):
+            return self._column(batch, key).to_pylist()
+        if isinstance(key, tuple):
+            return list(zip(*(self._column(batch, k).to_pylist() for k in key)))
+        if rows is None:
+            rows = batch.to_pylist()
+        try:
+            return [key(r) for r in rows]
+        except Exception as exc:
+            raise UserFunctionError(self.uid, "the key_by function", exc) from exc
+
+
+class OperatorRuntime:
+    """Base: a stateless pass-through."""
+
+    stateful = False
+
+    def __init__(self, node: Node, ctx: "Any") -> None:
+        self.node = node
+        self.uid = node.uid
+        self.ctx = ctx
+        self.outputs: list[Callable[[pa.RecordBatch], None]] = []
+        self.records_in = 0
+
+    def open(self) -> None:
+        pass
+
+    def emit(self, batch: "pa.RecordBatch | None") -> None:
+        if batch is not None and batch.num_rows:
+            for out in self.outputs:
+                out(batch)
+
+    def process(self, batch: pa.RecordBatch) -> None:
+        self.records_in += batch.num_rows
+        self.emit(batch)
+
+    def snapshot(self, checkpoint_id: int, full: bool = False) -> OpSnapshot | None:
+        return None
+
+    def notify_complete(self, checkpoint_id: int) -> None:
+        pass
+
+    def notify_abort(self, checkpoint_id: int) -> None:
+        pass
+
+    def end_input(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _to_batch(rows: list, uid: str) -> pa.RecordBatch | None:
+    if not rows:
+        return None
+    try:
+        return pa.RecordBatch.from_pylist(rows)
+    except Exception as exc:
+        raise GraphError(
+            f"operator {uid!r}: its output records cannot form an Arrow batch ({exc}); "
+            "emit dicts with the same keys and consistent value types"
+        ) from exc
+
+
+def _call(uid: str, what: str, fn: Callable, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except Exception as exc:
+        raise UserFunctionError(uid, what, exc) from exc
+
+
+class MapOp(OperatorRuntime):
+    def process(self, batch: pa.RecordBatch) -> None:
+        self.records_in += batch.num_rows
+        fn = self.node.spec["fn"]
+        try:
+            out = [fn(r) for r in batch.to_pylist()]
+        except Exception as exc:
+            raise UserFunctionError(self.uid, "the map function", exc) from exc
+        self.emit(_to_batch(out, self.uid))
+
+
+class FilterOp(OperatorRuntime):
+    def process(self, batch: pa.RecordBatch) -> None:
+        self.records_in += batch.num_rows
+        fn = self.node.spec["fn"]
+        try:
+            mask = [bool(fn(r)) for r in batch.to_pylist()]
+        except Exception as exc:
+            raise UserFunctionError(self.uid, "the filter function", exc) from exc
+        self.emit(batch.filter(pa.array(mask, pa.bool_())))
+
+
+class FlatMapOp(OperatorRuntime):
+    def process(self, batch: pa.RecordBatch) -> None:
+        self.records_in += batch.num_rows
+        fn = self.node.spec["fn"]
+        out: list = []
+        try:
+            for r in batch.to_pylist():
+                out.extend(fn(r))
+        except Exception as exc:
+            raise UserFunctionError(self.uid, "the flat_map function", exc) from exc
+        self.emit(_to_batch(out, self.uid))
+
+
+class MapBatchesOp(OperatorRuntime):
+    def process(self, batch: pa.RecordBatch) -> None:
+        self.records_in += batch.num_rows
+        out = _call(self.uid, "the map_batches function", self.node.spec["fn"], batch)
+        if out is None:
+            return
+        if isinstance(out, pa.Table):
+            for b in out.to_batches():
+                self.emit(b)
+        elif isinstance(out, pa.RecordBatch):
+            self.emit(out)
+        else:
+            raise GraphError(
+                f"operator {self.uid!r}: map_batches must return a pyarrow RecordBatch, Table or None, "
+                f"got {type(out).__name__}"
+            )
+
+
+# ----------------------------------------------------------------------------- keyed
+
+
+class KeyedOp(OperatorRuntime):
+    """Base of operators with keyed state: owns the state backend, the confirmed chain
+    of files per key group, and the snapshot/confirm cycle."""
+
+    stateful = True
+
+    def __init__(self, node: Node, ctx: Any) -> None:
+        super().__init__(node, ctx)
+        key = node.inputs[0].key
+        self.extractor = KeyExtractor(node.uid, key, ctx.max_parallelism)
+        self.key_group_range: KeyGroupRange = ctx.key_group_range
+        self.backend = KeyedStateBackend(
+            node.uid, node.spec.get("state", ()), ctx.max_parallelism, self.key_group_range
+        )
+        self.confirmed_chains: dict = {s.name: {} for s in node.spec.get("state", ())}
+        self.pending_chains: dict[int, dict] = {}
+
+    def restore(self, chains: dict, read_chain: Callable[[list], pa.Table]) -> int:
+        """Load the key groups of this subtask from ``chains`` (state -> kg -> [FileRef]).
+        Returns bytes read."""
+        nbytes = 0
+        for state, by_kg in chains.items():
+            if state not in self.confirmed_chains:
+                continue  # compatibility is checked by the driver before anything runs
+            for kg, chain in by_kg.items():
+                if kg not in self.key_group_range:
+                    continue
+                table = read_chain(chain)
+                nbytes += sum(ref.bytes for ref in chain)
+                self.backend.restore(state, kg, table)
+                self.confirmed_chains[state][kg] = list(chain)
+        return nbytes
+
+    def snapshot(self, checkpoint_id: int, full: bool = False) -> OpSnapshot:
+        deltas = self.backend.capture_full(checkpoint_id) if full else self.backend.capture(checkpoint_id)
+        prev = {s: ({} if full else dict(c)) for s, c in self.confirmed_chains.items()}
+        return OpSnapshot(self.uid, deltas=deltas, prev_chains=prev, on_chains=self._chains_written)
+
+    def _chains_written(self, checkpoint_id: int, chains: dict) -> None:
+        self.pending_chains[checkpoint_id] = chains
+
+    def notify_complete(self, checkpoint_id: int) -> None:
+        chains = self.pending_chains.pop(checkpoint_id, None)
+        if chains is not None:
+            self.confirmed_chains = chains
+            self.backend.confirm(checkpoint_id)
+        for old in [c for c in self.pending_chains if c < checkpoint_id]:
+            del self.pending_chains[old]
+
+    def notify_abort(self, checkpoint_id: int) -> None:
+        self.pending_chains.pop(checkpoint_id, None)
+        self.backend.abort(checkpoint_id)
+
+
+class ProcessOp(KeyedOp):
+    def open(self) -> None:
+        self.fn = self.node.spec["fn"]
+        self.context = types.SimpleNamespace(key=None, emit=None)
+        self.context.state = types.SimpleNamespace(
+            **{s.name: self.backend.state(s.name) for s in self.node.spec.get("state", ())}
+        )
+
+    def process(self, batch: pa.RecordBatch) -> None:
+        n = batch.num_rows
+        self.records_in += n
+        rows = batch.to_pylist()
+        keys = self.extractor.keys(batch, rows)
+        kgs = self.extractor.key_groups(batch, rows).tolist()
+        out: list = []
+        ctx = self.context
+        ctx.emit = out.append
+        backend = self.backend
+        fn = self.fn
+        try:
+            for k, g, row in zip(keys, kgs, rows):
+                backend.current_key = k
+                backend.current_kg = g
+                ctx.key = k
+                fn(ctx, row)
+        except Exception as exc:
+            raise UserFunctionError(self.uid, "the process function", exc) from exc
+        self.emit(_to_batch(out, self.uid))
+
+
+class ReduceOp(KeyedOp):
+    def open(self) -> None:
+        self.acc = self.backend.state("acc")
+
+    def process(self, batch: pa.RecordBatch) -> None:
+        self.records_in += batch.num_rows
+        rows = batch.to_pylist()
+        keys = self.extractor.keys(batch, rows)
+        kgs = self.extractor.key_groups(batch, rows).tolist()
+        fn = self.node.spec["fn"]
+        backend, acc = self.backend, self.acc
+        out = []
+        try:
+            for k, g, row in zip(keys, kgs, rows):
+                backend.current_key = k
+                backend.current_kg = g
+                old = acc.value()
+                new = row if old is None else fn(old, row)
+                acc.update(new)
+                out.append(new)
+        except Exception as exc:
+            raise UserFunctionError(self.uid, "the reduce function", exc) from exc
+        self.emit(_to_batch(out, self.uid))
+
+
+class AggregateOp(KeyedOp):
+    """Vectorized keyed aggregation: per batch a hash group-by in Arrow, then one merge per
+    distinct key into the keyed state (grouped by key group)."""
+
+    def open(self) -> None:
+        self.aggs = self.node.spec["aggregations"]
+        self.key = self.node.inputs[0].key
+        self.emit_updates = self.node.spec["emit"] == "updates"
+
+    def process(self, batch: pa.RecordBatch) -> None:
+        n = batch.num_rows
+        self.records_in += n
+        if not n:
+            return
+        key = self.key
+        plan = []  # (state name, input column, partial function, merge)
+        requests = []
+        value_type = self.node.spec["value_type"]
+        for out, (col, fn) in self.aggs.items():
+            if batch.schema.get_field_index(col) < 0:
+                raise GraphError(
+                    f"operator {self.uid!r}: aggregation {out!r} reads column {col!r}, which is not in the stream "
+                    f"(columns: {', '.join(batch.schema.names)})"
+                )
+            if fn in ("sum", "min", "max") and pa.types.is_floating(batch.schema.field(col).type) and not pa.types.is_floating(value_type):
+                raise GraphError(
+                    f"operator {self.uid!r}: aggregation {out!r} over the floating-point column {col!r} "
+                    f"cannot be kept as {value_type}; pass value_type=pa.float64() to aggregate()"
+                )
+            if fn == "mean":
+                plan.append((f"{out}.sum", col, "sum"))
+                plan.append((f"{out}.count", col, "count"))
+            else:
+                plan.append((out, col, fn))
+        for _state, col, fn in plan:
+            if (col, fn) not in requests:
+                requests.append((col, fn))
+        table = pa.Table.from_batches([batch])
+        grouped = table.group_by(key, use_threads=False).aggregate(requests)
+        keys_arr = grouped.column(key)
+        kgs = key_groups(keys_arr, self.extractor.max_parallelism)
+        keys = keys_arr.to_pylist()
+        partials = [grouped.column(f"{col}_{fn}").to_pylist() for _s, col, fn in plan]
+        # group the distinct keys by key group, then merge state with bulk get/put
+        order = np.argsort(kgs, kind="stable")
+        sorted_kgs = kgs[order]
+        bounds = np.flatnonzero(np.diff(sorted_kgs)) + 1
+        starts = np.concatenate(([0], bounds))
+        ends = np.concatenate((bounds, [len(order)]))
+        new_values = [[None] * len(keys) for _ in plan]
+        backend = self.backend
+        for s, e in zip(starts.tolist(), ends.tolist()):
+            idx = order[s:e].tolist()
+            kg = int(sorted_kgs[s])
+            ks = [keys[i] for i in idx]
+            for p, (state, _col, fn) in enumerate(plan):
+                old = backend.get_many(state, kg, ks)
+                part = partials[p]
+                if fn in ("sum", "count"):
+                    merged = [part[i] if o is None else (o if part[i] is None else o + part[i]) for o, i in zip(old, idx)]
+                elif fn == "min":
+                    merged = [part[i] if o is None or (part[i] is not None and part[i] < o) else o for o, i in zip(old, idx)]
+                else:
+                    merged = [part[i] if o is None or (part[i] is not None and part[i] > o) else o for o, i in zip(old, idx)]
+                backend.put_many(state, kg, ks, merged)
+                col_out = new_values[p]
+                for i, v in zip(idx, merged):
+                    col_out[i] = v
+        if self.emit_updates:
+            self.emit(self._updates(keys_arr, plan, new_values))
+
+    def _updates(self, keys_arr: pa.Array, plan: list, new_values: list) -> pa.RecordBatch:
+        cols = {"key": keys_arr}
+        values = {state: vals for (state, _c, _f), vals in zip(plan, new_values)}
+        for out, (_col, fn) in self.aggs.items():
+            if fn == "mean":
+                sums = pa.array(values[f"{out}.sum"], pa.float64())
+                counts = pa.array(values[f"{out}.count"], pa.int64())
+                cols[out] = pc.divide(sums, pc.cast(counts, pa.float64()))
+            else:
+                cols[out] = pa.array(values[out])
+        return pa.RecordBatch.from_pydict({k: (v.combine_chunks() if isinstance(v, pa.ChunkedArray) else v) for k, v in cols.items()})
+
+
+# ----------------------------------------------------------------------------- sinks
+
+
+class SinkOp(OperatorRuntime):
+    """Drives a :class:`SinkWriter` through the two-phase commit of each checkpoint."""
+
+    stateful = True
+
+    def __init__(self, node: Node, ctx: Any, restored_transactions: Sequence[Any] = ()) -> None:
+        super().__init__(node, ctx)
+        sink = node.spec["sink"]
+        if isinstance(sink, CollectSink):
+            self.writer: SinkWriter = _CollectWriter(node.uid, ctx.send_to_driver)
+        else:
+            self.writer = sink.create_writer(ctx.subtask, ctx.parallelism, list(restored_transactions))
+        self.pending: dict[int, Any] = {}  # checkpoint id -> transaction, pre-committed, not yet committed
+
+    def process(self, batch: pa.RecordBatch) -> None:
+        self.records_in += batch.num_rows
+        try:
+            self.writer.write(batch)
+        except Exception as exc:
+            raise UserFunctionError(self.uid, "the sink writer", exc) from exc
+
+    def snapshot(self, checkpoint_id: int, full: bool = False) -> OpSnapshot:
+        txn = self.writer.pre_commit(checkpoint_id)
+        if txn is not None:
+            self.pending[checkpoint_id] = txn
+        # the checkpoint keeps every transaction not yet committed: a restore re-commits them
+        return OpSnapshot(self.uid, sink_transactions=[self.pending[c] for c in sorted(self.pending)])
+
+    def notify_complete(self, checkpoint_id: int) -> None:
+        ready = sorted(c for c in self.pending if c <= checkpoint_id)
+        if ready:
+            self.writer.commit(checkpoint_id, [self.pending[c] for c in ready])
+            for c in ready:
+                del self.pending[c]
+
+    def commit_all(self) -> None:
+        """End of input with checkpointing off: publish everything now."""
+        txn = self.writer.pre_commit(0)
+        txns = [self.pending[c] for c in sorted(self.pending)] + ([txn] if txn is not None else [])
+        if txns:
+            self.writer.commit(0, txns)
+        self.pending.clear()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _CollectWriter(SinkWriter):
+    def __init__(self, uid: str, send: Callable[[tuple], None]) -> None:
+        self.uid = uid
+        self.send = send
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        from .channels import encode
+
+        self.send(("collect", self.uid, encode(batch).to_pybytes()))
+
+
+_KINDS = {
+    "map": MapOp,
+    "filter": FilterOp,
+    "flat_map": FlatMapOp,
+    "map_batches": MapBatchesOp,
+    "union": OperatorRuntime,
+    "process": ProcessOp,
+    "reduce": ReduceOp,
+    "aggregate": AggregateOp,
+}
+
+
+def build_operator(node: Node, ctx: Any, restored_transactions: Sequence[Any] = ()) -> OperatorRuntime:
+    if node.kind == "sink":
+        return SinkOp(node, ctx, restored_transactions)
+    if node.kind == "source":
+        return OperatorRuntime(node, ctx)  # the task drives the reader; this only forwards
+    return _KINDS[node.kind](node, ctx)

@@ -1,0 +1,256 @@
+"""A task: one thread running a chain of operators for one subtask.
+
+Non-source tasks consume their input gate through the barrier aligner (a channel that
+delivered barrier ``n`` is not consumed until every live channel has delivered it); source
+tasks poll their reader and inject barriers between two polls when the coordinator
+triggers a checkpoint. At a completed alignment (or a trigger, for sources) the task:
+
+1. takes the synchronous part of the snapshot of every operator in the chain,
+2. forwards the barrier on every output channel,
+3. hands the snapshot to the worker's uploader (asynchronous part) and goes on.
+
+In ``stop_the_world`` mode (benchmark baseline) sources pause after the barrier until the
+checkpoint completes, and the snapshot is full and uploaded before the barrier is forwarded.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+import numpy as np
+import pyarrow as pa
+
+from ..alignment import AbortCheckpoint, BarrierAligner, EndOfInput, TriggerSnapshot
+from ..dataflow import BROADCAST, FORWARD, KEY_BY, REBALANCE
+from ..sources import END
+from .channels import EOS, Barrier, CancelMarker, InputGate
+from .operators import KeyExtractor, OperatorRuntime, OpSnapshot, SinkOp, UserFunctionError
+from .plan import OutputPlan, TaskPlan, task_key
+
+__all__ = ["Task", "ExchangeWriter", "Control"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Control:
+    """A control event for a task: ``kind`` in trigger, abort, complete, resume, finish, stop."""
+
+    kind: str
+    checkpoint_id: int = 0
+    arg: Any = None
+
+
+class ExchangeWriter:
+    """Partitions a task's output over the channels of one exchange edge."""
+
+    def __init__(self, out: OutputPlan, senders: list, routing: np.ndarray, max_parallelism: int, uid: str) -> None:
+        self.partition = out.partition
+        self.senders = senders
+        self.routing = routing
+        self.extractor = KeyExtractor(uid, out.key, max_parallelism) if out.partition == KEY_BY else None
+        self._rr = 0
+
+    def __call__(self, batch: pa.RecordBatch) -> None:
+        senders = self.senders
+        if self.partition == FORWARD or len(senders) == 1:
+            senders[0].send(batch)
+        elif self.partition == KEY_BY:
+            sub = self.routing[self.extractor.key_groups(batch)]
+            order = np.argsort(sub, kind="stable")
+            counts = np.bincount(sub, minlength=len(senders))
+            if counts.max() == batch.num_rows:
+                senders[int(sub[0])].send(batch)
+                return
+            shuffled = batch.take(pa.array(order))
+            start = 0
+            for s, c in enumerate(counts.tolist()):
+                if c:
+                    senders[s].send(shuffled.slice(start, c))
+                start += c
+        elif self.partition == REBALANCE:
+            senders[self._rr % len(senders)].send(batch)
+            self._rr += 1
+        elif self.partition == BROADCAST:
+            for s in senders:
+                s.send(batch)
+
+    def send_all(self, item: Any) -> None:
+        for s in self.senders:
+            s.send(item)
+
+
+class Task(threading.Thread):
+    def __init__(
+        self,
+        plan: TaskPlan,
+        subtask: int,
+        operators: dict[int, OperatorRuntime],
+        gate: InputGate,
+        outputs: list[ExchangeWriter],
+        worker: Any,
+        reader: Any = None,
+    ) -> None:
+        super().__init__(name=f"{plan.name()}#{subtask}", daemon=True)
+        self.plan = plan
+        self.subtask = subtask
+        self.key = task_key(plan.index, subtask)
+        self.ops = operators  # node index -> runtime, in topological order
+        self.head = operators[plan.head]
+        self.gate = gate
+        self.outputs = outputs
+        self.worker = worker
+        self.reader = reader
+        self.mode = worker.checkpoint_mode
+        self.records_out = 0
+        self.alignment_started: dict[int, float] = {}
+        self.finished = threading.Event()
+
+    # ------------------------------------------------------------------ entry
+    def run(self) -> None:
+        try:
+            for op in self.ops.values():
+                op.open()
+            if self.reader is not None:
+                self._run_source()
+            else:
+                self._run_inputs()
+            for op in self.ops.values():
+                op.close()
+            self.worker.task_finished(self)
+        except UserFunctionError as exc:
+            self.worker.task_failed(self, exc.uid, traceback.format_exc())
+        except Exception as exc:  # noqa: BLE001 - reported to the driver, which fails the job
+            uid = getattr(exc, "uid", None) or self.head.uid
+            self.worker.task_failed(self, uid, traceback.format_exc())
+        finally:
+            self.finished.set()
+
+    # ------------------------------------------------------------------ sources
+    def _run_source(self) -> None:
+        reader = self.reader
+        head = self.head
+        exhausted = paused = False
+        wait = 0.0
+        while True:
+            event = self.gate.wait_control(wait) if wait else self.gate.wait_control(0)
+            wait = 0.0
+            if event is not None:
+                if event.kind == "trigger":
+                    offsets = reader.offsets()
+                    self._snapshot(event.checkpoint_id, source_offsets=offsets)
+                    if self.mode == "stop_the_world":
+                        paused = True
+                elif event.kind == "resume":
+                    paused = False
+                elif event.kind == "finish":
+                    self._end_of_input()
+                    reader.close()
+                    return
+                elif event.kind == "stop":
+                    return
+                else:
+                    self._control(event)
+                    if event.kind == "complete":
+                        reader.notify_checkpoint_complete(event.checkpoint_id, event.arg or {})
+                continue
+            if paused or exhausted:
+                wait = 0.05
+                continue
+            batch = reader.poll()
+            if batch is END:
+                exhausted = True
+                self.worker.source_exhausted(self)
+            elif batch is None:
+                wait = max(0.0005, reader.wait_hint())
+            elif batch.num_rows:
+                head.records_in += batch.num_rows
+                head.emit(batch)
+
+    # ------------------------------------------------------------------ inputs
+    def _run_inputs(self) -> None:
+        aligner = BarrierAligner(self.gate.num_channels)
+        head = self.head
+        while True:
+            got = self.gate.take(aligner.blocked, 0.05)
+            if got is None:
+                continue
+            channel, item = got
+            if channel < 0:
+                if item.kind == "stop":
+                    return
+                if item.kind == "abort":
+                    self._act(aligner.abort(item.checkpoint_id))
+                self._control(item)
+                continue
+            if isinstance(item, pa.RecordBatch):
+                head.process(item)
+            elif isinstance(item, Barrier):
+                if aligner.aligning is None:
+                    self.alignment_started[item.checkpoint_id] = time.monotonic()
+                if self._act(aligner.on_barrier(channel, item.checkpoint_id)):
+                    return
+            elif isinstance(item, CancelMarker):
+                if self._act(aligner.on_cancel(channel, item.checkpoint_id)):
+                    return
+            elif item is EOS:
+                if self._act(aligner.on_end_of_stream(channel)):
+                    return
+
+    def _act(self, actions: Any) -> bool:
+        """Carry out aligner actions; True when every input has ended."""
+        for action in actions:
+            if isinstance(action, TriggerSnapshot):
+                started = self.alignment_started.pop(action.checkpoint_id, time.monotonic())
+                self._snapshot(action.checkpoint_id, alignment_time=time.monotonic() - started)
+            elif isinstance(action, AbortCheckpoint):
+                self.alignment_started.pop(action.checkpoint_id, None)
+                for op in self.ops.values():
+                    op.notify_abort(action.checkpoint_id)
+                for out in self.outputs:
+                    out.send_all(CancelMarker(action.checkpoint_id))
+                self.worker.decline(self, action.checkpoint_id, action.reason)
+            elif isinstance(action, EndOfInput):
+                self._end_of_input()
+                return True
+        return False
+
+    # ------------------------------------------------------------------ shared
+    def _control(self, event: Control) -> None:
+        if event.kind == "complete":
+            for op in self.ops.values():
+                op.notify_complete(event.checkpoint_id)
+        elif event.kind == "abort":
+            for op in self.ops.values():
+                op.notify_abort(event.checkpoint_id)
+
+    def _snapshot(self, checkpoint_id: int, alignment_time: float = 0.0, source_offsets: dict | None = None) -> None:
+        full = self.mode == "stop_the_world"
+        t0 = time.perf_counter()
+        self.worker.fault("before_snapshot", self)
+        pieces: list[OpSnapshot] = []
+        for op in self.ops.values():
+            snap = op.snapshot(checkpoint_id, full)
+            if snap is not None:
+                pieces.append(snap)
+        if source_offsets is not None:
+            pieces.append(OpSnapshot(self.head.uid, source_offsets=source_offsets))
+        sync_time = time.perf_counter() - t0
+        self.worker.fault("after_sync_snapshot", self)
+        job = (checkpoint_id, self, pieces, alignment_time, sync_time)
+        if full:
+            self.worker.upload_now(job)  # stop-the-world: nothing moves until it is stored
+        for out in self.outputs:
+            out.send_all(Barrier(checkpoint_id))
+        self.worker.fault("after_barrier_forward", self)
+        if not full:
+            self.worker.upload_later(job)
+
+    def _end_of_input(self) -> None:
+        for op in self.ops.values():
+            op.end_input()
+            if isinstance(op, SinkOp) and not self.worker.checkpointing:
+                op.commit_all()
+        for out in self.outputs:
+            out.send_all(EOS)

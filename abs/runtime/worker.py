@@ -1,0 +1,366 @@
+"""A worker process: hosts subtask ``i`` of every task of the job.
+
+Start-up handshake with the driver (over one authenticated control connection):
+
+    worker -> driver   ("hello", index)
+    driver -> worker   ("spec", <cloudpickled WorkerSpec>)
+    worker -> driver   ("listening", (host, port))        data-plane listener bound on loopback
+    driver -> worker   ("peers", [(host, port), ...])
+    worker -> driver   ("ready", restore_stats)           every channel connected, state restored
+    driver -> worker   ("start",)
+
+Then the driver sends ``trigger`` / ``abort`` / ``complete`` / ``resume`` / ``finish`` /
+``stop`` and the worker reports ``ack`` / ``decline`` / ``source_exhausted`` /
+``task_done`` / ``failed`` / ``collect`` / ``metrics`` and finally ``done``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Client, Listener
+from typing import Any
+
+import numpy as np
+
+from ..dataflow import FORWARD, Dataflow
+from ..keygroups import key_group_range
+from .channels import InputGate, LocalSender, RemoteSender, decode
+from .operators import KeyedOp, OpSnapshot, SinkOp, build_operator
+from .plan import PhysicalPlan, compile_plan
+from .task import Control, ExchangeWriter, Task
+
+__all__ = ["WorkerSpec", "main"]
+
+
+@dataclasses.dataclass
+class WorkerSpec:
+    """Everything a worker needs, shipped by the driver (cloudpickled)."""
+
+    flow: Dataflow
+    parallelism: int
+    routing: tuple[int, ...]
+    checkpointing: bool
+    checkpoint_mode: str
+    storage_url: str | None
+    storage_options: dict | None
+    source_splits: dict  # source uid -> subtask -> {split: offset}
+    restore_url: str | None = None
+    restore_storage_options: dict | None = None
+    keyed_chains: dict | None = None  # uid -> state -> kg -> [FileRef] (restore)
+    sink_transactions: dict | None = None  # uid -> [txn] (restore, union)
+    channel_capacity: int = 8
+    faults: tuple = ()  # (point, task key or "*", nth) for failure injection
+
+
+class _Fault(Exception):
+    pass
+
+
+class Worker:
+    def __init__(self, index: int, conn: Any, spec: WorkerSpec, secret: bytes) -> None:
+        self.index = index
+        self.conn = conn
+        self.spec = spec
+        self.secret = secret
+        self.plan: PhysicalPlan = compile_plan(spec.flow)
+        self.checkpointing = spec.checkpointing
+        self.checkpoint_mode = spec.checkpoint_mode
+        self._send_lock = threading.Lock()
+        self._uploads: "queue.Queue[Any]" = queue.Queue()
+        self.tasks: dict[int, Task] = {}
+        self.gates: dict[int, InputGate] = {}
+        self.store = None
+        self._fault_counts: dict[tuple, int] = {}
+        self.bytes_restored = 0
+        self.bytes_written = 0
+        self._stopped = threading.Event()
+
+    # ------------------------------------------------------------------ messaging
+    def send_to_driver(self, msg: tuple) -> None:
+        with self._send_lock:
+            try:
+                self.conn.send(msg)
+            except (OSError, EOFError):
+                self._stopped.set()
+
+    def task_finished(self, task: Task) -> None:
+        self.send_to_driver(("task_done", task.key))
+
+    def task_failed(self, task: Task, uid: str, tb: str) -> None:
+        self.send_to_driver(("failed", task.key, uid, tb))
+
+    def source_exhausted(self, task: Task) -> None:
+        self.send_to_driver(("source_exhausted", task.key))
+
+    def decline(self, task: Task, checkpoint_id: int, reason: str) -> None:
+        self.send_to_driver(("decline", checkpoint_id, task.key, reason))
+
+    def fault(self, point: str, task: Task) -> None:
+        """Failure injection: crash this process hard at the n-th hit of ``point``."""
+        for f_point, f_task, nth in self.spec.faults:
+            if f_point == point and f_task in ("*", task.key):
+                k = (point, f_task)
+                self._fault_counts[k] = self._fault_counts.get(k, 0) + 1
+                if self._fault_counts[k] == nth:
+                    os._exit(137)
+
+    # ------------------------------------------------------------------ snapshots
+    def upload_later(self, job: tuple) -> None:
+        self._uploads.put(job)
+
+    def upload_now(self, job: tuple) -> None:
+        self._upload(job)
+
+    def _uploader(self) -> None:
+        while True:
+            job = self._uploads.get()
+            if job is None:
+                return
+            self._upload(job)
+
+    def _upload(self, job: tuple) -> None:
+        checkpoint_id, task, pieces, alignment_time, sync_time = job
+        t0 = time.perf_counter()
+        try:
+            ack = self._write(checkpoint_id, task, pieces)
+        except Exception as exc:  # noqa: BLE001 - a failed upload declines the checkpoint
+            self.decline(task, checkpoint_id, f"upload failed: {type(exc).__name__}: {exc}")
+            return
+        ack["alignment_time"] = alignment_time
+        ack["sync_time"] = sync_time
+        ack["async_time"] = time.perf_counter() - t0
+        self.fault("before_ack", task)
+        self.send_to_driver(("ack", checkpoint_id, task.key, ack))
+
+    def _write(self, checkpoint_id: int, task: Task, pieces: list[OpSnapshot]) -> dict:
+        store = self.store
+        keyed: dict = {}
+        offsets: dict = {}
+        sinks: dict = {}
+        written = files = 0
+        for piece in pieces:
+            if piece.source_offsets is not None:
+                offsets[piece.uid] = piece.source_offsets
+            if piece.sink_transactions is not None:
+                sinks[piece.uid] = piece.sink_transactions
+            if not piece.prev_chains and not piece.deltas:
+                continue
+            chains = {state: dict(by_kg) for state, by_kg in piece.prev_chains.items()}
+            for state, by_kg in piece.deltas.items():
+                target = chains.setdefault(state, {})
+                prev_all = piece.prev_chains.get(state, {})
+                for kg, table in by_kg.items():
+                    new_chain = store.write_key_group(checkpoint_id, piece.uid, state, kg, prev_all.get(kg, []), table)
+                    fresh = [r for r in new_chain if r.checkpoint_id == checkpoint_id]
+                    written += sum(r.bytes for r in fresh)
+                    files += len(fresh)
+                    self.fault("during_upload", task)
+                    if new_chain:
+                        target[kg] = new_chain
+                    else:
+                        target.pop(kg, None)
+            if piece.on_chains is not None:
+                piece.on_chains(checkpoint_id, chains)
+            keyed[piece.uid] = chains
+        self.bytes_written += written
+        return {
+            "keyed": keyed,
+            "source_offsets": offsets,
+            "sink_transactions": {uid: {str(task.subtask): t} for uid, t in sinks.items()},
+            "bytes_written": written,
+            "files_written": files,
+        }
+
+    # ------------------------------------------------------------------ set-up
+    def build(self) -> None:
+        spec = self.spec
+        if spec.storage_url is not None:
+            from storage import SnapshotStore
+
+            self.store = SnapshotStore.open(spec.storage_url, spec.storage_options)
+        P = spec.parallelism
+        for t in self.plan.tasks:
+            self.gates[t.index] = InputGate(t.num_channels(P), spec.channel_capacity)
+        self.listener = Listener(("127.0.0.1", 0), authkey=self.secret)
+
+    def connect(self, peers: list) -> None:
+        """Open one connection per outgoing remote channel, accept the incoming ones."""
+        spec, P, i = self.spec, self.spec.parallelism, self.index
+        incoming = []  # (task, channel) expected from other workers
+        for t in self.plan.tasks:
+            for edge, _up, partition in t.inputs:
+                if partition != FORWARD:
+                    incoming += [(t.index, t.channel_of(edge, s, P)) for s in range(P) if s != i]
+        accepted: dict[tuple, Any] = {}
+        acceptor = threading.Thread(target=self._accept, args=(len(incoming), accepted), daemon=True)
+        acceptor.start()
+        self.senders: dict[tuple, list] = {}
+        for t in self.plan.tasks:
+            for out in t.outputs:
+                target = self.plan.tasks[out.target_task]
+                dests = [i] if out.partition == FORWARD else list(range(P))
+                senders = []
+                for d in dests:
+                    ch = target.channel_of(out.edge_index, i, P)
+                    if d == i:
+                        senders.append(LocalSender(self.gates[target.index], ch))
+                    else:
+                        conn = Client(tuple(peers[d]), authkey=self.secret)
+                        conn.send_bytes(json.dumps({"task": target.index, "channel": ch}).encode())
+                        senders.append(RemoteSender(conn))
+                self.senders[(t.index, out.from_node, out.target_task, out.edge_index)] = senders
+        acceptor.join(timeout=60)
+        if len(accepted) != len(incoming):
+            raise RuntimeError(f"worker {i}: only {len(accepted)} of {len(incoming)} input channels connected")
+        for (task, ch), conn in accepted.items():
+            threading.Thread(target=self._receive, args=(conn, self.gates[task], ch), daemon=True).start()
+
+    def _accept(self, expected: int, accepted: dict) -> None:
+        while len(accepted) < expected:
+            conn = self.listener.accept()
+            hello = json.loads(conn.recv_bytes())
+            accepted[(hello["task"], hello["channel"])] = conn
+
+    def _receive(self, conn: Any, gate: InputGate, channel: int) -> None:
+        try:
+            while True:
+                item = decode(conn.recv_bytes())
+                gate.put(channel, item)
+        except (EOFError, OSError):
+            pass  # the sender closed the channel (after EOS, or it died: the driver sees that)
+        except Exception:  # noqa: BLE001
+            self.send_to_driver(("failed", f"worker{self.index}", "<channel>", traceback.format_exc()))
+
+    def create_tasks(self) -> dict:
+        spec, P, i = self.spec, self.spec.parallelism, self.index
+        flow = spec.flow
+        ctx = _OperatorContext(
+            subtask=i,
+            parallelism=P,
+            max_parallelism=flow.max_parallelism,
+            key_group_range=key_group_range(flow.max_parallelism, P, i),
+            send_to_driver=self.send_to_driver,
+        )
+        routing = np.asarray(spec.routing, dtype=np.int64)
+        restore_store = None
+        if spec.keyed_chains:
+            from storage import SnapshotStore
+
+            restore_store = SnapshotStore.open(spec.restore_url, spec.restore_storage_options)
+        for t in self.plan.tasks:
+            ops = {}
+            for n in t.nodes:
+                node = flow.nodes[n]
+                restored = (spec.sink_transactions or {}).get(node.uid, ())
+                op = build_operator(node, ctx, restored)
+                if isinstance(op, KeyedOp) and spec.keyed_chains and node.uid in spec.keyed_chains:
+                    self.bytes_restored += op.restore(spec.keyed_chains[node.uid], restore_store.read_chain)
+                ops[n] = op
+            for n, op in ops.items():
+                op.outputs = [ops[c].process for c in t.children.get(n, ())]
+            writers = []
+            for out in t.outputs:
+                senders = self.senders[(t.index, out.from_node, out.target_task, out.edge_index)]
+                w = ExchangeWriter(out, senders, routing, flow.max_parallelism, flow.nodes[out.target_node].uid)
+                ops[out.from_node].outputs.append(w)
+                writers.append(w)
+            reader = None
+            head = flow.nodes[t.head]
+            if head.kind == "source":
+                splits = spec.source_splits.get(head.uid, {}).get(i, {})
+                reader = head.spec["source"].create_reader(splits, i, P)
+            self.tasks[t.index] = Task(t, i, ops, self.gates[t.index], writers, self, reader)
+        return {"bytes_restored": self.bytes_restored}
+
+    # ------------------------------------------------------------------ control loop
+    def run(self) -> None:
+        uploader = threading.Thread(target=self._uploader, name="uploader", daemon=True)
+        uploader.start()
+        for task in self.tasks.values():
+            task.start()
+        threading.Thread(target=self._metrics_loop, daemon=True).start()
+        while not self._stopped.is_set():
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                os._exit(3)  # the driver is gone: nothing to report to
+            kind = msg[0]
+            if kind in ("trigger", "resume", "finish"):
+                for task in self.tasks.values():
+                    if task.reader is not None:
+                        task.gate.put_control(Control(kind, msg[1] if len(msg) > 1 else 0))
+            elif kind in ("abort", "complete"):
+                arg = msg[2] if len(msg) > 2 else None
+                for task in self.tasks.values():
+                    task.gate.put_control(Control(kind, msg[1], arg))
+            elif kind == "stop":
+                for task in self.tasks.values():
+                    task.gate.put_control(Control("stop"))
+                    task.gate.close()
+                break
+            elif kind == "shutdown":
+                break
+        self._uploads.put(None)
+        uploader.join(timeout=30)
+        self.send_to_driver(("done", self.index, self._metrics()))
+
+    def _metrics(self) -> dict:
+        records = {}
+        for task in self.tasks.values():
+            for op in task.ops.values():
+                records[op.uid] = op.records_in
+        return {"records_in": records, "bytes_written": self.bytes_written, "bytes_restored": self.bytes_restored}
+
+    def _metrics_loop(self) -> None:
+        while not self._stopped.wait(0.5):
+            self.send_to_driver(("metrics", self.index, self._metrics()))
+
+
+@dataclasses.dataclass
+class _OperatorContext:
+    subtask: int
+    parallelism: int
+    max_parallelism: int
+    key_group_range: Any
+    send_to_driver: Any
+
+
+def main() -> None:
+    """Entry point of a worker process: reads its bootstrap JSON from stdin."""
+    boot = json.loads(sys.stdin.readline())
+    secret = bytes.fromhex(boot["secret"])
+    index = boot["index"]
+    conn = Client(tuple(boot["driver"]), authkey=secret)
+    conn.send(("hello", index))
+    kind, payload = conn.recv()
+    assert kind == "spec"
+    import cloudpickle
+
+    try:
+        spec: WorkerSpec = cloudpickle.loads(payload)
+        worker = Worker(index, conn, spec, secret)
+        worker.build()
+        conn.send(("listening", worker.listener.address))
+        kind, peers = conn.recv()
+        worker.connect(peers)
+        stats = worker.create_tasks()
+        conn.send(("ready", stats))
+    except Exception:  # noqa: BLE001
+        conn.send(("failed", f"worker{index}", "<startup>", traceback.format_exc()))
+        sys.exit(1)
+    msg = conn.recv()
+    if msg[0] != "start":
+        sys.exit(0)
+    worker.run()
+    conn.close()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Checkpointing overhead benchmark (ratios measured in one run; the machine is shared and noisy).
+
+1. The ABS paper's experiment on this runtime: the same keyed job with checkpointing off,
+   ABS every 1 s, and the synchronous stop-the-world baseline every 1 s, with 1 million
+   distinct keys in state. Target: ABS costs at most 5 % of the throughput of "off".
+2. The reference workload: 2,000,000 events (key, value) over 100,000 distinct keys, a
+   keyed running sum, final per-key sums checked exactly, parallelism 1 and 2, checkpoints
+   every 1 s; the per-record `process` path and the vectorized `aggregate`.
+
+Throughput is events / processing time (from the start of the workers to the moment every
+source is exhausted; worker start-up and the final checkpoint are reported separately).
+
+    .venv/bin/python scripts/bench_overhead.py [--quick] [--only paper|reference]
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+
+import numpy as np
+import pyarrow as pa
+
+import abs
+from storage import SnapshotStore
+
+
+def value_of(idx: np.ndarray) -> np.ndarray:
+    return (idx * 7919) % 1000
+
+
+class KeyValueBatches:
+    """Batches (key, value) for global record indices: key = i % keys, value = (i*7919) % 1000."""
+
+    def __init__(self, keys: int) -> None:
+        self.keys = keys
+
+    def __call__(self, idx: np.ndarray) -> pa.RecordBatch:
+        return pa.RecordBatch.from_arrays([pa.array(idx % self.keys), pa.array(value_of(idx))], names=["key", "value"])
+
+
+def running_sum(ctx, event):
+    total = ctx.state.total
+    s = (total.value() or 0) + event["value"]
+    total.update(s)
+
+
+def build(events: int, keys: int, path: str, batch_size: int) -> abs.Dataflow:
+    flow = abs.Dataflow(f"bench-{path}")
+    src = abs.GeneratorSource(events, num_keys=keys, num_splits=8, batch_size=batch_size, make_batch=KeyValueBatches(keys))
+    keyed = flow.source("events", src).key_by("key")
+    if path == "process":
+        keyed.process("sum", running_sum, state=[abs.ValueState("total", pa.int64())])
+    else:
+        keyed.aggregate("sum", {"total": ("value", "sum")}, emit="none")
+    return flow
+
+
+def run_once(events: int, keys: int, path: str, parallelism: int, mode: str | None, batch_size: int) -> tuple[dict, dict | None]:
+    root = tempfile.mkdtemp(prefix="abs-bench-")
+    try:
+        kwargs: dict = {}
+        if mode is not None:
+            kwargs = {"checkpoint": abs.CheckpointConfig(interval=1.0, mode=mode, retained=2), "storage": root}
+        result = abs.run(build(events, keys, path, batch_size), parallelism=parallelism, **kwargs)
+        state = None
+        if mode is not None:
+            store = SnapshotStore.open(root)
+            manifest = store.read_manifest(store.latest_checkpoint())
+            state = {}
+            for kg in manifest.keyed["sum"]["total"]:
+                t = store.read_key_group(manifest, "sum", "total", kg)
+                state.update(zip(t.column("key").to_pylist(), t.column("value").to_pylist()))
+        cps = [c for c in result.completed_checkpoints]
+        stats = {
+            "throughput": events / result.timings["processing_s"],
+            "processing_s": result.timings["processing_s"],
+            "checkpoints": len(cps),
+            "mean_duration_ms": 1000 * float(np.mean([c.duration for c in cps])) if cps else 0.0,
+            "mean_sync_ms": 1000 * float(np.mean([c.sync_time for c in cps])) if cps else 0.0,
+            "mean_align_ms": 1000 * float(np.mean([c.alignment_time for c in cps])) if cps else 0.0,
+            "mean_written": float(np.mean([c.bytes_written for c in cps])) if cps else 0.0,
+        }
+        return stats, state
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def expected_sums(events: int, keys: int) -> dict:
+    idx = np.arange(events, dtype=np.int64)
+    sums = np.bincount(idx % keys, weights=value_of(idx), minlength=keys).astype(np.int64)
+    return {k: int(v) for k, v in enumerate(sums)}
+
+
+def paper(args: argparse.Namespace) -> None:
+    keys = 1_000_000
+    events = 2_000_000 if args.quick else 6_000_000
+    print(f"\n== 1. ABS vs stop-the-world vs off: {events:,} events, {keys:,} keys in state, parallelism 2, "
+          f"checkpoint every 1 s, path={args.path}")
+    rows = {}
+    for label, mode in (("off", None), ("ABS", "aligned"), ("stop-the-world", "stop_the_world")):
+        stats, _ = run_once(events, keys, args.path, 2, mode, args.batch_size)
+        rows[label] = stats
+        print(f"  {label:<15} {stats['throughput']:>12,.0f} events/s  checkpoints {stats['checkpoints']:>3}  "
+              f"mean duration {stats['mean_duration_ms']:>7.0f} ms  sync part {stats['mean_sync_ms']:>6.1f} ms  "
+              f"alignment {stats['mean_align_ms']:>6.1f} ms  written/ckpt {stats['mean_written'] / 2**20:>7.2f} MiB",
+              flush=True)
+    off = rows["off"]["throughput"]
+    for label in ("ABS", "stop-the-world"):
+        cost = 1 - rows[label]["throughput"] / off
+        print(f"  throughput cost of {label:<15}: {cost * 100:5.1f} % of 'off'"
+              + ("  (target <= 5 %: " + ("met" if cost <= 0.05 else "NOT met") + ")" if label == "ABS" else ""))
+
+
+def reference(args: argparse.Namespace) -> None:
+    events, keys = 2_000_000, 100_000
+    expected = expected_sums(events, keys)
+    print(f"\n== 2. Reference workload: {events:,} events over {keys:,} keys, keyed running sum, checkpoints every 1 s")
+    for path, target in (("process", 500_000), ("aggregate", 3_000_000)):
+        for p in (1, 2):
+            stats, state = run_once(events, keys, path, p, "aligned", args.batch_size)
+            exact = state == expected
+            per_worker = stats["throughput"] / p
+            print(f"  {path:<9} p={p}: {stats['throughput']:>11,.0f} events/s ({per_worker:>11,.0f} per worker; "
+                  f"target {target:,}: {'met' if per_worker >= target else 'NOT met'})  "
+                  f"checkpoints {stats['checkpoints']}  sums exact: {exact}", flush=True)
+            if not exact:
+                print("  ERROR: final per-key sums differ from the input", file=sys.stderr)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller paper experiment")
+    ap.add_argument("--only", choices=("paper", "reference"))
+    ap.add_argument("--path", choices=("process", "aggregate"), default="process", help="operator for experiment 1")
+    ap.add_argument("--batch-size", type=int, default=8192)
+    args = ap.parse_args()
+    if args.only in (None, "paper"):
+        paper(args)
+    if args.only in (None, "reference"):
+        reference(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""Integration tests with real worker processes, real TCP channels and real storage."""
+from __future__ import annotations
+
+import collections
+import time
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import abs
+from abs.keygroups import key_group
+from storage import SnapshotStore
+
+pytestmark = pytest.mark.integration
+
+NUM_KEYS = 300
+
+
+def count_fn(ctx, row):
+    n = ctx.state.n
+    c = (n.value() or 0) + 1
+    n.update(c)
+    ctx.emit({"key": ctx.key, "count": c})
+
+
+def counting_flow(source: abs.Source, name: str = "counts") -> abs.Dataflow:
+    flow = abs.Dataflow(name)
+    flow.source("src", source).key_by("key").process(
+        "count", count_fn, state=[abs.ValueState("n", pa.int64())]
+    ).sink("out", abs.CollectSink())
+    return flow
+
+
+def slow_source(total: int = 48_000) -> abs.GeneratorSource:
+    # 6 splits x 4,000 records/s: about 2 s of input, so that checkpoints every 200 ms
+    # fall in the middle of the stream
+    return abs.GeneratorSource(total, num_keys=NUM_KEYS, num_splits=6, batch_size=200, rate=4_000)
+
+
+def assert_exact_running_counts(out: pa.Table, total: int) -> None:
+    per_key: dict[int, list[int]] = collections.defaultdict(list)
+    for k, c in zip(out.column("key").to_pylist(), out.column("count").to_pylist()):
+        per_key[k].append(c)
+    expected = collections.Counter(np.arange(total) % NUM_KEYS)
+    assert set(per_key) == set(expected)
+    for k, counts in per_key.items():
+        # each record counted exactly once, in order: no loss, no duplicate
+        assert counts == list(range(1, expected[k] + 1)), f"key {k}"
+
+
+def state_at(store: SnapshotStore, cid: int, uid: str, state: str) -> dict:
+    manifest = store.read_manifest(cid)
+    values: dict = {}
+    for kg in manifest.keyed.get(uid, {}).get(state, {}):
+        table = store.read_key_group(manifest, uid, state, kg)
+        for k, v in zip(table.column("key").to_pylist(), table.column("value").to_pylist()):
+            assert key_group(k, manifest.max_parallelism) == kg, "key stored in the wrong key group"
+            assert k not in values
+            values[k] = v
+    return values
+
+
+def test_keyed_count_with_checkpoints_every_200ms_gives_exact_output(tmp_path):
+    result = abs.run(
+        counting_flow(slow_source()),
+        parallelism=3,
+        checkpoint=abs.CheckpointConfig(interval=0.2, retained=100),
+        storage=str(tmp_path),
+    )
+    assert result.status == "FINISHED"
+    assert len(result.completed_checkpoints) >= 4
+    assert result.records_in["count"] == 48_000
+    assert_exact_running_counts(result.collected("out"), 48_000)
+
+
+def test_snapshot_n_holds_exactly_the_records_before_barrier_n(tmp_path):
+    src = slow_source()
+    result = abs.run(
+        counting_flow(src),
+        parallelism=3,
+        checkpoint=abs.CheckpointConfig(interval=0.2, retained=100),
+        storage=str(tmp_path),
+    )
+    store = SnapshotStore.open(str(tmp_path))
+    ids = store.list_checkpoints()
+    assert len(ids) == len(result.completed_checkpoints) >= 4
+    mid_stream = 0
+    for cid in ids:
+        manifest = store.read_manifest(cid)
+        offsets = manifest.source_offsets["src"]
+        assert sorted(offsets) == [str(s) for s in range(6)]
+        before = src.records_before(offsets)
+        expected = dict(collections.Counter((before % NUM_KEYS).tolist()))
+        assert state_at(store, cid, "count", "n") == expected, f"checkpoint {cid}"
+        mid_stream += 0 < len(before) < 48_000
+    assert mid_stream >= 2, "checkpoints should fall in the middle of the stream"
+    # incremental: a later checkpoint references files of earlier ones
+    last = store.read_manifest(ids[-1])
+    referenced = {ref.checkpoint_id for ref in last.files().values()}
+    assert len(referenced) > 1
+
+
+def test_stop_the_world_baseline_gives_the_same_exact_output(tmp_path):
+    src = slow_source(24_000)
+    result = abs.run(
+        counting_flow(src),
+        parallelism=2,
+        checkpoint=abs.CheckpointConfig(interval=0.2, mode="stop_the_world", retained=100),
+        storage=str(tmp_path),
+    )
+    assert len(result.completed_checkpoints) >= 2
+    assert_exact_running_counts(result.collected("out"), 24_000)
+    store = SnapshotStore.open(str(tmp_path))
+    for cid in store.list_checkpoints():
+        manifest = store.read_manifest(cid)
+        before = src.records_before(manifest.source_offsets["src"])
+        assert state_at(store, cid, "count", "n") == dict(collections.Counter((before % NUM_KEYS).tolist()))
+
+
+def test_vectorized_aggregate_and_reduce(tmp_path):
+    flow = abs.Dataflow("agg")
+    src = abs.GeneratorSource(30_000, num_keys=NUM_KEYS, num_splits=4, batch_size=1000)
+    events = flow.source("src", src)
+    events.key_by("key").aggregate("sums", {"total": ("seq", "sum"), "n": ("seq", "count"), "hi": ("seq", "max")},
+                                   emit="updates").sink("agg_out", abs.CollectSink())
+    events.key_by("key").reduce("red", lambda a, r: {"key": r["key"], "value": a["value"] + r["value"], "seq": r["seq"]}) \
+        .sink("red_out", abs.CollectSink())
+    result = abs.run(flow, parallelism=2, checkpoint=abs.CheckpointConfig(interval=0.1), storage=str(tmp_path))
+    seq = np.arange(30_000)
+    agg = result.collected("agg_out").to_pandas() if False else result.collected("agg_out")
+    final: dict = {}
+    for k, t, n, hi in zip(*(agg.column(c).to_pylist() for c in ("key", "total", "n", "hi"))):
+        prev = final.get(k)
+        if prev is None or n > prev[1]:
+            final[k] = (t, n, hi)
+    for k in range(NUM_KEYS):
+        mine = seq[seq % NUM_KEYS == k]
+        assert final[k] == (int(mine.sum()), len(mine), int(mine.max()))
+    red = result.collected("red_out")
+    best: dict = {}
+    for k, v in zip(red.column("key").to_pylist(), red.column("value").to_pylist()):
+        best[k] = max(best.get(k, 0), v)
+    assert best == dict(collections.Counter((seq % NUM_KEYS).tolist()))
+    store = SnapshotStore.open(str(tmp_path))
+    last = store.latest_checkpoint()
+    totals = state_at(store, last, "sums", "total")
+    assert totals == {k: int(seq[seq % NUM_KEYS == k].sum()) for k in range(NUM_KEYS)}
+
+
+def test_union_rebalance_broadcast_and_row_operators():
+    flow = abs.Dataflow("topology")
+    a = flow.source("a", abs.GeneratorSource(2_000, num_keys=10, num_splits=2, batch_size=100))
+    b = flow.source("b", abs.GeneratorSource(1_000, num_keys=10, num_splits=3, batch_size=64))
+    merged = a.map(lambda r: {"key": r["key"], "seq": r["seq"], "src": "a"}).union(
+        b.map(lambda r: {"key": r["key"], "seq": r["seq"], "src": "b"})
+    )
+    evens = merged.rebalance().filter(lambda r: r["seq"] % 2 == 0)
+    evens.flat_map(lambda r: [r, r]).sink("dup", abs.CollectSink())
+    merged.broadcast().map_batches(lambda batch: batch.select(["seq"])).sink("bc", abs.CollectSink())
+    result = abs.run(flow, parallelism=2)
+    dup = collections.Counter(zip(result.collected("dup").column("src").to_pylist(), result.collected("dup").column("seq").to_pylist()))
+    expected = collections.Counter()
+    for src, n in (("a", 2_000), ("b", 1_000)):
+        for s in range(0, n, 2):
+            expected[(src, s)] = 2
+    assert dup == expected
+    bc = collections.Counter(result.collected("bc").column("seq").to_pylist())
+    expected_bc = collections.Counter()
+    for n in (2_000, 1_000):
+        for s in range(n):
+            expected_bc[s] += 2  # once per subtask
+    assert bc == expected_bc
+
+
+def test_restore_latest_into_other_parallelism_gives_uninterrupted_state(tmp_path):
+    src = abs.GeneratorSource(60_000, num_keys=NUM_KEYS, num_splits=6, batch_size=200, rate=3_000)
+    flow = counting_flow(src)
+    job = abs.submit(flow, parallelism=3, checkpoint=abs.CheckpointConfig(interval=0.2, retained=100),
+                     storage=str(tmp_path))
+    deadline = time.monotonic() + 60
+    while job.metrics()["completed_checkpoints"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    first = job.cancel()
+    assert first.status == "CANCELED"
+    assert first.records_in.get("count", 0) < 60_000
+    result = abs.run(counting_flow(src), parallelism=2, restore="latest", storage=str(tmp_path),
+                     checkpoint=abs.CheckpointConfig(interval=0.5, retained=100))
+    assert result.restored_from == first.completed_checkpoints[-1].checkpoint_id
+    store = SnapshotStore.open(str(tmp_path))
+    final = state_at(store, store.latest_checkpoint(), "count", "n")
+    assert final == dict(collections.Counter((np.arange(60_000) % NUM_KEYS).tolist()))
+    # ids never reused across the restart
+    assert min(c.checkpoint_id for c in result.completed_checkpoints) > first.completed_checkpoints[-1].checkpoint_id
+
+
+def test_failing_key_function_names_the_operator():
+    flow = abs.Dataflow("bad-key")
+    flow.source("src", abs.GeneratorSource(1_000, num_splits=2, batch_size=100)).key_by(
+        lambda r: 1 // (r["seq"] - 500)
+    ).process("counter", count_fn, state=[abs.ValueState("n")]).sink("out", abs.CollectSink())
+    with pytest.raises(abs.OperatorError, match="counter.*ZeroDivisionError|ZeroDivisionError.*counter") as err:
+        abs.run(flow, parallelism=2)
+    assert err.value.result is not None and err.value.result.status == "FAILED"
+
+
+def test_failing_process_function_names_the_operator():
+    def boom(ctx, row):
+        if row["seq"] == 777:
+            raise ValueError("bad record 777")
+
+    flow = abs.Dataflow("bad-fn")
+    flow.source("src", abs.GeneratorSource(2_000, num_splits=2, batch_size=100)).key_by("key").process(
+        "exploder", boom
+    ).sink("out", abs.CollectSink())
+    with pytest.raises(abs.OperatorError, match="exploder") as err:
+        abs.run(flow, parallelism=2)
+    assert "bad record 777" in str(err.value)
+
+
+def test_killed_worker_fails_the_job_and_leaves_no_partial_checkpoint(tmp_path):
+    flow = counting_flow(slow_source())
+    with pytest.raises(abs.WorkerLostError, match="worker"):
+        abs.run(flow, parallelism=3, checkpoint=abs.CheckpointConfig(interval=0.2, retained=100),
+                storage=str(tmp_path), faults=(("after_sync_snapshot", "task1#1", 3),))
+    store = SnapshotStore.open(str(tmp_path))
+    ids = store.list_checkpoints()
+    for cid in ids:
+        assert store.verify(cid).ok
+    # the checkpoint the worker died in never became complete
+    assert all(cid < 3 for cid in ids)
+
+
+def test_duplicate_uids_and_unkeyed_process_are_refused():
+    flow = abs.Dataflow("dups")
+    s = flow.source("x", abs.GeneratorSource(10))
+    with pytest.raises(abs.DuplicateUidError, match="'x'"):
+        s.sink("x", abs.CollectSink())
+    with pytest.raises(abs.GraphError):
+        abs.Dataflow("nosrc").validate()
