@@ -30,9 +30,13 @@ __all__ = [
 @dataclasses.dataclass(frozen=True)
 class Barrier:
     """Checkpoint barrier ``checkpoint_id``: everything before it on a channel belongs to
-    the snapshot, everything after it does not."""
+    the snapshot, everything after it does not. ``base`` is the newest checkpoint that was
+    complete when the coordinator triggered this one: a task that has not yet heard of
+    ``base``'s completion treats the barrier as that notice first, so that its incremental
+    snapshot always builds on ``base`` (which the coordinator keeps from GC meanwhile)."""
 
     checkpoint_id: int
+    base: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +58,7 @@ EOS = _Eos()
 _BATCH, _BARRIER, _CANCEL, _EOS = b"B" * 8, b"R" * 8, b"C" * 8, b"E" * 8
 _TAG = 8
 _ID = struct.Struct("<q")
+_IDS = struct.Struct("<qq")
 
 
 class GateClosed(Exception):
@@ -69,7 +74,7 @@ def encode(item: Any) -> Any:
             writer.write_batch(item)
         return sink.getvalue()
     if isinstance(item, Barrier):
-        return _BARRIER + _ID.pack(item.checkpoint_id)
+        return _BARRIER + _IDS.pack(item.checkpoint_id, item.base)
     if isinstance(item, CancelMarker):
         return _CANCEL + _ID.pack(item.checkpoint_id)
     if item is EOS:
@@ -82,7 +87,7 @@ def decode(frame: bytes) -> Any:
     if kind == _BATCH:
         return pa.ipc.open_stream(pa.py_buffer(frame)[_TAG:]).read_next_batch()
     if kind == _BARRIER:
-        return Barrier(_ID.unpack_from(frame, _TAG)[0])
+        return Barrier(*_IDS.unpack_from(frame, _TAG))
     if kind == _CANCEL:
         return CancelMarker(_ID.unpack_from(frame, _TAG)[0])
     if kind == _EOS:

@@ -26,7 +26,7 @@ from typing import Any
 import pyarrow as pa
 
 from ..config import CheckpointConfig
-from ..coordinator import Abort, CheckpointCoordinator, Commit, NotifyComplete, Trigger
+from ..coordinator import Abort, CheckpointCoordinator, Commit, FailJob, NotifyComplete, Trigger
 from ..dataflow import Dataflow
 from ..errors import ConfigError, JobFailedError, OperatorError, WorkerLostError
 from ..keygroups import routing_table
@@ -148,6 +148,9 @@ class JobDriver:
         self.failed: list[tuple[int, str]] = []
         self.restored_from: int | None = None
         self.status = "CREATED"
+        self._manifests: dict[int, Any] = {}  # recent committed manifests (GC protection of bases)
+        self._bases: dict[int, int] = {}  # checkpoint id -> newest complete id when it was triggered
+        self._last_completed_id = 0
         self._waiters: dict[int, "queue.Queue[Any]"] = {}
         self._done = threading.Event()
         self.result: JobResult | None = None
@@ -201,6 +204,10 @@ class JobDriver:
                 f"the job has {self.flow.max_parallelism}; keep max_parallelism or re-key the snapshot offline"
             )
         self.restored_from = manifest.checkpoint_id
+        if url == self.storage_url:
+            # new checkpoints build on the restored chains: keep them from GC like a base
+            self._manifests[manifest.checkpoint_id] = manifest
+            self._last_completed_id = manifest.checkpoint_id
         return {"manifest": manifest, "url": url, "options": opts}
 
     def _assign_splits(self, manifest: Any) -> dict:
@@ -395,7 +402,13 @@ class JobDriver:
                     trigger_times[a.checkpoint_id] = time.monotonic()
                     if final_from is None and len(exhausted) == len(source_keys):
                         final_from = a.checkpoint_id
-                    broadcast(("trigger", a.checkpoint_id))
+                    base = self._last_completed_id
+                    self._bases[a.checkpoint_id] = base
+                    broadcast(("trigger", a.checkpoint_id, base))
+                elif isinstance(a, FailJob):
+                    raise JobFailedError(
+                        f"job {self.flow.name!r}: {a.reason}; raise CheckpointConfig.tolerable_failures or fix the cause"
+                    )
                 elif isinstance(a, Abort):
                     self.failed.append((a.checkpoint_id, a.reason))
                     broadcast(("abort", a.checkpoint_id, a.reason))
@@ -548,7 +561,9 @@ class JobDriver:
                 "mode": self.config.mode,
             },
         )
-        self.store.commit(manifest)
+        stored = self.store.commit(manifest)
+        self._manifests[a.checkpoint_id] = stored
+        self._last_completed_id = a.checkpoint_id
         self.store_gc()
         full = sum(r.bytes for r in manifest.files().values())
         self.completed.append(
@@ -558,8 +573,17 @@ class JobDriver:
         )
 
     def store_gc(self) -> None:
+        """Retention: keep the last ``retained`` checkpoints, plus every file that an in-flight
+        checkpoint may build on (the files of its base checkpoint, see ``Barrier.base``)."""
+        in_flight: list = []
+        live_bases = {self._bases[m] for m in self.coord.pending_ids() if m in self._bases}
+        for cid in list(self._manifests):
+            if cid in live_bases:
+                in_flight.extend(self._manifests[cid].files().values())
+            elif cid != self._last_completed_id:
+                del self._manifests[cid]  # no pending checkpoint builds on it any more
         try:
-            self.store.gc(self.config.retained)
+            self.store.gc(self.config.retained, in_flight=in_flight)
         except Exception as exc:  # noqa: BLE001 - GC failures never fail a checkpoint
             print(f"[abs] warning: garbage collection failed ({exc}); files are kept", file=sys.stderr)
 

@@ -214,10 +214,16 @@ class KeyedOp(OperatorRuntime):
         )
         self.confirmed_chains: dict = {s.name: {} for s in node.spec.get("state", ())}
         self.pending_chains: dict[int, dict] = {}
+        self.full_pending: set[int] = set()
+        self.need_full = False  # restored from another root: the next snapshot must be full
 
-    def restore(self, chains: dict, read_chain: Callable[[list], pa.Table]) -> int:
+    def restore(self, chains: dict, read_chain: Callable[[list], pa.Table], same_root: bool = True) -> int:
         """Load the key groups of this subtask from ``chains`` (state -> kg -> [FileRef]).
+
+        ``same_root``: the chains live in the storage root this job writes to, so new deltas
+        can build on them; otherwise (a savepoint elsewhere) the first checkpoint is full.
         Returns bytes read."""
+        self.need_full = not same_root
         nbytes = 0
         for state, by_kg in chains.items():
             if state not in self.confirmed_chains:
@@ -228,10 +234,14 @@ class KeyedOp(OperatorRuntime):
                 table = read_chain(chain)
                 nbytes += sum(ref.bytes for ref in chain)
                 self.backend.restore(state, kg, table)
-                self.confirmed_chains[state][kg] = list(chain)
+                if same_root:
+                    self.confirmed_chains[state][kg] = list(chain)
         return nbytes
 
     def snapshot(self, checkpoint_id: int, full: bool = False) -> OpSnapshot:
+        full = full or self.need_full
+        if self.need_full:
+            self.full_pending.add(checkpoint_id)
         deltas = self.backend.capture_full(checkpoint_id) if full else self.backend.capture(checkpoint_id)
         prev = {s: ({} if full else dict(c)) for s, c in self.confirmed_chains.items()}
         return OpSnapshot(self.uid, deltas=deltas, prev_chains=prev, on_chains=self._chains_written)
@@ -244,6 +254,9 @@ class KeyedOp(OperatorRuntime):
         if chains is not None:
             self.confirmed_chains = chains
             self.backend.confirm(checkpoint_id)
+            if checkpoint_id in self.full_pending:
+                self.need_full = False
+        self.full_pending = {c for c in self.full_pending if c > checkpoint_id}
         for old in [c for c in self.pending_chains if c < checkpoint_id]:
             del self.pending_chains[old]
 

@@ -105,6 +105,8 @@ class Task(threading.Thread):
         self.mode = worker.checkpoint_mode
         self.records_out = 0
         self.alignment_started: dict[int, float] = {}
+        self.bases: dict[int, int] = {}  # checkpoint id -> its base (see Barrier.base)
+        self.last_completed = 0
         self.finished = threading.Event()
 
     # ------------------------------------------------------------------ entry
@@ -138,8 +140,9 @@ class Task(threading.Thread):
             wait = 0.0
             if event is not None:
                 if event.kind == "trigger":
+                    self._catch_up(event.arg or 0)
                     offsets = reader.offsets()
-                    self._snapshot(event.checkpoint_id, source_offsets=offsets)
+                    self._snapshot(event.checkpoint_id, event.arg or 0, source_offsets=offsets)
                     if self.mode == "stop_the_world":
                         paused = True
                 elif event.kind == "resume":
@@ -189,6 +192,7 @@ class Task(threading.Thread):
             elif isinstance(item, Barrier):
                 if aligner.aligning is None:
                     self.alignment_started[item.checkpoint_id] = time.monotonic()
+                self.bases[item.checkpoint_id] = item.base
                 if self._act(aligner.on_barrier(channel, item.checkpoint_id)):
                     return
             elif isinstance(item, CancelMarker):
@@ -203,7 +207,9 @@ class Task(threading.Thread):
         for action in actions:
             if isinstance(action, TriggerSnapshot):
                 started = self.alignment_started.pop(action.checkpoint_id, time.monotonic())
-                self._snapshot(action.checkpoint_id, alignment_time=time.monotonic() - started)
+                base = self.bases.pop(action.checkpoint_id, 0)
+                self._catch_up(base)
+                self._snapshot(action.checkpoint_id, base, alignment_time=time.monotonic() - started)
             elif isinstance(action, AbortCheckpoint):
                 self.alignment_started.pop(action.checkpoint_id, None)
                 for op in self.ops.values():
@@ -217,15 +223,27 @@ class Task(threading.Thread):
         return False
 
     # ------------------------------------------------------------------ shared
+    def _catch_up(self, base: int) -> None:
+        """A barrier built on checkpoint ``base`` arrived before the notice that ``base`` is
+        complete (the notice travels on the control connection, the barrier on data
+        channels): take the barrier as the notice."""
+        if base > self.last_completed:
+            self._control(Control("complete", base))
+
     def _control(self, event: Control) -> None:
         if event.kind == "complete":
+            if event.checkpoint_id <= self.last_completed:
+                return  # already applied (a barrier carried the notice first)
+            self.last_completed = event.checkpoint_id
             for op in self.ops.values():
                 op.notify_complete(event.checkpoint_id)
         elif event.kind == "abort":
             for op in self.ops.values():
                 op.notify_abort(event.checkpoint_id)
 
-    def _snapshot(self, checkpoint_id: int, alignment_time: float = 0.0, source_offsets: dict | None = None) -> None:
+    def _snapshot(
+        self, checkpoint_id: int, base: int, alignment_time: float = 0.0, source_offsets: dict | None = None
+    ) -> None:
         full = self.mode == "stop_the_world"
         t0 = time.perf_counter()
         self.worker.fault("before_snapshot", self)
@@ -242,7 +260,7 @@ class Task(threading.Thread):
         if full:
             self.worker.upload_now(job)  # stop-the-world: nothing moves until it is stored
         for out in self.outputs:
-            out.send_all(Barrier(checkpoint_id))
+            out.send_all(Barrier(checkpoint_id, base))
         self.worker.fault("after_barrier_forward", self)
         if not full:
             self.worker.upload_later(job)

@@ -260,7 +260,8 @@ class Worker:
                 restored = (spec.sink_transactions or {}).get(node.uid, ())
                 op = build_operator(node, ctx, restored)
                 if isinstance(op, KeyedOp) and spec.keyed_chains and node.uid in spec.keyed_chains:
-                    self.bytes_restored += op.restore(spec.keyed_chains[node.uid], restore_store.read_chain)
+                    same_root = spec.restore_url == spec.storage_url
+                    self.bytes_restored += op.restore(spec.keyed_chains[node.uid], restore_store.read_chain, same_root)
                 ops[n] = op
             for n, op in ops.items():
                 op.outputs = [ops[c].process for c in t.children.get(n, ())]
@@ -294,7 +295,9 @@ class Worker:
             if kind in ("trigger", "resume", "finish"):
                 for task in self.tasks.values():
                     if task.reader is not None:
-                        task.gate.put_control(Control(kind, msg[1] if len(msg) > 1 else 0))
+                        task.gate.put_control(
+                            Control(kind, msg[1] if len(msg) > 1 else 0, msg[2] if len(msg) > 2 else None)
+                        )
             elif kind in ("abort", "complete"):
                 arg = msg[2] if len(msg) > 2 else None
                 for task in self.tasks.values():
