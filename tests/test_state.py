@@ -766,3 +766,60 @@ DirtyTrackingMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestDirtyTracking = DirtyTrackingMachine.TestCase
+
+
+def test_lazy_capture_of_immutable_values_is_frozen_at_the_barrier():
+    import pyarrow as pa
+    from abs.keygroups import KeyGroupRange, key_group
+    from abs.state import KeyedStateBackend, PendingDelta, ValueState
+
+    backend = KeyedStateBackend("op", [ValueState("n", pa.int64()), ValueState("obj")], 8, KeyGroupRange(0, 7))
+    n, obj = backend.state("n"), backend.state("obj")
+    for k in range(20):
+        backend.current_key, backend.current_kg = k, key_group(k, 8)
+        n.update(k)
+        obj.update([k])
+    lazy = backend.capture(1, lazy=True)
+    eager_kg = next(iter(lazy["obj"]))
+    assert all(isinstance(d, PendingDelta) for d in lazy["n"].values())
+    assert isinstance(lazy["obj"][eager_kg], pa.Table)  # mutable values are encoded at once
+    # writes after the barrier must not leak into the captured delta
+    for k in range(20):
+        backend.current_key, backend.current_kg = k, key_group(k, 8)
+        n.update(1000 + k)
+        if k % 2:
+            n.clear()
+    got = {}
+    for delta in lazy["n"].values():
+        t = delta.to_table()
+        assert set(t.column("op").to_pylist()) == {0}
+        got.update(zip(t.column("key").to_pylist(), t.column("value").to_pylist()))
+    assert got == {k: k for k in range(20)}
+
+
+def test_lazy_capture_with_few_changed_keys_is_frozen_at_the_barrier():
+    import pyarrow as pa
+    from abs.keygroups import KeyGroupRange, key_group
+    from abs.state import KeyedStateBackend, ValueState
+
+    backend = KeyedStateBackend("op", [ValueState("n", pa.int64())], 4, KeyGroupRange(0, 3))
+    n = backend.state("n")
+
+    def put(k, v):
+        backend.current_key, backend.current_kg = k, key_group(k, 4)
+        n.update(v)
+
+    for k in range(2000):
+        put(k, 0)
+    backend.capture(1)
+    backend.confirm(1)
+    for k in range(5):  # few changes: values looked up in the synchronous part
+        put(k, 7)
+    lazy = backend.capture(2, lazy=True)
+    for k in range(2000):
+        put(k, 99)
+    got = {}
+    for delta in lazy["n"].values():
+        t = delta.to_table()
+        got.update(zip(t.column("key").to_pylist(), t.column("value").to_pylist()))
+    assert got == {k: 7 for k in range(5)}

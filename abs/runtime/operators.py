@@ -242,7 +242,7 @@ class KeyedOp(OperatorRuntime):
         full = full or self.need_full
         if self.need_full:
             self.full_pending.add(checkpoint_id)
-        deltas = self.backend.capture_full(checkpoint_id) if full else self.backend.capture(checkpoint_id)
+        deltas = self.backend.capture_full(checkpoint_id) if full else self.backend.capture(checkpoint_id, lazy=True)
         prev = {s: ({} if full else dict(c)) for s, c in self.confirmed_chains.items()}
         return OpSnapshot(self.uid, deltas=deltas, prev_chains=prev, on_chains=self._chains_written)
 

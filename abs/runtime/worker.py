@@ -27,6 +27,7 @@ from multiprocessing.connection import Client, Listener
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from ..dataflow import FORWARD, Dataflow
 from ..keygroups import key_group_range
@@ -156,6 +157,8 @@ class Worker:
                 target = chains.setdefault(state, {})
                 prev_all = piece.prev_chains.get(state, {})
                 for kg, table in by_kg.items():
+                    if not isinstance(table, pa.Table):
+                        table = table.to_table()  # captured by reference in the synchronous part
                     new_chain = store.write_key_group(checkpoint_id, piece.uid, state, kg, prev_all.get(kg, []), table)
                     fresh = [r for r in new_chain if r.checkpoint_id == checkpoint_id]
                     written += sum(r.bytes for r in fresh)
