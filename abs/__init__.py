@@ -8,7 +8,7 @@ Public API::
     result = abs.run(flow, parallelism=3, checkpoint=abs.CheckpointConfig(interval=1.0), storage="./snapshots")
 """
 from .api import JobHandle, run, submit
-from .config import CheckpointConfig
+from .config import CheckpointConfig, RestartStrategy
 from .dataflow import Dataflow, KeyedStream, Stream
 from .errors import (
     AbsError,
@@ -34,6 +34,7 @@ __all__ = [
     "JobResult",
     "CheckpointStats",
     "CheckpointConfig",
+    "RestartStrategy",
     "ValueState",
     "ListState",
     "MapState",

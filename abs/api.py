@@ -5,7 +5,7 @@ import queue
 import threading
 from typing import Any
 
-from .config import CheckpointConfig
+from .config import CheckpointConfig, RestartStrategy
 from .dataflow import Dataflow
 from .errors import ConfigError, JobFailedError
 from .runtime.driver import JobDriver, JobResult, LocalExecutor
@@ -21,7 +21,9 @@ def _driver(
     storage_options: dict | None,
     restore: Any,
     executor: Any,
+    restart: RestartStrategy | None,
     faults: tuple,
+    heartbeat_timeout: float,
 ) -> JobDriver:
     if not isinstance(flow, Dataflow):
         raise ConfigError(f"expected an abs.Dataflow, got {type(flow).__name__}")
@@ -41,7 +43,9 @@ def _driver(
         storage_options=storage_options,
         restore=restore,
         executor=executor,
+        restart=restart,
         faults=faults,
+        heartbeat_timeout=heartbeat_timeout,
     )
 
 
@@ -54,17 +58,25 @@ def run(
     storage_options: dict | None = None,
     restore: Any = None,
     executor: Any = "local",
+    restart: RestartStrategy | None = None,
     faults: tuple = (),
+    heartbeat_timeout: float = 30.0,
 ) -> JobResult:
     """Run ``flow`` on ``parallelism`` workers until its bounded sources are exhausted.
 
     ``checkpoint``: when and how to checkpoint (needs ``storage``). ``storage``: a path or
     fsspec URL (``file://``, ``memory://``, ``s3://bucket/prefix`` with ``storage_options``).
     ``restore``: ``None``, ``"latest"``, a checkpoint id, or a savepoint path.
+    ``restart``: an :class:`abs.RestartStrategy` (default: no restart). ``faults``: failure
+    injection for tests, ``(point, task, nth[, attempt])`` tuples: the worker running ``task``
+    (``"task<t>#<subtask>"`` or ``"*"``) kills itself hard at the ``nth`` hit of ``point``.
+    ``heartbeat_timeout``: seconds of silence after which a worker counts as hung.
     Returns a :class:`JobResult`; raises :class:`abs.JobFailedError` (with ``.result``) if
     the job fails.
     """
-    return _driver(flow, parallelism, checkpoint, storage, storage_options, restore, executor, faults).run()
+    return _driver(
+        flow, parallelism, checkpoint, storage, storage_options, restore, executor, restart, faults, heartbeat_timeout
+    ).run()
 
 
 class JobHandle:
@@ -150,7 +162,11 @@ def submit(
     storage_options: dict | None = None,
     restore: Any = None,
     executor: Any = "local",
+    restart: RestartStrategy | None = None,
     faults: tuple = (),
+    heartbeat_timeout: float = 30.0,
 ) -> JobHandle:
     """Start ``flow`` in the background; see :func:`run` for the arguments."""
-    return JobHandle(_driver(flow, parallelism, checkpoint, storage, storage_options, restore, executor, faults))
+    return JobHandle(
+        _driver(flow, parallelism, checkpoint, storage, storage_options, restore, executor, restart, faults, heartbeat_timeout)
+    )

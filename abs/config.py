@@ -7,7 +7,7 @@ from typing import Any
 
 from abs.errors import ConfigError
 
-__all__ = ["CheckpointConfig", "CHECKPOINT_MODES"]
+__all__ = ["CheckpointConfig", "RestartStrategy", "CHECKPOINT_MODES"]
 
 CHECKPOINT_MODES = ("aligned", "stop_the_world")
 """``aligned``: Asynchronous Barrier Snapshotting (the product). ``stop_the_world``: pause
@@ -94,3 +94,33 @@ class CheckpointConfig:
                 f"{self.tolerable_failures!r}; pass e.g. tolerable_failures=3, or None to "
                 "tolerate any number"
             )
+
+
+@dataclass(frozen=True)
+class RestartStrategy:
+    """How the driver recovers from a failure (a worker that dies or hangs, a user function
+    that raises): stop every worker, restore the latest complete checkpoint (or start over
+    when there is none, or no storage) and relaunch, at most ``max_restarts`` times, waiting
+    ``delay`` seconds before the first restart and ``backoff`` times longer before each next
+    one, up to ``max_delay``. The default makes no restart: the job fails with an error that
+    names the failed worker or operator.
+    """
+
+    max_restarts: int = 0
+    delay: float = 0.5
+    backoff: float = 2.0
+    max_delay: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_restarts) or self.max_restarts < 0:
+            raise ConfigError(f"RestartStrategy.max_restarts must be an integer >= 0, got {self.max_restarts!r}")
+        for name in ("delay", "max_delay"):
+            value = getattr(self, name)
+            if not _is_number(value) or value < 0:
+                raise ConfigError(f"RestartStrategy.{name} must be a finite number of seconds >= 0, got {value!r}")
+        if not _is_number(self.backoff) or self.backoff < 1:
+            raise ConfigError(f"RestartStrategy.backoff must be a number >= 1, got {self.backoff!r}")
+
+    def delay_before(self, restart: int) -> float:
+        """Seconds to wait before restart number ``restart`` (1-based)."""
+        return min(self.max_delay, self.delay * self.backoff ** (restart - 1))

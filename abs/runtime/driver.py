@@ -25,9 +25,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from ..config import CheckpointConfig
+from ..config import CheckpointConfig, RestartStrategy
 from ..coordinator import Abort, CheckpointCoordinator, Commit, FailJob, NotifyComplete, Trigger
 from ..dataflow import Dataflow
+from ..faults import normalize_faults, trip
 from ..errors import ConfigError, JobFailedError, OperatorError, WorkerLostError
 from ..keygroups import routing_table
 from .plan import compile_plan
@@ -111,6 +112,7 @@ class JobDriver:
         storage_options: dict | None,
         restore: Any,
         executor: Any,
+        restart: RestartStrategy | None = None,
         faults: tuple = (),
         startup_timeout: float = 120.0,
         heartbeat_timeout: float = 60.0,
@@ -135,7 +137,11 @@ class JobDriver:
         self.storage_options = storage_options
         self.restore = restore
         self.executor = executor or LocalExecutor()
-        self.faults = tuple(faults)
+        self.faults = normalize_faults(faults)
+        self._attempt = 0
+        self._driver_hits: dict = {}
+        self.restart = restart or RestartStrategy()
+        self.restarts: list[dict] = []
         self.startup_timeout = startup_timeout
         self.heartbeat_timeout = heartbeat_timeout
         self.plan = compile_plan(flow)
@@ -204,6 +210,8 @@ class JobDriver:
                 f"the job has {self.flow.max_parallelism}; keep max_parallelism or re-key the snapshot offline"
             )
         self.restored_from = manifest.checkpoint_id
+        if self.restarts:
+            self.restarts[-1]["restored_from"] = manifest.checkpoint_id
         if url == self.storage_url:
             # new checkpoints build on the restored chains: keep them from GC like a base
             self._manifests[manifest.checkpoint_id] = manifest
@@ -225,7 +233,7 @@ class JobDriver:
             out[node.uid] = per_subtask
         return out
 
-    def _spec(self, restore_info: dict) -> WorkerSpec:
+    def _spec(self, restore_info: dict, attempt: int = 0) -> WorkerSpec:
         manifest = restore_info.get("manifest")
         sink_txns = {}
         if manifest is not None:
@@ -247,28 +255,41 @@ class JobDriver:
             restore_storage_options=restore_info.get("options"),
             keyed_chains=dict(manifest.keyed) if manifest is not None else None,
             sink_transactions=sink_txns or None,
-            faults=self.faults,
+            faults=tuple(f for f in self.faults if f.attempt == attempt and f.point not in ("before_commit", "after_commit")),
         )
 
     # ------------------------------------------------------------------ run
     def run(self) -> JobResult:
         t_start = time.monotonic()
         self.t_start = t_start
-        procs: list = []
-        conns: dict[int, Any] = {}
-        try:
-            first_id, restore_info = self._open_storage()
-            spec = self._spec(restore_info)
-            procs, conns = self._launch(spec)
-            self._t_started = time.monotonic()
-            self.status = "RUNNING"
-            self._loop(procs, conns, first_id)
-            self.status = "FINISHED"
-        except BaseException as exc:
-            self.status = "CANCELED" if isinstance(exc, _Canceled) else "FAILED"
-            self.error = exc
-        finally:
-            self._teardown(procs, conns)
+        attempt = 0
+        while True:
+            procs: list = []
+            conns: dict[int, Any] = {}
+            try:
+                self._attempt = attempt
+                first_id, restore_info = self._open_storage()
+                spec = self._spec(restore_info, attempt)
+                procs, conns = self._launch(spec)
+                self._t_started = time.monotonic()
+                self.status = "RUNNING"
+                self._loop(procs, conns, first_id)
+                self.status = "FINISHED"
+                break
+            except (WorkerLostError, OperatorError) as exc:
+                if attempt >= self.restart.max_restarts:
+                    self.status, self.error = "FAILED", exc
+                    break
+                attempt += 1
+                self._teardown(procs, conns)
+                procs, conns = [], {}
+                self._prepare_restart(attempt, exc)
+            except BaseException as exc:
+                self.status = "CANCELED" if isinstance(exc, _Canceled) else "FAILED"
+                self.error = exc
+                break
+            finally:
+                self._teardown(procs, conns)
         self.result = JobResult(
             job_name=self.flow.name,
             status=self.status,
@@ -276,7 +297,7 @@ class JobDriver:
             duration=time.monotonic() - t_start,
             completed_checkpoints=list(self.completed),
             failed_checkpoints=list(self.failed),
-            restarts=[],
+            restarts=list(self.restarts),
             restored_from=self.restored_from,
             records_in=self._records_total(),
             bytes_restored_per_worker=list(self._bytes_restored),
@@ -294,6 +315,40 @@ class JobDriver:
                 raise err  # type: ignore[misc]
             raise JobFailedError(f"job {self.flow.name!r} failed: {err}", self.result) from err
         return self.result
+
+    def _driver_fault(self, point: str, procs: list) -> None:
+        """Driver-side fault points kill a worker (``Fault.task`` ``"task<t>#<i>"`` names
+        worker ``i``; ``"*"`` worker 0) with SIGKILL at the n-th hit."""
+        for f in self.faults:
+            if f.point != point or f.attempt != self._attempt:
+                continue
+            self._driver_hits[f] = self._driver_hits.get(f, 0) + 1
+            if self._driver_hits[f] == f.nth:
+                index = 0 if f.task in ("*", "driver") else int(f.task.split("#")[1])
+                procs[index].kill()
+                procs[index].wait()
+
+    def _prepare_restart(self, attempt: int, exc: BaseException) -> None:
+        """Global failover: every worker is stopped; the next attempt restores the latest
+        complete checkpoint (or starts over without one) after the strategy's delay."""
+        delay = self.restart.delay_before(attempt)
+        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"[abs] job {self.flow.name!r}: {first_line}; restart {attempt} of "
+              f"{self.restart.max_restarts} in {delay:.1f} s from the latest complete checkpoint", file=sys.stderr)
+        time.sleep(delay)
+        self.restarts.append({
+            "attempt": attempt,
+            "error": first_line,
+            "at": time.monotonic() - self.t_start,
+            "restored_from": None,  # filled in once the restore is resolved
+        })
+        self.restore = "latest" if self.storage_url is not None else None
+        self.restored_from = None
+        self._records = {}
+        self._manifests = {}
+        self._bases = {}
+        self._last_completed_id = 0
+        self.status = "RESTARTING"
 
     def _timings(self, t_start: float) -> dict:
         end = time.monotonic()
@@ -354,7 +409,14 @@ class JobDriver:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if conn.poll(0.1):
-                msg = conn.recv()
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    time.sleep(0.2)  # let the exit status arrive
+                    self._check_procs(procs, {})
+                    raise WorkerLostError(
+                        f"job {self.flow.name!r}: a worker closed its connection while starting (waiting for {kind!r})"
+                    ) from None
                 if msg[0] == kind:
                     return msg[1]
                 if msg[0] == "failed":
@@ -419,7 +481,9 @@ class JobDriver:
                         final_from = None  # retry the final checkpoint
                 elif isinstance(a, Commit):
                     try:
+                        self._driver_fault("before_commit", procs)
                         self._commit(a, trigger_times.get(a.checkpoint_id, a.started_at))
+                        self._driver_fault("after_commit", procs)
                     except Exception as exc:  # noqa: BLE001 - a failed commit fails the checkpoint only
                         handle(coord.on_commit_failed(a.checkpoint_id, f"{type(exc).__name__}: {exc}"))
                         continue

@@ -94,6 +94,7 @@ class OperatorRuntime:
         self.ctx = ctx
         self.outputs: list[Callable[[pa.RecordBatch], None]] = []
         self.records_in = 0
+        self.task_key = ""  # set by the worker: the task running this operator
 
     def open(self) -> None:
         pass
@@ -438,6 +439,7 @@ class SinkOp(OperatorRuntime):
     def notify_complete(self, checkpoint_id: int) -> None:
         ready = sorted(c for c in self.pending if c <= checkpoint_id)
         if ready:
+            self.ctx.fault("sink_commit", self.task_key)
             self.writer.commit(checkpoint_id, [self.pending[c] for c in ready])
             for c in ready:
                 del self.pending[c]

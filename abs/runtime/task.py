@@ -188,6 +188,7 @@ class Task(threading.Thread):
                 self._control(item)
                 continue
             if isinstance(item, pa.RecordBatch):
+                self.worker.fault("process", self)
                 head.process(item)
             elif isinstance(item, Barrier):
                 if aligner.aligning is None:
@@ -195,6 +196,8 @@ class Task(threading.Thread):
                 self.bases[item.checkpoint_id] = item.base
                 if self._act(aligner.on_barrier(channel, item.checkpoint_id)):
                     return
+                if aligner.aligning is not None:
+                    self.worker.fault("during_alignment", self)
             elif isinstance(item, CancelMarker):
                 if self._act(aligner.on_cancel(channel, item.checkpoint_id)):
                     return

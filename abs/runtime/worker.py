@@ -33,7 +33,8 @@ from ..dataflow import FORWARD, Dataflow
 from ..keygroups import key_group_range
 from .channels import InputGate, LocalSender, RemoteSender, decode
 from .operators import KeyedOp, OpSnapshot, SinkOp, build_operator
-from .plan import PhysicalPlan, compile_plan
+from .plan import PhysicalPlan, compile_plan, task_key
+from ..faults import trip
 from .task import Control, ExchangeWriter, Task
 
 __all__ = ["WorkerSpec", "main"]
@@ -56,7 +57,7 @@ class WorkerSpec:
     keyed_chains: dict | None = None  # uid -> state -> kg -> [FileRef] (restore)
     sink_transactions: dict | None = None  # uid -> [txn] (restore, union)
     channel_capacity: int = 8
-    faults: tuple = ()  # (point, task key or "*", nth) for failure injection
+    faults: tuple = ()  # abs.faults.Fault of this attempt
 
 
 class _Fault(Exception):
@@ -102,14 +103,16 @@ class Worker:
     def decline(self, task: Task, checkpoint_id: int, reason: str) -> None:
         self.send_to_driver(("decline", checkpoint_id, task.key, reason))
 
-    def fault(self, point: str, task: Task) -> None:
-        """Failure injection: crash this process hard at the n-th hit of ``point``."""
-        for f_point, f_task, nth in self.spec.faults:
-            if f_point == point and f_task in ("*", task.key):
-                k = (point, f_task)
-                self._fault_counts[k] = self._fault_counts.get(k, 0) + 1
-                if self._fault_counts[k] == nth:
-                    os._exit(137)
+    def fault(self, point: str, task: Any) -> None:
+        """Failure injection: crash or hang this process at the n-th hit of ``point``."""
+        if not self.spec.faults:
+            return
+        key = getattr(task, "key", task)
+        for f in self.spec.faults:
+            if f.point == point and f.task in ("*", key):
+                self._fault_counts[f] = self._fault_counts.get(f, 0) + 1
+                if self._fault_counts[f] == f.nth:
+                    trip(f)
 
     # ------------------------------------------------------------------ snapshots
     def upload_later(self, job: tuple) -> None:
@@ -249,6 +252,7 @@ class Worker:
             max_parallelism=flow.max_parallelism,
             key_group_range=key_group_range(flow.max_parallelism, P, i),
             send_to_driver=self.send_to_driver,
+            fault=self.fault,
         )
         routing = np.asarray(spec.routing, dtype=np.int64)
         restore_store = None
@@ -262,7 +266,9 @@ class Worker:
                 node = flow.nodes[n]
                 restored = (spec.sink_transactions or {}).get(node.uid, ())
                 op = build_operator(node, ctx, restored)
+                op.task_key = task_key(t.index, i)
                 if isinstance(op, KeyedOp) and spec.keyed_chains and node.uid in spec.keyed_chains:
+                    self.fault("restore", f"task{t.index}#{i}")
                     same_root = spec.restore_url == spec.storage_url
                     self.bytes_restored += op.restore(spec.keyed_chains[node.uid], restore_store.read_chain, same_root)
                 ops[n] = op
@@ -335,6 +341,7 @@ class _OperatorContext:
     max_parallelism: int
     key_group_range: Any
     send_to_driver: Any
+    fault: Any
 
 
 def main() -> None:
