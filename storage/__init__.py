@@ -41,6 +41,12 @@ from .ids import CheckpointId, KeyGroup, OperatorUid, StateName, SubtaskIndex
 from .manifest import FORMAT_VERSION, FileRef, Manifest
 from .paths import StoragePaths, decode_name, encode_name
 from .store import SnapshotStore
+
+# ``faulty://`` (storage.testing): fault injection in every process that imports storage,
+# registered by name only, so nothing is imported until a faulty:// URL is opened
+import fsspec as _fsspec
+
+_fsspec.register_implementation("faulty", "storage.testing.FaultyProtocolFileSystem", clobber=False)
 from .verify import Problem, VerifyReport
 
 __all__ = [

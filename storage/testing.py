@@ -320,3 +320,36 @@ class FaultyFileSystem(AbstractFileSystem):
 
     def modified(self, path: str) -> Any:
         return self.inner.modified(path)
+
+
+class FaultyProtocolFileSystem(FaultyFileSystem):
+    """The fault-injecting file system as an fsspec protocol, ``faulty://``, so that a
+    snapshot root in *other processes* (the workers of a job) can be faulty too::
+
+        abs.run(flow, storage="faulty:///tmp/snapshots", storage_options={
+            "target_protocol": "file",
+            "faults": [{"op": "write", "nth": 5, "path_glob": "*/state/*"}],
+        })
+
+    Each process counts its own operations. ``faults`` are :class:`Fault` objects or dicts
+    of their fields; ``target_options`` are passed to the wrapped file system.
+    """
+
+    protocol = "faulty"
+
+    def __init__(self, target_protocol: str = "file", target_options: dict | None = None,
+                 faults: Iterable[Any] = (), **kwargs: Any) -> None:
+        import fsspec
+
+        inner = fsspec.filesystem(target_protocol, **(target_options or {}))
+        super().__init__(inner, [f if isinstance(f, Fault) else Fault(**f) for f in faults])
+        self.protocol = "faulty"
+
+    @classmethod
+    def _strip_protocol(cls, path: Any) -> Any:
+        if isinstance(path, list):
+            return [cls._strip_protocol(p) for p in path]
+        path = str(path)
+        if path.startswith("faulty://"):
+            path = path[len("faulty://"):]
+        return path.rstrip("/") or "/"

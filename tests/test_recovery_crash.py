@@ -103,3 +103,35 @@ def test_without_restarts_the_failure_names_the_worker(tmp_path):
     with pytest.raises(abs.WorkerLostError, match=r"worker 1 .*signal 9"):
         abs.run(flow(str(tmp_path / "out")), parallelism=2, checkpoint=abs.CheckpointConfig(interval=0.25),
                 storage=str(tmp_path / "snap"), faults=[Fault("process", "task1#1", nth=5)])
+
+
+def test_storage_write_failures_fail_only_that_checkpoint_and_the_job_goes_on(tmp_path):
+    out = str(tmp_path / "out")
+    root = str(tmp_path / "snap")
+    result = abs.run(
+        flow(out),
+        parallelism=2,
+        checkpoint=abs.CheckpointConfig(interval=0.25, retained=50),
+        storage=f"faulty://{root}",
+        # in every worker, the 3rd and 4th state-file writes fail, then one is torn
+        storage_options={"target_protocol": "file", "faults": [
+            {"op": "write", "nth": 3, "times": 2, "path_glob": "*/state/*"},
+            {"op": "write", "nth": 9, "action": "tear", "path_glob": "*/state/*"},
+        ]},
+    )
+    assert result.status == "FINISHED" and not result.restarts
+    assert result.failed_checkpoints, "the injected write failures must fail some checkpoint"
+    assert any("upload failed" in reason for _cid, reason in result.failed_checkpoints)
+    failed_ids = {cid for cid, _r in result.failed_checkpoints}
+    completed = [c.checkpoint_id for c in result.completed_checkpoints]
+    assert any(c > min(failed_ids) for c in completed), "a later checkpoint must succeed"
+    store = SnapshotStore.open(root)
+    assert not failed_ids & set(store.list_checkpoints())
+    assert store.verify().ok
+    assert_exactly_once(out)
+    final = {}
+    manifest = store.read_manifest(store.latest_checkpoint())
+    for kg in manifest.keyed["count"]["n"]:
+        t = store.read_key_group(manifest, "count", "n", kg)
+        final.update(zip(t.column("key").to_pylist(), t.column("value").to_pylist()))
+    assert final == dict(collections.Counter((np.arange(TOTAL) % KEYS).tolist()))
