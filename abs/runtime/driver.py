@@ -66,6 +66,7 @@ class JobResult:
     restored_from: int | None
     records_in: dict[str, int]
     bytes_restored_per_worker: list[int]
+    restore_seconds_per_worker: list[float] = dataclasses.field(default_factory=list)
     timings: dict = dataclasses.field(default_factory=dict)  # startup_s, processing_s, finishing_s
     error: str | None = None
     _collected: dict[str, list[bytes]] = dataclasses.field(default_factory=dict, repr=False)
@@ -150,6 +151,7 @@ class JobDriver:
         self._collected: dict[str, list[bytes]] = {}
         self._records: dict[int, dict] = {}
         self._bytes_restored: list[int] = [0] * parallelism
+        self._restore_seconds: list[float] = [0.0] * parallelism
         self.completed: list[CheckpointStats] = []
         self.failed: list[tuple[int, str]] = []
         self.restored_from: int | None = None
@@ -301,6 +303,7 @@ class JobDriver:
             restored_from=self.restored_from,
             records_in=self._records_total(),
             bytes_restored_per_worker=list(self._bytes_restored),
+            restore_seconds_per_worker=list(self._restore_seconds),
             timings=self._timings(t_start),
             error=None if self.error is None else str(self.error),
             _collected=self._collected,
@@ -399,6 +402,7 @@ class JobDriver:
             for i in range(self.P):
                 stats = self._expect(conns[i], "ready", procs)
                 self._bytes_restored[i] = stats.get("bytes_restored", 0)
+                self._restore_seconds[i] = stats.get("restore_seconds", 0.0)
             for c in conns.values():
                 c.send(("start",))
         finally:

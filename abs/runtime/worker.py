@@ -80,6 +80,7 @@ class Worker:
         self.store = None
         self._fault_counts: dict[tuple, int] = {}
         self.bytes_restored = 0
+        self.restore_seconds = 0.0
         self.bytes_written = 0
         self._stopped = threading.Event()
 
@@ -270,7 +271,9 @@ class Worker:
                 if isinstance(op, KeyedOp) and spec.keyed_chains and node.uid in spec.keyed_chains:
                     self.fault("restore", f"task{t.index}#{i}")
                     same_root = spec.restore_url == spec.storage_url
+                    t0 = time.perf_counter()
                     self.bytes_restored += op.restore(spec.keyed_chains[node.uid], restore_store.read_chain, same_root)
+                    self.restore_seconds += time.perf_counter() - t0
                 ops[n] = op
             for n, op in ops.items():
                 op.outputs = [ops[c].process for c in t.children.get(n, ())]
@@ -286,7 +289,7 @@ class Worker:
                 splits = spec.source_splits.get(head.uid, {}).get(i, {})
                 reader = head.spec["source"].create_reader(splits, i, P)
             self.tasks[t.index] = Task(t, i, ops, self.gates[t.index], writers, self, reader)
-        return {"bytes_restored": self.bytes_restored}
+        return {"bytes_restored": self.bytes_restored, "restore_seconds": self.restore_seconds}
 
     # ------------------------------------------------------------------ control loop
     def run(self) -> None:

@@ -1,0 +1,103 @@
+"""Restore and rescale benchmark (ratios measured in one run; the machine is shared and noisy).
+
+1. A job puts 1,000,000 keys with ~100-byte values (about 100 MB in memory) into keyed
+   state at parallelism 4 and ends with a complete checkpoint on local disk.
+2. The same job is restored from it at parallelism 4, 2 (rescale 4 -> 2) and back to 4
+   from a checkpoint taken at 2 (rescale 2 -> 4). For each: time from `abs.run` until every
+   worker has restored its state and the sources start (time to first record), restore
+   throughput per worker in MB/s next to plain pyarrow reading the same files, and bytes
+   read per worker against its share (target: at most 1.1 x the share).
+
+    .venv/bin/python scripts/bench_recovery.py [--keys N]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+import pyarrow as pa
+
+import abs
+from storage import SnapshotStore
+
+
+class Payloads:
+    """Record i: key = i, payload = a ~100-byte string derived from i (replayable)."""
+
+    def __call__(self, idx: np.ndarray) -> pa.RecordBatch:
+        payload = [f'{{"id": {i}, "name": "user-{i % 9973}", "score": {i * 7919 % 100000}, "tags": ["a", "b"]}}' for i in idx.tolist()]
+        return pa.RecordBatch.from_arrays([pa.array(idx), pa.array(payload)], names=["key", "payload"])
+
+
+def keep_latest(ctx, row):
+    ctx.state.last.update(row["payload"])
+
+
+def build(keys: int, count: int | None = None) -> abs.Dataflow:
+    flow = abs.Dataflow("bench-restore")
+    src = abs.GeneratorSource(keys if count is None else count, num_keys=keys, num_splits=8, batch_size=8192, make_batch=Payloads())
+    flow.source("events", src).key_by("key").process("latest", keep_latest, state=[abs.ValueState("last", pa.string())])
+    return flow
+
+
+def pyarrow_read_speed(root: str) -> tuple[float, int]:
+    """MB/s of pyarrow reading every state file of the latest checkpoint (one process)."""
+    store = SnapshotStore.open(root)
+    manifest = store.read_manifest(store.latest_checkpoint())
+    paths = [os.path.join(root, ref.path) for ref in manifest.files().values()]
+    total = sum(os.path.getsize(p) for p in paths)
+    t0 = time.perf_counter()
+    for p in paths:
+        with pa.memory_map(p) as f:
+            pa.ipc.open_file(f).read_all()
+    return total / (time.perf_counter() - t0) / 1e6, total
+
+
+def restore(flow: abs.Dataflow, root: str, parallelism: int) -> abs.JobResult:
+    return abs.run(flow, parallelism=parallelism, restore="latest", storage=root, checkpoint=abs.CheckpointConfig())
+
+
+def report(label: str, result: abs.JobResult, total_bytes: int, raw_mbs: float) -> None:
+    P = result.parallelism
+    share = total_bytes / P
+    per = result.bytes_restored_per_worker
+    secs = result.restore_seconds_per_worker
+    rates = [b / s / 1e6 for b, s in zip(per, secs) if s > 0]
+    worst = max(per) / share
+    print(f"  {label:<16} time to first record {result.timings['startup_s']:5.2f} s; "
+          f"restore per worker {np.mean(rates):6.1f} MB/s (pyarrow raw read {raw_mbs:6.1f} MB/s, ratio {np.mean(rates) / raw_mbs:4.2f}); "
+          f"bytes read per worker / share: max {worst:4.2f}, mean {np.mean(per) / share:4.2f} "
+          f"(target <= 1.1: {'met' if worst <= 1.1 else 'NOT met'})", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--keys", type=int, default=1_000_000)
+    args = ap.parse_args()
+    root = tempfile.mkdtemp(prefix="abs-bench-restore-")
+    try:
+        flow = build(args.keys)
+        t0 = time.perf_counter()
+        first = abs.run(flow, parallelism=4, storage=root, checkpoint=abs.CheckpointConfig(retained=10))
+        raw_mbs, total = pyarrow_read_speed(root)
+        print(f"state: {args.keys:,} keys written at parallelism 4 in {time.perf_counter() - t0:.1f} s; "
+              f"checkpoint {first.last_checkpoint}: {total / 1e6:.1f} MB on disk")
+        cold = abs.run(build(args.keys, count=0), parallelism=4)
+        print(f"  baseline: start-up without restore {cold.timings['startup_s']:.2f} s")
+        report("restore 4 -> 4", restore(flow, root, 4), total, raw_mbs)
+        r2 = restore(flow, root, 2)
+        report("rescale 4 -> 2", r2, total, raw_mbs)
+        raw_mbs, total = pyarrow_read_speed(root)  # the checkpoint written at parallelism 2
+        report("rescale 2 -> 4", restore(flow, root, 4), total, raw_mbs)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
