@@ -7,6 +7,7 @@ unreadable / unknown roots or ids. Errors print one line to stderr, no traceback
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Callable, Sequence
 
@@ -63,6 +64,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--job-stopped", action="store_true",
                    help="the job is not running: also delete unreferenced files of attempts newer than the newest "
                         "complete checkpoint (never use while the job runs)")
+
+    p = sub.add_parser("check", parents=[common],
+                       help="can a job restore this checkpoint (default: the latest) at a parallelism?")
+    p.add_argument("id", nargs="?", type=int, metavar="ID")
+    p.add_argument("--parallelism", "-p", type=int, metavar="P", help="the parallelism to restore at")
+    p.add_argument("--job", metavar="FINGERPRINT.json",
+                   help="the job's fingerprint (json.dump of Dataflow.fingerprint()); default: check the snapshot "
+                        "against its own _job.json (files, versions, parallelism bounds)")
+    p.add_argument("--allow-non-restored-state", action="store_true",
+                   help="state the job no longer has is dropped instead of failing the check")
+    p.add_argument("--no-verify", action="store_true", help="do not read the files (skip size and checksum checks)")
+
+    p = sub.add_parser("rescale-preview", parents=[common],
+                       help="what each subtask would read when restoring at a new parallelism")
+    p.add_argument("id", nargs="?", type=int, metavar="ID")
+    p.add_argument("--parallelism", "-p", type=int, required=True, metavar="P", help="the new parallelism")
+    p.add_argument("--job", metavar="FINGERPRINT.json", help="plan only the state this job declares")
+    p.add_argument("--allow-non-restored-state", action="store_true", help="with --job: drop state the job lost")
+
+    p = sub.add_parser("savepoint", parents=[common], help="copy a checkpoint into a self-contained, pinned savepoint")
+    p.add_argument("id", type=int, metavar="ID")
+    p.add_argument("dest", metavar="DEST", help="destination root (may be ROOT itself)")
+    p.add_argument("--dest-storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="fsspec storage option of DEST (default: DEST of the same protocol reuses ROOT's file system)")
     return parser
 
 
@@ -124,8 +149,76 @@ def _gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_job_file(path: str | None) -> dict | None:
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise StorageConfigError(
+            f"--job {path}: cannot read a JSON job fingerprint ({exc}); write it with "
+            "json.dump(flow.fingerprint(), f)"
+        ) from exc
+    import recovery
+
+    try:
+        recovery.JobFingerprint.parse(doc, source=f"--job {path}")
+    except recovery.FingerprintFormatError as exc:
+        raise StorageConfigError(str(exc)) from exc
+    return doc
+
+
+def _check_parallelism_arg(value: int | None) -> None:
+    if value is not None and value < 1:
+        raise StorageConfigError(f"--parallelism {value}: use P >= 1")
+
+
+def _check(args: argparse.Namespace) -> int:
+    import recovery
+
+    _check_parallelism_arg(args.parallelism)
+    job = _read_job_file(args.job)
+    report = recovery.check(job, _open(args), checkpoint_id=args.id, parallelism=args.parallelism,
+                            allow_non_restored_state=args.allow_non_restored_state, verify_files=not args.no_verify)
+    _out(report.lines())
+    return 0 if report.ok else 1
+
+
+def _rescale_preview(args: argparse.Namespace) -> int:
+    import recovery
+
+    _check_parallelism_arg(args.parallelism)
+    job = _read_job_file(args.job)
+    store = _open(args)
+    cid = args.id if args.id is not None else store.latest_checkpoint()
+    if cid is None:
+        raise CheckpointNotFoundError(f"{args.root}: no complete checkpoint to preview; take one first")
+    plan = recovery.plan_restore(store.read_manifest(cid), job, args.parallelism,
+                                 allow_non_restored_state=args.allow_non_restored_state)
+    _out(plan.describe().splitlines())
+    return 0
+
+
+def _savepoint(args: argparse.Namespace) -> int:
+    store = _open(args)
+    options = None
+    if args.dest_storage_option:
+        try:
+            options = parse_storage_options(args.dest_storage_option)
+        except ValueError as exc:
+            raise StorageConfigError(f"{exc}; use --dest-storage-option key=value") from exc
+    saved = store.savepoint(args.id, args.dest, options)
+    files = saved.files()
+    _out([f"savepoint {saved.checkpoint_id} of checkpoint {args.id} written to {args.dest} "
+          f"({len(files)} file(s), {sum(r.bytes for r in files.values())} bytes); pinned until deleted; "
+          f"restore with restore={args.dest!r}"])
+    return 0
+
+
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "ls": _ls, "show": _show, "dump": _dump, "verify": _verify, "gc": _gc,
+    "check": _check, "rescale-preview": _rescale_preview, "savepoint": _savepoint,
 }
 
 

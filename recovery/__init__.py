@@ -1,6 +1,60 @@
 """Recovery and rescaling: restore plans, key-group reassignment into a new parallelism,
-compatibility checks, savepoints and offline rewrites. Depends on ``storage`` only.
+operator-state redistribution, compatibility checks and the choice of the checkpoint to
+restore. Depends on ``storage`` only (never on ``abs``).
 
-(Today the runtime's driver resolves ``restore=`` itself; restore plans move here with the
-recovery work.)
+Pure planning first, I/O second:
+
+- :func:`plan_restore` (pure): manifest + job fingerprint + parallelism -> :class:`RestorePlan`.
+- :func:`check_manifest` (pure) / :func:`check` (reads the store, verifies files):
+  -> :class:`CompatibilityReport`.
+- :func:`choose_checkpoint` (reads the store): the newest checkpoint whose files verify.
+
+A restore, as the runtime's driver does it::
+
+    cid, warnings = choose_checkpoint(store, "latest", allow_empty=True)
+    manifest = store.read_manifest(cid)
+    check(flow.fingerprint(), store, checkpoint_id=cid, parallelism=P, verify_files=False).raise_if_fatal()
+    plan = plan_restore(manifest, flow.fingerprint(), P, source_splits={uid: src.splits(), ...})
 """
+from __future__ import annotations
+
+from . import errors
+from .check import check, check_manifest, latest_intact_before
+from .choose import choose_checkpoint
+from .errors import (
+    CheckpointUnusableError,
+    FingerprintFormatError,
+    IncompatibleSnapshotError,
+    NoUsableCheckpointError,
+    ParallelismError,
+    RecoveryError,
+)
+from .fingerprint import JobFingerprint, OperatorFingerprint
+from .keygroups import KeyGroupRange, key_group_range, routing_table, subtask_for_key_group
+from .plan import RestorePlan, SubtaskPlan, plan_restore
+from .report import CompatibilityReport, Problem
+
+__all__ = [
+    "plan_restore",
+    "RestorePlan",
+    "SubtaskPlan",
+    "check",
+    "check_manifest",
+    "CompatibilityReport",
+    "Problem",
+    "choose_checkpoint",
+    "latest_intact_before",
+    "JobFingerprint",
+    "OperatorFingerprint",
+    "KeyGroupRange",
+    "key_group_range",
+    "subtask_for_key_group",
+    "routing_table",
+    "errors",
+    "RecoveryError",
+    "IncompatibleSnapshotError",
+    "CheckpointUnusableError",
+    "NoUsableCheckpointError",
+    "FingerprintFormatError",
+    "ParallelismError",
+]

@@ -1,0 +1,89 @@
+"""One exception tree for the recovery layer.
+
+:class:`RecoveryError` derives from :class:`storage.errors.StorageError`, so code (and the
+``abs-snapshot`` CLI) that already handles storage errors handles these too. Every class
+states its cause and its remedy; messages name the object (root, checkpoint, operator,
+file) and end with a verdict and an action.
+
+This module must not import ``abs``.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from storage.errors import StorageError
+
+if TYPE_CHECKING:
+    from .report import CompatibilityReport
+
+__all__ = [
+    "RecoveryError",
+    "IncompatibleSnapshotError",
+    "CheckpointUnusableError",
+    "NoUsableCheckpointError",
+    "FingerprintFormatError",
+    "ParallelismError",
+]
+
+
+class RecoveryError(StorageError):
+    """Root of every error the recovery layer raises on purpose."""
+
+
+class IncompatibleSnapshotError(RecoveryError, ValueError):
+    """The job cannot be restored from the snapshot as it stands: an operator uid with state
+    is gone, a state was dropped or changed its kind or Arrow type, ``max_parallelism``
+    differs, the parallelism is out of bounds, the snapshot's format is newer than this
+    toolkit reads, operator state has no usable redistribution rule, or files are missing or
+    corrupt.
+
+    Remedy: each problem in the message (and in ``report``) says what to do: keep the operator
+    uid or state declaration, pass ``allow_non_restored_state=True`` to drop state on purpose,
+    re-key the snapshot offline into the new ``max_parallelism``, lower the parallelism,
+    upgrade the toolkit, or restore from the named fallback checkpoint.
+    """
+
+    def __init__(self, message: str, report: "CompatibilityReport | None" = None) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+class CheckpointUnusableError(RecoveryError):
+    """An explicitly requested checkpoint does not verify: a file it references is missing,
+    torn or fails its checksum, or its manifest does not parse.
+
+    Remedy: restore from ``fallback`` (the newest older checkpoint whose files verify, named in
+    the message) or from a savepoint; ``abs-snapshot verify ROOT`` lists the intact ones.
+    """
+
+    def __init__(self, message: str, *, checkpoint_id: int, problems: tuple[Any, ...] = (),
+                 fallback: int | None = None) -> None:
+        super().__init__(message)
+        self.checkpoint_id = checkpoint_id
+        self.problems = problems
+        self.fallback = fallback
+
+
+class NoUsableCheckpointError(RecoveryError, LookupError):
+    """The snapshot root holds no complete checkpoint whose files verify (or none at all).
+
+    Remedy: check the root URL; restore from a savepoint stored elsewhere; or start the job
+    without restoring (its output since the last commit will then be produced again).
+    """
+
+
+class FingerprintFormatError(RecoveryError, ValueError):
+    """A job fingerprint (what ``Dataflow.fingerprint()`` returns, or a ``--job`` JSON file)
+    is not shaped as ``{"name", "max_parallelism", "operators": [{"uid", "kind", "state":
+    [descriptor, ...]}]}``.
+
+    Remedy: pass the dict returned by ``Dataflow.fingerprint()`` (``json.dump`` it for the CLI).
+    """
+
+
+class ParallelismError(RecoveryError, ValueError):
+    """A parallelism, max parallelism or subtask index is out of range.
+
+    Remedy: use ``1 <= parallelism <= max_parallelism`` and a subtask index in
+    ``[0, parallelism)``; ``max_parallelism`` changes only through the offline re-key.
+    """
