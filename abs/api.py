@@ -22,6 +22,7 @@ def _driver(
     restore: Any,
     executor: Any,
     restart: RestartStrategy | None,
+    allow_non_restored_state: bool,
     faults: tuple,
     heartbeat_timeout: float,
 ) -> JobDriver:
@@ -44,6 +45,7 @@ def _driver(
         restore=restore,
         executor=executor,
         restart=restart,
+        allow_non_restored_state=allow_non_restored_state,
         faults=faults,
         heartbeat_timeout=heartbeat_timeout,
     )
@@ -59,6 +61,7 @@ def run(
     restore: Any = None,
     executor: Any = "local",
     restart: RestartStrategy | None = None,
+    allow_non_restored_state: bool = False,
     faults: tuple = (),
     heartbeat_timeout: float = 30.0,
 ) -> JobResult:
@@ -67,7 +70,9 @@ def run(
     ``checkpoint``: when and how to checkpoint (needs ``storage``). ``storage``: a path or
     fsspec URL (``file://``, ``memory://``, ``s3://bucket/prefix`` with ``storage_options``).
     ``restore``: ``None``, ``"latest"``, a checkpoint id, or a savepoint path.
-    ``restart``: an :class:`abs.RestartStrategy` (default: no restart). ``faults``: failure
+    ``allow_non_restored_state``: restore even if the snapshot holds state of operators the
+    job no longer has (that state is dropped). ``restart``: an :class:`abs.RestartStrategy`
+    (default: no restart). ``faults``: failure
     injection for tests, ``(point, task, nth[, attempt])`` tuples: the worker running ``task``
     (``"task<t>#<subtask>"`` or ``"*"``) kills itself hard at the ``nth`` hit of ``point``.
     ``heartbeat_timeout``: seconds of silence after which a worker counts as hung.
@@ -75,7 +80,7 @@ def run(
     the job fails.
     """
     return _driver(
-        flow, parallelism, checkpoint, storage, storage_options, restore, executor, restart, faults, heartbeat_timeout
+        flow, parallelism, checkpoint, storage, storage_options, restore, executor, restart, allow_non_restored_state, faults, heartbeat_timeout
     ).run()
 
 
@@ -163,10 +168,11 @@ def submit(
     restore: Any = None,
     executor: Any = "local",
     restart: RestartStrategy | None = None,
+    allow_non_restored_state: bool = False,
     faults: tuple = (),
     heartbeat_timeout: float = 30.0,
 ) -> JobHandle:
     """Start ``flow`` in the background; see :func:`run` for the arguments."""
     return JobHandle(
-        _driver(flow, parallelism, checkpoint, storage, storage_options, restore, executor, restart, faults, heartbeat_timeout)
+        _driver(flow, parallelism, checkpoint, storage, storage_options, restore, executor, restart, allow_non_restored_state, faults, heartbeat_timeout)
     )

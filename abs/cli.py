@@ -1,6 +1,6 @@
 """``abs-snapshot``: inspect and maintain snapshot roots.
 
-Commands dispatch to :mod:`storage` (later: :mod:`recovery`). Exit codes: 0 success,
+Commands dispatch to :mod:`storage` and :mod:`recovery`. Exit codes: 0 success,
 1 problems found in the data (verify, corrupt files, GC refused), 2 usage errors and
 unreadable / unknown roots or ids. Errors print one line to stderr, no traceback.
 """

@@ -31,6 +31,8 @@ from ..dataflow import Dataflow
 from ..faults import normalize_faults, trip
 from ..errors import ConfigError, JobFailedError, OperatorError, WorkerLostError
 from ..keygroups import routing_table
+from storage.errors import StorageError
+
 from .plan import compile_plan
 from .worker import WorkerSpec
 
@@ -114,6 +116,7 @@ class JobDriver:
         restore: Any,
         executor: Any,
         restart: RestartStrategy | None = None,
+        allow_non_restored_state: bool = False,
         faults: tuple = (),
         startup_timeout: float = 120.0,
         heartbeat_timeout: float = 60.0,
@@ -142,6 +145,7 @@ class JobDriver:
         self._attempt = 0
         self._driver_hits: dict = {}
         self.restart = restart or RestartStrategy()
+        self.allow_non_restored_state = allow_non_restored_state
         self.restarts: list[dict] = []
         self.startup_timeout = startup_timeout
         self.heartbeat_timeout = heartbeat_timeout
@@ -180,70 +184,72 @@ class JobDriver:
         return first_id, restore_info
 
     def _resolve_restore(self) -> dict:
+        """Pick the checkpoint to restore (falling back past broken ones for "latest"), check
+        it against the job, and plan what every new subtask reads."""
+        from recovery import check, choose_checkpoint, plan_restore
         from storage import SnapshotStore
 
         r = self.restore
         if isinstance(r, str) and r != "latest":
-            store = SnapshotStore.open(r, None)
-            ids = store.list_checkpoints()
-            if not ids:
-                raise ConfigError(f"restore={r!r}: no complete checkpoint or savepoint there; give another path")
-            manifest, url, opts = store.read_manifest(ids[-1]), r, None
+            store, url, opts = SnapshotStore.open(r, None), r, None
+            requested: Any = "latest"
         else:
+            if not (r == "latest" or (isinstance(r, int) and not isinstance(r, bool))):
+                raise ConfigError(f"restore must be None, 'latest', a checkpoint id or a savepoint path, got {r!r}")
             assert self.store is not None
-            if r == "latest":
-                latest = self.store.latest_checkpoint()
-                if latest is None:
-                    return {}  # nothing to restore yet: a fresh start, like Flink's "latest" with no checkpoint
-                cid = latest
-            else:
-                if not isinstance(r, int):
-                    raise ConfigError(f"restore must be None, 'latest', a checkpoint id or a savepoint path, got {r!r}")
-                if r not in self.store.list_checkpoints():
-                    raise ConfigError(
-                        f"restore={r}: checkpoint {r} is not complete in {self.storage_url} "
-                        f"(complete: {self.store.list_checkpoints()}); pick one of those"
-                    )
-                cid = r
-            manifest, url, opts = self.store.read_manifest(cid), self.storage_url, self.storage_options
-        if manifest.max_parallelism != self.flow.max_parallelism:
-            raise ConfigError(
-                f"checkpoint {manifest.checkpoint_id} was taken with max_parallelism {manifest.max_parallelism}, "
-                f"the job has {self.flow.max_parallelism}; keep max_parallelism or re-key the snapshot offline"
-            )
-        self.restored_from = manifest.checkpoint_id
+            store, url, opts, requested = self.store, self.storage_url, self.storage_options, r
+        cid, warnings = choose_checkpoint(store, requested, allow_empty=(r == "latest"))
+        for w in warnings:
+            print(f"[abs] warning: {w}", file=sys.stderr)
+        if cid is None:
+            return {}  # "latest" with nothing there yet: a fresh start, like Flink
+        fingerprint = self.flow.fingerprint()
+        check(
+            fingerprint, store, checkpoint_id=cid, parallelism=self.P, verify_files=False,
+            allow_non_restored_state=self.allow_non_restored_state,
+        ).raise_if_fatal()
+        manifest = store.read_manifest(cid)
+        sources = {n.uid: n.spec["source"] for n in self.flow.nodes if n.kind == "source"}
+        plan = plan_restore(
+            manifest, fingerprint, self.P,
+            source_splits={uid: list(src.splits()) for uid, src in sources.items()},
+            allow_non_restored_state=self.allow_non_restored_state,
+        )
+        if manifest.stats.get("parallelism") not in (None, self.P):
+            print(f"[abs] rescaling checkpoint {cid} from parallelism {manifest.stats.get('parallelism')} "
+                  f"to {self.P}", file=sys.stderr)
+        self.restored_from = cid
         if self.restarts:
-            self.restarts[-1]["restored_from"] = manifest.checkpoint_id
+            self.restarts[-1]["restored_from"] = cid
         if url == self.storage_url:
             # new checkpoints build on the restored chains: keep them from GC like a base
-            self._manifests[manifest.checkpoint_id] = manifest
-            self._last_completed_id = manifest.checkpoint_id
-        return {"manifest": manifest, "url": url, "options": opts}
+            self._manifests[cid] = manifest
+            self._last_completed_id = cid
+        return {"manifest": manifest, "plan": plan, "url": url, "options": opts,
+                "sources": sources}
 
-    def _assign_splits(self, manifest: Any) -> dict:
+    def _assign_splits(self) -> dict:
+        """Fresh start: every split of every source from its initial offset, round robin."""
         out: dict = {}
         for node in self.flow.nodes:
             if node.kind != "source":
                 continue
             source = node.spec["source"]
-            restored = dict((manifest.source_offsets.get(node.uid, {}) if manifest is not None else {}))
-            splits = sorted(set(source.splits()) | set(restored))
             per_subtask: dict[int, dict] = {s: {} for s in range(self.P)}
-            for j, split in enumerate(splits):
-                offset = restored[split] if split in restored else source.initial_offset(split)
-                per_subtask[j % self.P][split] = offset
+            for j, split in enumerate(sorted(source.splits())):
+                per_subtask[j % self.P][split] = source.initial_offset(split)
             out[node.uid] = per_subtask
         return out
 
     def _spec(self, restore_info: dict, attempt: int = 0) -> WorkerSpec:
         manifest = restore_info.get("manifest")
-        sink_txns = {}
-        if manifest is not None:
-            for uid, by_subtask in manifest.sink_transactions.items():
-                txns = []
-                for _s, lst in sorted(by_subtask.items(), key=lambda kv: int(kv[0])):
-                    txns.extend(lst)
-                sink_txns[uid] = txns
+        plan = restore_info.get("plan")
+        if plan is not None:
+            sources = restore_info["sources"]
+            source_splits = plan.source_assignment(lambda uid, split: sources[uid].initial_offset(split))
+            sink_txns = plan.sink_transactions()
+        else:
+            source_splits, sink_txns = self._assign_splits(), {}
         return WorkerSpec(
             flow=self.flow,
             parallelism=self.P,
@@ -252,7 +258,7 @@ class JobDriver:
             checkpoint_mode=self.config.mode,
             storage_url=self.storage_url,
             storage_options=self.storage_options,
-            source_splits=self._assign_splits(manifest),
+            source_splits=source_splits,
             restore_url=restore_info.get("url"),
             restore_storage_options=restore_info.get("options"),
             keyed_chains=dict(manifest.keyed) if manifest is not None else None,
@@ -314,7 +320,7 @@ class JobDriver:
             if isinstance(err, JobFailedError):
                 err.result = self.result
                 raise err
-            if isinstance(err, (ConfigError,)) or not isinstance(err, Exception):
+            if isinstance(err, (ConfigError, StorageError)) or not isinstance(err, Exception):
                 raise err  # type: ignore[misc]
             raise JobFailedError(f"job {self.flow.name!r} failed: {err}", self.result) from err
         return self.result
@@ -530,6 +536,12 @@ class JobDriver:
                     done_tasks.add(msg[1])
                     coord.on_task_finished(msg[1])
                 elif kind == "failed":
+                    # a task often fails only because a peer worker died (its channel broke):
+                    # name the dead worker, not the collateral failure
+                    deadline = time.monotonic() + 0.5
+                    while time.monotonic() < deadline:
+                        self._check_procs(procs, conns)
+                        time.sleep(0.05)
                     handle(coord.on_task_failed(msg[1]))
                     raise OperatorError(
                         f"job {self.flow.name!r}: operator {msg[2]!r} failed in {msg[1]} (worker {i}):\n{msg[3]}"
