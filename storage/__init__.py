@@ -1,6 +1,6 @@
 """State-centric snapshot storage over fsspec (local disk, memory, S3).
 
-Per operator, state and key group, checkpoints write Arrow IPC files (zstd) holding either a
+Per operator, state and key group, checkpoints write Arrow IPC streams (zstd) holding either a
 base or an incremental delta; manifests (JSON) list each key group's chain and are the commit
 point. See ``storage/FORMAT.md`` for the on-disk format.
 

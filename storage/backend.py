@@ -151,6 +151,9 @@ class RootIO:
     def get(self, rel: str) -> bytes:
         full = self.full(rel)
         with self.errors(f"reading {rel}"):
+            if self.local:  # plain open(): a third of the per-file cost of fsspec's cat_file
+                with open(full, "rb") as f:
+                    return f.read()
             return bytes(self.fs.cat_file(full))
 
     def exists(self, rel: str) -> bool:

@@ -71,9 +71,24 @@ def _clean_metadata(schema: pa.Schema) -> dict[bytes, bytes] | None:
     return meta or None
 
 
+def _int_keys(keys: pa.ChunkedArray | pa.Array) -> np.ndarray | None:
+    """Integer keys as a numpy array (zero-copy for one chunk), else ``None`` (also with nulls,
+    which keys never have)."""
+    if not pa.types.is_integer(keys.type) or keys.null_count:
+        return None
+    return keys.to_numpy()
+
+
+def _strictly_increasing(k: np.ndarray) -> bool:
+    return bool(np.all(k[1:] > k[:-1]))
+
+
 def _last_per_key(deltas: pa.Table) -> pa.Table:
     """Rows of ``deltas`` that are the last occurrence of their key (vectorized)."""
     keys = deltas.column(KEY_COLUMN)
+    ints = _int_keys(keys)
+    if ints is not None and _strictly_increasing(ints):
+        return deltas  # strictly increasing keys (one delta file, sorted on write): every key once
     try:
         if pc.count_distinct(keys).as_py() == deltas.num_rows:
             return deltas  # every key once: nothing to fold (the common case, and 10x cheaper)
@@ -89,6 +104,70 @@ def _last_per_key(deltas: pa.Table) -> pa.Table:
             "use a primitive, string or binary (pickled) key column"
         ) from exc
     return deltas.take(last.column(f"{_SEQ}_max"))
+
+
+# Dropping r rows of an n-row base: r+1 zero-copy batch slices (~1 us each) are cheaper than
+# filter(), which copies every kept value (~0.3 ms per MB), while r stays below ~n/64.
+_SLICE_ROWS_PER_CUT = 64
+
+
+def _rows_of_keys(base: pa.Table, changed: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """Sorted positions of the rows of ``base`` whose key is in ``changed`` (base keys are
+    unique). Binary search when both are integer keys and the base is sorted (bases are
+    written sorted), a hash lookup otherwise."""
+    keys = base.column(KEY_COLUMN)
+    base_ints = _int_keys(keys)
+    if base_ints is not None and changed.type == keys.type and _strictly_increasing(base_ints):
+        wanted = _int_keys(changed)
+        assert wanted is not None
+        at = np.searchsorted(base_ints, wanted)
+        inside = at < len(base_ints)
+        found = np.zeros(len(wanted), dtype=bool)
+        found[inside] = base_ints[at[inside]] == wanted[inside]
+        return np.sort(at[found])
+    mask = pc.is_in(keys, value_set=changed)
+    return np.flatnonzero(mask.to_numpy(zero_copy_only=False))
+
+
+def _kept_batches(table: pa.Table, rows: np.ndarray) -> list[pa.RecordBatch] | None:
+    """The batches of ``table`` minus the rows at the sorted, unique positions ``rows``, as
+    zero-copy slices; ``None`` when so many rows go that copying the rest is cheaper."""
+    if len(rows) * _SLICE_ROWS_PER_CUT > table.num_rows:
+        return None
+    cuts = rows.tolist()
+    pieces: list[pa.RecordBatch] = []
+    i = offset = 0
+    for batch in table.to_batches():
+        end = offset + batch.num_rows
+        start = offset
+        while i < len(cuts) and cuts[i] < end:
+            if cuts[i] > start:
+                pieces.append(batch.slice(start - offset, cuts[i] - start))
+            start = cuts[i] + 1
+            i += 1
+        if start < end:
+            pieces.append(batch.slice(start - offset, end - start))
+        offset = end
+    return pieces
+
+
+def _replace_rows(base: pa.Table, rows: np.ndarray, upserts: pa.Table,
+                  metadata: dict[bytes, bytes] | None) -> pa.Table:
+    """``base`` without the rows at positions ``rows``, then ``upserts`` (same column order),
+    with schema metadata ``metadata``. Zero-copy when few rows go and the types match."""
+    schema = base.schema.with_metadata(metadata) if metadata else base.schema.remove_metadata()
+    pieces = _kept_batches(base, rows)
+    if pieces is not None:
+        try:
+            return pa.Table.from_batches(pieces + upserts.to_batches(), schema=schema)
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            pass  # the delta's types differ (e.g. an all-null column): concatenate with promotion
+        kept = pa.Table.from_batches(pieces, schema=base.schema)
+    else:
+        keep = np.ones(base.num_rows, dtype=bool)
+        keep[rows] = False
+        kept = base.filter(pa.array(keep))
+    return pa.concat_tables([kept, upserts], promote_options="default").replace_schema_metadata(metadata)
 
 
 def resolve_chain(tables: Sequence[pa.Table], *, first_is_base: bool) -> pa.Table:
@@ -127,12 +206,9 @@ def resolve_chain(tables: Sequence[pa.Table], *, first_is_base: bool) -> pa.Tabl
         return upserts.replace_schema_metadata(metadata)
     changed = last.column(KEY_COLUMN)
     try:
-        kept = base.filter(pc.invert(pc.is_in(base.column(KEY_COLUMN), value_set=changed)))
-        if sorted(kept.schema.names) != sorted(upserts.schema.names):
-            raise pa.ArrowInvalid(f"base columns {kept.schema.names} differ from delta columns {upserts.schema.names}")
-        upserts = upserts.select(kept.schema.names)
-        merged = pa.concat_tables([kept, upserts], promote_options="default")
+        if sorted(base.schema.names) != sorted(upserts.schema.names):
+            raise pa.ArrowInvalid(f"base columns {base.schema.names} differ from delta columns {upserts.schema.names}")
+        return _replace_rows(base, _rows_of_keys(base, changed), upserts.select(base.schema.names), metadata)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
         raise DeltaSchemaError(f"a delta does not match its base ({exc}); keep one schema per state") from exc
-    return merged.replace_schema_metadata(metadata)
 

@@ -79,7 +79,7 @@ class InvalidPathError(StorageError, ValueError):
 
 class CorruptFileError(StorageError):
     """A state, operator-state or channel file does not match its manifest entry (size,
-    sha256 checksum, row count) or is not a readable Arrow IPC file: a torn or altered write.
+    checksum, row count) or is not a readable Arrow IPC stream or file: a torn or altered write.
 
     Remedy: restore from an earlier checkpoint or a savepoint; run ``abs-snapshot verify``
     to see which checkpoints are affected.

@@ -1,4 +1,4 @@
-"""State file encoding: Arrow IPC *file* format with zstd-compressed buffers, SHA-256 checksums.
+"""State file encoding: Arrow IPC streams with zstd-compressed buffers, per-file checksums.
 
 Schema conventions (see ``storage/FORMAT.md``):
 
@@ -7,18 +7,24 @@ Schema conventions (see ``storage/FORMAT.md``):
 - every other column except ``op`` is a value column (``abs.value_encoding`` likewise);
 - deltas carry ``op`` (int8: 0 upsert, 1 delete) unless every row is an upsert (an all-zero
   column carries no information and costs ~200 bytes per small file); bases carry no ``op``;
-- the writer's schema metadata is kept; the store adds ``abs.file_kind``.
+- the writer's schema metadata is kept as given.
+
+Format 2 (this writer) stores every file as an Arrow IPC *stream* (no footer repeating the
+schema), rows of base and delta files sorted by key where the key type sorts, and checksums
+with the algorithm named in the manifest (:data:`WRITE_CHECKSUM_ALGORITHM`). Format 1 files
+(IPC *files*, ``ARROW1`` magic, ``abs.file_kind`` metadata, SHA-256) are still read.
 """
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .errors import CorruptFileError, DeltaSchemaError
+from .errors import CorruptFileError, DeltaSchemaError, StorageConfigError
 
 __all__ = [
     "KEY_COLUMN",
@@ -28,10 +34,16 @@ __all__ = [
     "META_KEY_ENCODING",
     "META_VALUE_ENCODING",
     "META_FILE_KIND",
+    "CHECKSUM_ALGORITHMS",
+    "WRITE_CHECKSUM_ALGORITHM",
     "EncodedFile",
+    "compression_level",
     "encode_table",
     "decode_table",
+    "checksum_hex",
+    "is_checksum",
     "sha256_hex",
+    "sort_by_key",
     "normalize_delta",
     "delta_for_file",
     "value_columns",
@@ -45,21 +57,72 @@ OP_DELETE = 1
 META_KEY_ENCODING = b"abs.key_encoding"
 META_VALUE_ENCODING = b"abs.value_encoding"
 META_FILE_KIND = b"abs.file_kind"
+"""Written by format 1 only (the manifest and the file name already say the kind); ignored on read."""
 
+_FILE_MAGIC = b"ARROW1"  # format 1: IPC file; format 2 files start with an IPC stream message
 _MAX_BATCH_ROWS = 1 << 17
 # zstd level by in-memory table size. Small tables (typical incremental deltas) compress
-# poorly for lack of context; level 6 makes them ~7 % smaller than level 1 for about 0.5 ms
-# per file (measured with scripts/bench_storage.py: 1 % deltas of 1M keys in 128 key groups).
-# Large tables (bases) use zstd's fast level 1. Every level decodes the same way.
+# poorly for lack of context, and a higher level finds more of what little there is: level 12
+# makes ~80-row deltas ~3.5 % smaller than level 6 for ~1 ms more per file (see
+# scripts/bench_storage.py --anatomy). Large tables (bases) use zstd's fast level 1. Every
+# level decodes the same way and at the same speed.
 _SMALL_TABLE_BYTES = 64 * 1024
-_SMALL_TABLE_LEVEL = 6
+_SMALL_TABLE_LEVEL = 12
 _LARGE_TABLE_LEVEL = 1
 _WRITE_OPTIONS = {
     level: pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", compression_level=level))
     for level in (_SMALL_TABLE_LEVEL, _LARGE_TABLE_LEVEL)
 }
+_READ_OPTIONS = pa.ipc.IpcReadOptions(use_threads=False)  # decoding one small file: threads only cost
 
 
+# ---------------------------------------------------------------------------- checksums
+def _xxh3_128() -> Callable[[bytes | memoryview], str] | None:
+    try:
+        import xxhash
+    except ImportError:
+        return None
+    return xxhash.xxh3_128_hexdigest
+
+
+_XXH3_128 = _xxh3_128()
+
+CHECKSUM_ALGORITHMS: dict[str, int] = {"sha256": 64, "blake2b_256": 64, "xxh3_128": 32}
+"""Checksum algorithms a manifest may name, with the length of their lower-case hex digest."""
+
+WRITE_CHECKSUM_ALGORITHM = "xxh3_128" if _XXH3_128 is not None else "blake2b_256"
+"""What new files are checksummed with: XXH3-128 (~30x faster than SHA-256) when the
+``xxhash`` package is installed, else BLAKE2b-256 from the standard library (~2-3x faster)."""
+
+
+def checksum_hex(data: bytes | memoryview, algorithm: str) -> str:
+    """Lower-case hex digest of ``data`` with ``algorithm`` (a key of :data:`CHECKSUM_ALGORITHMS`)."""
+    if algorithm == "xxh3_128":
+        if _XXH3_128 is None:
+            raise StorageConfigError(
+                "this file's checksum is XXH3-128, and the 'xxhash' package is not installed; "
+                "pip install xxhash to verify it"
+            )
+        return _XXH3_128(data)
+    if algorithm == "blake2b_256":
+        return hashlib.blake2b(data, digest_size=32).hexdigest()
+    if algorithm == "sha256":
+        return hashlib.sha256(data).hexdigest()
+    raise StorageConfigError(f"unknown checksum algorithm {algorithm!r}; known: {sorted(CHECKSUM_ALGORITHMS)}")
+
+
+def is_checksum(value: object, algorithm: object) -> bool:
+    """True when ``value`` is a well-formed hex digest of the named algorithm."""
+    length = CHECKSUM_ALGORITHMS.get(algorithm) if isinstance(algorithm, str) else None
+    return (length is not None and isinstance(value, str) and len(value) == length
+            and all(c in "0123456789abcdef" for c in value))
+
+
+def sha256_hex(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# ---------------------------------------------------------------------------- encoding
 @dataclass(frozen=True)
 class EncodedFile:
     """The bytes of a file about to be written, with what the manifest records about it."""
@@ -67,38 +130,71 @@ class EncodedFile:
     data: bytes
     rows: int
     checksum: str
+    checksum_algorithm: str = "sha256"
 
     @property
     def size(self) -> int:
         return len(self.data)
 
 
-def sha256_hex(data: bytes | memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()
+def _keys_sorted(keys: pa.ChunkedArray) -> bool:
+    """True when ``keys`` is in non-decreasing order (False when unsure)."""
+    if pa.types.is_integer(keys.type):
+        k = keys.to_numpy()
+        return bool(np.all(k[1:] >= k[:-1]))
+    return bool(pc.all(pc.less_equal(keys.slice(0, len(keys) - 1), keys.slice(1))).as_py())
+
+
+def sort_by_key(table: pa.Table) -> pa.Table:
+    """``table`` with rows in ascending key order (stable: rows of one key keep their order,
+    so "later rows win" survives), or unchanged when already sorted or the key type does not
+    sort. Sorted keys compress better (neighbouring keys share their high bytes) and let
+    :func:`storage.chains.resolve_chain` find changed keys by binary search."""
+    if table.num_rows < 2 or KEY_COLUMN not in table.schema.names:
+        return table
+    keys = table.column(KEY_COLUMN)
+    try:
+        if keys.null_count or _keys_sorted(keys):
+            return table
+        order = pc.sort_indices(table, sort_keys=[(KEY_COLUMN, "ascending")])
+    except (pa.ArrowNotImplementedError, pa.ArrowTypeError, pa.ArrowInvalid):
+        return table  # e.g. struct or list keys: stored in the writer's order
+    return table.take(order)
+
+
+def compression_level(table: pa.Table) -> int:
+    """The zstd level :func:`encode_table` compresses ``table``'s buffers with."""
+    return _SMALL_TABLE_LEVEL if table.nbytes < _SMALL_TABLE_BYTES else _LARGE_TABLE_LEVEL
 
 
 def encode_table(table: pa.Table, kind: str) -> EncodedFile:
-    """Encode ``table`` as an Arrow IPC file with zstd buffers; records ``abs.file_kind``."""
-    metadata = dict(table.schema.metadata or {})
-    metadata[META_FILE_KIND] = kind.encode()
-    table = table.replace_schema_metadata(metadata)
+    """Encode ``table`` as an Arrow IPC stream with zstd buffers. Rows of ``base`` and
+    ``delta`` tables are sorted by key (see :func:`sort_by_key`); the schema metadata is kept."""
+    if kind in ("base", "delta"):
+        table = sort_by_key(table)
     if any(col.num_chunks > 1 for col in table.columns):
         table = table.combine_chunks()
-    level = _SMALL_TABLE_LEVEL if table.nbytes < _SMALL_TABLE_BYTES else _LARGE_TABLE_LEVEL
+    level = compression_level(table)
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_file(sink, table.schema, options=_WRITE_OPTIONS[level]) as writer:
+    with pa.ipc.new_stream(sink, table.schema, options=_WRITE_OPTIONS[level]) as writer:
         writer.write_table(table, max_chunksize=_MAX_BATCH_ROWS)
     data = sink.getvalue().to_pybytes()
-    return EncodedFile(data=data, rows=table.num_rows, checksum=sha256_hex(data))
+    algorithm = WRITE_CHECKSUM_ALGORITHM
+    return EncodedFile(data=data, rows=table.num_rows, checksum=checksum_hex(data, algorithm),
+                       checksum_algorithm=algorithm)
 
 
 def decode_table(data: bytes, *, source: str) -> pa.Table:
-    """Decode an Arrow IPC file; ``source`` names it in the error if it does not decode."""
+    """Decode an Arrow IPC stream (format 2) or file (format 1, ``ARROW1`` magic); ``source``
+    names the file in the error if it does not decode."""
     try:
-        return pa.ipc.open_file(pa.BufferReader(data)).read_all()
+        buf = pa.BufferReader(data)
+        if data[:len(_FILE_MAGIC)] == _FILE_MAGIC:
+            return pa.ipc.open_file(buf, options=_READ_OPTIONS).read_all()
+        return pa.ipc.open_stream(buf, options=_READ_OPTIONS).read_all()
     except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
         raise CorruptFileError(
-            f"{source}: not a readable Arrow IPC file ({exc}); the file is corrupt; "
+            f"{source}: not a readable Arrow IPC stream or file ({exc}); the file is corrupt; "
             "restore from an earlier checkpoint or a savepoint"
         ) from exc
 

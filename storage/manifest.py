@@ -1,14 +1,14 @@
-"""File references and checkpoint manifests, with their JSON form (format version 1)."""
+"""File references and checkpoint manifests, with their JSON form (format versions 1 and 2)."""
 from __future__ import annotations
 
 import json
 import math
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Literal, Mapping
 
 from .errors import CorruptManifestError, InvalidPathError, StateNotFoundError, UnsupportedFormatError
+from .format import CHECKSUM_ALGORITHMS, is_checksum
 from .ids import CheckpointId
 from .paths import FileKind, ParsedPath, StoragePaths, validate_relative_path
 
@@ -22,13 +22,14 @@ __all__ = [
     "manifest_problems",
 ]
 
-FORMAT_VERSION = 1
-"""Version of the on-disk format (manifests, ``_job.json``, file layout) this code writes and reads."""
+FORMAT_VERSION = 2
+"""Version of the on-disk format (manifests, ``_job.json``, file layout) this code writes; it
+reads every version from 1 up to this one. Version 2: file references name their checksum
+algorithm, data files are Arrow IPC streams (see ``storage/FORMAT.md``)."""
 
 ManifestKind = Literal["checkpoint", "savepoint"]
 KEYED_KINDS = ("base", "delta")
 _FILE_KINDS = ("base", "delta", "opstate", "channel")
-_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 @dataclass(frozen=True)
@@ -36,8 +37,9 @@ class FileRef:
     """A file of a snapshot as the manifest records it.
 
     ``path`` is relative to the root (validated: relative POSIX, no ``..``, and its name must
-    match ``kind`` and ``checkpoint_id``); ``checksum`` is the lower-case hex SHA-256 of the
-    whole file; ``bytes`` its size; ``rows`` the number of rows of the Arrow table in it.
+    match ``kind`` and ``checkpoint_id``); ``checksum`` is the lower-case hex digest of the
+    whole file with ``checksum_algorithm`` (``sha256`` in format 1 manifests, which do not name
+    it); ``bytes`` its size; ``rows`` the number of rows of the Arrow table in it.
     """
 
     path: str
@@ -46,6 +48,7 @@ class FileRef:
     rows: int
     bytes: int
     checksum: str
+    checksum_algorithm: str = "sha256"
 
     def __post_init__(self) -> None:
         validate_relative_path(self.path)
@@ -55,8 +58,12 @@ class FileRef:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise InvalidPathError(f"file {self.path}: {name}={value!r} is not a non-negative integer")
-        if not isinstance(self.checksum, str) or not _SHA256_RE.match(self.checksum):
-            raise InvalidPathError(f"file {self.path}: checksum {self.checksum!r} is not a sha256 hex digest")
+        if self.checksum_algorithm not in CHECKSUM_ALGORITHMS:
+            raise InvalidPathError(
+                f"file {self.path}: checksum algorithm {self.checksum_algorithm!r} is not one of {sorted(CHECKSUM_ALGORITHMS)}"
+            )
+        if not is_checksum(self.checksum, self.checksum_algorithm):
+            raise InvalidPathError(f"file {self.path}: checksum {self.checksum!r} is not a {self.checksum_algorithm} hex digest")
         parsed = StoragePaths.parse(self.path)
         if parsed is None or parsed.category != self.kind or parsed.checkpoint_id != self.checkpoint_id:
             raise InvalidPathError(
@@ -78,6 +85,7 @@ class FileRef:
             "rows": self.rows,
             "bytes": self.bytes,
             "checksum": self.checksum,
+            "checksum_algorithm": self.checksum_algorithm,
         }
 
     @classmethod
@@ -90,6 +98,7 @@ class FileRef:
         return cls(
             path=data["path"], kind=data["kind"], checkpoint_id=CheckpointId(data["checkpoint_id"]),
             rows=data["rows"], bytes=data["bytes"], checksum=data["checksum"],
+            checksum_algorithm=data.get("checksum_algorithm", "sha256"),
         )
 
 
@@ -221,7 +230,7 @@ class Manifest:
                 f"{FORMAT_VERSION}; upgrade to a release that supports format version {version}"
             )
         try:
-            manifest = cls._from_dict_v1(data)
+            manifest = cls._from_dict_v1(data)  # version 2 only adds FileRef.checksum_algorithm
         except CorruptManifestError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:

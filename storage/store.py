@@ -5,6 +5,7 @@ import dataclasses
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import fsspec
@@ -30,7 +31,7 @@ from .errors import (
     StorageError,
     UnsupportedFormatError,
 )
-from .format import EncodedFile, decode_table, delta_for_file, encode_table, normalize_delta, sha256_hex
+from .format import EncodedFile, checksum_hex, decode_table, delta_for_file, encode_table, normalize_delta
 from .gc import GcPlan, plan_gc
 from .ids import CheckpointId, SubtaskIndex
 from .manifest import FORMAT_VERSION, FileRef, Manifest, chain_problems, manifest_problems
@@ -41,6 +42,7 @@ from .verify import VerifyReport, check_files, structural_problems
 __all__ = ["SnapshotStore"]
 
 _RESTORE_HINT = "restore from an earlier checkpoint or a savepoint ('abs-snapshot verify ROOT' lists intact ones)"
+_REMOTE_READERS = 8  # files of one chain fetched at once from an object store
 
 
 class SnapshotStore:
@@ -182,8 +184,13 @@ class SnapshotStore:
         return doc
 
     def _check_same_job(self, existing: Mapping[str, Any], name: str, max_par: int, version: int) -> None:
+        """Refuse another job. A root created by an older format version this code reads
+        (``_job.json`` is written once) is the same job: its new manifests carry the new version."""
         old = (existing.get("job_name"), existing.get("max_parallelism"), existing.get("format_version"))
-        if old != (name, max_par, version):
+        old_version = old[2]
+        same_format = old_version == version or (
+            isinstance(old_version, int) and not isinstance(old_version, bool) and 1 <= old_version <= FORMAT_VERSION)
+        if old[:2] != (name, max_par) or not same_format:
             raise JobMismatchError(
                 f"{self.url}: this storage root belongs to job {old[0]!r} (max_parallelism {old[1]}, format {old[2]}), "
                 f"but job {name!r} (max_parallelism {max_par}, format {version}) tried to use it; refusing to mix them; "
@@ -286,7 +293,7 @@ class SnapshotStore:
     # ================================================================== writing
     def _put(self, path: str, encoded: EncodedFile, kind: FileKind, checkpoint_id: int) -> FileRef:
         ref = FileRef(path=path, kind=kind, checkpoint_id=CheckpointId(checkpoint_id), rows=encoded.rows,
-                      bytes=encoded.size, checksum=encoded.checksum)
+                      bytes=encoded.size, checksum=encoded.checksum, checksum_algorithm=encoded.checksum_algorithm)
         self._io.put(path, encoded.data)
         return ref
 
@@ -338,7 +345,7 @@ class SnapshotStore:
         if compaction_reason(self.policy, chain, encoded.size) is None:
             delta_path = StoragePaths.state_file(checkpoint_id, operator, state, key_group, "delta")
             return chain + [self._put(delta_path, encoded, "delta", checkpoint_id)]
-        tables = [self.read_file(ref) for ref in chain] + [delta]
+        tables = self._read_files(chain) + [delta]
         try:
             base = resolve_chain(tables, first_is_base=True)
         except DeltaSchemaError as exc:
@@ -395,7 +402,7 @@ class SnapshotStore:
 
     # ================================================================== reading
     def read_bytes(self, ref: FileRef, *, checkpoint_id: int | None = None) -> bytes:
-        """The raw bytes of a referenced file, after checking size and SHA-256."""
+        """The raw bytes of a referenced file, after checking its size and checksum."""
         who = f"checkpoint {checkpoint_id if checkpoint_id is not None else ref.checkpoint_id}"
         origin = f" (written by checkpoint {ref.checkpoint_id})" if checkpoint_id not in (None, ref.checkpoint_id) else ""
         try:
@@ -409,9 +416,10 @@ class SnapshotStore:
                 f"{self.url}: {who}: file {ref.path}{origin} has {len(data)} bytes, the manifest says {ref.bytes} "
                 f"(torn or altered write); the checkpoint cannot be restored; {_RESTORE_HINT}"
             )
-        if sha256_hex(data) != ref.checksum:
+        if checksum_hex(data, ref.checksum_algorithm) != ref.checksum:
             raise CorruptFileError(
-                f"{self.url}: {who}: file {ref.path}{origin} fails its sha256 checksum; the file is corrupt; {_RESTORE_HINT}"
+                f"{self.url}: {who}: file {ref.path}{origin} fails its {ref.checksum_algorithm} checksum; "
+                f"the file is corrupt; {_RESTORE_HINT}"
             )
         return data
 
@@ -438,8 +446,17 @@ class SnapshotStore:
         problems = chain_problems(chain, operator=loc.operator, state=loc.state, key_group=loc.key_group)
         if problems:
             raise InvalidChainError(f"read_chain: malformed chain ({problems[0][1]}); pass a chain from a manifest")
-        tables = [self.read_file(ref, checkpoint_id=checkpoint_id) for ref in chain]
-        return resolve_chain(tables, first_is_base=True)
+        return resolve_chain(self._read_files(chain, checkpoint_id=checkpoint_id), first_is_base=True)
+
+    def _read_files(self, refs: Sequence[FileRef], *, checkpoint_id: int | None = None) -> list[pa.Table]:
+        """:meth:`read_file` of each ref, in order. From an object store the files are fetched
+        (and verified and decoded) concurrently: there a request's latency, not the bytes,
+        dominates. Local and in-memory files are read one after the other. The first failing
+        file in chain order raises."""
+        if len(refs) < 2 or not self._io.object_store:
+            return [self.read_file(ref, checkpoint_id=checkpoint_id) for ref in refs]
+        with ThreadPoolExecutor(max_workers=min(len(refs), _REMOTE_READERS), thread_name_prefix="abs-read") as pool:
+            return list(pool.map(lambda ref: self.read_file(ref, checkpoint_id=checkpoint_id), refs))
 
     def read_key_group(self, manifest: Manifest, operator: str, state: str, key_group: int) -> pa.Table:
         """Resolved state of one key group at ``manifest``'s checkpoint."""
@@ -562,7 +579,7 @@ class SnapshotStore:
 
     # internal hooks for storage.savepoint
     def _copy_in(self, data: bytes, ref: FileRef, path: str, checkpoint_id: int) -> FileRef:
-        encoded = EncodedFile(data=data, rows=ref.rows, checksum=ref.checksum)
+        encoded = EncodedFile(data=data, rows=ref.rows, checksum=ref.checksum, checksum_algorithm=ref.checksum_algorithm)
         return self._put(path, encoded, ref.kind, checkpoint_id)
 
     def _now(self) -> float:

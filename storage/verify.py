@@ -1,5 +1,5 @@
 """Verification of checkpoints: manifests parse, chains are well formed, every referenced file
-exists with the recorded size and SHA-256 checksum.
+exists with the recorded size and checksum (with the algorithm its manifest names).
 
 The structural checks are pure (:func:`structural_problems`); :func:`check_files` does the I/O.
 """
@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Literal, Mapping
 
-from .format import sha256_hex
+from .format import checksum_hex
 from .ids import CheckpointId
 from .manifest import FileRef, Manifest, manifest_problems
 
@@ -117,9 +117,10 @@ def check_files(
             return Problem("unreadable", who, path, f"cannot be read: {exc}"), 0
         if len(data) != ref.bytes:
             return Problem("size", who, path, f"read {len(data)} bytes, the manifest says {ref.bytes}: torn or altered write"), len(data)
-        digest = sha256_hex(data)
+        digest = checksum_hex(data, ref.checksum_algorithm)
         if digest != ref.checksum:
-            return Problem("checksum", who, path, f"sha256 {digest[:12]}..., the manifest says {ref.checksum[:12]}...: corrupt file"), len(data)
+            return Problem("checksum", who, path, f"{ref.checksum_algorithm} {digest[:12]}..., the manifest says "
+                           f"{ref.checksum[:12]}...: corrupt file"), len(data)
         return None, len(data)
 
     paths = sorted(refs)

@@ -21,6 +21,9 @@ from recovery import (
 )
 from storage import CheckpointNotFoundError, CompactionPolicy, Manifest, SnapshotStore, StorageError, StoragePaths
 from storage.errors import UnsupportedFormatError
+from storage.manifest import FORMAT_VERSION
+
+NEWER = FORMAT_VERSION + 1
 
 M = 8
 JOB: dict[str, Any] = {
@@ -175,16 +178,16 @@ def test_parallelism_above_max_parallelism_is_fatal(root):
 
 def test_newer_format_version_is_fatal(root):
     manifest = root.store.read_manifest(3)
-    newer = Manifest.from_dict({**manifest.to_dict(), "format_version": 1})
-    newer.format_version = 2
+    newer = Manifest.from_dict(manifest.to_dict())
+    newer.format_version = NEWER
     problem = only(check(JOB, newer), "format_version")
     assert problem.fatal and "upgrade" in problem.message
     # the same on disk: the manifest file says version 2
     path = StoragePaths.manifest(3)
     doc = json.loads(root.store.fs.cat_file(f"{root.store.url}/{path}"))
-    root.damage(path, json.dumps({**doc, "format_version": 2}).encode())
+    root.damage(path, json.dumps({**doc, "format_version": NEWER}).encode())
     report = check(JOB, root.reopen(), checkpoint_id=3, parallelism=2)
-    assert only(report, "format_version").fatal and "format version 2" in only(report, "format_version").message
+    assert only(report, "format_version").fatal and f"format version {NEWER}" in only(report, "format_version").message
 
 
 def test_newer_job_file_format_is_fatal(root):
@@ -338,6 +341,6 @@ def test_bad_requests(root):
 def test_latest_refuses_a_newer_format_instead_of_skipping_it(root):
     path = StoragePaths.manifest(3)
     doc = json.loads(root.store.fs.cat_file(f"{root.store.url}/{path}"))
-    root.damage(path, json.dumps({**doc, "format_version": 2}).encode())
-    with pytest.raises(UnsupportedFormatError, match="format version 2"):
+    root.damage(path, json.dumps({**doc, "format_version": NEWER}).encode())
+    with pytest.raises(UnsupportedFormatError, match=f"format version {NEWER}"):
         choose_checkpoint(root.reopen(), "latest")

@@ -159,3 +159,64 @@ def test_compaction_rule():
     assert "chain length 4 > 3" in compaction_reason(policy, [ref("base", 1, 1000), ref("delta", 2, 1), ref("delta", 3, 1)], 1)
     with pytest.raises(ValueError, match="max_chain_length"):
         CompactionPolicy(max_chain_length=0)
+
+
+# ------------------------------------------------------------------ sorted files and fast resolution
+def model_resolve(tables: list[pa.Table]) -> dict[Any, Any]:
+    state: dict[Any, Any] = {}
+    for table in tables:
+        ops = table.column("op").to_pylist() if "op" in table.column_names else [0] * table.num_rows
+        for key, value, op in zip(table.column("key").to_pylist(), table.column("value").to_pylist(), ops):
+            if op == 0:
+                state[key] = value
+            else:
+                state.pop(key, None)
+    return state
+
+
+@pytest.mark.parametrize("key_kind", ["int sorted", "int unsorted", "str"])
+@pytest.mark.parametrize("changes", [0, 3, 40, 400])  # none, few (zero-copy slices), many (filter)
+def test_resolution_agrees_with_the_model_on_every_path(key_kind, changes):
+    import numpy as np
+
+    rng = np.random.default_rng(changes)
+    n = 4000
+    base_keys = rng.choice(10 * n, size=n, replace=False)
+    if key_kind == "int sorted":
+        base_keys = np.sort(base_keys)
+    as_keys = (lambda ks: pa.array(ks, pa.int64())) if key_kind.startswith("int") else \
+        (lambda ks: pa.array([f"k{k:06d}" for k in ks], pa.string()))
+    base = pa.table({"key": as_keys(base_keys), "value": pa.array([f"v{k}" for k in base_keys])})
+    tables = [base]
+    for round_ in range(2):
+        existing = rng.choice(base_keys, size=changes, replace=True)  # duplicates: the later row wins
+        fresh = rng.integers(10 * n, 11 * n, size=changes // 4)
+        keys = np.concatenate([existing, fresh, existing[: changes // 5]])
+        ops = np.concatenate([np.zeros(len(existing) + len(fresh), np.int8), np.ones(changes // 5, np.int8)])
+        tables.append(pa.table({"key": as_keys(keys), "value": pa.array([f"r{round_}-{k}" for k in keys]),
+                                "op": pa.array(ops, pa.int8())}))
+        for chain in (tables, tables[:1] + [tables[-1]]):
+            out = resolve_chain(chain, first_is_base=True)
+            got = dict(zip(out.column("key").to_pylist(), out.column("value").to_pylist()))
+            assert out.num_rows == len(got) == len(model_resolve(chain))
+            assert got == model_resolve(chain)
+
+
+def test_rows_are_stored_sorted_by_key_keeping_the_order_of_a_keys_rows(memory_root):
+    store = SnapshotStore.open(memory_root, policy=CompactionPolicy(max_delta_ratio=1000.0))
+    chain = store.write_key_group(1, "op", "s", 0, [], delta([(9, "i", 0), (3, "c", 0), (5, "e", 0)]))
+    chain = store.write_key_group(2, "op", "s", 0, chain, delta([(5, "E", 0), (1, "a", 0), (5, "", 1), (9, "I", 0)]))
+    base, stored = (store.read_file(ref) for ref in chain)
+    assert base.column("key").to_pylist() == [3, 5, 9]
+    assert list(zip(stored["key"].to_pylist(), stored["op"].to_pylist())) == [(1, 0), (5, 0), (5, 1), (9, 0)]
+    out = store.read_chain(chain)
+    assert dict(zip(out["key"].to_pylist(), out["value"].to_pylist())) == {1: "a", 3: "c", 9: "I"}
+
+
+def test_keys_that_do_not_sort_keep_the_writers_order():
+    from storage.format import sort_by_key
+
+    table = pa.table({"key": pa.array([{"a": 2}, {"a": 1}]), "value": [1, 2]})
+    assert sort_by_key(table).column("value").to_pylist() == [1, 2]
+    table = pa.table({"key": ["b", "a", "b"], "value": [1, 2, 3]})
+    assert sort_by_key(table).column("value").to_pylist() == [2, 1, 3]

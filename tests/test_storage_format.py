@@ -7,9 +7,24 @@ import json
 import pathlib
 import re
 
-import pyarrow as pa
+import hashlib
 
-from storage import CompactionPolicy, FORMAT_VERSION, Manifest, SnapshotStore, StoragePaths
+import pyarrow as pa
+import pytest
+
+import storage.format
+from storage import (
+    FORMAT_VERSION,
+    CompactionPolicy,
+    CorruptFileError,
+    CorruptManifestError,
+    FileRef,
+    InvalidPathError,
+    Manifest,
+    SnapshotStore,
+    StoragePaths,
+)
+from storage.format import WRITE_CHECKSUM_ALGORITHM, checksum_hex
 
 FORMAT_MD = pathlib.Path(__file__).resolve().parents[1] / "storage" / "FORMAT.md"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -41,14 +56,16 @@ def test_the_documented_pyarrow_example_resolves_a_key_group_like_the_store(tmp_
         {"key": 1, "value": 11}, {"key": 2, "value": 21}, {"key": 3, "value": 30}, {"key": 4, "value": 41}]
 
 
-def test_files_are_zstd_compressed_arrow_ipc_files_and_manifests_plain_json(tmp_path):
+def test_files_are_zstd_compressed_arrow_ipc_streams_and_manifests_plain_json(tmp_path):
     root = tmp_path / "ckpt"
     store, manifest = build(str(root))
     for ref in manifest.files().values():
         data = (root / ref.path).read_bytes()
-        assert data[:6] == b"ARROW1" and ZSTD_MAGIC in data
-        table = pa.ipc.open_file(pa.BufferReader(data)).read_all()
-        assert table.schema.metadata[b"abs.file_kind"] == ref.kind.encode()
+        assert data[:4] == b"\xff\xff\xff\xff" and ZSTD_MAGIC in data  # a stream message, not the ARROW1 file magic
+        assert ref.checksum_algorithm == WRITE_CHECKSUM_ALGORITHM and ref.checksum == checksum_hex(data, ref.checksum_algorithm)
+        table = pa.ipc.open_stream(pa.BufferReader(data)).read_all()
+        assert b"abs.file_kind" not in (table.schema.metadata or {})
+        assert table.column("key").to_pylist() == sorted(table.column("key").to_pylist())
         if ref.kind == "base":
             assert "op" not in table.column_names
         elif ref.checkpoint_id == 41:  # the delta with a delete keeps op; all-upsert deltas omit it
@@ -56,9 +73,124 @@ def test_files_are_zstd_compressed_arrow_ipc_files_and_manifests_plain_json(tmp_
         else:
             assert "op" not in table.column_names
     doc = json.loads((root / StoragePaths.manifest(42)).read_text())
-    assert doc["format_version"] == FORMAT_VERSION == 1
+    assert doc["format_version"] == FORMAT_VERSION == 2
     assert set(doc) >= {"checkpoint_id", "kind", "job_name", "max_parallelism", "created_at", "keyed",
                         "operator_state", "operator_state_rules", "channel_logs", "source_offsets",
                         "sink_transactions", "stats"}
+    assert all(ref["checksum_algorithm"] == WRITE_CHECKSUM_ALGORITHM for ref in doc["keyed"]["count"]["n"]["37"])
     job = json.loads((root / "_job.json").read_text())
-    assert job == {"format_version": 1, "job_name": "wc", "max_parallelism": 128}
+    assert job == {"format_version": 2, "job_name": "wc", "max_parallelism": 128}
+
+
+def test_xxhash_is_installed_so_new_files_get_xxh3_checksums():
+    # xxhash is an optional dependency; without it the writer falls back to BLAKE2b-256
+    pytest.importorskip("xxhash")
+    assert WRITE_CHECKSUM_ALGORITHM == "xxh3_128"
+    assert checksum_hex(b"abc", "xxh3_128") == "06b05ab6733a618578af5f94892f3950"  # xxHash 0.8 reference value
+
+
+@pytest.mark.parametrize("algorithm", ["sha256", "blake2b_256", "xxh3_128"])
+def test_every_checksum_algorithm_verifies_and_detects_a_flipped_byte(tmp_path, monkeypatch, algorithm):
+    if algorithm == "xxh3_128":
+        pytest.importorskip("xxhash")
+    monkeypatch.setattr(storage.format, "WRITE_CHECKSUM_ALGORITHM", algorithm)
+    root = tmp_path / "ckpt"
+    store, manifest = build(str(root))
+    refs = manifest.chains("count", "n")[37]
+    assert {r.checksum_algorithm for r in refs} == {algorithm}
+    assert len(refs[0].checksum) == {"sha256": 64, "blake2b_256": 64, "xxh3_128": 32}[algorithm]
+    assert store.verify(42).ok
+    monkeypatch.undo()  # reading does not depend on what the writer would use now
+    fresh = SnapshotStore.open(str(root))
+    assert fresh.read_key_group(fresh.read_manifest(42), "count", "n", 37).num_rows == 4
+    data = bytearray((root / refs[1].path).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (root / refs[1].path).write_bytes(bytes(data))
+    with pytest.raises(CorruptFileError, match=f"fails its {algorithm} checksum"):
+        fresh.read_key_group(fresh.read_manifest(42), "count", "n", 37)
+    assert [p.kind for p in fresh.verify(42).problems] == ["checksum"]
+
+
+def test_a_file_reference_with_an_unknown_algorithm_or_a_digest_of_the_wrong_length_is_refused():
+    path = StoragePaths.state_file(1, "count", "n", 0, "base").replace(StoragePaths.state_file(1, "count", "n", 0, "base").rsplit("-", 1)[1], "0" * 32 + ".arrow")
+    FileRef(path=path, kind="base", checkpoint_id=1, rows=1, bytes=1, checksum="a" * 32, checksum_algorithm="xxh3_128")
+    with pytest.raises(InvalidPathError, match="not a xxh3_128 hex digest"):
+        FileRef(path=path, kind="base", checkpoint_id=1, rows=1, bytes=1, checksum="a" * 64, checksum_algorithm="xxh3_128")
+    with pytest.raises(InvalidPathError, match="checksum algorithm 'md5'"):
+        FileRef(path=path, kind="base", checkpoint_id=1, rows=1, bytes=1, checksum="a" * 32, checksum_algorithm="md5")
+    with pytest.raises(CorruptManifestError):
+        Manifest.from_dict({"format_version": 2, "checkpoint_id": 1, "job_name": "j", "max_parallelism": 1, "keyed": {
+            "count": {"n": {"0": [{"path": path, "kind": "base", "checkpoint_id": 1, "rows": 1, "bytes": 1,
+                                   "checksum": "a" * 32, "checksum_algorithm": "crc32"}]}}}})
+
+
+# ------------------------------------------------------------------------------------ version 1
+def write_v1_file(path: pathlib.Path, table: pa.Table, kind: str) -> dict:
+    """A file as format 1 wrote it: IPC file format, zstd, abs.file_kind, SHA-256 in the manifest."""
+    table = table.replace_schema_metadata({**(table.schema.metadata or {}), b"abs.file_kind": kind.encode()})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, table.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as writer:
+        writer.write_table(table)
+    data = sink.getvalue().to_pybytes()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return {"bytes": len(data), "rows": table.num_rows, "checksum": hashlib.sha256(data).hexdigest()}
+
+
+def build_v1_root(root: pathlib.Path) -> None:
+    """A root written by format 1 code: unsorted base, a delta with a delete, v1 manifest and _job.json."""
+    meta = {b"abs.key_encoding": b"arrow", b"abs.value_encoding": b"arrow"}
+    refs = []
+    for cid, kind, table in [
+        (1, "base", pa.table({"key": [30, 10, 20], "value": [3, 1, 2]})),
+        (2, "delta", pa.table({"key": [20, 40, 10], "value": [0, 4, 11], "op": pa.array([1, 0, 0], pa.int8())})),
+    ]:
+        rel = StoragePaths.state_file(cid, "count", "n", 5, kind)
+        refs.append({"path": rel, "kind": kind, "checkpoint_id": cid,
+                     **write_v1_file(root / rel, table.replace_schema_metadata(meta), kind)})
+    manifest = {"format_version": 1, "checkpoint_id": 2, "kind": "checkpoint", "job_name": "wc",
+                "max_parallelism": 8, "created_at": 1.0, "keyed": {"count": {"n": {"5": refs}}},
+                "operator_state": {}, "operator_state_rules": {}, "channel_logs": [], "source_offsets": {},
+                "sink_transactions": {}, "stats": {}}
+    (root / "checkpoints").mkdir(parents=True)
+    (root / StoragePaths.manifest(2)).write_text(json.dumps(manifest))
+    (root / "_job.json").write_text(json.dumps({"format_version": 1, "job_name": "wc", "max_parallelism": 8}))
+
+
+def test_a_version_1_root_is_read_verified_and_continued(tmp_path):
+    root = tmp_path / "v1"
+    build_v1_root(root)
+    store = SnapshotStore.open(str(root), policy=CompactionPolicy(max_delta_ratio=100.0))
+    store.init_job({"job_name": "wc", "max_parallelism": 8})  # the same job, an older format: accepted
+    m2 = store.read_manifest(2)
+    assert m2.format_version == 1 and all(r.checksum_algorithm == "sha256" for r in m2.iter_refs())
+    assert store.verify(2).ok
+    state = store.read_key_group(m2, "count", "n", 5)
+    assert sorted(state.to_pylist(), key=lambda r: r["key"]) == [
+        {"key": 10, "value": 11}, {"key": 30, "value": 3}, {"key": 40, "value": 4}]
+    assert state.schema.metadata == {b"abs.key_encoding": b"arrow", b"abs.value_encoding": b"arrow"}
+    # continue the chain with a version 2 delta on top of the version 1 files
+    chain = store.write_key_group(3, "count", "n", 5, m2.chains("count", "n")[5],
+                                  pa.table({"key": [50, 30], "value": [5, 33]}).replace_schema_metadata(state.schema.metadata))
+    m3 = store.commit(Manifest(checkpoint_id=3, job_name="wc", max_parallelism=8, keyed={"count": {"n": {5: chain}}}))
+    assert m3.format_version == 2 and [r.checksum_algorithm for r in chain] == ["sha256", "sha256", WRITE_CHECKSUM_ALGORITHM]
+    again = SnapshotStore.open(str(root))
+    assert again.verify().ok
+    assert as_sorted(again.read_key_group(again.read_manifest(3), "count", "n", 5)) == [
+        (10, 11), (30, 33), (40, 4), (50, 5)]
+    # the documented example reads the mixed chain too (v1 IPC files, v2 IPC stream)
+    code = re.search(r"```python\n(.*?)```", FORMAT_MD.read_text(), re.S).group(1)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(code.replace("/data/ckpt", str(root)).replace("chk-00000042", "chk-00000003")  # noqa: S102
+             .replace('"count", "n", 37', '"count", "n", 5'), {})
+    assert out.getvalue().strip() == str([{"key": k, "value": v} for k, v in [(10, 11), (30, 33), (40, 4), (50, 5)]])
+
+
+def as_sorted(table: pa.Table) -> list[tuple]:
+    return sorted(zip(table.column("key").to_pylist(), table.column("value").to_pylist()))
+
+
+def test_version_1_code_would_refuse_a_version_2_manifest_by_its_version():
+    doc = Manifest(checkpoint_id=1, job_name="j", max_parallelism=1).to_dict()
+    assert doc["format_version"] == 2  # version 1 readers raise UnsupportedFormatError on > 1

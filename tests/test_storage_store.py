@@ -223,7 +223,7 @@ class StoreContract:
         self.damage(store, chains[0][0].path, bytes(flipped))
         self.damage(store, chains[1][0].path, store._io.get(chains[1][0].path)[:50])
         self.damage(store, chains[2][0].path, None)
-        with pytest.raises(CorruptFileError, match=rf"checkpoint 1: file {chains[0][0].path} fails its sha256"):
+        with pytest.raises(CorruptFileError, match=rf"checkpoint 1: file {chains[0][0].path} fails its {chains[0][0].checksum_algorithm} checksum"):
             store.read_key_group(m, "count", "n", 0)
         with pytest.raises(CorruptFileError, match=r"has 50 bytes.*torn"):
             store.read_key_group(m, "count", "n", 1)
@@ -235,6 +235,22 @@ class StoreContract:
             ("checksum", chains[0][0].path), ("size", chains[1][0].path), ("missing", chains[2][0].path)}
         assert all(p.checkpoints == (1,) for p in report.problems)
         assert "checkpoint 1: " + chains[2][0].path in "\n".join(report.lines())
+
+    def test_the_first_bad_file_in_chain_order_is_reported(self, store):
+        # object stores fetch a chain's files concurrently; the error must not depend on timing
+        store.policy = CompactionPolicy(max_delta_ratio=1000.0)
+        chain = store.write_key_group(1, "count", "n", 0, [], delta([(1, "a", 0)]))
+        for cid in (2, 3, 4):
+            chain = store.write_key_group(cid, "count", "n", 0, chain, delta([(cid, "b" * cid, 0)]))
+        assert [r.kind for r in chain] == ["base", "delta", "delta", "delta"]
+        assert as_dict(store.read_chain(chain)) == {1: "a", 2: "bb", 3: "bbb", 4: "bbbb"}
+        self.damage(store, chain[3].path, None)
+        self.damage(store, chain[2].path, b"x" * chain[2].bytes)
+        with pytest.raises(CorruptFileError, match=rf"{chain[2].path} fails its"):
+            store.read_chain(chain)
+        self.damage(store, chain[1].path, None)
+        with pytest.raises(MissingFileError, match=rf"{chain[1].path} is missing"):
+            store.read_chain(chain)
 
     def test_verify_passes_on_intact_checkpoints(self, store):
         first = store.write_key_group(1, "count", "n", 0, [], delta([(1, "a", 0)]))
