@@ -322,87 +322,23 @@ class ReduceOp(KeyedOp):
 
 
 class AggregateOp(KeyedOp):
-    """Vectorized keyed aggregation: per batch a hash group-by in Arrow, then one merge per
-    distinct key into the keyed state (grouped by key group)."""
+    """Vectorized keyed aggregation (``KeyedStream.aggregate``). The work is done by
+    :class:`abs.runtime.aggregate.Aggregator`: a columnar state store for integer keys, the
+    dict-based KeyedStateBackend for other keys. ``self.backend`` is its
+    :class:`~abs.runtime.aggregate.AggregateBackend`, which KeyedOp's snapshot/restore use."""
 
-    def open(self) -> None:
-        self.aggs = self.node.spec["aggregations"]
-        self.key = self.node.inputs[0].key
-        self.emit_updates = self.node.spec["emit"] == "updates"
+    columnar = True  # False: always the dict path (tests compare the two)
+
+    def __init__(self, node: Node, ctx: Any) -> None:
+        super().__init__(node, ctx)
+        from .aggregate import Aggregator
+
+        self.aggregator = Aggregator(node, self.backend, columnar=self.columnar)
+        self.backend = self.aggregator.backend
 
     def process(self, batch: pa.RecordBatch) -> None:
-        n = batch.num_rows
-        self.records_in += n
-        if not n:
-            return
-        key = self.key
-        plan = []  # (state name, input column, partial function, merge)
-        requests = []
-        value_type = self.node.spec["value_type"]
-        for out, (col, fn) in self.aggs.items():
-            if batch.schema.get_field_index(col) < 0:
-                raise GraphError(
-                    f"operator {self.uid!r}: aggregation {out!r} reads column {col!r}, which is not in the stream "
-                    f"(columns: {', '.join(batch.schema.names)})"
-                )
-            if fn in ("sum", "min", "max") and pa.types.is_floating(batch.schema.field(col).type) and not pa.types.is_floating(value_type):
-                raise GraphError(
-                    f"operator {self.uid!r}: aggregation {out!r} over the floating-point column {col!r} "
-                    f"cannot be kept as {value_type}; pass value_type=pa.float64() to aggregate()"
-                )
-            if fn == "mean":
-                plan.append((f"{out}.sum", col, "sum"))
-                plan.append((f"{out}.count", col, "count"))
-            else:
-                plan.append((out, col, fn))
-        for _state, col, fn in plan:
-            if (col, fn) not in requests:
-                requests.append((col, fn))
-        table = pa.Table.from_batches([batch])
-        grouped = table.group_by(key, use_threads=False).aggregate(requests)
-        keys_arr = grouped.column(key)
-        kgs = key_groups(keys_arr, self.extractor.max_parallelism)
-        keys = keys_arr.to_pylist()
-        partials = [grouped.column(f"{col}_{fn}").to_pylist() for _s, col, fn in plan]
-        # group the distinct keys by key group, then merge state with bulk get/put
-        order = np.argsort(kgs, kind="stable")
-        sorted_kgs = kgs[order]
-        bounds = np.flatnonzero(np.diff(sorted_kgs)) + 1
-        starts = np.concatenate(([0], bounds))
-        ends = np.concatenate((bounds, [len(order)]))
-        new_values = [[None] * len(keys) for _ in plan]
-        backend = self.backend
-        for s, e in zip(starts.tolist(), ends.tolist()):
-            idx = order[s:e].tolist()
-            kg = int(sorted_kgs[s])
-            ks = [keys[i] for i in idx]
-            for p, (state, _col, fn) in enumerate(plan):
-                old = backend.get_many(state, kg, ks)
-                part = partials[p]
-                if fn in ("sum", "count"):
-                    merged = [part[i] if o is None else (o if part[i] is None else o + part[i]) for o, i in zip(old, idx)]
-                elif fn == "min":
-                    merged = [part[i] if o is None or (part[i] is not None and part[i] < o) else o for o, i in zip(old, idx)]
-                else:
-                    merged = [part[i] if o is None or (part[i] is not None and part[i] > o) else o for o, i in zip(old, idx)]
-                backend.put_many(state, kg, ks, merged)
-                col_out = new_values[p]
-                for i, v in zip(idx, merged):
-                    col_out[i] = v
-        if self.emit_updates:
-            self.emit(self._updates(keys_arr, plan, new_values))
-
-    def _updates(self, keys_arr: pa.Array, plan: list, new_values: list) -> pa.RecordBatch:
-        cols = {"key": keys_arr}
-        values = {state: vals for (state, _c, _f), vals in zip(plan, new_values)}
-        for out, (_col, fn) in self.aggs.items():
-            if fn == "mean":
-                sums = pa.array(values[f"{out}.sum"], pa.float64())
-                counts = pa.array(values[f"{out}.count"], pa.int64())
-                cols[out] = pc.divide(sums, pc.cast(counts, pa.float64()))
-            else:
-                cols[out] = pa.array(values[out])
-        return pa.RecordBatch.from_pydict({k: (v.combine_chunks() if isinstance(v, pa.ChunkedArray) else v) for k, v in cols.items()})
+        self.records_in += batch.num_rows
+        self.emit(self.aggregator.process(batch))
 
 
 # ----------------------------------------------------------------------------- sinks
