@@ -72,3 +72,28 @@ def memory_root() -> Iterator[str]:
     fs = fsspec.filesystem("memory")
     if fs.exists(name):
         fs.rm(name, recursive=True)
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    """A local Spark session (``local[4]``: four task slots for barrier stages, no UI, 2 shuffle partitions), created only when a
+    test asks for it and shared by the whole run; stopped at the end."""
+    import os
+    import sys
+
+    pytest.importorskip("pyspark")
+    from pyspark.sql import SparkSession
+
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+    session = (
+        SparkSession.builder.master("local[4]")
+        .appName("abs-tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .getOrCreate()
+    )
+    try:
+        yield session
+    finally:
+        session.stop()
