@@ -35,6 +35,7 @@ __all__ = [
     "CheckpointStats",
     "CheckpointConfig",
     "RestartStrategy",
+    "SparkExecutor",
     "ValueState",
     "ListState",
     "MapState",
@@ -55,3 +56,11 @@ __all__ = [
     "WorkerLostError",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):  # pyspark is imported only by who uses the Spark launcher
+    if name == "SparkExecutor":
+        from .runtime.spark import SparkExecutor
+
+        return SparkExecutor
+    raise AttributeError(f"module 'abs' has no attribute {name!r}")

@@ -15,7 +15,7 @@ __all__ = ["run", "submit", "JobHandle"]
 
 def _driver(
     flow: Dataflow,
-    parallelism: int,
+    parallelism: int | None,
     checkpoint: CheckpointConfig | None,
     storage: str | None,
     storage_options: dict | None,
@@ -32,6 +32,8 @@ def _driver(
         executor = LocalExecutor()
     elif isinstance(executor, str):
         raise ConfigError(f"executor must be 'local' or an executor object (e.g. abs.SparkExecutor), got {executor!r}")
+    if parallelism is None:  # the executor's size (SparkExecutor(num_workers=...)), else 1
+        parallelism = getattr(executor, "num_workers", None) or 1
     if checkpoint is not None and not isinstance(checkpoint, CheckpointConfig):
         raise ConfigError(f"checkpoint must be an abs.CheckpointConfig, got {type(checkpoint).__name__}")
     if storage is not None and checkpoint is None:
@@ -54,7 +56,7 @@ def _driver(
 def run(
     flow: Dataflow,
     *,
-    parallelism: int = 1,
+    parallelism: int | None = None,
     checkpoint: CheckpointConfig | None = None,
     storage: str | None = None,
     storage_options: dict | None = None,
@@ -66,6 +68,10 @@ def run(
     heartbeat_timeout: float = 30.0,
 ) -> JobResult:
     """Run ``flow`` on ``parallelism`` workers until its bounded sources are exhausted.
+
+    ``parallelism``: number of workers (default: ``executor.num_workers`` if the executor
+    has one, else 1). ``executor``: ``"local"`` (worker processes on this machine) or
+    ``abs.SparkExecutor(spark, num_workers=P)`` (the tasks of one Spark barrier stage).
 
     ``checkpoint``: when and how to checkpoint (needs ``storage``). ``storage``: a path or
     fsspec URL (``file://``, ``memory://``, ``s3://bucket/prefix`` with ``storage_options``).
@@ -161,7 +167,7 @@ class JobHandle:
 def submit(
     flow: Dataflow,
     *,
-    parallelism: int = 1,
+    parallelism: int | None = None,
     checkpoint: CheckpointConfig | None = None,
     storage: str | None = None,
     storage_options: dict | None = None,

@@ -57,9 +57,10 @@ class Sink(abc.ABC):
 class CollectSink(Sink):
     """Collects every record in the driver: ``JobResult.collected(uid)`` returns them.
 
-    For tests and small results. Delivery is immediate (not transactional): after a
-    restart, records since the restored checkpoint are delivered again. Use
-    :class:`FileSink` for exactly-once output.
+    For tests and small results. Exactly-once like :class:`FileSink`: each epoch is staged in
+    the driver's memory at the checkpoint barrier and becomes visible when its checkpoint
+    completes (or at the end of input with checkpointing off); after a restart, records
+    since the restored checkpoint are not delivered twice.
     """
 
     def create_writer(

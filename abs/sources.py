@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import pyarrow as pa
@@ -25,6 +26,7 @@ import pyarrow as pa
 __all__ = [
     "Source",
     "SourceReader",
+    "SourceContext",
     "END",
     "GeneratorSource",
     "FileSource",
@@ -91,6 +93,36 @@ class Source(abc.ABC):
     @abc.abstractmethod
     def create_reader(self, splits: Mapping[str, Offset], subtask: int, parallelism: int) -> SourceReader:
         """Reader for ``splits`` (split id -> start offset), in the worker."""
+
+    # -- driver-side hooks (the enumerator side of a source; all optional) -------------------
+    # A source that must do work in the driver (run a Spark query, plan micro-batches, commit
+    # offsets upstream) overrides these. Whatever they start must stay out of the pickled
+    # source (``__getstate__``): the same object is shipped to the workers afterwards.
+
+    def driver_open(self, context: "SourceContext") -> None:
+        """Called in the driver before the workers of an attempt start (again after every
+        restart), with what was restored (``context.restored_offsets``)."""
+
+    def driver_checkpoint_complete(self, checkpoint_id: int, offsets: Mapping[str, Offset]) -> None:
+        """Checkpoint ``checkpoint_id`` is complete (its manifest is committed); ``offsets``
+        are the split offsets it stores for this source. Called in the driver, in order."""
+
+    def driver_close(self) -> None:
+        """Called in the driver when an attempt ends (finished, failed or canceled)."""
+
+
+@dataclass(frozen=True)
+class SourceContext:
+    """What :meth:`Source.driver_open` is told about the job."""
+
+    uid: str
+    job_name: str
+    parallelism: int
+    storage_url: str | None
+    storage_options: Mapping[str, Any] | None
+    restored_offsets: Mapping[str, Offset] | None  # split -> offset of the restored checkpoint
+    attempt: int
+    retained: int  # complete checkpoints kept (CheckpointConfig.retained): older ones may be restored
 
 
 # --------------------------------------------------------------------------- generator

@@ -2,7 +2,9 @@
 second into ./.abs-demo/ (run through scripts/demo, which sets up the environment).
 
 Prints progress while the job runs, then the checkpoints it took, then checks the final
-counts against the input.
+counts against the input. With --spark the same job runs on a local Spark master: its
+workers are the tasks of one Spark barrier stage (``--master``, default ``local[N]`` with N
+the parallelism).
 """
 from __future__ import annotations
 
@@ -43,6 +45,20 @@ def human(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def spark_session(master: str):
+    """A quiet Spark session on ``master`` whose Python workers use this interpreter."""
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    if master.startswith("local"):
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    from pyspark.sql import SparkSession
+
+    print(f"demo: starting Spark ({master}) ...", flush=True)
+    spark = (SparkSession.builder.master(master).appName("abs-demo")
+             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false").getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--events", type=int, default=3_000_000)
@@ -51,15 +67,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parallelism", type=int, default=3)
     ap.add_argument("--storage", default=os.path.join(os.getcwd(), ".abs-demo"))
     ap.add_argument("--keep", action="store_true", help="keep earlier snapshots in --storage")
+    ap.add_argument("--spark", action="store_true", help="run the workers as a Spark barrier stage")
+    ap.add_argument("--master", default=None, help="Spark master with --spark (default local[PARALLELISM])")
     args = ap.parse_args(argv)
     if not args.keep and os.path.isdir(args.storage):
         shutil.rmtree(args.storage)
     flow = build(args.events, args.keys, args.rate or None)
-    print(f"demo: {args.events:,} events over {args.keys:,} keys, parallelism {args.parallelism}, "
+    executor: object = "local"
+    if args.spark:
+        executor = abs.SparkExecutor(spark_session(args.master or f"local[{args.parallelism}]"),
+                                     num_workers=args.parallelism)
+    print(f"demo: {args.events:,} events over {args.keys:,} keys, parallelism {args.parallelism}"
+          f"{' on Spark (' + executor.spark.sparkContext.master + ')' if args.spark else ''}, "
           f"checkpoints every 1 s into {args.storage}")
     job = abs.submit(
         flow,
         parallelism=args.parallelism,
+        executor=executor,
         checkpoint=abs.CheckpointConfig(interval=1.0, retained=3),
         storage=args.storage,
     )

@@ -174,7 +174,8 @@ def test_union_rebalance_broadcast_and_row_operators():
 
 
 def test_restore_latest_into_other_parallelism_gives_uninterrupted_state(tmp_path):
-    src = abs.GeneratorSource(60_000, num_keys=NUM_KEYS, num_splits=6, batch_size=200, rate=3_000)
+    # ~6.7 s of input: long enough for 3 checkpoints of 200 ms even on a loaded machine
+    src = abs.GeneratorSource(60_000, num_keys=NUM_KEYS, num_splits=6, batch_size=200, rate=1_500)
     flow = counting_flow(src)
     job = abs.submit(flow, parallelism=3, checkpoint=abs.CheckpointConfig(interval=0.2, retained=100),
                      storage=str(tmp_path))

@@ -141,6 +141,8 @@ class JobDriver:
         self.storage_options = storage_options
         self.restore = restore
         self.executor = executor or LocalExecutor()
+        if hasattr(self.executor, "check"):
+            self.executor.check(parallelism, storage)
         self.faults = normalize_faults(faults)
         self._attempt = 0
         self._driver_hits: dict = {}
@@ -153,6 +155,7 @@ class JobDriver:
         self.requests: "queue.Queue[tuple]" = queue.Queue()
         self.store = None
         self._collected: dict[str, list[bytes]] = {}
+        self._staged: dict[str, tuple[str, list[bytes]]] = {}  # CollectSink epochs awaiting commit
         self._records: dict[int, dict] = {}
         self._bytes_restored: list[int] = [0] * parallelism
         self._restore_seconds: list[float] = [0.0] * parallelism
@@ -278,6 +281,7 @@ class JobDriver:
                 self._attempt = attempt
                 first_id, restore_info = self._open_storage()
                 spec = self._spec(restore_info, attempt)
+                self._open_sources(restore_info, attempt)
                 procs, conns = self._launch(spec)
                 self._t_started = time.monotonic()
                 self.status = "RUNNING"
@@ -298,6 +302,7 @@ class JobDriver:
                 break
             finally:
                 self._teardown(procs, conns)
+                self._close_sources()
         self.result = JobResult(
             job_name=self.flow.name,
             status=self.status,
@@ -324,6 +329,32 @@ class JobDriver:
                 raise err  # type: ignore[misc]
             raise JobFailedError(f"job {self.flow.name!r} failed: {err}", self.result) from err
         return self.result
+
+    def _sources(self) -> list:
+        return [(n.uid, n.spec["source"]) for n in self.flow.nodes if n.kind == "source"]
+
+    def _open_sources(self, restore_info: dict, attempt: int) -> None:
+        """The driver-side part of every source (see ``Source.driver_open``)."""
+        from ..sources import SourceContext
+
+        manifest = restore_info.get("manifest")
+        self._opened_sources = []
+        for uid, source in self._sources():
+            restored = dict(manifest.source_offsets.get(uid, {})) if manifest is not None else None
+            source.driver_open(SourceContext(
+                uid=uid, job_name=self.flow.name, parallelism=self.P, storage_url=self.storage_url,
+                storage_options=self.storage_options, restored_offsets=restored, attempt=attempt,
+                retained=self.config.retained,
+            ))
+            self._opened_sources.append(source)
+
+    def _close_sources(self) -> None:
+        for source in getattr(self, "_opened_sources", []):
+            try:
+                source.driver_close()
+            except Exception as exc:  # noqa: BLE001 - closing never hides the job's own outcome
+                print(f"[abs] warning: closing source {type(source).__name__} failed: {exc}", file=sys.stderr)
+        self._opened_sources = []
 
     def _driver_fault(self, point: str, procs: list) -> None:
         """Driver-side fault points kill a worker (``Fault.task`` ``"task<t>#<i>"`` names
@@ -380,13 +411,16 @@ class JobDriver:
         import cloudpickle
 
         secret = secrets.token_bytes(32)
-        listener = Listener(("127.0.0.1", 0), authkey=secret)
-        procs = []
+        host = self.executor.driver_host() if hasattr(self.executor, "driver_host") else "127.0.0.1"
+        listener = Listener((host, 0), authkey=secret)
+        procs: list = []
         conns: dict[int, Any] = {}
         try:
-            for i in range(self.P):
-                boot = {"driver": list(listener.address), "secret": secret.hex(), "index": i}
-                procs.append(self.executor.launch(i, boot))
+            boots = [{"driver": list(listener.address), "secret": secret.hex(), "index": i} for i in range(self.P)]
+            if hasattr(self.executor, "launch_all"):  # e.g. a Spark barrier stage: all workers at once
+                procs.extend(self.executor.launch_all(boots, self.flow.name))
+            else:
+                procs.extend(self.executor.launch(i, boot) for i, boot in enumerate(boots))
             accepted: list = []
             acceptor = threading.Thread(target=lambda: [accepted.append(listener.accept()) for _ in range(self.P)], daemon=True)
             acceptor.start()
@@ -397,8 +431,11 @@ class JobDriver:
             if len(accepted) < self.P:
                 raise WorkerLostError(f"only {len(accepted)} of {self.P} workers connected within {self.startup_timeout:.0f} s")
             for c in accepted:
-                kind, index = c.recv()
+                hello = c.recv()  # ("hello", index, pid)
+                index = hello[1]
                 conns[index] = c
+                if len(hello) > 2 and hasattr(procs[index], "bind_pid"):
+                    procs[index].bind_pid(hello[2])
             payload = cloudpickle.dumps(spec)
             for c in conns.values():
                 c.send(("spec", payload))
@@ -524,8 +561,8 @@ class JobDriver:
                     handle(coord.on_ack(msg[1], msg[2], msg[3]))
                 elif kind == "decline":
                     handle(coord.on_decline(msg[1], msg[2], msg[3]))
-                elif kind == "collect":
-                    self._collected.setdefault(msg[1], []).append(msg[2])
+                elif kind in ("collect", "collect_commit"):
+                    self._on_collect(msg)
                 elif kind == "metrics":
                     self._records[msg[1]] = msg[2]["records_in"]
                 elif kind == "source_exhausted":
@@ -645,6 +682,12 @@ class JobDriver:
         self._manifests[a.checkpoint_id] = stored
         self._last_completed_id = a.checkpoint_id
         self.store_gc()
+        for uid, source in self._sources():
+            try:
+                source.driver_checkpoint_complete(a.checkpoint_id, offsets.get(uid, {}))
+            except Exception as exc:  # noqa: BLE001 - the checkpoint is complete either way
+                print(f"[abs] warning: source {uid!r}: checkpoint {a.checkpoint_id} completion hook failed: {exc}",
+                      file=sys.stderr)
         full = sum(r.bytes for r in manifest.files().values())
         self.completed.append(
             CheckpointStats(
@@ -667,6 +710,18 @@ class JobDriver:
         except Exception as exc:  # noqa: BLE001 - GC failures never fail a checkpoint
             print(f"[abs] warning: garbage collection failed ({exc}); files are kept", file=sys.stderr)
 
+    def _on_collect(self, msg: tuple) -> None:
+        """CollectSink's two-phase commit (see ``operators._CollectWriter``): staged epochs
+        survive restarts; a commit makes an epoch visible once."""
+        if msg[0] == "collect":
+            _, key, uid, batches = msg
+            self._staged[key] = (uid, batches)
+            return
+        for key in msg[1]:
+            staged = self._staged.pop(key, None)
+            if staged is not None:
+                self._collected.setdefault(staged[0], []).extend(staged[1])
+
     def _collect_done(self, conns: dict, procs: list) -> None:
         pending = set(conns)
         deadline = time.monotonic() + 60
@@ -681,8 +736,8 @@ class JobDriver:
                 if msg[0] == "done":
                     self._records[msg[1]] = msg[2]["records_in"]
                     pending.discard(i)
-                elif msg[0] == "collect":
-                    self._collected.setdefault(msg[1], []).append(msg[2])
+                elif msg[0] in ("collect", "collect_commit"):
+                    self._on_collect(msg)
 
     def _teardown(self, procs: list, conns: dict) -> None:
         for c in conns.values():

@@ -353,7 +353,7 @@ class SinkOp(OperatorRuntime):
         super().__init__(node, ctx)
         sink = node.spec["sink"]
         if isinstance(sink, CollectSink):
-            self.writer: SinkWriter = _CollectWriter(node.uid, ctx.send_to_driver)
+            self.writer: SinkWriter = _CollectWriter(node.uid, ctx.subtask, ctx.send_to_driver, list(restored_transactions))
         else:
             self.writer = sink.create_writer(ctx.subtask, ctx.parallelism, list(restored_transactions))
         self.pending: dict[int, Any] = {}  # checkpoint id -> transaction, pre-committed, not yet committed
@@ -393,14 +393,35 @@ class SinkOp(OperatorRuntime):
 
 
 class _CollectWriter(SinkWriter):
-    def __init__(self, uid: str, send: Callable[[tuple], None]) -> None:
+    """A :class:`CollectSink` subtask: a two-phase commit into the driver's memory. An epoch's
+    batches are staged in the driver at ``pre_commit`` (under a transaction key unique to this
+    writer) and become visible in ``JobResult.collected`` only when its checkpoint completes;
+    the driver keeps staged epochs across restarts, so a restored transaction is committed
+    again (idempotently) and one no checkpoint names never becomes visible."""
+
+    def __init__(self, uid: str, subtask: int, send: Callable[[tuple], None], restored: Sequence[Any] = ()) -> None:
+        import uuid
+
         self.uid = uid
         self.send = send
+        self.tag = f"{uid}/{subtask}/{uuid.uuid4().hex[:12]}"
+        self.buffer: list[bytes] = []
+        if restored:
+            self.send(("collect_commit", list(restored)))
 
     def write(self, batch: pa.RecordBatch) -> None:
         from .channels import encode
 
-        self.send(("collect", self.uid, encode(batch).to_pybytes()))
+        self.buffer.append(encode(batch).to_pybytes())
+
+    def pre_commit(self, checkpoint_id: int) -> Any:
+        key = f"{self.tag}/{checkpoint_id}"
+        self.send(("collect", key, self.uid, self.buffer))
+        self.buffer = []
+        return key
+
+    def commit(self, checkpoint_id: int, transactions: Sequence[Any]) -> None:
+        self.send(("collect_commit", list(transactions)))
 
 
 _KINDS = {

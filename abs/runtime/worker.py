@@ -70,6 +70,7 @@ class Worker:
         self.conn = conn
         self.spec = spec
         self.secret = secret
+        self.bind_host = "127.0.0.1"
         self.plan: PhysicalPlan = compile_plan(spec.flow)
         self.checkpointing = spec.checkpointing
         self.checkpoint_mode = spec.checkpoint_mode
@@ -194,7 +195,7 @@ class Worker:
         P = spec.parallelism
         for t in self.plan.tasks:
             self.gates[t.index] = InputGate(t.num_channels(P), spec.channel_capacity)
-        self.listener = Listener(("127.0.0.1", 0), authkey=self.secret)
+        self.listener = Listener((self.bind_host, 0), authkey=self.secret)
 
     def connect(self, peers: list) -> None:
         """Open one connection per outgoing remote channel, accept the incoming ones."""
@@ -353,7 +354,7 @@ def main() -> None:
     secret = bytes.fromhex(boot["secret"])
     index = boot["index"]
     conn = Client(tuple(boot["driver"]), authkey=secret)
-    conn.send(("hello", index))
+    conn.send(("hello", index, os.getpid()))
     kind, payload = conn.recv()
     assert kind == "spec"
     import cloudpickle
@@ -361,8 +362,10 @@ def main() -> None:
     try:
         spec: WorkerSpec = cloudpickle.loads(payload)
         worker = Worker(index, conn, spec, secret)
+        worker.bind_host = boot.get("bind_host", "127.0.0.1")  # all interfaces on a cluster
         worker.build()
-        conn.send(("listening", worker.listener.address))
+        host, port = worker.listener.address[:2]
+        conn.send(("listening", (boot.get("advertise_host") or host, port)))
         kind, peers = conn.recv()
         worker.connect(peers)
         stats = worker.create_tasks()

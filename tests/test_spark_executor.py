@@ -1,0 +1,126 @@
+"""The Spark launcher: the same job on a real local Spark master (one barrier stage of P
+tasks) gives the local launcher's results; a worker killed with SIGKILL inside a Spark task
+fails the stage, and the driver restores and resubmits with exact output."""
+from __future__ import annotations
+
+import collections
+import time
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import abs
+from abs.faults import Fault
+from abs.files import FileSink, read_output
+from storage import SnapshotStore
+
+pytestmark = [pytest.mark.integration, pytest.mark.spark]
+
+TOTAL, KEYS = 30_000, 250
+
+
+def count_fn(ctx, row):
+    n = ctx.state.n
+    c = (n.value() or 0) + 1
+    n.update(c)
+    ctx.emit({"key": ctx.key, "count": c})
+
+
+def counting_flow(sink: abs.Sink, rate: float | None = None) -> abs.Dataflow:
+    flow = abs.Dataflow("spark-counts")
+    src = abs.GeneratorSource(TOTAL, num_keys=KEYS, num_splits=6, batch_size=250, rate=rate)
+    flow.source("src", src).key_by("key").process(
+        "count", count_fn, state=[abs.ValueState("n", pa.int64())]
+    ).sink("out", sink)
+    return flow
+
+
+def per_key_counts(table: pa.Table) -> dict:
+    per_key: dict = collections.defaultdict(list)
+    for k, c in zip(table.column("key").to_pylist(), table.column("count").to_pylist()):
+        per_key[k].append(c)
+    return {k: sorted(v) for k, v in per_key.items()}
+
+
+EXPECTED = {k: list(range(1, n + 1)) for k, n in collections.Counter((np.arange(TOTAL) % KEYS).tolist()).items()}
+
+
+def final_state(root: str) -> dict:
+    store = SnapshotStore.open(root)
+    manifest = store.read_manifest(store.latest_checkpoint())
+    values: dict = {}
+    for kg in manifest.keyed["count"]["n"]:
+        t = store.read_key_group(manifest, "count", "n", kg)
+        values.update(zip(t.column("key").to_pylist(), t.column("value").to_pylist()))
+    return values
+
+
+def test_same_job_same_results_on_the_local_and_the_spark_launcher(spark, tmp_path):
+    checkpoint = abs.CheckpointConfig(interval=0.2, retained=3)
+    local = abs.run(counting_flow(abs.CollectSink(), rate=2_000), parallelism=3, checkpoint=checkpoint,
+                    storage=str(tmp_path / "local"))
+    on_spark = abs.run(counting_flow(abs.CollectSink(), rate=2_000), executor=abs.SparkExecutor(spark, num_workers=3),
+                       checkpoint=checkpoint, storage=str(tmp_path / "spark"))
+    assert on_spark.status == local.status == "FINISHED"
+    assert on_spark.parallelism == 3
+    assert len(on_spark.completed_checkpoints) >= 2, "checkpoints are taken while the stage runs"
+    assert per_key_counts(on_spark.collected("out")) == per_key_counts(local.collected("out")) == EXPECTED
+    assert on_spark.records_in == local.records_in
+    assert final_state(str(tmp_path / "spark")) == final_state(str(tmp_path / "local"))
+    # restoring a Spark run's checkpoint with the local launcher (and back) is the same format
+    assert SnapshotStore.open(str(tmp_path / "spark")).verify().ok
+
+
+def test_worker_killed_inside_a_spark_task_recovers_with_exact_output(spark, tmp_path):
+    out = str(tmp_path / "out")
+    result = abs.run(
+        counting_flow(FileSink(out, format="parquet"), rate=1_000),  # ~5 s of input
+        executor=abs.SparkExecutor(spark, num_workers=2),
+        checkpoint=abs.CheckpointConfig(interval=0.2, retained=2),
+        storage=str(tmp_path / "snap"),
+        restart=abs.RestartStrategy(max_restarts=2, delay=0.1),
+        # a real SIGKILL of worker 1 (the child process of Spark task 1) right after the 2nd
+        # checkpoint's manifest is committed, before the workers hear of it
+        faults=[Fault("after_commit", "task1#1", nth=2)],
+    )
+    assert result.status == "FINISHED"
+    assert len(result.restarts) == 1, result.restarts
+    assert result.restarts[0]["restored_from"] == 2, "the second stage restored the latest checkpoint"
+    assert per_key_counts(read_output(out, "parquet")) == EXPECTED
+    assert SnapshotStore.open(str(tmp_path / "snap")).verify().ok
+
+
+def test_collect_sink_is_exactly_once_across_a_restart_on_spark(spark, tmp_path):
+    result = abs.run(
+        counting_flow(abs.CollectSink(), rate=1_000),
+        executor=abs.SparkExecutor(spark, num_workers=2),
+        checkpoint=abs.CheckpointConfig(interval=0.2),
+        storage=str(tmp_path / "snap"),
+        restart=abs.RestartStrategy(max_restarts=1, delay=0.1),
+        faults=[Fault("process", "task1#0", nth=80)],
+    )
+    assert len(result.restarts) == 1
+    assert per_key_counts(result.collected("out")) == EXPECTED
+
+
+def test_too_few_slots_fail_at_once_naming_the_numbers(spark):
+    slots = spark.sparkContext.defaultParallelism
+    t0 = time.monotonic()
+    with pytest.raises(abs.ConfigError, match=rf"needs {slots + 1} task slots.*has {slots} slot"):
+        abs.run(counting_flow(abs.CollectSink()), executor=abs.SparkExecutor(spark, num_workers=slots + 1))
+    assert time.monotonic() - t0 < 30, "no waiting for Spark's own slot check"
+
+
+def test_bad_spark_configurations_are_refused(spark):
+    with pytest.raises(abs.ConfigError, match="needs an active SparkSession"):
+        abs.SparkExecutor(None, num_workers=2)
+    with pytest.raises(abs.ConfigError, match="needs a pyspark.sql.SparkSession"):
+        abs.SparkExecutor(object(), num_workers=2)
+    with pytest.raises(abs.ConfigError, match="num_workers must be a positive integer"):
+        abs.SparkExecutor(spark, num_workers=0)
+    with pytest.raises(abs.ConfigError, match=r"num_workers=2\) but parallelism=3"):
+        abs.run(counting_flow(abs.CollectSink()), parallelism=3, executor=abs.SparkExecutor(spark, num_workers=2))
+    with pytest.raises(abs.ConfigError, match="process-local memory"):
+        abs.run(counting_flow(abs.CollectSink()), executor=abs.SparkExecutor(spark, num_workers=2),
+                storage="memory://abs-spark-test", checkpoint=abs.CheckpointConfig(interval=1.0))
