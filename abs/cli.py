@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from storage import (
     CheckpointNotFoundError,
@@ -20,6 +20,9 @@ from storage import (
     StorageUnavailableError,
 )
 from storage.inspect import dump_lines, list_lines, parse_storage_options, show_lines
+
+if TYPE_CHECKING:  # pragma: no cover
+    from storage import Manifest
 
 __all__ = ["main", "build_parser"]
 
@@ -88,7 +91,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dest", metavar="DEST", help="destination root (may be ROOT itself)")
     p.add_argument("--dest-storage-option", action="append", default=[], metavar="KEY=VALUE",
                    help="fsspec storage option of DEST (default: DEST of the same protocol reuses ROOT's file system)")
+    _spark_arguments(p, "resolve the key groups on Spark executors (DEST must be a new, empty root)")
+
+    p = sub.add_parser("rekey", parents=[common],
+                       help="rewrite a checkpoint into a savepoint with another max_parallelism (number of key groups)")
+    p.add_argument("id", type=int, metavar="ID")
+    p.add_argument("dest", metavar="DEST", help="destination root: a new, empty directory or prefix")
+    p.add_argument("--max-parallelism", type=int, required=True, metavar="N",
+                   help="the new number of key groups (1..32768); restore with Dataflow(..., max_parallelism=N)")
+    p.add_argument("--dest-storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="fsspec storage option of DEST (default: DEST of the same protocol uses ROOT's options)")
+    _spark_arguments(p, "re-key on Spark executors (default: in this process; every live row passes through memory)")
     return parser
+
+
+def _spark_arguments(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--spark", action="store_true", help=what)
+    p.add_argument("--master", metavar="URL",
+                   help="with --spark: the Spark master (default local[*]); the active SparkSession is used if any")
 
 
 def _open(args: argparse.Namespace) -> SnapshotStore:
@@ -200,14 +220,54 @@ def _rescale_preview(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dest_options(args: argparse.Namespace) -> dict | None:
+    if not args.dest_storage_option:
+        return None
+    try:
+        return parse_storage_options(args.dest_storage_option)
+    except ValueError as exc:
+        raise StorageConfigError(f"{exc}; use --dest-storage-option key=value") from exc
+
+
+def _root_options(args: argparse.Namespace) -> dict:
+    try:
+        return parse_storage_options(args.storage_option)
+    except ValueError as exc:
+        raise StorageConfigError(f"{exc}; use --storage-option key=value") from exc
+
+
+def _check_master_arg(args: argparse.Namespace) -> None:
+    if args.master is not None and not args.spark:
+        raise StorageConfigError(f"--master {args.master}: only used with --spark; add --spark or drop --master")
+
+
+def _rewrite_with_spark(args: argparse.Namespace, max_parallelism: int | None) -> "Manifest":
+    """Check everything that does not need Spark first, then start (or reuse) a session."""
+    import recovery.spark as rspark
+
+    rspark.require_pyspark()
+    job = rspark.plan(args.root, args.id, args.dest, max_parallelism=max_parallelism,
+                      storage_options=_root_options(args), dest_storage_options=_dest_options(args))
+    with rspark.spark_session(args.master or "local[*]", app_name=f"abs-snapshot {args.command}") as spark:
+        return rspark.execute(spark, job)
+
+
+def _rewrite_summary(saved: "Manifest") -> str:
+    files = saved.files()
+    rewrite = saved.stats.get("rewrite", {})
+    how = f" with Spark ({rewrite.get('tasks')} task(s), {rewrite.get('seconds')} s)" if rewrite.get("engine") == "spark" else ""
+    return f"{len(files)} file(s), {sum(r.bytes for r in files.values())} bytes{how}"
+
+
 def _savepoint(args: argparse.Namespace) -> int:
+    _check_master_arg(args)
+    if args.spark:
+        saved = _rewrite_with_spark(args, None)
+        _out([f"savepoint {saved.checkpoint_id} of checkpoint {args.id} written to {args.dest} "
+              f"({_rewrite_summary(saved)}); pinned until deleted; restore with restore={args.dest!r}"])
+        return 0
     store = _open(args)
-    options = None
-    if args.dest_storage_option:
-        try:
-            options = parse_storage_options(args.dest_storage_option)
-        except ValueError as exc:
-            raise StorageConfigError(f"{exc}; use --dest-storage-option key=value") from exc
+    options = _dest_options(args)
     saved = store.savepoint(args.id, args.dest, options)
     files = saved.files()
     _out([f"savepoint {saved.checkpoint_id} of checkpoint {args.id} written to {args.dest} "
@@ -216,9 +276,26 @@ def _savepoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rekey(args: argparse.Namespace) -> int:
+    _check_master_arg(args)
+    from recovery.rewrite import check_new_max_parallelism, rekey_local
+
+    check_new_max_parallelism(args.max_parallelism)
+    if args.spark:
+        saved = _rewrite_with_spark(args, args.max_parallelism)
+    else:
+        saved = rekey_local(args.root, args.id, args.dest, max_parallelism=args.max_parallelism,
+                            storage_options=_root_options(args), dest_storage_options=_dest_options(args))
+    old = saved.stats.get("rewrite", {}).get("max_parallelism_from")
+    _out([f"re-keyed checkpoint {args.id} of {args.root} from max_parallelism {old} to {saved.max_parallelism}: "
+          f"savepoint {saved.checkpoint_id} written to {args.dest} ({_rewrite_summary(saved)}); restore it into a "
+          f"Dataflow(..., max_parallelism={saved.max_parallelism}) with restore={args.dest!r}"])
+    return 0
+
+
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "ls": _ls, "show": _show, "dump": _dump, "verify": _verify, "gc": _gc,
-    "check": _check, "rescale-preview": _rescale_preview, "savepoint": _savepoint,
+    "check": _check, "rescale-preview": _rescale_preview, "savepoint": _savepoint, "rekey": _rekey,
 }
 
 

@@ -15,6 +15,11 @@ A restore, as the runtime's driver does it::
     manifest = store.read_manifest(cid)
     check(flow.fingerprint(), store, checkpoint_id=cid, parallelism=P, verify_files=False).raise_if_fatal()
     plan = plan_restore(manifest, flow.fingerprint(), P, source_splits={uid: src.splits(), ...})
+
+Offline rewrites (not imported here): :mod:`recovery.spark` compacts a checkpoint into a
+savepoint or re-keys it into a new ``max_parallelism`` on Spark; :mod:`recovery.rewrite` holds
+their engine-independent core and an in-process re-key. The re-key imports
+:mod:`abs.keygroups` (the runtime's key hash) lazily: the only place ``recovery`` uses ``abs``.
 """
 from __future__ import annotations
 
