@@ -244,4 +244,8 @@ def __getattr__(name: str) -> Any:
         from .files import FileSource
 
         return FileSource
+    if name in ("SparkStreamSource", "SparkMicroBatchSource"):  # imported lazily: pyspark is heavy
+        from . import spark_sources
+
+        return getattr(spark_sources, name)
     raise AttributeError(name)

@@ -1,0 +1,459 @@
+"""Spark streaming sources (abs.spark_sources): a PySpark Python data source stream reader
+and a Structured Streaming DataFrame run as exactly-once ABS sources, with real worker
+processes, real checkpoints, a real ``kill -9`` in the middle and real Spark (local)."""
+from __future__ import annotations
+
+import collections
+import functools
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pyarrow as pa
+import pytest
+
+pytest.importorskip("pyspark")
+
+from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition, SimpleDataSourceStreamReader
+from pyspark.sql.streaming.datasource import ReadMaxRows, SupportsTriggerAvailableNow
+from pyspark.sql.types import LongType, Row, StringType, StructField, StructType
+
+import abs
+from abs.errors import ConfigError
+from abs.faults import Fault
+from abs.files import FileSink, read_output
+from abs.spark_sources import SparkMicroBatchSource, SparkStreamSource
+from storage import SnapshotStore
+from storage.paths import StoragePaths
+
+pytestmark = pytest.mark.integration
+
+TOTAL = 6000  # rows of the test stream
+KEYS = 37
+PART_ROWS = 50  # rows per InputPartition
+BATCH_ROWS = 100  # rows per planned batch (the reader's default ReadMaxRows)
+
+
+# --------------------------------------------------------------------------- test data source
+
+
+class RangePartition(InputPartition):
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+
+
+class CountingReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Rows ``i = 0 .. total-1`` as ``(id=i, key=i % KEYS, name="row-i")``; the offset is the
+    number of rows; partitions are fixed ranges of PART_ROWS; rows become available at
+    ``rate`` rows/s from ``t0`` (all at once under availableNow). ``commit(end)`` is
+    appended, with the time, to the file ``commit_log``."""
+
+    def __init__(self, options) -> None:
+        self.total = int(options.get("total", TOTAL))
+        self.rate = float(options.get("rate", 0))
+        self.t0 = float(options.get("t0", 0))
+        self.delay = float(options.get("read_delay", 0))
+        self.commit_log = options.get("commit_log")
+        self.target = None
+
+    def initialOffset(self):
+        return {"rows": 0}
+
+    def getDefaultReadLimit(self):
+        return ReadMaxRows(BATCH_ROWS)
+
+    def prepareForTriggerAvailableNow(self):
+        self.target = self.total
+
+    def latestOffset(self, start, limit):
+        if self.target is not None or self.rate <= 0:
+            available = self.target if self.target is not None else self.total
+        else:
+            available = min(self.total, int((time.time() - self.t0) * self.rate))
+        end = min(available, start["rows"] + limit.max_rows) if isinstance(limit, ReadMaxRows) else available
+        return {"rows": max(start["rows"], end)}
+
+    def partitions(self, start, end):
+        return [RangePartition(lo, min(lo + PART_ROWS, end["rows"])) for lo in range(start["rows"], end["rows"], PART_ROWS)]
+
+    def read(self, partition):
+        if self.delay:
+            time.sleep(self.delay)
+        for i in range(partition.lo, partition.hi):
+            yield (i, i % KEYS, f"row-{i}")
+
+    def commit(self, end):
+        if self.commit_log:
+            with open(self.commit_log, "a") as f:
+                f.write(json.dumps({"t": time.time(), "end": end}) + "\n")
+
+
+class CountingSource(DataSource):
+    @classmethod
+    def name(cls):
+        return "abs_counting"
+
+    def schema(self):
+        return "id long, key long, name string"  # a DDL string: parsed with the Spark session
+
+    def streamReader(self, schema):
+        return CountingReader(self.options)
+
+
+class FlakyReader(CountingReader):
+    """Planning fails once (the first time a range from row 500 on is planned)."""
+
+    def partitions(self, start, end):
+        flag = self.commit_log + ".failed"
+        if start["rows"] >= 500 and not os.path.exists(flag):
+            open(flag, "w").close()
+            raise ValueError("planner boom")
+        return super().partitions(start, end)
+
+
+class FlakySource(CountingSource):
+    def streamReader(self, schema):
+        return FlakyReader(self.options)
+
+
+class SimpleCounting(SimpleDataSourceStreamReader):
+    """A simple stream reader (no partitions of its own) yielding pyspark Rows."""
+
+    def initialOffset(self):
+        return {"rows": 0}
+
+    def read(self, start):
+        return iter([]), {"rows": 500}
+
+    def readBetweenOffsets(self, start, end):
+        return (Row(id=i, key=i % KEYS, name=f"row-{i}") for i in range(start["rows"], end["rows"]))
+
+
+class SimpleSource(DataSource):
+    def schema(self):
+        return StructType([StructField("id", LongType()), StructField("key", LongType()), StructField("name", StringType())])
+
+    def simpleStreamReader(self, schema):
+        return SimpleCounting()
+
+
+class ArrowReader(DataSourceStreamReader):
+    """Yields pyarrow RecordBatches from read() (latestOffset with the old signature)."""
+
+    def initialOffset(self):
+        return {"n": 0}
+
+    def latestOffset(self):
+        return {"n": 800}
+
+    def partitions(self, start, end):
+        return [RangePartition(lo, lo + 100) for lo in range(start["n"], end["n"], 100)]
+
+    def read(self, partition):
+        ids = pa.array(range(partition.lo, partition.hi), pa.int64())
+        yield pa.RecordBatch.from_arrays([ids, pa.compute.remainder(ids, KEYS), ids.cast(pa.string())],
+                                         names=["id", "key", "name"])
+
+
+class NoStreamSource(DataSource):
+    def schema(self):
+        return "id long"
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def count_fn(ctx, row):
+    n = ctx.state.n
+    c = (n.value() or 0) + 1
+    n.update(c)
+    ctx.emit({"key": ctx.key, "id": row["id"], "count": c})
+
+
+def slow_identity(delay: float, row: dict) -> dict:
+    time.sleep(delay)
+    return row
+
+
+def counting_flow(source: abs.Source, sink: abs.Sink, slow: float = 0.0) -> abs.Dataflow:
+    f = abs.Dataflow("spark-sources")
+    stream = f.source("src", source)
+    if slow:
+        # chained into the source task: the source reads a staged part over several polls,
+        # so checkpoints store offsets in the middle of parts
+        stream = stream.map(functools.partial(slow_identity, slow))
+    stream.key_by("key").process(
+        "count", count_fn, state=[abs.ValueState("n", pa.int64())]
+    ).sink("out", sink)
+    return f
+
+
+def assert_exactly_once(table: pa.Table, total: int) -> None:
+    ids = table.column("id").to_pylist()
+    assert len(ids) == total, f"{len(ids)} rows, expected {total}"
+    assert sorted(ids) == list(range(total)), "rows lost or duplicated"
+    per_key: dict = collections.defaultdict(list)
+    for k, c in zip(table.column("key").to_pylist(), table.column("count").to_pylist()):
+        per_key[k].append(c)
+    expected = collections.Counter(i % KEYS for i in range(total))
+    assert {k: sorted(v) for k, v in per_key.items()} == {k: list(range(1, n + 1)) for k, n in expected.items()}
+
+
+def read_commits(path) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def lane_bound(offsets: dict) -> int:
+    return min(o["batch"] for o in offsets.values())
+
+
+def log_batch_ids(log_dir) -> list[int]:
+    return sorted(int(n[6:18]) for n in os.listdir(log_dir) if n.startswith("batch-"))
+
+
+def counting(tmp_path, **options) -> SparkStreamSource:
+    opts = {"commit_log": str(tmp_path / "commits.jsonl"), **{k: str(v) for k, v in options.items()}}
+    return SparkStreamSource(CountingSource, opts, num_splits=4, bounded=True, batch_size=20)
+
+
+# --------------------------------------------------------------------------- SparkStreamSource
+
+
+def test_stream_source_exactly_once_and_commit_only_what_completed_checkpoints_cover(spark, tmp_path):
+    snap, out = str(tmp_path / "snap"), str(tmp_path / "out")
+    src = counting(tmp_path, read_delay=0.02)
+    result = abs.run(
+        counting_flow(src, FileSink(out)), parallelism=2,
+        checkpoint=abs.CheckpointConfig(interval=0.2, retained=100), storage=snap,
+    )
+    assert result.status == "FINISHED"
+    assert len(result.completed_checkpoints) >= 3
+    assert_exactly_once(read_output(out), TOTAL)
+
+    # what each completed checkpoint covers: batch b holds rows [100 b, 100 b + 100)
+    store = SnapshotStore.open(snap)
+    covered = {}
+    for cid in store.list_checkpoints():
+        bound = lane_bound(store.read_manifest(cid).source_offsets["src"])
+        mtime = os.stat(os.path.join(snap, StoragePaths.manifest(cid))).st_mtime
+        covered[cid] = (min(TOTAL, BATCH_ROWS * bound), mtime)
+    assert [c.checkpoint_id for c in result.completed_checkpoints] == sorted(covered)
+    commits = read_commits(tmp_path / "commits.jsonl")
+    ends = [c["end"]["rows"] for c in commits]
+    assert len(commits) >= 2 and ends[-1] == TOTAL
+    assert ends == sorted(set(ends)), "commit(end) called twice for an end or out of order"
+    for c in commits:
+        assert any(rows >= c["end"]["rows"] and mtime <= c["t"] for rows, mtime in covered.values()), (
+            f"commit({c['end']}) at {c['t']} is not covered by a checkpoint completed before it: {covered}"
+        )
+    # some checkpoints fell in the middle of the stream: commits were incremental
+    assert any(0 < rows < TOTAL for rows, _ in covered.values())
+
+    log_dir = os.path.join(snap, "sources", "src")
+    with open(os.path.join(log_dir, "_end.json")) as f:
+        assert json.load(f) == {"batches": TOTAL // BATCH_ROWS}
+    # the first batches were fully consumed by the first checkpoints: deleted
+    first_bound = lane_bound(store.read_manifest(min(covered)).source_offsets["src"])
+    assert log_batch_ids(log_dir)[0] >= min(first_bound, TOTAL // BATCH_ROWS - 1)
+
+
+def test_stream_source_kill_9_mid_stream_replays_exactly(spark, tmp_path):
+    snap, out = str(tmp_path / "snap"), str(tmp_path / "out")
+    src = counting(tmp_path, read_delay=0.03)
+    result = abs.run(
+        counting_flow(src, FileSink(out)), parallelism=2,
+        checkpoint=abs.CheckpointConfig(interval=0.2, retained=2), storage=snap,
+        restart=abs.RestartStrategy(max_restarts=2, delay=0.1),
+        # about 360 batches reach each keyed subtask (3 chunks per partition): crash 2/3 of the way
+        faults=[Fault("process", "task1#0", nth=240)],
+    )
+    assert result.status == "FINISHED"
+    assert len(result.restarts) == 1 and "signal 9" in result.restarts[0]["error"]
+    assert result.restarts[0]["restored_from"] is not None, "the crash should come after a complete checkpoint"
+    assert_exactly_once(read_output(out), TOTAL)
+
+    ends = [c["end"]["rows"] for c in read_commits(tmp_path / "commits.jsonl")]
+    assert ends and ends[-1] == TOTAL and ends == sorted(set(ends))
+    # log retention: only batches the retained checkpoints may need (and the newest) are left
+    store = SnapshotStore.open(snap)
+    retained = store.list_checkpoints()
+    assert len(retained) == 2
+    needed = min(lane_bound(store.read_manifest(c).source_offsets["src"]) for c in retained)
+    left = log_batch_ids(os.path.join(snap, "sources", "src"))
+    assert left and left[0] >= min(needed, TOTAL // BATCH_ROWS - 1)
+    assert left[-1] == TOTAL // BATCH_ROWS - 1
+
+
+def test_unbounded_stream_source_keeps_planning_and_cancel_keeps_committed_output_exact(spark, tmp_path):
+    snap, out = str(tmp_path / "snap"), str(tmp_path / "out")
+    opts = {"rate": "4000", "t0": str(time.time()), "commit_log": str(tmp_path / "commits.jsonl")}
+    src = SparkStreamSource(CountingSource, opts, num_splits=3, trigger_interval=0.05)
+    handle = abs.submit(
+        counting_flow(src, FileSink(out)), parallelism=2,
+        checkpoint=abs.CheckpointConfig(interval=0.2, retained=3), storage=snap,
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and read_output(out).num_rows < TOTAL:
+        time.sleep(0.2)
+    # the last batch is committed upstream once a checkpoint covers it (a lane moves past a
+    # partition at the poll after its last rows, so this may take one more checkpoint)
+    while time.monotonic() < deadline and TOTAL not in [c["end"]["rows"] for c in read_commits(tmp_path / "commits.jsonl")]:
+        time.sleep(0.1)
+    time.sleep(0.3)  # later checkpoints must not add anything: the stream has no more rows
+    result = handle.cancel()
+    assert result.status == "CANCELED"
+    assert_exactly_once(read_output(out), TOTAL)
+    ends = [c["end"]["rows"] for c in read_commits(tmp_path / "commits.jsonl")]
+    assert ends[-1] == TOTAL and ends == sorted(set(ends)) and len(ends) >= 3
+    # planned in several batches as rows arrived (not one batch at the end)
+    assert len(result.completed_checkpoints) >= 3
+
+
+def test_simple_stream_reader_rows_and_reader_instance_with_arrow_batches(spark, tmp_path):
+    simple = SparkStreamSource(SimpleSource, num_splits=2, bounded=True, log=str(tmp_path / "log1"))
+    result = abs.run(counting_flow(simple, abs.CollectSink()), parallelism=2)
+    assert_exactly_once(result.collected("out"), 500)
+
+    schema = pa.schema([("id", pa.int64()), ("key", pa.int64()), ("name", pa.string())])
+    arrow = SparkStreamSource(ArrowReader(), schema=schema, num_splits=3, bounded=True, log=str(tmp_path / "log2"))
+    assert arrow.schema == schema
+    result = abs.run(counting_flow(arrow, abs.CollectSink()), parallelism=2)
+    assert_exactly_once(result.collected("out"), 800)
+    assert sorted(result.collected("out").column("id").to_pylist()) == list(range(800))
+
+
+def test_planner_failure_fails_the_attempt_with_its_message_and_the_restart_recovers(spark, tmp_path):
+    opts = {"total": "1000", "read_delay": "0.01", "commit_log": str(tmp_path / "commits.jsonl")}
+    flag = tmp_path / "commits.jsonl.failed"
+    # without restarts: the job fails and the error carries the data source's exception
+    with pytest.raises(abs.OperatorError, match=r"(?s)operator 'src'.*producer failed.*planner boom"):
+        abs.run(counting_flow(SparkStreamSource(FlakySource, opts, num_splits=2, bounded=True), abs.CollectSink()),
+                parallelism=2, checkpoint=abs.CheckpointConfig(interval=0.2), storage=str(tmp_path / "snap1"))
+    assert flag.exists()
+    flag.unlink()
+    # with a restart: the next attempt plans again after the last logged batch; exact output
+    src = SparkStreamSource(FlakySource, opts, num_splits=2, bounded=True)
+    result = abs.run(
+        counting_flow(src, abs.CollectSink()), parallelism=2,
+        checkpoint=abs.CheckpointConfig(interval=0.2), storage=str(tmp_path / "snap2"),
+        restart=abs.RestartStrategy(max_restarts=1, delay=0.1),
+    )
+    assert len(result.restarts) == 1 and "operator 'src' failed" in result.restarts[0]["error"]
+    assert_exactly_once(result.collected("out"), 1000)
+    assert not (tmp_path / "snap2" / "sources" / "src" / "_error.json").exists()
+
+
+def test_log_on_s3_single_put_and_create_if_absent(spark, tmp_path, s3_server, s3_root):
+    opts = {"total": "1000", "commit_log": str(tmp_path / "commits.jsonl")}
+    src = SparkStreamSource(CountingSource, opts, num_splits=3, bounded=True,
+                            log=f"{s3_root}/log", log_options=s3_server.storage_options)
+    result = abs.run(counting_flow(src, abs.CollectSink()), parallelism=2)
+    assert_exactly_once(result.collected("out"), 1000)
+    fs = s3_server.filesystem()
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{s3_root}/log"))
+    assert names == ["_end.json"] + [f"batch-{b:012d}.json" for b in range(10)]
+    from abs.spark_sources import _Log
+
+    log = _Log(f"{s3_root}/log", s3_server.storage_options)
+    assert not log.create(log.path("batch-000000000000.json"), b"{}"), "an existing batch must never be replaced"
+    assert json.loads(log.read(log.path("batch-000000000000.json")))["end"] == {"rows": 100}
+
+
+# --------------------------------------------------------------------------- SparkMicroBatchSource
+
+
+def write_json_files(directory, files: int, rows: int) -> int:
+    os.makedirs(directory)
+    for f in range(files):
+        with open(os.path.join(directory, f"part-{f:03d}.json"), "w") as fh:
+            for i in range(f * rows, (f + 1) * rows):
+                fh.write(json.dumps({"id": i, "key": i % KEYS, "name": f"row-{i}"}) + "\n")
+    return files * rows
+
+
+def test_micro_batch_source_file_stream_kill_9_mid_stream_exact_and_staging_cleaned(spark, tmp_path):
+    files = 4
+    total = write_json_files(tmp_path / "in", files=files, rows=300)
+    df = (spark.readStream.schema("id long, key long, name string")
+          .option("maxFilesPerTrigger", 1).json(str(tmp_path / "in")))
+    src = SparkMicroBatchSource(df, num_splits=4, trigger={"availableNow": True}, batch_size=25)
+    snap, out = str(tmp_path / "snap"), str(tmp_path / "out")
+    result = abs.run(
+        # slow enough that reading, not Spark's staging, is the bottleneck: checkpoints then
+        # store offsets in the middle of staged parts, and the restore must skip rows
+        counting_flow(src, FileSink(out), slow=0.008), parallelism=2,
+        checkpoint=abs.CheckpointConfig(interval=0.2, retained=2), storage=snap,
+        restart=abs.RestartStrategy(max_restarts=2, delay=0.1),
+        # about 48 batches reach each keyed subtask (parts of 75 rows in 3 chunks, split by key)
+        faults=[Fault("process", "task1#1", nth=24)],
+    )
+    assert result.status == "FINISHED"
+    assert len(result.restarts) == 1 and "signal 9" in result.restarts[0]["error"]
+    assert result.restarts[0]["restored_from"] is not None, "the crash should come after a complete checkpoint"
+    assert_exactly_once(read_output(out), total)
+
+    staging = os.path.join(snap, "sources", "src")
+    with open(os.path.join(staging, "_end.json")) as f:
+        assert json.load(f) == {"batches": files}  # one micro-batch per file
+    store = SnapshotStore.open(snap)
+    needed = min(lane_bound(store.read_manifest(c).source_offsets["src"]) for c in store.list_checkpoints())
+    left = sorted(int(n[6:]) for n in os.listdir(staging) if n.startswith("batch-"))
+    # exactly the batches the retained checkpoints may still replay are left
+    assert left == list(range(needed, files)), f"staged batches left: {left}; retained checkpoints need >= {needed}"
+    assert not spark.streams.active, "the query must be stopped when the job ends"
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_bad_input_gives_clear_errors(spark, tmp_path, memory_root):
+    with pytest.raises(ConfigError, match="not streaming"):
+        SparkMicroBatchSource(spark.range(3))
+    with pytest.raises(ConfigError, match="streaming pyspark DataFrame"):
+        SparkMicroBatchSource([1, 2, 3])
+    stream = spark.readStream.format("rate").load()
+    with pytest.raises(ConfigError, match="continuous"):
+        SparkMicroBatchSource(stream, trigger={"continuous": "1 second"})
+    with pytest.raises(ConfigError, match="at most one of"):
+        SparkMicroBatchSource(stream, trigger={"every": 3})
+    with pytest.raises(ConfigError, match="memory file system"):
+        SparkMicroBatchSource(stream, staging=f"{memory_root}/staging")
+    with pytest.raises(ConfigError, match="neither streamReader"):
+        SparkStreamSource(NoStreamSource)
+    with pytest.raises(ConfigError, match="DataSource"):
+        SparkStreamSource(42)
+    with pytest.raises(ConfigError, match="needs schema="):
+        SparkStreamSource(ArrowReader())
+    with pytest.raises(ConfigError, match="memory file system.*log="):
+        SparkStreamSource(CountingSource, log=f"{memory_root}/log")
+    # the default log below a memory:// storage root is refused when the job starts
+    with pytest.raises(ConfigError, match="memory file system"):
+        abs.run(counting_flow(SparkStreamSource(CountingSource, bounded=True), abs.CollectSink()),
+                parallelism=1, checkpoint=abs.CheckpointConfig(interval=1.0), storage=memory_root)
+    # no storage and no log=: nowhere to put the log
+    with pytest.raises(ConfigError, match="storage=.*log="):
+        abs.run(counting_flow(SparkStreamSource(CountingSource, bounded=True), abs.CollectSink()), parallelism=1)
+
+
+def test_ddl_schema_without_a_spark_session_is_a_clear_error(tmp_path):
+    code = (
+        "from pyspark.sql.datasource import DataSource\n"
+        "from abs.spark_sources import SparkStreamSource\n"
+        "from abs.errors import ConfigError\n"
+        "class D(DataSource):\n"
+        "    def schema(self): return 'id long'\n"
+        "    def streamReader(self, schema): raise AssertionError\n"
+        "try:\n"
+        "    SparkStreamSource(D)\n"
+        "except ConfigError as e:\n"
+        "    print('ERR', e)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert "ERR" in proc.stdout, proc.stderr
+    assert "active SparkSession" in proc.stdout and "StructType" in proc.stdout
