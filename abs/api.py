@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Any
 
 from .config import CheckpointConfig, RestartStrategy
@@ -128,10 +129,24 @@ class JobHandle:
             raise JobFailedError(f"job {self._driver.flow.name!r} is not running ({self.status})")
         reply: "queue.Queue[Any]" = queue.Queue()
         self._driver.requests.put((kind, reply))
-        try:
-            value = reply.get(timeout=timeout)
-        except queue.Empty:
-            raise JobFailedError(f"checkpoint did not complete within {timeout:.0f} s") from None
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                value = reply.get(timeout=0.1)
+                break
+            except queue.Empty:
+                pass
+            if not self._thread.is_alive():  # the job ended before it got to the request
+                try:
+                    value = reply.get_nowait()
+                    break
+                except queue.Empty:
+                    raise JobFailedError(
+                        f"job {self._driver.flow.name!r} ended ({self.status}) before the requested checkpoint "
+                        "was taken; request checkpoints and savepoints while the job runs"
+                    ) from None
+            if time.monotonic() > deadline:
+                raise JobFailedError(f"checkpoint did not complete within {timeout:.0f} s") from None
         if isinstance(value, BaseException):
             raise value
         return value

@@ -28,7 +28,8 @@ def count_fn(ctx, row):
 
 def flow(out: str) -> abs.Dataflow:
     f = abs.Dataflow("crash")
-    src = abs.GeneratorSource(TOTAL, num_keys=KEYS, num_splits=4, batch_size=200, rate=3_000)
+    # 4 s of input: fault points after the 2nd or 3rd checkpoint are reached even on a loaded machine
+    src = abs.GeneratorSource(TOTAL, num_keys=KEYS, num_splits=4, batch_size=200, rate=1_500)
     f.source("src", src).key_by("key").process("count", count_fn, state=[abs.ValueState("n", pa.int64())]).sink(
         "out", FileSink(out, format="parquet")
     )

@@ -33,9 +33,9 @@ def counting_flow(source: abs.Source, name: str = "counts") -> abs.Dataflow:
 
 
 def slow_source(total: int = 48_000) -> abs.GeneratorSource:
-    # 6 splits x 2,500 records/s: about 3 s of input, so that checkpoints every 200 ms
+    # 6 splits x 1,800 records/s: about 4.4 s of input, so that checkpoints every 200 ms
     # fall in the middle of the stream (even on a loaded machine)
-    return abs.GeneratorSource(total, num_keys=NUM_KEYS, num_splits=6, batch_size=200, rate=2_500)
+    return abs.GeneratorSource(total, num_keys=NUM_KEYS, num_splits=6, batch_size=200, rate=1_800)
 
 
 def assert_exact_running_counts(out: pa.Table, total: int) -> None:
@@ -246,37 +246,62 @@ def _run_until_checkpoints(flow, n, **kwargs):
     return job
 
 
-def test_file_sink_output_is_exactly_once_across_cancel_and_rescaled_restore(tmp_path):
+def test_job_stopped_at_p4_restores_at_p2_and_at_p5_with_exact_output_and_state(tmp_path):
+    """A keyed job runs at P = 4 and is stopped after some checkpoints; the same checkpoint is
+    restored at P = 2 (in place) and at P = 5 (in a copy of the snapshot root and of the
+    output): output and state equal an uninterrupted run's, no record lost or duplicated."""
+    import shutil
+
     from abs.files import FileSink, read_output
 
-    src = abs.GeneratorSource(40_000, num_keys=NUM_KEYS, num_splits=6, batch_size=200, rate=3_000)
+    total = 40_000
 
-    def flow():
+    def flow(out, rate=None):
+        # the same records and splits; the first run is slowed down (10 s of input) so that it
+        # is stopped in the middle even on a loaded machine, the restored runs are not
+        src = abs.GeneratorSource(total, num_keys=NUM_KEYS, num_splits=8, batch_size=200, rate=rate)
         f = abs.Dataflow("files")
         f.source("src", src).key_by("key").process(
             "count", count_fn, state=[abs.ValueState("n", pa.int64())]
-        ).sink("out", FileSink(str(tmp_path / "out"), format="parquet"))
+        ).sink("out", FileSink(str(out), format="parquet"))
         return f
 
-    storage = str(tmp_path / "snapshots")
-    job = _run_until_checkpoints(flow(), 3, parallelism=3, storage=storage,
+    storage = tmp_path / "snapshots"
+    job = _run_until_checkpoints(flow(tmp_path / "out", rate=500), 3, parallelism=4, storage=str(storage),
                                  checkpoint=abs.CheckpointConfig(interval=0.2, retained=2))
-    job.cancel()
-    abs.run(flow(), parallelism=2, restore="latest", storage=storage,
-            checkpoint=abs.CheckpointConfig(interval=0.3, retained=2))
-    assert_exact_running_counts(read_output(str(tmp_path / "out"), "parquet"), 40_000)
+    first = job.cancel()
+    assert first.status == "CANCELED" and first.parallelism == 4
+    stopped_at = first.completed_checkpoints[-1].checkpoint_id
+    assert first.records_in["count"] < total, "stopped in the middle of the input"
+    shutil.copytree(storage, tmp_path / "snapshots5")
+    shutil.copytree(tmp_path / "out", tmp_path / "out5")
+    expected_state = dict(collections.Counter((np.arange(total) % NUM_KEYS).tolist()))
+    for p, root, out in ((2, storage, tmp_path / "out"), (5, tmp_path / "snapshots5", tmp_path / "out5")):
+        result = abs.run(flow(out), parallelism=p, restore="latest", storage=str(root),
+                         checkpoint=abs.CheckpointConfig(interval=0.3, retained=2))
+        assert result.restored_from == stopped_at and result.parallelism == p
+        assert_exact_running_counts(read_output(str(out), "parquet"), total)
+        store = SnapshotStore.open(str(root))
+        assert state_at(store, store.latest_checkpoint(), "count", "n") == expected_state
 
 
 def test_savepoint_copied_elsewhere_restores_into_another_parallelism(tmp_path):
-    src = abs.GeneratorSource(40_000, num_keys=NUM_KEYS, num_splits=6, batch_size=200, rate=3_000)
-    job = _run_until_checkpoints(counting_flow(src), 2, parallelism=2, storage=str(tmp_path / "a"),
+    import shutil
+
+    # the first run is slow (8 s of input) so that it is still running at the savepoint
+    slow = abs.GeneratorSource(40_000, num_keys=NUM_KEYS, num_splits=8, batch_size=200, rate=600)
+    src = abs.GeneratorSource(40_000, num_keys=NUM_KEYS, num_splits=8, batch_size=200)
+    job = _run_until_checkpoints(counting_flow(slow), 2, parallelism=4, storage=str(tmp_path / "a"),
                                  checkpoint=abs.CheckpointConfig(interval=0.2))
-    savepoint = job.savepoint(str(tmp_path / "sp"))
+    written = job.savepoint(str(tmp_path / "sp"))
     job.cancel()
+    savepoint = str(tmp_path / "moved" / "sp")  # relocatable: copied to a new directory
+    shutil.copytree(written, savepoint)
+    shutil.rmtree(written)
     store_sp = SnapshotStore.open(savepoint)
     (sp_id,) = store_sp.list_checkpoints()
     assert store_sp.read_manifest(sp_id).kind == "savepoint"
-    result = abs.run(counting_flow(src), parallelism=3, restore=savepoint, storage=str(tmp_path / "b"),
+    result = abs.run(counting_flow(src), parallelism=5, restore=savepoint, storage=str(tmp_path / "b"),
                      checkpoint=abs.CheckpointConfig(interval=0.3, retained=1))
     assert result.restored_from == sp_id
     store_b = SnapshotStore.open(str(tmp_path / "b"))

@@ -372,7 +372,9 @@ class JobDriver:
         """Global failover: every worker is stopped; the next attempt restores the latest
         complete checkpoint (or starts over without one) after the strategy's delay."""
         delay = self.restart.delay_before(attempt)
-        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        # the first line names the worker or operator, the last one the cause
+        first_line = (lines[0] + (f" {lines[-1].strip()}" if len(lines) > 1 else "")) if lines else type(exc).__name__
         print(f"[abs] job {self.flow.name!r}: {first_line}; restart {attempt} of "
               f"{self.restart.max_restarts} in {delay:.1f} s from the latest complete checkpoint", file=sys.stderr)
         time.sleep(delay)
