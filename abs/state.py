@@ -563,6 +563,28 @@ class _StateSlot:
             self.handle = handle_class[descriptor.kind](backend, name, self.data, self.dirty)
 
 
+def check_restore_table(table: pa.Table, declared_kind: str, where: str) -> None:
+    """Refuse a table that cannot be restored into a state of ``declared_kind``: another
+    state kind in its metadata, no ``key``/``value`` columns, or unresolved deletes."""
+    meta = table.schema.metadata or {}
+    kind = meta.get(META_STATE_KIND)
+    if kind is not None and kind.decode() != declared_kind:
+        raise StateError(
+            f"{where}: the table holds {kind.decode()} state but the state is declared as "
+            f"{declared_kind} state; restore into a state of the same kind (or migrate "
+            "the snapshot offline)"
+        )
+    names = table.schema.names
+    if "key" not in names or "value" not in names:
+        raise StateError(f"{where}: table has columns {names}, needs 'key' and 'value'; "
+                         "pass a table produced by capture (resolved)")
+    if "op" in names and table.num_rows and pc.any(pc.not_equal(table.column("op"), OP_UPSERT)).as_py():
+        raise StateError(
+            f"{where}: the table contains deletes; resolve the chain (apply deltas in order) "
+            "before restoring"
+        )
+
+
 class KeyedStateBackend:
     """In-memory keyed state of one operator subtask, with per-key-group dirty tracking.
 
@@ -917,22 +939,7 @@ class KeyedStateBackend:
         self._check_kg(kg, "restore:")
         where = f"operator {self.operator_uid!r}, state {state_name!r}, key group {kg}"
         meta = table.schema.metadata or {}
-        kind = meta.get(META_STATE_KIND)
-        if kind is not None and kind.decode() != slot.descriptor.kind:
-            raise StateError(
-                f"{where}: the table holds {kind.decode()} state but the state is declared as "
-                f"{slot.descriptor.kind} state; restore into a state of the same kind (or migrate "
-                "the snapshot offline)"
-            )
-        names = table.schema.names
-        if "key" not in names or "value" not in names:
-            raise StateError(f"{where}: table has columns {names}, needs 'key' and 'value'; "
-                             "pass a table produced by capture (resolved)")
-        if "op" in names and table.num_rows and pc.any(pc.not_equal(table.column("op"), OP_UPSERT)).as_py():
-            raise StateError(
-                f"{where}: the table contains deletes; resolve the chain (apply deltas in order) "
-                "before restoring"
-            )
+        check_restore_table(table, slot.descriptor.kind, where)
         keys = _decode(table.column("key"), meta.get(META_KEY_ENCODING), where, "key")
         values = _decode(table.column("value"), meta.get(META_VALUE_ENCODING), where, "value")
         kind_name = slot.descriptor.kind

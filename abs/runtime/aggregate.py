@@ -73,9 +73,9 @@ from ..state import (
     META_KEY_ENCODING,
     META_STATE_KIND,
     META_VALUE_ENCODING,
-    OP_UPSERT,
     KeyedStateBackend,
     StateError,
+    check_restore_table,
 )
 
 __all__ = ["AggregateBackend", "Aggregator", "ColumnarKeyedState"]
@@ -610,22 +610,7 @@ class ColumnarKeyedState:
             )
         where = f"operator {self.operator_uid!r}, state {state_name!r}, key group {kg}"
         meta = table.schema.metadata or {}
-        kind = meta.get(META_STATE_KIND)
-        if kind is not None and kind.decode() != col.descriptor.kind:
-            raise StateError(
-                f"{where}: the table holds {kind.decode()} state but the state is declared as "
-                f"{col.descriptor.kind} state; restore into a state of the same kind (or migrate "
-                "the snapshot offline)"
-            )
-        names = table.schema.names
-        if "key" not in names or "value" not in names:
-            raise StateError(f"{where}: table has columns {names}, needs 'key' and 'value'; "
-                             "pass a table produced by capture (resolved)")
-        if "op" in names and table.num_rows and pc.any(pc.not_equal(table.column("op"), OP_UPSERT)).as_py():
-            raise StateError(
-                f"{where}: the table contains deletes; resolve the chain (apply deltas in order) "
-                "before restoring"
-            )
+        check_restore_table(table, col.descriptor.kind, where)
         if meta.get(META_KEY_ENCODING, b"arrow") != b"arrow" or meta.get(META_VALUE_ENCODING, b"arrow") != b"arrow":
             return False
         kt = table.schema.field("key").type
