@@ -54,10 +54,13 @@ Schema metadata: ``abs.key_encoding`` (``arrow``|``pickle``), ``abs.value_encodi
 """
 from __future__ import annotations
 
+import itertools
+import operator
 import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterable, Iterator, Sequence, Union
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -233,12 +236,13 @@ _KINDS = {"value": ValueState, "list": ListState, "map": MapState, "reducing": R
 
 
 class _Handle:
-    __slots__ = ("_backend", "_data", "_dirty", "name")
+    __slots__ = ("_backend", "_data", "_dirty", "_deleted", "name")
 
     def __init__(self, backend: KeyedStateBackend, name: str, data: list, dirty: list) -> None:
         self._backend = backend
         self._data = data
         self._dirty = dirty
+        self._deleted: set = set()  # replaced by its slot's set: key groups with a delete since the last capture
         self.name = name
 
     def _fail(self) -> None:
@@ -282,6 +286,7 @@ class ValueStateHandle(_Handle):
         try:
             if self._data[kg].pop(key, _MISSING) is not _MISSING:
                 self._dirty[kg].add(key)
+                self._deleted.add(kg)
         except (TypeError, AttributeError, IndexError):
             self._fail()
             raise
@@ -343,6 +348,7 @@ class ListStateHandle(_Handle):
         try:
             if self._data[kg].pop(key, _MISSING) is not _MISSING:
                 self._dirty[kg].add(key)
+                self._deleted.add(kg)
         except (TypeError, AttributeError, IndexError):
             self._fail()
             raise
@@ -495,13 +501,15 @@ class PendingDelta:
     loop once more than about a tenth of the key group changed).
     """
 
-    __slots__ = ("_backend", "_slot", "_kg", "_key_sets", "_frozen", "_keys", "_values")
+    __slots__ = ("_backend", "_slot", "_kg", "_key_sets", "_frozen", "_keys", "_values", "_deletes")
 
-    def __init__(self, backend: "KeyedStateBackend", slot: "_StateSlot", kg: int, key_sets: list, d: dict) -> None:
+    def __init__(self, backend: "KeyedStateBackend", slot: "_StateSlot", kg: int, key_sets: list, d: dict,
+                 deletes: bool = True) -> None:
         self._backend = backend
         self._slot = slot
         self._kg = kg
         self._key_sets = key_sets
+        self._deletes = deletes  # False: every changed key is still in the dict
         if sum(len(ks) for ks in key_sets) * 10 < len(d):
             self._keys = list(key_sets[0]) if len(key_sets) == 1 else list(set().union(*key_sets))
             get = d.get
@@ -514,18 +522,27 @@ class PendingDelta:
 
     def to_table(self) -> pa.Table:
         keys, values = self._keys, self._values
+        deletes = None if self._deletes else False
         if keys is None:
             sets = self._key_sets
-            keys = list(sets[0]) if len(sets) == 1 else list(set().union(*sets))
-            get = self._frozen.get
+            changed = sets[0] if len(sets) == 1 else set().union(*sets)
+            frozen = self._frozen
+            if not self._deletes and len(changed) == len(frozen):
+                # no deletes: the changed keys are all in the dict, and as many as it holds, so
+                # they are its keys (the common case of a hot key group): keys and values in
+                # one sequential C-level pass each, no per-key lookup
+                return self._backend._encode_pairs(self._slot, self._kg, list(frozen), list(frozen.values()),
+                                                   with_op=True, deletes=False)
+            keys = list(changed)
+            get = frozen.get
             values = [get(k, _MISSING) for k in keys]
-        return self._backend._encode_pairs(self._slot, self._kg, keys, values, with_op=True)
+        return self._backend._encode_pairs(self._slot, self._kg, keys, values, with_op=True, deletes=deletes)
 
 
 class _StateSlot:
     """Storage of one declared state: per absolute key group a dict and a dirty set."""
 
-    __slots__ = ("descriptor", "data", "dirty", "handle", "arrow_type", "immutable_values")
+    __slots__ = ("descriptor", "data", "dirty", "deleted", "handle", "arrow_type", "immutable_values")
 
     def __init__(self, descriptor: StateDescriptor, backend: KeyedStateBackend) -> None:
         self.descriptor = descriptor
@@ -561,6 +578,10 @@ class _StateSlot:
         else:
             handle_class = {"value": ValueStateHandle, "list": ListStateHandle, "map": MapStateHandle}
             self.handle = handle_class[descriptor.kind](backend, name, self.data, self.dirty)
+        # key groups where a value/reducing-state key was deleted since the last capture: the
+        # asynchronous encoding of the others needs no per-key existence check
+        self.deleted: set = set()
+        self.handle._deleted = self.deleted
 
 
 def check_restore_table(table: pa.Table, declared_kind: str, where: str) -> None:
@@ -600,6 +621,7 @@ class KeyedStateBackend:
         "key_group_range",
         "_slots",
         "_pending",
+        "_pending_deletes",
         "_last_captured",
         "_last_confirmed",
     )
@@ -639,6 +661,8 @@ class KeyedStateBackend:
         # checkpoint id -> state name -> kg -> keys changed before that capture (and after
         # the previous one), for captures not yet confirmed; insertion order = id order.
         self._pending: dict[int, dict[str, dict[int, set]]] = {}
+        # checkpoint id -> state name -> key groups with deletes in that capture's key sets
+        self._pending_deletes: dict[int, dict[str, set[int]]] = {}
         self._last_captured: int | None = None
         self._last_confirmed: int | None = None
 
@@ -754,6 +778,7 @@ class KeyedStateBackend:
         for k in keys:
             if d.pop(k, _MISSING) is not _MISSING:
                 dirty.add(k)
+                slot.deleted.add(kg)
 
     def items(self, name: str, kg: int | None = None) -> Iterator[tuple[Any, Any]]:
         """``(key, value)`` pairs of state ``name`` in key group ``kg`` (all key groups of the
@@ -790,6 +815,9 @@ class KeyedStateBackend:
                 dirty[kg] = set()
             taken[name] = moved
         self._pending[checkpoint_id] = taken
+        self._pending_deletes[checkpoint_id] = {name: set(slot.deleted) for name, slot in self._slots.items()}
+        for slot in self._slots.values():
+            slot.deleted.clear()
         self._last_captured = checkpoint_id
 
     def _unconfirmed_key_sets(self, name: str) -> dict[int, list[set]]:
@@ -800,6 +828,13 @@ class KeyedStateBackend:
             for kg, keys in taken[name].items():
                 by_kg.setdefault(kg, []).append(keys)
         return by_kg
+
+    def _unconfirmed_deletes(self, name: str) -> set[int]:
+        """Key groups where a key of state ``name`` was deleted since the last confirmed checkpoint."""
+        out: set[int] = set()
+        for by_name in self._pending_deletes.values():
+            out |= by_name.get(name, set())
+        return out
 
     def _unconfirmed_keys(self, name: str) -> dict[int, Iterable[Any]]:
         """kg -> keys changed since the last confirmed checkpoint (read-only sets)."""
@@ -823,8 +858,9 @@ class KeyedStateBackend:
         for name, slot in self._slots.items():
             data = slot.data
             if lazy and slot.immutable_values:
+                deleted = self._unconfirmed_deletes(name)
                 out[name] = {
-                    kg: PendingDelta(self, slot, kg, sets, data[kg])
+                    kg: PendingDelta(self, slot, kg, sets, data[kg], kg in deleted)
                     for kg, sets in sorted(self._unconfirmed_key_sets(name).items())
                 }
             else:
@@ -856,6 +892,7 @@ class KeyedStateBackend:
             return
         for cid in [c for c in self._pending if c <= checkpoint_id]:
             del self._pending[cid]
+            self._pending_deletes.pop(cid, None)
         self._last_confirmed = checkpoint_id
 
     def abort(self, checkpoint_id: int) -> None:
@@ -868,6 +905,11 @@ class KeyedStateBackend:
         if taken is None:
             return
         later = next((c for c in self._pending if c > checkpoint_id), None)
+        for name, kgs in self._pending_deletes.pop(checkpoint_id, {}).items():
+            if later is not None:
+                self._pending_deletes.setdefault(later, {}).setdefault(name, set()).update(kgs)
+            else:
+                self._slots[name].deleted.update(kgs)
         for name, by_kg in taken.items():
             if later is not None:
                 target = self._pending[later][name]
@@ -887,12 +929,19 @@ class KeyedStateBackend:
         get = d.get
         return self._encode_pairs(slot, kg, keys, [get(k, _MISSING) for k in keys], with_op=with_op)
 
-    def _encode_pairs(self, slot: _StateSlot, kg: int, keys: list, values: list, *, with_op: bool) -> pa.Table:
-        """Encode keys and their values (``_MISSING``: deleted) as a delta table."""
+    def _encode_pairs(self, slot: _StateSlot, kg: int, keys: list, values: list, *, with_op: bool,
+                      deletes: bool | None = None) -> pa.Table:
+        """Encode keys and their values (``_MISSING``: deleted) as a delta table.
+        ``deletes=False``: the caller knows no value is ``_MISSING``."""
         missing = _MISSING
-        ops = [OP_DELETE if v is missing else OP_UPSERT for v in values]
-        if OP_DELETE in ops:
+        if deletes is None:
+            # identity only (a value's own __eq__ may be anything): a C-level scan
+            deletes = any(map(operator.is_, values, itertools.repeat(missing)))
+        if deletes:
+            ops: Any = [OP_DELETE if v is missing else OP_UPSERT for v in values]
             values = [None if v is missing else v for v in values]
+        else:
+            ops = np.zeros(len(values), dtype=np.int8)  # all upserts (zero-copy into Arrow)
         key_arr, key_enc = _encode_keys(keys)
         value_arr, value_enc = self._encode_values(slot, kg, keys, values, ops)
         fields = [pa.field("key", key_arr.type), pa.field("value", value_arr.type)]
