@@ -501,7 +501,7 @@ class PendingDelta:
     loop once more than about a tenth of the key group changed).
     """
 
-    __slots__ = ("_backend", "_slot", "_kg", "_key_sets", "_frozen", "_keys", "_values", "_deletes")
+    __slots__ = ("_backend", "_slot", "_kg", "_key_sets", "_frozen", "_keys", "_values", "_deletes", "complete")
 
     def __init__(self, backend: "KeyedStateBackend", slot: "_StateSlot", kg: int, key_sets: list, d: dict,
                  deletes: bool = True) -> None:
@@ -510,6 +510,7 @@ class PendingDelta:
         self._kg = kg
         self._key_sets = key_sets
         self._deletes = deletes  # False: every changed key is still in the dict
+        self.complete = False  # set by to_table: the delta holds every live key of the key group
         if sum(len(ks) for ks in key_sets) * 10 < len(d):
             self._keys = list(key_sets[0]) if len(key_sets) == 1 else list(set().union(*key_sets))
             get = d.get
@@ -531,6 +532,7 @@ class PendingDelta:
                 # no deletes: the changed keys are all in the dict, and as many as it holds, so
                 # they are its keys (the common case of a hot key group): keys and values in
                 # one sequential C-level pass each, no per-key lookup
+                self.complete = True
                 return self._backend._encode_pairs(self._slot, self._kg, list(frozen), list(frozen.values()),
                                                    with_op=True, deletes=False)
             keys = list(changed)

@@ -54,7 +54,12 @@ def pyarrow_read_speed(root: str) -> tuple[float, int]:
     t0 = time.perf_counter()
     for p in paths:
         with pa.memory_map(p) as f:
-            pa.ipc.open_file(f).read_all()
+            if f.read(6) == b"ARROW1":  # format 1: IPC file; format 2: IPC stream
+                f.seek(0)
+                pa.ipc.open_file(f).read_all()
+            else:
+                f.seek(0)
+                pa.ipc.open_stream(f).read_all()
     return total / (time.perf_counter() - t0) / 1e6, total
 
 

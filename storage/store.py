@@ -316,6 +316,8 @@ class SnapshotStore:
         key_group: int,
         prev_chain: Sequence[FileRef],
         delta: pa.Table,
+        *,
+        complete: bool = False,
     ) -> list[FileRef]:
         """Write the changes of one key group and return its new chain.
 
@@ -323,6 +325,11 @@ class SnapshotStore:
         all upserts). Returns ``prev_chain + [delta file]``, or ``[new base]`` when
         ``prev_chain`` is empty (deletes of absent keys dropped) or the compaction policy
         says so. An empty delta on a non-empty chain writes nothing and returns ``prev_chain``.
+
+        ``complete=True``: the writer guarantees that ``delta`` holds every live key of the key
+        group (a full image: every key changed, none deleted). It is written as the new base
+        at once, without reading the previous chain: no larger than a delta, and the chain
+        restarts at length 1.
         """
         what = f"checkpoint {checkpoint_id}: {operator}/{state} key group {key_group}"
         delta = normalize_delta(delta, what=what)
@@ -337,7 +344,7 @@ class SnapshotStore:
                     "pass the chain returned by the previous write_key_group or the last complete manifest"
                 )
         base_path = StoragePaths.state_file(checkpoint_id, operator, state, key_group, "base")
-        if not chain:
+        if not chain or (complete and delta.num_rows):
             return [self._write_table(base_path, resolve_chain([delta], first_is_base=False), "base", checkpoint_id)]
         if delta.num_rows == 0:
             return chain

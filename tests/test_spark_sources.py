@@ -262,6 +262,22 @@ def test_stream_source_exactly_once_and_commit_only_what_completed_checkpoints_c
     assert log_batch_ids(log_dir)[0] >= min(first_bound, TOTAL // BATCH_ROWS - 1)
 
 
+def test_stream_source_on_the_spark_launcher_survives_a_killed_task_exactly_once(spark, tmp_path):
+    """The data source wrapper and the barrier-stage launcher together: workers are Spark
+    tasks, one is SIGKILLed after the 2nd checkpoint commits, the next stage restores."""
+    out = str(tmp_path / "out")
+    result = abs.run(
+        counting_flow(counting(tmp_path, read_delay=0.02), FileSink(out)),
+        executor=abs.SparkExecutor(spark, num_workers=2),
+        checkpoint=abs.CheckpointConfig(interval=0.2, retained=3), storage=str(tmp_path / "snap"),
+        restart=abs.RestartStrategy(max_restarts=2, delay=0.1),
+        faults=[Fault("after_commit", "task1#1", nth=2)],
+    )
+    assert result.status == "FINISHED"
+    assert len(result.restarts) == 1 and result.restarts[0]["restored_from"] == 2
+    assert_exactly_once(read_output(out), TOTAL)
+
+
 def test_stream_source_kill_9_mid_stream_replays_exactly(spark, tmp_path):
     snap, out = str(tmp_path / "snap"), str(tmp_path / "out")
     src = counting(tmp_path, read_delay=0.03)

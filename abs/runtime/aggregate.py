@@ -705,9 +705,14 @@ class _Frozen:
         if len(slots) == n:  # every slot (slots is then 0..n-1): plain copies beat gathers
             sel: Any = slice(0, n)
             self._groups: list[int] | None = np.flatnonzero(store.kg_counts).tolist()
+            self._complete: Any = True
         else:
             sel = slots
             self._groups = None
+            # key groups whose every slot changed: their deltas are full images (no deletes
+            # exist in this store), which storage writes as new bases without reading the chain
+            counts = np.bincount(store.kg[slots], minlength=len(store.kg_counts))
+            self._complete = (counts == store.kg_counts) & (counts > 0)
         self.kgs = store.kg[sel].copy()
         self.keys = store.keys[sel].copy()
         # (None: every slot of the store is valid / present, nothing to copy)
@@ -715,6 +720,10 @@ class _Frozen:
                       None if c.all_present else c.present[sel].copy()) for c in store.columns.values()]
         self._lock = threading.Lock()
         self._tables: dict[str, dict[int, pa.Table]] | None = None
+
+    def complete(self, kg: int) -> bool:
+        """True when the delta of ``kg`` holds every key the key group has."""
+        return self._complete is True or bool(self._complete[kg])
 
     def key_groups(self) -> list[int]:
         """Key groups with at least one slot, ascending."""
@@ -795,6 +804,11 @@ class _LazyDelta:
 
     def to_table(self) -> pa.Table:
         return self._frozen.table(self._name, self._kg)
+
+    @property
+    def complete(self) -> bool:
+        """The delta holds every live key of its key group (see ``SnapshotStore.write_key_group``)."""
+        return self._frozen.complete(self._kg)
 
 
 # Sort-based set operations: numpy 2.x's np.unique takes a slow hashing path for integers

@@ -162,9 +162,13 @@ class Worker:
                 target = chains.setdefault(state, {})
                 prev_all = piece.prev_chains.get(state, {})
                 for kg, table in by_kg.items():
+                    complete = False
                     if not isinstance(table, pa.Table):
-                        table = table.to_table()  # captured by reference in the synchronous part
-                    new_chain = store.write_key_group(checkpoint_id, piece.uid, state, kg, prev_all.get(kg, []), table)
+                        lazy = table
+                        table = lazy.to_table()  # captured by reference in the synchronous part
+                        complete = getattr(lazy, "complete", False)
+                    new_chain = store.write_key_group(checkpoint_id, piece.uid, state, kg, prev_all.get(kg, []), table,
+                                                      complete=complete)
                     fresh = [r for r in new_chain if r.checkpoint_id == checkpoint_id]
                     written += sum(r.bytes for r in fresh)
                     files += len(fresh)

@@ -1,0 +1,130 @@
+"""Complete deltas: a captured delta that holds every live key of its key group is written
+as the new base, without reading the previous chain. Marking a delta complete when it is not
+would lose keys, so the flag is checked against a model under random operations."""
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from abs.keygroups import KeyGroupRange, key_group
+from abs.state import KeyedStateBackend, ValueState
+from storage import SnapshotStore
+
+M = 8
+RANGE = KeyGroupRange(0, 7)
+
+
+def value_backend() -> KeyedStateBackend:
+    return KeyedStateBackend("op", [ValueState("v", pa.int64())], M, RANGE)
+
+
+def put(b: KeyedStateBackend, key: int, value: int | None) -> None:
+    b.current_key, b.current_kg = key, key_group(key, M)
+    if value is None:
+        b.state("v").clear()
+    else:
+        b.state("v").update(value)
+
+
+ops = st.lists(st.tuples(st.integers(0, 30), st.one_of(st.none(), st.integers(0, 5))), max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(rounds=st.lists(st.tuples(ops, st.booleans()), min_size=1, max_size=5))
+def test_a_delta_is_complete_only_when_it_holds_every_live_key(rounds):
+    b = value_backend()
+    model: dict[int, int] = {}
+    confirmed: dict[int, int] = {}
+    for cid, (round_ops, confirm) in enumerate(rounds, start=1):
+        for key, value in round_ops:
+            put(b, key, value)
+            if value is None:
+                model.pop(key, None)
+            else:
+                model[key] = value
+        deltas = b.capture(cid, lazy=True)["v"]
+        state = dict(confirmed)
+        for kg, lazy in deltas.items():
+            table = lazy.to_table()
+            got = dict(zip(table.column("key").to_pylist(), table.column("value").to_pylist()))
+            ops_col = table.column("op").to_pylist()
+            live_in_kg = {k: v for k, v in model.items() if key_group(k, M) == kg}
+            if lazy.complete:
+                assert got == live_in_kg and not any(ops_col), "a complete delta is the key group's full image"
+            for (k, v), o in zip(got.items(), ops_col):
+                if o:
+                    state.pop(k, None)
+                else:
+                    state[k] = v
+        assert state == model
+        if confirm:
+            b.confirm(cid)
+            confirmed = dict(model)
+
+
+def test_every_key_of_a_key_group_changed_without_deletes_is_complete_and_a_delete_is_not():
+    b = value_backend()
+    keys = [k for k in range(200) if key_group(k, M) == 3][:10]
+    for k in keys:
+        put(b, k, 1)
+    b.confirm(b.capture(1, lazy=True) and 1)
+    for k in keys:
+        put(b, k, 2)  # all ten change
+    (lazy,) = b.capture(2, lazy=True)["v"].values()
+    lazy.to_table()
+    assert lazy.complete
+    b.confirm(2)
+    for k in keys[:5]:
+        put(b, k, 3)  # half change: a delta
+    (lazy,) = b.capture(3, lazy=True)["v"].values()
+    lazy.to_table()
+    assert not lazy.complete
+    b.confirm(3)
+    for k in keys:
+        put(b, k, 4)
+    put(b, keys[0], None)
+    put(b, keys[0], 5)  # deleted and written again: still every key, but a delete happened
+    (lazy,) = b.capture(4, lazy=True)["v"].values()
+    lazy.to_table()
+    assert not lazy.complete
+
+
+def test_store_writes_a_complete_delta_as_the_new_base_without_reading_the_chain(tmp_path):
+    store = SnapshotStore.open(str(tmp_path))
+    store.init_job({"job_name": "j", "max_parallelism": M})
+    meta = {b"abs.key_encoding": b"arrow", b"abs.value_encoding": b"arrow"}
+    base = pa.table({"key": pa.array([1, 2, 3], pa.int64()), "value": pa.array([1, 1, 1], pa.int64())},
+                    metadata=meta)
+    chain = store.write_key_group(1, "op", "v", 0, [], base)
+    full = pa.table({"key": pa.array([3, 1, 2], pa.int64()), "value": pa.array([9, 8, 7], pa.int64()),
+                     "op": pa.array(np.zeros(3, np.int8))}, metadata=meta)
+    # the old chain's file is gone: a complete delta must not read it
+    (tmp_path / chain[0].path).unlink()
+    new = store.write_key_group(2, "op", "v", 0, chain, full, complete=True)
+    assert [r.kind for r in new] == ["base"] and new[0].checkpoint_id == 2
+    got = store.read_chain(new)
+    assert dict(zip(got.column("key").to_pylist(), got.column("value").to_pylist())) == {1: 8, 2: 7, 3: 9}
+
+
+def test_columnar_aggregate_marks_only_fully_changed_key_groups_complete():
+    from test_aggregate import batch, feed, make_op
+
+    op = make_op({"s": ("v", "sum")}, emit="none")
+    keys = list(range(60))
+    feed(op, batch(keys, [1] * len(keys)))
+    first = op.backend.capture(1, lazy=True)["s"]
+    assert first and all(d.complete for d in first.values())  # every slot changed
+    op.backend.confirm(1)
+    by_kg: dict[int, list[int]] = {}
+    for k in keys:
+        by_kg.setdefault(key_group(k, 8), []).append(k)
+    full_kg, partial_kg = sorted(by_kg)[:2]
+    changed = by_kg[full_kg] + by_kg[partial_kg][:1]
+    feed(op, batch(changed, [1] * len(changed)))
+    deltas = op.backend.capture(2, lazy=True)["s"]
+    assert set(deltas) == {full_kg, partial_kg}
+    assert deltas[full_kg].complete and not deltas[partial_kg].complete
+    t = deltas[full_kg].to_table()
+    assert sorted(t.column("key").to_pylist()) == sorted(by_kg[full_kg])
