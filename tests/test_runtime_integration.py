@@ -95,10 +95,16 @@ def test_snapshot_n_holds_exactly_the_records_before_barrier_n(tmp_path):
         assert state_at(store, cid, "count", "n") == expected, f"checkpoint {cid}"
         mid_stream += 0 < len(before) < 48_000
     assert mid_stream >= 2, "checkpoints should fall in the middle of the stream"
-    # incremental: a later checkpoint references files of earlier ones
-    last = store.read_manifest(ids[-1])
-    referenced = {ref.checkpoint_id for ref in last.files().values()}
-    assert len(referenced) > 1
+    # incremental: a checkpoint writes files only for key groups whose state changed since
+    # the previous one; the others keep referencing earlier files
+    for prev, cid in zip(ids, ids[1:]):
+        before, after = state_at(store, prev, "count", "n"), state_at(store, cid, "count", "n")
+        changed = {key_group(k, 128) for k in set(before) | set(after) if before.get(k) != after.get(k)}
+        chains = store.read_manifest(cid).keyed["count"]["n"]
+        written = {kg for kg, chain in chains.items() if any(ref.checkpoint_id == cid for ref in chain)}
+        assert written <= changed, f"checkpoint {cid} rewrote unchanged key groups {sorted(written - changed)}"
+        kept = set(chains) - written
+        assert all(ref.checkpoint_id < cid for kg in kept for ref in chains[kg])
 
 
 def test_stop_the_world_baseline_gives_the_same_exact_output(tmp_path):
