@@ -117,7 +117,8 @@ def _parallelism_problems(cid: int, manifest: Manifest, job: JobFingerprint | No
             "max_parallelism", f"checkpoint {cid}",
             f"checkpoint {cid} was taken with max_parallelism {m} (its number of key groups), the job declares "
             f"{job.max_parallelism}; key groups cannot be split or merged on restore; keep max_parallelism={m} in the "
-            f"job, or re-key the snapshot offline into max_parallelism {job.max_parallelism} (a full rewrite)",
+            f"job, or re-key the snapshot offline into max_parallelism {job.max_parallelism} (a full rewrite: "
+            f"abs-snapshot rekey ROOT {cid} DEST --max-parallelism {job.max_parallelism} [--spark], then restore from DEST)",
             True,
         ))
     if snap is not None and snap.max_parallelism is not None and snap.max_parallelism != m:
@@ -138,7 +139,7 @@ def _parallelism_problems(cid: int, manifest: Manifest, job: JobFingerprint | No
                 "parallelism", f"parallelism {parallelism}",
                 f"parallelism {parallelism} exceeds max_parallelism {m} of checkpoint {cid} (a subtask needs at least "
                 f"one key group); lower the parallelism to at most {m}, or re-key the snapshot offline into a larger "
-                "max_parallelism",
+                f"max_parallelism (abs-snapshot rekey ROOT {cid} DEST --max-parallelism N with N >= {parallelism})",
                 True,
             ))
     return out

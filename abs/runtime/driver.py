@@ -127,7 +127,8 @@ class JobDriver:
         if parallelism > flow.max_parallelism:
             raise ConfigError(
                 f"parallelism {parallelism} exceeds max_parallelism {flow.max_parallelism} of dataflow {flow.name!r}; "
-                "lower the parallelism (max_parallelism changes only through the offline re-key tool)"
+                "lower the parallelism, or re-key a snapshot offline into a larger max_parallelism "
+                "(abs-snapshot rekey ROOT ID DEST --max-parallelism N) and restore the job from it"
             )
         self.flow = flow
         self.P = parallelism
