@@ -58,9 +58,10 @@ class CollectSink(Sink):
     """Collects every record in the driver: ``JobResult.collected(uid)`` returns them.
 
     For tests and small results. Exactly-once like :class:`FileSink`: each epoch is staged in
-    the driver's memory at the checkpoint barrier and becomes visible when its checkpoint
-    completes (or at the end of input with checkpointing off); after a restart, records
-    since the restored checkpoint are not delivered twice.
+    the driver's memory at the checkpoint barrier and becomes visible when its checkpoint's
+    manifest is committed (or at the end of input with checkpointing off); after a restart,
+    records since the restored checkpoint are not delivered twice, and a job canceled and
+    restored in another process continues exactly where its collected output stopped.
     """
 
     def create_writer(

@@ -107,6 +107,26 @@ def test_snapshot_n_holds_exactly_the_records_before_barrier_n(tmp_path):
         assert all(ref.checkpoint_id < cid for kg in kept for ref in chains[kg])
 
 
+def test_collect_sink_output_of_a_canceled_job_and_its_restore_is_exactly_once(tmp_path):
+    """CollectSink epochs become visible with their checkpoint's manifest: what the canceled
+    job collected plus what the restored job collects is every running count exactly once."""
+    total = 30_000
+
+    def flow(rate=None):
+        return counting_flow(abs.GeneratorSource(total, num_keys=NUM_KEYS, num_splits=6, batch_size=200, rate=rate))
+
+    job = _run_until_checkpoints(flow(rate=500), 2, parallelism=3, storage=str(tmp_path),
+                                 checkpoint=abs.CheckpointConfig(interval=0.2))
+    last = job.trigger_checkpoint()  # returns once its manifest is committed ...
+    first = job.cancel()  # ... and the job stops before the workers commit their sink epochs
+    assert first.completed_checkpoints[-1].checkpoint_id >= last
+    assert 0 < first.collected("out").num_rows < total
+    second = abs.run(flow(), parallelism=2, restore="latest", storage=str(tmp_path),
+                     checkpoint=abs.CheckpointConfig(interval=0.3))
+    assert second.restored_from == first.completed_checkpoints[-1].checkpoint_id
+    assert_exact_running_counts(pa.concat_tables([first.collected("out"), second.collected("out")]), total)
+
+
 def test_stop_the_world_baseline_gives_the_same_exact_output(tmp_path):
     src = slow_source(24_000)
     result = abs.run(

@@ -31,6 +31,7 @@ from ..dataflow import Dataflow
 from ..faults import normalize_faults, trip
 from ..errors import ConfigError, JobFailedError, OperatorError, WorkerLostError
 from ..keygroups import routing_table
+from ..sinks import CollectSink
 from storage.errors import StorageError
 
 from .plan import compile_plan
@@ -157,6 +158,7 @@ class JobDriver:
         self.store = None
         self._collected: dict[str, list[bytes]] = {}
         self._staged: dict[str, tuple[str, list[bytes]]] = {}  # CollectSink epochs awaiting commit
+        self._collect_sinks = [n.uid for n in flow.nodes if n.kind == "sink" and isinstance(n.spec["sink"], CollectSink)]
         self._records: dict[int, dict] = {}
         self._bytes_restored: list[int] = [0] * parallelism
         self._restore_seconds: list[float] = [0.0] * parallelism
@@ -684,6 +686,12 @@ class JobDriver:
         stored = self.store.commit(manifest)
         self._manifests[a.checkpoint_id] = stored
         self._last_completed_id = a.checkpoint_id
+        # CollectSink epochs staged in this driver become visible with the manifest, not when
+        # the workers hear of it: a job canceled (or lost) right after the commit keeps them,
+        # and a restore in another process, which cannot re-commit them, starts after them
+        for uid in self._collect_sinks:
+            for txns in sinks.get(uid, {}).values():
+                self._on_collect(("collect_commit", list(txns or ())))
         self.store_gc()
         for uid, source in self._sources():
             try:
