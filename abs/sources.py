@@ -123,6 +123,11 @@ class SourceContext:
     restored_offsets: Mapping[str, Offset] | None  # split -> offset of the restored checkpoint
     attempt: int
     retained: int  # complete checkpoints kept (CheckpointConfig.retained): older ones may be restored
+    # this source's offsets in every complete checkpoint of the storage root, oldest first
+    # (None: no storage); a source whose driver keeps replay data must keep what these need
+    stored_offsets: tuple[Mapping[str, Offset], ...] | None = None
+    # the same for the savepoints in the storage root (pinned: kept until deleted by hand)
+    pinned_offsets: tuple[Mapping[str, Offset], ...] = ()
 
 
 # --------------------------------------------------------------------------- generator

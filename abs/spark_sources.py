@@ -74,10 +74,11 @@ Deletion rule
     Log batches below ``min(B)`` over the last ``retained`` completed checkpoints
     (``SourceContext.retained``, the checkpoints storage retention keeps and a restart may
     restore) are deleted; the newest logged batch of a SparkStreamSource is always kept (the
-    planner continues after it). After a restore in a new driver process, nothing is deleted
-    until ``retained`` checkpoints are known again (older retained checkpoints may need older
-    batches). Savepoints are not tracked: a savepoint restores only as long as the log still
-    holds its batches.
+    planner continues after it). The driver passes the offsets of every complete checkpoint
+    and savepoint of the storage root (``SourceContext.stored_offsets`` / ``pinned_offsets``),
+    so this also holds after a restore in a new driver process, and batches a savepoint in the
+    root needs are kept. A savepoint written to another root (``JobHandle.savepoint(path)``)
+    is not seen: it restores only as long as the log still holds its batches.
 
 Restarts
     ``driver_open`` runs before every attempt. A fresh start (first attempt, nothing restored)
@@ -331,11 +332,20 @@ class _Retention:
         self.entries: list[int] = []  # consumed-batch bound B of each known completed checkpoint
         self.unknown_older = False
         self.retained = 1
+        self.floor: int | None = None  # lowest bound of a savepoint in the storage root
 
-    def opened(self, context: SourceContext, restored_bound: int | None, fresh: bool) -> None:
+    def opened(self, context: SourceContext, restored_bound: int | None, fresh: bool, lanes: list[str]) -> None:
         self.retained = max(1, int(context.retained))
+        pins = [b for b in (_bound(o, lanes) for o in context.pinned_offsets) if b is not None]
+        self.floor = min(pins) if pins and not fresh else None
         if fresh:
             self.entries, self.unknown_older = [], False
+        elif context.stored_offsets is not None:
+            # the driver read every complete checkpoint of the root: retention is exact, also
+            # in a new driver process
+            bounds = [b for b in (_bound(o, lanes) for o in context.stored_offsets) if b is not None]
+            self.entries = bounds[-self.retained:] or ([restored_bound] if restored_bound is not None else [])
+            self.unknown_older = False
         elif restored_bound is not None and not self.entries:
             # restored in a new driver: older retained checkpoints are unknown to us
             self.entries, self.unknown_older = [restored_bound], True
@@ -347,7 +357,7 @@ class _Retention:
         if self.unknown_older and len(self.entries) < self.retained:
             return None
         self.unknown_older = False
-        return min(self.entries)
+        return min(self.entries) if self.floor is None else min(min(self.entries), self.floor)
 
 
 def _lane_offset(value: Any, lane: str, num_splits: int, key: str, what: str) -> tuple[int, int, int]:
@@ -848,7 +858,7 @@ class SparkStreamSource(Source):
             committed = log.read_json(log.path("_committed.json"))
             if committed is not None:
                 self._drv_committed = max(self._drv_committed, int(committed["batch"]))
-        self._drv_retention.opened(context, _bound(restored, lanes) if restored else None, fresh)
+        self._drv_retention.opened(context, _bound(restored, lanes) if restored else None, fresh, lanes)
         ids = sorted(int(m.group(1)) for m in map(_BATCH_FILE.match, log.names()) if m)
         self._drv_oldest = ids[0] if ids else 0
         self._drv_newest = ids[-1] if ids else -1
@@ -1191,7 +1201,7 @@ class SparkMicroBatchSource(Source):
                 self._drv_consumed = max(self._drv_consumed, int(consumed["below"]))
             ids = [int(m.group(1)) for m in map(_BATCH_DIR.match, log.names()) if m]
             self._drv_high = max([self._drv_high, *ids])
-        self._drv_retention.opened(context, _bound(restored, lanes) if restored else None, fresh)
+        self._drv_retention.opened(context, _bound(restored, lanes) if restored else None, fresh, lanes)
         if log.read_json(log.path("_end.json")) is not None:
             return  # a bounded query that already finished: nothing to start
         self._drv_gen += 1

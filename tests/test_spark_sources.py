@@ -473,3 +473,41 @@ def test_ddl_schema_without_a_spark_session_is_a_clear_error(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert "ERR" in proc.stdout, proc.stderr
     assert "active SparkSession" in proc.stdout and "StructType" in proc.stdout
+
+
+def test_retention_uses_every_stored_checkpoint_and_keeps_what_savepoints_need():
+    from abs.sources import SourceContext
+    from abs.spark_sources import _Retention
+
+    lanes = ["0", "1"]
+
+    def offs(b0, b1):  # lane i at batch b: a unit of batch b belongs to lane (b + j) % 2
+        return {"0": {"batch": b0, "partition": b0 % 2, "row": 0}, "1": {"batch": b1, "partition": (b1 + 1) % 2, "row": 0}}
+
+    def ctx(stored, pinned=()):
+        return SourceContext(uid="src", job_name="j", parallelism=2, storage_url="/x", storage_options=None,
+                             restored_offsets=stored[-1] if stored else None, attempt=1, retained=2,
+                             stored_offsets=tuple(stored), pinned_offsets=tuple(pinned))
+
+    # a new driver restoring: both retained checkpoints are known, so deletion starts at once
+    r = _Retention()
+    r.opened(ctx([offs(3, 4), offs(6, 5)]), 5, fresh=False, lanes=lanes)
+    assert r.completed(8) == 5  # min over the last 2: {5, 8}
+    # a savepoint in the root (bound 2) keeps its batches whatever completes later
+    r = _Retention()
+    r.opened(ctx([offs(6, 5), offs(7, 7)], pinned=[offs(2, 3)]), 7, fresh=False, lanes=lanes)
+    assert r.completed(9) == 2
+    # without the stored offsets (no storage): the old, conservative rule
+    r = _Retention()
+    r.opened(dataclasses_replace(ctx([offs(6, 5)]), stored_offsets=None, retained=3), 5, fresh=False, lanes=lanes)
+    assert r.completed(8) is None and r.completed(9) == 5  # waits until 3 checkpoints are known
+    # the same with the stored offsets: known at once
+    r = _Retention()
+    r.opened(dataclasses_replace(ctx([offs(4, 4), offs(6, 5)]), retained=3), 5, fresh=False, lanes=lanes)
+    assert r.completed(8) == 4
+
+
+def dataclasses_replace(obj, **changes):
+    import dataclasses
+
+    return dataclasses.replace(obj, **changes)

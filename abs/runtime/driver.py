@@ -342,14 +342,31 @@ class JobDriver:
 
         manifest = restore_info.get("manifest")
         self._opened_sources = []
+        stored = self._stored_manifests()
         for uid, source in self._sources():
             restored = dict(manifest.source_offsets.get(uid, {})) if manifest is not None else None
             source.driver_open(SourceContext(
                 uid=uid, job_name=self.flow.name, parallelism=self.P, storage_url=self.storage_url,
                 storage_options=self.storage_options, restored_offsets=restored, attempt=attempt,
                 retained=self.config.retained,
+                stored_offsets=None if stored is None else tuple(
+                    dict(m.source_offsets.get(uid, {})) for m in stored if m.kind != "savepoint"),
+                pinned_offsets=() if stored is None else tuple(
+                    dict(m.source_offsets.get(uid, {})) for m in stored if m.kind == "savepoint"),
             ))
             self._opened_sources.append(source)
+
+    def _stored_manifests(self) -> list | None:
+        """Every readable manifest of the storage root, oldest first (None without storage)."""
+        if self.store is None:
+            return None
+        out = []
+        for cid in self.store.list_checkpoints():
+            try:
+                out.append(self.store.read_manifest(cid))
+            except Exception:  # noqa: BLE001 - an unreadable manifest is never restored
+                continue
+        return out
 
     def _close_sources(self) -> None:
         for source in getattr(self, "_opened_sources", []):
