@@ -44,6 +44,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from typing import Any, Callable, Iterator
 
@@ -51,6 +52,7 @@ from ..errors import ConfigError
 
 __all__ = ["SparkExecutor", "free_task_slots"]
 
+_SLOT_WAIT_S = 20.0  # how long a (re)launch waits for busy slots to free up
 _FAIL_RE = re.compile(r"abs worker (\d+) (?:exited with code|was killed by signal) (-?\d+)")
 
 
@@ -278,6 +280,11 @@ class SparkExecutor:
 
     def launch_all(self, boots: list[dict], job_name: str) -> list[_SparkWorker]:
         """Submit the barrier stage; one handle per worker."""
+        # after a failure, the tasks of the previous stage may take a moment to be reaped:
+        # wait for their slots a little before refusing
+        deadline = time.monotonic() + _SLOT_WAIT_S
+        while free_task_slots(self.sc)[1] < len(boots) and time.monotonic() < deadline:
+            time.sleep(0.2)
         self.check(len(boots), None)
         if self.local_master:
             # the same machine: workers import user code the way the driver does (on a
