@@ -338,11 +338,13 @@ class JobDriver:
 
     def _open_sources(self, restore_info: dict, attempt: int) -> None:
         """The driver-side part of every source (see ``Source.driver_open``)."""
-        from ..sources import SourceContext
+        from ..sources import Source, SourceContext
 
         manifest = restore_info.get("manifest")
         self._opened_sources = []
-        stored = self._stored_manifests()
+        # only sources with a driver side of their own need the stored offsets
+        wanted = any(type(src).driver_open is not Source.driver_open for _uid, src in self._sources())
+        stored = self._stored_manifests() if wanted else None
         for uid, source in self._sources():
             restored = dict(manifest.source_offsets.get(uid, {})) if manifest is not None else None
             source.driver_open(SourceContext(
