@@ -36,6 +36,7 @@ import pyarrow.compute as pc
 
 from storage import FileRef, Manifest, SnapshotStore, StoragePaths
 from storage.backend import protocols_of
+from storage.savepoint import copy_unkeyed
 from storage.errors import StorageConfigError
 from storage.format import KEY_COLUMN, META_KEY_ENCODING, META_VALUE_ENCODING, is_pickled
 
@@ -443,24 +444,6 @@ def write_rekeyed(ctx: RewriteContext, target: tuple[str, str, int], parts: Iter
 
 
 # ============================================================================ driver side
-def _copy_unkeyed(job: RewriteJob) -> tuple[dict[str, dict[int, FileRef]], list[FileRef]]:
-    """Operator-state and channel-log files, byte for byte (checksums verified on the way)."""
-    source, dest, manifest = job.source, job.dest, job.manifest
-    cid, sp = job.context.checkpoint_id, job.context.savepoint_id
-    operator_state: dict[str, dict[int, FileRef]] = {}
-    for op, subtasks in sorted(manifest.operator_state.items()):
-        for i, ref in sorted(subtasks.items()):
-            data = source.read_bytes(ref, checkpoint_id=cid)
-            operator_state.setdefault(op, {})[i] = dest._copy_in(data, ref, StoragePaths.opstate_file(sp, op, i), sp)
-    channel_logs = []
-    for ref in manifest.channel_logs:
-        task = ref.location().task
-        assert task is not None
-        data = source.read_bytes(ref, checkpoint_id=cid)
-        channel_logs.append(dest._copy_in(data, ref, StoragePaths.channel_file(sp, task), sp))
-    return operator_state, channel_logs
-
-
 def _keyed(job: RewriteJob, refs: Iterable[tuple[str, str, int, FileRef]]) -> dict[str, dict[str, dict[int, list[FileRef]]]]:
     keyed: dict[str, dict[str, dict[int, list[FileRef]]]] = {}
     for op, st in job.states:
@@ -479,7 +462,7 @@ def finish(job: RewriteJob, refs: Iterable[tuple[str, str, int, FileRef]], *, en
     then the manifest (the commit point). Returns the committed manifest."""
     ctx = job.context
     keyed = _keyed(job, refs)
-    operator_state, channel_logs = _copy_unkeyed(job)
+    operator_state, channel_logs = copy_unkeyed(job.source, job.manifest, job.dest, job.context.savepoint_id)
     fingerprint = dict(job.job, max_parallelism=ctx.new_max_parallelism)
     rewrite: dict[str, Any] = {"kind": job.kind, "engine": engine, "tasks": tasks,
                                "seconds": round(time.monotonic() - job.started, 3)}

@@ -20,7 +20,7 @@ from .paths import StoragePaths
 if TYPE_CHECKING:
     from .store import SnapshotStore
 
-__all__ = ["take_savepoint"]
+__all__ = ["take_savepoint", "copy_unkeyed"]
 
 
 def take_savepoint(source: "SnapshotStore", checkpoint_id: int, dest: "SnapshotStore") -> Manifest:
@@ -40,18 +40,7 @@ def take_savepoint(source: "SnapshotStore", checkpoint_id: int, dest: "SnapshotS
                 path = StoragePaths.state_file(sp_id, op, st, kg, "base")
                 out[kg] = [dest._write_table(path, table, "base", sp_id)]
 
-    operator_state: dict[str, dict[int, FileRef]] = {}
-    for op, subtasks in manifest.operator_state.items():
-        for i, ref in sorted(subtasks.items()):
-            data = source.read_bytes(ref, checkpoint_id=checkpoint_id)
-            operator_state.setdefault(op, {})[i] = dest._copy_in(data, ref, StoragePaths.opstate_file(sp_id, op, i), sp_id)
-
-    channel_logs = []
-    for ref in manifest.channel_logs:
-        task = ref.location().task
-        assert task is not None
-        data = source.read_bytes(ref, checkpoint_id=checkpoint_id)
-        channel_logs.append(dest._copy_in(data, ref, StoragePaths.channel_file(sp_id, task), sp_id))
+    operator_state, channel_logs = copy_unkeyed(source, manifest, dest, sp_id)
 
     savepoint = dataclasses.replace(
         manifest,
@@ -64,3 +53,24 @@ def take_savepoint(source: "SnapshotStore", checkpoint_id: int, dest: "SnapshotS
         stats={"savepoint_of": {"root": source.url, "checkpoint_id": checkpoint_id, "stats": manifest.stats}},
     )
     return dest.commit(savepoint)
+
+
+def copy_unkeyed(source: "SnapshotStore", manifest: Manifest, dest: "SnapshotStore",
+                 savepoint_id: int) -> tuple[dict[str, dict[int, FileRef]], list[FileRef]]:
+    """Copy the operator-state and channel-log files of ``manifest`` (a checkpoint of
+    ``source``) into ``dest`` under ``savepoint_id``, byte for byte (checksums verified on
+    the way); returns the new references (also used by the offline rewrites in ``recovery``)."""
+    cid = manifest.checkpoint_id
+    operator_state: dict[str, dict[int, FileRef]] = {}
+    for op, subtasks in sorted(manifest.operator_state.items()):
+        for i, ref in sorted(subtasks.items()):
+            data = source.read_bytes(ref, checkpoint_id=cid)
+            path = StoragePaths.opstate_file(savepoint_id, op, i)
+            operator_state.setdefault(op, {})[i] = dest._copy_in(data, ref, path, savepoint_id)
+    channel_logs = []
+    for ref in manifest.channel_logs:
+        task = ref.location().task
+        assert task is not None
+        data = source.read_bytes(ref, checkpoint_id=cid)
+        channel_logs.append(dest._copy_in(data, ref, StoragePaths.channel_file(savepoint_id, task), savepoint_id))
+    return operator_state, channel_logs
