@@ -209,9 +209,6 @@ class _SparkWorker:
                 pass
         self.stage.cancel()
 
-    def terminate(self) -> None:
-        self.stage.cancel()
-
 
 class SparkExecutor:
     """Runs a job's ``num_workers`` workers as the tasks of one Spark barrier stage.
