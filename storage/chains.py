@@ -134,19 +134,17 @@ def _kept_batches(table: pa.Table, rows: np.ndarray) -> list[pa.RecordBatch] | N
     zero-copy slices; ``None`` when so many rows go that copying the rest is cheaper."""
     if len(rows) * _SLICE_ROWS_PER_CUT > table.num_rows:
         return None
-    cuts = rows.tolist()
     pieces: list[pa.RecordBatch] = []
-    i = offset = 0
+    offset = 0
     for batch in table.to_batches():
         end = offset + batch.num_rows
-        start = offset
-        while i < len(cuts) and cuts[i] < end:
-            if cuts[i] > start:
-                pieces.append(batch.slice(start - offset, cuts[i] - start))
-            start = cuts[i] + 1
-            i += 1
-        if start < end:
-            pieces.append(batch.slice(start - offset, end - start))
+        lo, hi = np.searchsorted(rows, (offset, end))
+        cuts = rows[lo:hi] - offset
+        # kept runs: [0, cut0), (cut0, cut1), ..., (cut_last, n): starts and lengths, empty ones dropped
+        starts = np.concatenate(([0], cuts + 1))
+        lengths = np.concatenate((cuts, [batch.num_rows])) - starts
+        keep = lengths > 0
+        pieces.extend(batch.slice(start, length) for start, length in zip(starts[keep].tolist(), lengths[keep].tolist()))
         offset = end
     return pieces
 

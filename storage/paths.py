@@ -19,6 +19,7 @@ and a leading ``.`` becomes ``%2E`` (no hidden files, no ``.``/``..``).
 """
 from __future__ import annotations
 
+import functools
 import re
 import uuid
 from dataclasses import dataclass
@@ -57,6 +58,11 @@ def encode_name(name: str) -> str:
     """Encode an operator uid / state name / task name as one safe path segment (reversible)."""
     if not isinstance(name, str) or not name:
         raise InvalidPathError(f"name {name!r} cannot be stored: names must be non-empty strings; rename it")
+    return _encode(name)
+
+
+@functools.lru_cache(maxsize=4096)  # a job has few names, encoded again for every file reference
+def _encode(name: str) -> str:
     out = []
     for i, byte in enumerate(name.encode("utf-8")):
         if byte in _SAFE and not (i == 0 and byte == ord(".")):
@@ -176,30 +182,35 @@ class StoragePaths:
     @staticmethod
     def parse(path: str) -> ParsedPath | None:
         """Parse a relative path; ``None`` when it is not a file this format writes."""
-        if path == StoragePaths.JOB:
-            return ParsedPath("job")
-        if _JOB_TMP_RE.match(path):
-            return ParsedPath("job_tmp")
-        try:
-            if m := _MANIFEST_RE.match(path):
-                return ParsedPath("manifest", CheckpointId(int(m[1])))
-            if m := _MANIFEST_TMP_RE.match(path):
-                return ParsedPath("manifest_tmp", CheckpointId(int(m[1])))
-            if m := _STATE_RE.match(path):
-                return ParsedPath(
-                    m[5],  # type: ignore[arg-type]
-                    CheckpointId(int(m[4])),
-                    operator=OperatorUid(decode_name(m[1])),
-                    state=StateName(decode_name(m[2])),
-                    key_group=KeyGroup(int(m[3])),
-                )
-            if m := _OPSTATE_RE.match(path):
-                return ParsedPath(
-                    "opstate", CheckpointId(int(m[2])), operator=OperatorUid(decode_name(m[1])),
-                    subtask=SubtaskIndex(int(m[3])),
-                )
-            if m := _CHANNEL_RE.match(path):
-                return ParsedPath("channel", CheckpointId(int(m[1])), task=decode_name(m[2]))
-        except InvalidPathError:
-            return None
+        return _parse(path)
+
+
+@functools.lru_cache(maxsize=1 << 16)  # paths of a manifest are parsed on load and again on read
+def _parse(path: str) -> ParsedPath | None:
+    if path == StoragePaths.JOB:
+        return ParsedPath("job")
+    if _JOB_TMP_RE.match(path):
+        return ParsedPath("job_tmp")
+    try:
+        if m := _MANIFEST_RE.match(path):
+            return ParsedPath("manifest", CheckpointId(int(m[1])))
+        if m := _MANIFEST_TMP_RE.match(path):
+            return ParsedPath("manifest_tmp", CheckpointId(int(m[1])))
+        if m := _STATE_RE.match(path):
+            return ParsedPath(
+                m[5],  # type: ignore[arg-type]
+                CheckpointId(int(m[4])),
+                operator=OperatorUid(decode_name(m[1])),
+                state=StateName(decode_name(m[2])),
+                key_group=KeyGroup(int(m[3])),
+            )
+        if m := _OPSTATE_RE.match(path):
+            return ParsedPath(
+                "opstate", CheckpointId(int(m[2])), operator=OperatorUid(decode_name(m[1])),
+                subtask=SubtaskIndex(int(m[3])),
+            )
+        if m := _CHANNEL_RE.match(path):
+            return ParsedPath("channel", CheckpointId(int(m[1])), task=decode_name(m[2]))
+    except InvalidPathError:
         return None
+    return None

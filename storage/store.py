@@ -410,25 +410,29 @@ class SnapshotStore:
     # ================================================================== reading
     def read_bytes(self, ref: FileRef, *, checkpoint_id: int | None = None) -> bytes:
         """The raw bytes of a referenced file, after checking its size and checksum."""
-        who = f"checkpoint {checkpoint_id if checkpoint_id is not None else ref.checkpoint_id}"
-        origin = f" (written by checkpoint {ref.checkpoint_id})" if checkpoint_id not in (None, ref.checkpoint_id) else ""
         try:
             data = self._io.get(ref.path)
         except FileNotFoundError:
             raise MissingFileError(
-                f"{self.url}: {who}: file {ref.path}{origin} is missing; the checkpoint cannot be restored; {_RESTORE_HINT}"
+                f"{self._whose(ref, checkpoint_id)} is missing; the checkpoint cannot be restored; {_RESTORE_HINT}"
             ) from None
         if len(data) != ref.bytes:
             raise CorruptFileError(
-                f"{self.url}: {who}: file {ref.path}{origin} has {len(data)} bytes, the manifest says {ref.bytes} "
+                f"{self._whose(ref, checkpoint_id)} has {len(data)} bytes, the manifest says {ref.bytes} "
                 f"(torn or altered write); the checkpoint cannot be restored; {_RESTORE_HINT}"
             )
         if checksum_hex(data, ref.checksum_algorithm) != ref.checksum:
             raise CorruptFileError(
-                f"{self.url}: {who}: file {ref.path}{origin} fails its {ref.checksum_algorithm} checksum; "
+                f"{self._whose(ref, checkpoint_id)} fails its {ref.checksum_algorithm} checksum; "
                 f"the file is corrupt; {_RESTORE_HINT}"
             )
         return data
+
+    def _whose(self, ref: FileRef, checkpoint_id: int | None) -> str:
+        """``<root>: checkpoint N: file P (written by checkpoint M)`` for error messages."""
+        who = f"checkpoint {checkpoint_id if checkpoint_id is not None else ref.checkpoint_id}"
+        origin = f" (written by checkpoint {ref.checkpoint_id})" if checkpoint_id not in (None, ref.checkpoint_id) else ""
+        return f"{self.url}: {who}: file {ref.path}{origin}"
 
     def read_file(self, ref: FileRef, *, checkpoint_id: int | None = None) -> pa.Table:
         """Read one file as a table (verified). Deltas keep their ``op`` column (absent when

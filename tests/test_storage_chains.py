@@ -220,3 +220,29 @@ def test_keys_that_do_not_sort_keep_the_writers_order():
     assert sort_by_key(table).column("value").to_pylist() == [1, 2]
     table = pa.table({"key": ["b", "a", "b"], "value": [1, 2, 3]})
     assert sort_by_key(table).column("value").to_pylist() == [2, 1, 3]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=6), st.data())
+def test_resolution_over_a_base_of_several_batches_equals_the_model(batch_sizes, data):
+    """Few changed rows take the zero-copy path (slices of the base's batches): cuts at the
+    first and last row of a batch, in neighbouring rows and in every batch all keep the rest."""
+    import numpy as np
+
+    n = sum(batch_sizes)
+    keys = np.arange(n, dtype=np.int64) * 3
+    table = pa.table({"key": keys, "value": pa.array([f"v{k}" for k in keys])})
+    bounds = np.cumsum([0] + batch_sizes)
+    base = pa.Table.from_batches([table.slice(a, b - a).combine_chunks().to_batches()[0]
+                                  for a, b in zip(bounds[:-1], bounds[1:])])
+    assert base.column("key").num_chunks == len(batch_sizes)
+    rows = data.draw(st.lists(st.integers(0, n - 1), max_size=max(1, n // 64), unique=True))
+    ops = data.draw(st.lists(st.sampled_from([0, 1]), min_size=len(rows), max_size=len(rows)))
+    delta_keys = [int(keys[r]) for r in rows] + [3 * n + 1]  # and one new key
+    delta = pa.table({"key": pa.array(delta_keys, pa.int64()),
+                      "value": pa.array([f"new{k}" for k in delta_keys]),
+                      "op": pa.array(ops + [0], pa.int8())})
+    out = resolve_chain([base, delta], first_is_base=True)
+    got = dict(zip(out.column("key").to_pylist(), out.column("value").to_pylist()))
+    assert out.num_rows == len(got)
+    assert got == model_resolve([base, delta])
