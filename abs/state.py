@@ -510,7 +510,7 @@ class PendingDelta:
         self._kg = kg
         self._key_sets = key_sets
         self._deletes = deletes  # False: every changed key is still in the dict
-        self.complete = False  # set by to_table: the delta holds every live key of the key group
+        self.complete = False  # set by to_table/image: the table holds every live key of the key group
         if sum(len(ks) for ks in key_sets) * 10 < len(d):
             self._keys = list(key_sets[0]) if len(key_sets) == 1 else list(set().union(*key_sets))
             get = d.get
@@ -528,17 +528,33 @@ class PendingDelta:
             sets = self._key_sets
             changed = sets[0] if len(sets) == 1 else set().union(*sets)
             frozen = self._frozen
-            if not self._deletes and len(changed) == len(frozen):
-                # no deletes: the changed keys are all in the dict, and as many as it holds, so
-                # they are its keys (the common case of a hot key group): keys and values in
-                # one sequential C-level pass each, no per-key lookup
-                self.complete = True
-                return self._backend._encode_pairs(self._slot, self._kg, list(frozen), list(frozen.values()),
-                                                   with_op=True, deletes=False)
+            if frozen and len(changed) * _IMAGE_DENOMINATOR >= len(frozen) * _IMAGE_NUMERATOR:
+                # most of the key group changed: its full image (the frozen dict, deletes
+                # already applied) costs a little more than the delta, keys and values come in
+                # one sequential C-level pass each with no per-key lookup, and the store writes
+                # it as the new base without ever reading the old chain back
+                return self.image()  # type: ignore[return-value]  # frozen is non-empty
             keys = list(changed)
             get = frozen.get
             values = [get(k, _MISSING) for k in keys]
         return self._backend._encode_pairs(self._slot, self._kg, keys, values, with_op=True, deletes=deletes)
+
+    def image(self) -> pa.Table | None:
+        """The key group's full live state at the capture as upserts (sets ``complete``), or
+        ``None`` when the capture froze only the changed keys (or the key group is empty).
+        The store calls it instead of reading the previous chain back when its policy
+        compacts the chain."""
+        frozen = self._frozen
+        if not frozen:
+            return None
+        self.complete = True
+        return self._backend._encode_pairs(self._slot, self._kg, list(frozen), list(frozen.values()),
+                                           with_op=True, deletes=False)
+
+
+# A lazily captured key group is written as its full image when at least 3/4 of its live keys
+# changed: the file is at most 4/3 of the delta's, and the chain restarts at length 1.
+_IMAGE_NUMERATOR, _IMAGE_DENOMINATOR = 3, 4
 
 
 class _StateSlot:

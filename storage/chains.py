@@ -196,10 +196,12 @@ def resolve_chain(tables: Sequence[pa.Table], *, first_is_base: bool) -> pa.Tabl
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
         raise DeltaSchemaError(f"the deltas of a chain have incompatible schemas ({exc}); keep one schema per state") from exc
     last = _last_per_key(deltas)
+    upserts = last
     if with_ops:
-        upserts = last.filter(pc.equal(last.column(OP_COLUMN), OP_UPSERT)).drop_columns([OP_COLUMN])
-    else:
-        upserts = last
+        ops = last.column(OP_COLUMN)
+        upserts = last.drop_columns([OP_COLUMN])
+        if pc.any(pc.not_equal(ops, OP_UPSERT)).as_py():
+            upserts = upserts.filter(pc.equal(ops, OP_UPSERT))
     if base is None:
         return upserts.replace_schema_metadata(metadata)
     changed = last.column(KEY_COLUMN)

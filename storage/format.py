@@ -156,6 +156,13 @@ def sort_by_key(table: pa.Table) -> pa.Table:
     try:
         if keys.null_count or _keys_sorted(keys):
             return table
+        if pa.types.is_integer(keys.type):
+            k = keys.to_numpy()
+            order = np.argsort(k)  # unstable, ~4x faster than a stable sort: right when keys are unique
+            ordered = k[order]
+            if not np.all(ordered[1:] > ordered[:-1]):
+                order = np.argsort(k, kind="stable")  # repeated keys: their rows keep their order
+            return table.take(pa.array(order))
         order = pc.sort_indices(table, sort_keys=[(KEY_COLUMN, "ascending")])
     except (pa.ArrowNotImplementedError, pa.ArrowTypeError, pa.ArrowInvalid):
         return table  # e.g. struct or list keys: stored in the writer's order

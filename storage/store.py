@@ -31,7 +31,7 @@ from .errors import (
     StorageError,
     UnsupportedFormatError,
 )
-from .format import EncodedFile, checksum_hex, decode_table, delta_for_file, encode_table, normalize_delta
+from .format import EncodedFile, checksum_hex, decode_table, delta_for_file, encode_table, normalize_delta, sort_by_key
 from .gc import GcPlan, plan_gc
 from .ids import CheckpointId, SubtaskIndex
 from .manifest import FORMAT_VERSION, FileRef, Manifest, chain_problems, manifest_problems
@@ -300,6 +300,11 @@ class SnapshotStore:
     def _write_table(self, path: str, table: pa.Table, kind: FileKind, checkpoint_id: int) -> FileRef:
         return self._put(path, encode_table(table, kind), kind, checkpoint_id)
 
+    def _write_base(self, path: str, delta: pa.Table, checkpoint_id: int) -> FileRef:
+        """Write a delta's live rows as a base. Sorting first makes the usual case (unique
+        integer keys) resolve with one vectorized comparison instead of a distinct count."""
+        return self._write_table(path, resolve_chain([sort_by_key(delta)], first_is_base=False), "base", checkpoint_id)
+
     def _check_key_group(self, key_group: int, what: str) -> None:
         job = self._known_job()
         if job is not None and not 0 <= key_group < int(job.get("max_parallelism", key_group + 1)):
@@ -318,6 +323,7 @@ class SnapshotStore:
         delta: pa.Table,
         *,
         complete: bool = False,
+        image: Callable[[], pa.Table | None] | None = None,
     ) -> list[FileRef]:
         """Write the changes of one key group and return its new chain.
 
@@ -327,9 +333,13 @@ class SnapshotStore:
         says so. An empty delta on a non-empty chain writes nothing and returns ``prev_chain``.
 
         ``complete=True``: the writer guarantees that ``delta`` holds every live key of the key
-        group (a full image: every key changed, none deleted). It is written as the new base
-        at once, without reading the previous chain: no larger than a delta, and the chain
-        restarts at length 1.
+        group as an upsert (a full image). It is written as the new base at once, without
+        reading the previous chain, and the chain restarts at length 1.
+
+        ``image``: when the policy compacts the chain, the store calls it for the key group's
+        full live state at this checkpoint (a table like ``delta``, e.g. the writer's
+        in-memory copy) and writes that as the new base instead of reading the previous chain
+        back and resolving it; ``None`` from it falls back to reading.
         """
         what = f"checkpoint {checkpoint_id}: {operator}/{state} key group {key_group}"
         delta = normalize_delta(delta, what=what)
@@ -345,13 +355,17 @@ class SnapshotStore:
                 )
         base_path = StoragePaths.state_file(checkpoint_id, operator, state, key_group, "base")
         if not chain or (complete and delta.num_rows):
-            return [self._write_table(base_path, resolve_chain([delta], first_is_base=False), "base", checkpoint_id)]
+            return [self._write_base(base_path, delta, checkpoint_id)]
         if delta.num_rows == 0:
             return chain
         encoded = encode_table(delta_for_file(delta), "delta")
         if compaction_reason(self.policy, chain, encoded.size) is None:
             delta_path = StoragePaths.state_file(checkpoint_id, operator, state, key_group, "delta")
             return chain + [self._put(delta_path, encoded, "delta", checkpoint_id)]
+        full = image() if image is not None else None
+        if full is not None:
+            full = normalize_delta(full, what=f"{what} (full image)")
+            return [self._write_base(base_path, full, checkpoint_id)]
         tables = self._read_files(chain) + [delta]
         try:
             base = resolve_chain(tables, first_is_base=True)

@@ -53,6 +53,7 @@ def test_a_delta_is_complete_only_when_it_holds_every_live_key(rounds):
             live_in_kg = {k: v for k, v in model.items() if key_group(k, M) == kg}
             if lazy.complete:
                 assert got == live_in_kg and not any(ops_col), "a complete delta is the key group's full image"
+                state = {k: v for k, v in state.items() if key_group(k, M) != kg}  # it replaces the chain
             for (k, v), o in zip(got.items(), ops_col):
                 if o:
                     state.pop(k, None)
@@ -64,31 +65,65 @@ def test_a_delta_is_complete_only_when_it_holds_every_live_key(rounds):
             confirmed = dict(model)
 
 
-def test_every_key_of_a_key_group_changed_without_deletes_is_complete_and_a_delete_is_not():
+def test_a_key_group_that_mostly_changed_is_captured_as_its_full_image():
     b = value_backend()
-    keys = [k for k in range(200) if key_group(k, M) == 3][:10]
+    keys = [k for k in range(200) if key_group(k, M) == 3][:12]
     for k in keys:
         put(b, k, 1)
     b.confirm(b.capture(1, lazy=True) and 1)
     for k in keys:
-        put(b, k, 2)  # all ten change
+        put(b, k, 2)  # all twelve change
     (lazy,) = b.capture(2, lazy=True)["v"].values()
     lazy.to_table()
     assert lazy.complete
     b.confirm(2)
-    for k in keys[:5]:
+    for k in keys[:6]:
         put(b, k, 3)  # half change: a delta
     (lazy,) = b.capture(3, lazy=True)["v"].values()
-    lazy.to_table()
-    assert not lazy.complete
+    t = lazy.to_table()
+    assert not lazy.complete and sorted(t.column("key").to_pylist()) == sorted(keys[:6])
     b.confirm(3)
-    for k in keys:
+    for k in keys[:9]:
         put(b, k, 4)
-    put(b, keys[0], None)
-    put(b, keys[0], 5)  # deleted and written again: still every key, but a delete happened
+    put(b, keys[9], None)  # 3/4 of the keys changed, one of them deleted: the image without it
     (lazy,) = b.capture(4, lazy=True)["v"].values()
-    lazy.to_table()
-    assert not lazy.complete
+    t = lazy.to_table()
+    assert lazy.complete and not any(t.column("op").to_pylist())
+    assert dict(zip(t.column("key").to_pylist(), t.column("value").to_pylist())) == {
+        **{k: 4 for k in keys[:9]}, keys[10]: 3 if keys[10] in keys[:6] else 2, keys[11]: 2}
+    b.confirm(4)
+    for k in keys:
+        put(b, k, None)  # every key deleted: a delta of deletes, never an empty "image"
+    (lazy,) = b.capture(5, lazy=True)["v"].values()
+    t = lazy.to_table()
+    assert not lazy.complete and lazy.image() is None and set(t.column("op").to_pylist()) == {1}
+
+
+def test_a_compacting_store_writes_the_writers_image_instead_of_reading_the_chain(tmp_path):
+    from storage import CompactionPolicy
+
+    store = SnapshotStore.open(str(tmp_path), policy=CompactionPolicy(max_chain_length=2))
+    store.init_job({"job_name": "j", "max_parallelism": M})
+    meta = {b"abs.key_encoding": b"arrow", b"abs.value_encoding": b"arrow"}
+
+    def table(pairs: dict, op: int = 0) -> pa.Table:
+        return pa.table({"key": pa.array(list(pairs), pa.int64()), "value": pa.array(list(pairs.values()), pa.int64()),
+                         "op": pa.array(np.full(len(pairs), op, np.int8))}, metadata=meta)
+
+    chain = store.write_key_group(1, "op", "v", 0, [], table({1: 1, 2: 1, 3: 1}))
+    chain = store.write_key_group(2, "op", "v", 0, chain, table({2: 5}))
+    assert len(chain) == 2
+    for ref in chain:  # a compaction that read the chain back would fail now
+        (tmp_path / ref.path).unlink()
+    calls = []
+    image = lambda: calls.append(1) or table({1: 1, 2: 5, 4: 7})  # noqa: E731 - 3 deleted, 4 new
+    new = store.write_key_group(3, "op", "v", 0, chain, table({3: 0}, op=1), image=image)
+    assert calls == [1] and [r.kind for r in new] == ["base"] and new[0].checkpoint_id == 3
+    got = store.read_chain(new)
+    assert dict(zip(got.column("key").to_pylist(), got.column("value").to_pylist())) == {1: 1, 2: 5, 4: 7}
+    # no compaction due: the image is not asked for
+    appended = store.write_key_group(4, "op", "v", 0, new, table({4: 8}), image=lambda: calls.append(2))
+    assert calls == [1] and [r.kind for r in appended] == ["base", "delta"]
 
 
 def test_store_writes_a_complete_delta_as_the_new_base_without_reading_the_chain(tmp_path):

@@ -162,13 +162,14 @@ class Worker:
                 target = chains.setdefault(state, {})
                 prev_all = piece.prev_chains.get(state, {})
                 for kg, table in by_kg.items():
-                    complete = False
+                    complete, image = False, None
                     if not isinstance(table, pa.Table):
                         lazy = table
                         table = lazy.to_table()  # captured by reference in the synchronous part
                         complete = getattr(lazy, "complete", False)
+                        image = getattr(lazy, "image", None)
                     new_chain = store.write_key_group(checkpoint_id, piece.uid, state, kg, prev_all.get(kg, []), table,
-                                                      complete=complete)
+                                                      complete=complete, image=image)
                     fresh = [r for r in new_chain if r.checkpoint_id == checkpoint_id]
                     written += sum(r.bytes for r in fresh)
                     files += len(fresh)
