@@ -64,10 +64,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from abs.columns import Captured, Column, typecode_of
 from abs.errors import ConfigError, StateError
 from abs.keygroups import KeyGroupRange, check_max_parallelism, key_group
 
 __all__ = [
+    "ColumnDelta",
     "PendingDelta",
     "ValueState",
     "ListState",
@@ -290,6 +292,82 @@ class ValueStateHandle(_Handle):
         except (TypeError, AttributeError, IndexError):
             self._fail()
             raise
+
+
+class ColumnValueStateHandle(_Handle):
+    """Handle of a :class:`ValueState` of a fixed-width numeric type, kept in
+    :class:`~abs.columns.Column` key groups (``_data[kg]``). Same API as
+    :class:`ValueStateHandle`; a value the declared type cannot hold is refused at once."""
+
+    __slots__ = ()
+
+    def value(self) -> Any:
+        """The value of the current key, or None if it has none."""
+        b = self._backend
+        try:
+            col = self._data[b.current_kg]
+            i = col.index.get(b.current_key)
+        except (TypeError, AttributeError, IndexError):
+            self._fail()
+            raise
+        if i is None or (col.nulls and i in col.nulls):
+            return None
+        return col.values[i]
+
+    def update(self, value: Any) -> None:
+        """Set the value of the current key (None is stored as a value; use clear())."""
+        b = self._backend
+        try:
+            col = self._data[b.current_kg]
+            i = col.index.get(b.current_key)
+            if i is not None and not col.nulls:
+                col.values[i] = value
+                col.stamps[i] = b.epoch
+                return
+        except (TypeError, OverflowError, AttributeError, IndexError):
+            pass  # the checked path below names the problem
+        self._update_checked(value)
+
+    def _update_checked(self, value: Any) -> None:
+        b = self._backend
+        key = b.current_key
+        try:
+            col = self._data[b.current_kg]
+            hash(key)
+            col.set(key, value, b.epoch)
+        except (TypeError, AttributeError, IndexError) as exc:
+            self._fail()  # a key group problem raises StateError
+            if not isinstance(exc, TypeError) or not _hashable(key):
+                raise
+            self._refuse(key, value, exc)
+        except OverflowError as exc:
+            self._refuse(key, value, exc)
+
+    def _refuse(self, key: Any, value: Any, exc: Exception) -> None:
+        b = self._backend
+        t = b._slot(self.name).arrow_type
+        raise StateError(
+            f"operator {b.operator_uid!r}, state {self.name!r}: value {value!r} of key {key!r} "
+            f"does not fit the declared Arrow type {t} ({exc}); write values of that type or "
+            "declare the state without a type (pickled)"
+        ) from exc
+
+    def clear(self) -> None:
+        """Delete the current key's value."""
+        b = self._backend
+        try:
+            self._data[b.current_kg].delete(b.current_key, b.epoch)
+        except (TypeError, AttributeError, IndexError):
+            self._fail()
+            raise
+
+
+def _hashable(key: Any) -> bool:
+    try:
+        hash(key)
+    except TypeError:
+        return False
+    return True
 
 
 class ListStateHandle(_Handle):
@@ -557,10 +635,59 @@ class PendingDelta:
 _IMAGE_NUMERATOR, _IMAGE_DENOMINATOR = 3, 4
 
 
-class _StateSlot:
-    """Storage of one declared state: per absolute key group a dict and a dirty set."""
+class ColumnDelta:
+    """The captured change of a columnar key group (see :mod:`abs.columns`): copies taken in
+    the synchronous part, encoded to Arrow by :meth:`to_table` in the asynchronous part.
+    ``complete``: the table is the key group's full image. Self-contained and picklable, so
+    that another process can encode and write it (see :mod:`abs.runtime.writer`)."""
 
-    __slots__ = ("descriptor", "data", "dirty", "deleted", "handle", "arrow_type", "immutable_values")
+    __slots__ = ("_captured", "_arrow_type", "_kind", "complete")
+
+    def __init__(self, captured: Captured, arrow_type: pa.DataType, kind: str) -> None:
+        self._captured = captured
+        self._arrow_type = arrow_type
+        self._kind = kind
+        self.complete = captured.complete
+
+    def __getstate__(self) -> tuple:
+        return self._captured, self._arrow_type, self._kind
+
+    def __setstate__(self, state: tuple) -> None:
+        self.__init__(*state)  # type: ignore[misc]
+
+    def to_table(self) -> pa.Table:
+        keys, values, nulls = self._captured.delta_rows()
+        return _column_table(self._arrow_type, self._kind, keys, values, nulls, self._captured.deleted)
+
+    def image(self) -> pa.Table | None:
+        """The key group's full live state at the capture, when the capture copied it."""
+        c = self._captured
+        if not c.all_rows or not len(c.values):
+            return None
+        return _column_table(self._arrow_type, self._kind, c.keys, c.values, c.nulls, [])
+
+
+def _column_table(t: pa.DataType, kind: str, keys: np.ndarray | list, values: np.ndarray,
+                  nulls: np.ndarray | None, deleted: list) -> pa.Table:
+    """A delta table from captured columns: upserts of ``keys``, then deletes of ``deleted``."""
+    value_arr = pa.array(values, t, mask=nulls)
+    ops = np.zeros(len(values) + len(deleted), dtype=np.int8)
+    if deleted:
+        key_arr, key_enc = _encode_keys((keys.tolist() if isinstance(keys, np.ndarray) else list(keys)) + deleted)
+        value_arr = pa.concat_arrays([value_arr, pa.nulls(len(deleted), t)])
+        ops[len(values):] = OP_DELETE
+    elif isinstance(keys, np.ndarray):
+        key_arr, key_enc = pa.array(keys, pa.int64()), b"arrow"
+    else:
+        key_arr, key_enc = _encode_keys(keys)
+    return _delta_table(kind, key_arr, key_enc, value_arr, b"arrow", ops, with_op=True)
+
+
+class _StateSlot:
+    """Storage of one declared state: per absolute key group a dict and a dirty set, or a
+    :class:`~abs.columns.Column` (``typecode`` set; its dirty set stays empty)."""
+
+    __slots__ = ("descriptor", "data", "dirty", "deleted", "handle", "arrow_type", "immutable_values", "typecode")
 
     def __init__(self, descriptor: StateDescriptor, backend: KeyedStateBackend) -> None:
         self.descriptor = descriptor
@@ -584,14 +711,19 @@ class _StateSlot:
                 or pa.types.is_decimal(t)
             )
         )
+        # a value state of a fixed-width numeric type keeps its key groups as columns
+        # (abs.columns): cheaper snapshots, and the same per-record cost as a dict
+        self.typecode = typecode_of(t) if descriptor.kind == "value" else None
         self.data: list = [None] * backend.max_parallelism
         self.dirty: list = [None] * backend.max_parallelism
         for kg in backend.key_group_range:
-            self.data[kg] = {}
+            self.data[kg] = {} if self.typecode is None else Column(self.typecode)
             self.dirty[kg] = set()
         name = descriptor.name
         self.handle: _Handle
-        if isinstance(descriptor, ReducingState):
+        if self.typecode is not None:
+            self.handle = ColumnValueStateHandle(backend, name, self.data, self.dirty)
+        elif isinstance(descriptor, ReducingState):
             self.handle = ReducingStateHandle(backend, name, self.data, self.dirty, descriptor.reduce_fn)
         else:
             handle_class = {"value": ValueStateHandle, "list": ListStateHandle, "map": MapStateHandle}
@@ -642,6 +774,9 @@ class KeyedStateBackend:
         "_pending_deletes",
         "_last_captured",
         "_last_confirmed",
+        "epoch",
+        "_confirmed_epoch",
+        "_capture_epochs",
     )
 
     def __init__(
@@ -683,6 +818,12 @@ class KeyedStateBackend:
         self._pending_deletes: dict[int, dict[str, set[int]]] = {}
         self._last_captured: int | None = None
         self._last_confirmed: int | None = None
+        # columnar states (abs.columns): writes stamp their slot with ``epoch``, which each
+        # capture advances; a capture takes the slots stamped after the last confirmed
+        # capture's epoch
+        self.epoch = 1
+        self._confirmed_epoch = 0
+        self._capture_epochs: dict[int, int] = {}  # checkpoint id -> epoch it captured, unconfirmed
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -777,6 +918,10 @@ class KeyedStateBackend:
                 f"and {len(values)} values; pass one value per key"
             )
         d = slot.data[kg]
+        if slot.typecode is not None:
+            for k, v in zip(keys, values):
+                self._column_set(slot, d, k, v, self.epoch)
+            return
         if slot.descriptor.kind in ("list", "map"):
             for k, v in zip(keys, values):
                 if v:
@@ -792,6 +937,10 @@ class KeyedStateBackend:
         slot = self._slot(name)
         self._check_kg(kg, "delete_many:")
         d = slot.data[kg]
+        if slot.typecode is not None:
+            for k in keys:
+                d.delete(k, self.epoch)
+            return
         dirty = slot.dirty[kg]
         for k in keys:
             if d.pop(k, _MISSING) is not _MISSING:
@@ -872,10 +1021,13 @@ class KeyedStateBackend:
         Arrow encoding later (the asynchronous part). Other states are encoded at once.
         """
         self._take_dirty(checkpoint_id)
+        since = self._advance_epoch(checkpoint_id)
         out: dict[str, dict[int, Any]] = {}
         for name, slot in self._slots.items():
             data = slot.data
-            if lazy and slot.immutable_values:
+            if slot.typecode is not None:
+                out[name] = self._capture_columns(slot, since, lazy=lazy)
+            elif lazy and slot.immutable_values:
                 deleted = self._unconfirmed_deletes(name)
                 out[name] = {
                     kg: PendingDelta(self, slot, kg, sets, data[kg], kg in deleted)
@@ -893,9 +1045,13 @@ class KeyedStateBackend:
         capture is self-contained, an absent key group is empty.
         """
         self._take_dirty(checkpoint_id)
+        self._advance_epoch(checkpoint_id)
         out: dict[str, dict[int, pa.Table]] = {}
         for name, slot in self._slots.items():
             data = slot.data
+            if slot.typecode is not None:
+                out[name] = self._capture_columns(slot, 0, lazy=False, full=True)
+                continue
             out[name] = {
                 kg: self._encode(slot, kg, data[kg], data[kg], with_op=True)
                 for kg in self.key_group_range
@@ -912,6 +1068,14 @@ class KeyedStateBackend:
             del self._pending[cid]
             self._pending_deletes.pop(cid, None)
         self._last_confirmed = checkpoint_id
+        epochs = [e for c, e in self._capture_epochs.items() if c <= checkpoint_id]
+        if epochs:
+            self._confirmed_epoch = max(self._confirmed_epoch, *epochs)
+            self._capture_epochs = {c: e for c, e in self._capture_epochs.items() if c > checkpoint_id}
+            for slot in self._slots.values():
+                if slot.typecode is not None:
+                    for kg in self.key_group_range:
+                        slot.data[kg].forget_deletes(self._confirmed_epoch)
 
     def abort(self, checkpoint_id: int) -> None:
         """Checkpoint ``checkpoint_id`` will never complete: nothing is forgotten.
@@ -919,6 +1083,7 @@ class KeyedStateBackend:
         Its captured changes are folded into the next pending capture (which already contains
         them) or, if there is none, back into the dirty sets. Unknown ids are ignored.
         """
+        self._capture_epochs.pop(checkpoint_id, None)  # columnar states: their stamps stay newer
         taken = self._pending.pop(checkpoint_id, None)
         if taken is None:
             return
@@ -941,6 +1106,35 @@ class KeyedStateBackend:
                 for kg, keys in by_kg.items():
                     dirty[kg].update(keys)
 
+    # ------------------------------------------------------------------ columnar states
+    def _advance_epoch(self, checkpoint_id: int) -> int:
+        """Close the current epoch for capture ``checkpoint_id``; returns the epoch of the last
+        confirmed capture (slots stamped after it changed since)."""
+        self._capture_epochs[checkpoint_id] = self.epoch
+        self.epoch += 1
+        return self._confirmed_epoch
+
+    def _capture_columns(self, slot: _StateSlot, since: int, *, lazy: bool, full: bool = False) -> dict[int, Any]:
+        out: dict[int, Any] = {}
+        for kg in self.key_group_range:
+            captured = slot.data[kg].capture(since, full=full)
+            if captured is not None:
+                delta = ColumnDelta(captured, slot.arrow_type, slot.descriptor.kind)
+                out[kg] = delta if lazy else delta.to_table()
+        return out
+
+    def _column_set(self, slot: _StateSlot, col: Column, key: Any, value: Any, epoch: int) -> None:
+        try:
+            col.set(key, value, epoch)
+        except (TypeError, OverflowError) as exc:
+            if not _hashable(key):
+                raise
+            raise StateError(
+                f"operator {self.operator_uid!r}, state {slot.descriptor.name!r}: value {value!r} of key "
+                f"{key!r} does not fit the declared Arrow type {slot.arrow_type} ({exc}); write values "
+                "of that type or declare the state without a type (pickled)"
+            ) from exc
+
     # ------------------------------------------------------------------ encoding
     def _encode(self, slot: _StateSlot, kg: int, keys: Iterable[Any], d: dict, *, with_op: bool) -> pa.Table:
         keys = list(keys)
@@ -962,20 +1156,7 @@ class KeyedStateBackend:
             ops = np.zeros(len(values), dtype=np.int8)  # all upserts (zero-copy into Arrow)
         key_arr, key_enc = _encode_keys(keys)
         value_arr, value_enc = self._encode_values(slot, kg, keys, values, ops)
-        fields = [pa.field("key", key_arr.type), pa.field("value", value_arr.type)]
-        arrays = [key_arr, value_arr]
-        if with_op:
-            fields.append(pa.field("op", pa.int8(), nullable=False))
-            arrays.append(pa.array(ops, pa.int8()))
-        schema = pa.schema(
-            fields,
-            metadata={
-                META_KEY_ENCODING: key_enc,
-                META_VALUE_ENCODING: value_enc,
-                META_STATE_KIND: slot.descriptor.kind.encode(),
-            },
-        )
-        return pa.Table.from_arrays(arrays, schema=schema)
+        return _delta_table(slot.descriptor.kind, key_arr, key_enc, value_arr, value_enc, ops, with_op=with_op)
 
     def _encode_values(self, slot: _StateSlot, kg: int, keys: list, values: list, ops: list) -> tuple[pa.Array, bytes]:
         t = slot.arrow_type
@@ -1007,6 +1188,8 @@ class KeyedStateBackend:
         where = f"operator {self.operator_uid!r}, state {state_name!r}, key group {kg}"
         meta = table.schema.metadata or {}
         check_restore_table(table, slot.descriptor.kind, where)
+        if slot.typecode is not None and not verify and self._load_column(slot, kg, table, meta):
+            return
         keys = _decode(table.column("key"), meta.get(META_KEY_ENCODING), where, "key")
         values = _decode(table.column("value"), meta.get(META_VALUE_ENCODING), where, "value")
         kind_name = slot.descriptor.kind
@@ -1022,15 +1205,50 @@ class KeyedStateBackend:
                         "another max_parallelism)"
                     )
         d = slot.data[kg]
-        if kind_name in ("list", "map"):
+        if slot.typecode is not None:
+            for k, v in zip(keys, values):
+                self._column_set(slot, d, k, v, 0)  # epoch 0: not dirty
+        elif kind_name in ("list", "map"):
             for k, v in zip(keys, values):
                 if v:
                     d[k] = v
         else:
             d.update(zip(keys, values))
 
+    def _load_column(self, slot: _StateSlot, kg: int, table: pa.Table, meta: dict) -> bool:
+        """Bulk-load an Arrow-encoded table with integer keys into an empty column; False when
+        the table or the column is not of that shape (the caller loads it key by key)."""
+        if meta.get(META_KEY_ENCODING) != b"arrow" or meta.get(META_VALUE_ENCODING) != b"arrow":
+            return False
+        key_col, value_col = table.column("key"), table.column("value")
+        if not pa.types.is_integer(key_col.type) or key_col.null_count:
+            return False
+        try:
+            keys = key_col.cast(pa.int64()).to_numpy()
+            values = value_col.cast(slot.arrow_type)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+            return False  # the key by key path names the value that does not fit
+        nulls = values.is_null().to_numpy() if values.null_count else None
+        if values.null_count:
+            values = values.fill_null(0)
+        return slot.data[kg].load(keys, values.to_numpy(), nulls)
+
 
 # ----------------------------------------------------------------------------- codecs
+
+
+def _delta_table(kind: str, key_arr: pa.Array, key_enc: bytes, value_arr: pa.Array, value_enc: bytes,
+                 ops: Any, *, with_op: bool) -> pa.Table:
+    fields = [pa.field("key", key_arr.type), pa.field("value", value_arr.type)]
+    arrays = [key_arr, value_arr]
+    if with_op:
+        fields.append(pa.field("op", pa.int8(), nullable=False))
+        arrays.append(pa.array(ops, pa.int8()))
+    schema = pa.schema(
+        fields,
+        metadata={META_KEY_ENCODING: key_enc, META_VALUE_ENCODING: value_enc, META_STATE_KIND: kind.encode()},
+    )
+    return pa.Table.from_arrays(arrays, schema=schema)
 
 
 def _encode_keys(keys: list) -> tuple[pa.Array, bytes]:

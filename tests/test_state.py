@@ -5,10 +5,11 @@ from __future__ import annotations
 import copy
 import operator
 import pickle
+import re
 
 import pyarrow as pa
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -446,12 +447,24 @@ def test_capture_full_returns_every_non_empty_key_group_and_counts_as_a_capture(
     assert b.capture(2) == {"v": {}, "m": {}}
 
 
-def test_typed_value_that_does_not_fit_raises_naming_the_key():
-    b = backend(ValueState("v", pa.int64()))
+@pytest.mark.parametrize("arrow_type, bad, when", [
+    (pa.int64(), "not an int", "update"),  # a columnar state refuses the write itself
+    (pa.int64(), 2.5, "update"),  # never truncated to 2
+    (pa.int32(), 1 << 40, "update"),
+    (pa.string(), 42, "capture"),  # a dict-backed state finds out when it encodes the snapshot
+])
+def test_typed_value_that_does_not_fit_raises_naming_the_key(arrow_type, bad, when):
+    b = backend(ValueState("v", arrow_type))
     at(b, STR_KEYS[0])
-    b.state("v").update("not an int")
-    with pytest.raises(StateError, match=r"state 'v'.*value 'not an int' of key 'user-\d+'.*int64"):
-        b.capture(1)
+    message = rf"state 'v'.*value {re.escape(repr(bad))} of key 'user-\d+'.*{arrow_type}"
+    if when == "update":
+        with pytest.raises(StateError, match=message):
+            b.state("v").update(bad)
+        assert b.state("v").value() is None and b.capture(1) == {"v": {}}  # nothing was stored
+    else:
+        b.state("v").update(bad)
+        with pytest.raises(StateError, match=message):
+            b.capture(1)
 
 
 # ----------------------------------------------------------------------------- encoding
@@ -768,25 +781,30 @@ DirtyTrackingMachine.TestCase.settings = settings(
 TestDirtyTracking = DirtyTrackingMachine.TestCase
 
 
-def test_lazy_capture_of_immutable_values_is_frozen_at_the_barrier():
-    import pyarrow as pa
+@pytest.mark.parametrize("arrow_type, make", [
+    (pa.int64(), int),  # columnar key groups: ColumnDelta
+    (pa.float64(), float),
+    (pa.string(), str),  # dict key groups: PendingDelta
+])
+def test_lazy_capture_of_immutable_values_is_frozen_at_the_barrier(arrow_type, make):
     from abs.keygroups import KeyGroupRange, key_group
-    from abs.state import KeyedStateBackend, PendingDelta, ValueState
+    from abs.state import ColumnDelta, KeyedStateBackend, PendingDelta, ValueState
 
-    backend = KeyedStateBackend("op", [ValueState("n", pa.int64()), ValueState("obj")], 8, KeyGroupRange(0, 7))
+    backend = KeyedStateBackend("op", [ValueState("n", arrow_type), ValueState("obj")], 8, KeyGroupRange(0, 7))
     n, obj = backend.state("n"), backend.state("obj")
     for k in range(20):
         backend.current_key, backend.current_kg = k, key_group(k, 8)
-        n.update(k)
+        n.update(make(k))
         obj.update([k])
     lazy = backend.capture(1, lazy=True)
     eager_kg = next(iter(lazy["obj"]))
-    assert all(isinstance(d, PendingDelta) for d in lazy["n"].values())
+    kind = PendingDelta if arrow_type == pa.string() else ColumnDelta
+    assert all(isinstance(d, kind) for d in lazy["n"].values())
     assert isinstance(lazy["obj"][eager_kg], pa.Table)  # mutable values are encoded at once
     # writes after the barrier must not leak into the captured delta
-    for k in range(20):
+    for k in range(40):
         backend.current_key, backend.current_kg = k, key_group(k, 8)
-        n.update(1000 + k)
+        n.update(make(1000 + k))
         if k % 2:
             n.clear()
     got = {}
@@ -794,7 +812,7 @@ def test_lazy_capture_of_immutable_values_is_frozen_at_the_barrier():
         t = delta.to_table()
         assert set(t.column("op").to_pylist()) == {0}
         got.update(zip(t.column("key").to_pylist(), t.column("value").to_pylist()))
-    assert got == {k: k for k in range(20)}
+    assert got == {k: make(k) for k in range(20)}
 
 
 def test_lazy_capture_with_few_changed_keys_is_frozen_at_the_barrier():
@@ -823,3 +841,55 @@ def test_lazy_capture_with_few_changed_keys_is_frozen_at_the_barrier():
         t = delta.to_table()
         got.update(zip(t.column("key").to_pylist(), t.column("value").to_pylist()))
     assert got == {k: 7 for k in range(5)}
+
+
+# ----------------------------------------------------------------------------- columnar key groups
+
+COLUMN_KEYS = st.one_of(st.integers(-3, 12), st.sampled_from([1 << 70, "a", ("t", 1), b"b"]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(COLUMN_KEYS, st.one_of(st.none(), st.integers(-9, 9)), st.booleans()), max_size=40),
+       st.integers(0, 40))
+def test_a_column_agrees_with_a_dict_under_writes_nulls_and_deletes(ops, capture_at):
+    """Dense slots (a delete moves the last slot into the hole), nulls following their slot,
+    keys switching from an int array to a list: reads, full captures and the changed rows of
+    an incremental capture all agree with a plain dict."""
+    from abs.columns import Column
+
+    col, model = Column("q"), {}
+    changed_after: dict = {}
+    for step, (key, value, delete) in enumerate(ops):
+        epoch = 1 if step < capture_at else 2
+        if delete:
+            assert col.delete(key, epoch) == (key in model)
+            if key in model:
+                changed_after[key] = epoch
+            model.pop(key, None)
+        else:
+            col.set(key, value, epoch)
+            model[key] = value
+            changed_after[key] = epoch
+        assert len(col) == len(model) and dict(col.items()) == model
+        assert all(col.get(k) == v for k, v in model.items())
+    full = col.capture(0, full=True)
+    if model:
+        keys, values, nulls = full.delta_rows()
+        got = {k: (None if nulls is not None and nulls[i] else int(values[i]))
+               for i, k in enumerate(keys.tolist() if hasattr(keys, "tolist") else keys)}
+        assert got == model and full.complete
+    else:
+        assert full is None
+    since_1 = col.capture(1)  # what changed in epoch 2
+    expect_up = {k for k, e in changed_after.items() if e == 2 and k in model}
+    expect_del = {k for k, e in changed_after.items() if e == 2 and k not in model}
+    if since_1 is None:
+        assert not expect_up and not expect_del
+    else:
+        keys, _, _ = since_1.delta_rows()
+        got_up = set(keys.tolist() if hasattr(keys, "tolist") else keys)
+        if since_1.complete:
+            assert got_up == set(model)
+        else:
+            assert got_up == expect_up
+        assert set(since_1.deleted) == expect_del

@@ -1,0 +1,247 @@
+"""Columnar key groups of a typed value state: keys and values unboxed in arrays.
+
+A ``ValueState`` declared with a fixed-width numeric Arrow type (``int8`` .. ``int64``,
+``uint8`` .. ``uint64``, ``float64``) keeps each key group as a :class:`Column` instead of a
+``dict``:
+
+* ``index``: ``dict`` key -> slot; ``keys``: the key of each slot, an ``array('q')`` while every
+  key is an ``int`` in int64 range, a ``list`` from the first other key on; ``values``: an
+  ``array`` of the state's C type; ``stamps``: ``array('q')``, the backend *epoch* of each
+  slot's last write; ``nulls``: slots holding ``None``; ``deleted``: key -> epoch of the keys
+  deleted since the last confirmed capture.
+* Slots are dense: a delete moves the last slot into the hole.
+* Dirty tracking is the stamp. The backend's epoch advances at every capture, so the keys
+  changed since the last *confirmed* capture are the slots stamped after that capture's
+  epoch: overlapping captures and aborted ones need no bookkeeping, and a write costs one
+  array store instead of a ``set.add``.
+
+The synchronous part of a snapshot (:meth:`Column.capture`) is a comparison over the stamps
+and a copy of the changed keys and values with numpy; the Arrow encoding later works on those
+copies without touching a Python object (integer keys), so the asynchronous part runs almost
+entirely outside the GIL. A write of a value the C type cannot hold raises ``TypeError`` or
+``OverflowError`` with nothing changed.
+
+This module knows nothing of Arrow schemas or the snapshot format: :mod:`abs.state` builds
+tables from a :class:`Captured`.
+"""
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+import pyarrow as pa
+
+__all__ = ["Captured", "Column", "typecode_of"]
+
+_TYPECODES = {
+    pa.int8(): "b", pa.int16(): "h", pa.int32(): "i", pa.int64(): "q",
+    pa.uint8(): "B", pa.uint16(): "H", pa.uint32(): "I", pa.uint64(): "Q",
+    pa.float64(): "d",
+}
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
+
+# A capture copies the whole key group (not just the changed slots) once this share of it
+# changed: the copy costs a few ns per slot, and the store can then compact the chain from
+# memory (``image``). From ``_IMAGE_SHARE`` on, the full image *is* the delta.
+_COPY_ALL_SHARE = 0.1
+_IMAGE_SHARE = 0.75
+
+
+def typecode_of(arrow_type: pa.DataType | None) -> str | None:
+    """The ``array`` typecode storing values of ``arrow_type`` unboxed, or ``None``."""
+    code = _TYPECODES.get(arrow_type) if arrow_type is not None else None
+    if code is None or array(code).itemsize * 8 != arrow_type.bit_width:
+        return None
+    return code
+
+
+@dataclass
+class Captured:
+    """What :meth:`Column.capture` copied.
+
+    ``keys``/``values``/``nulls`` are rows: the whole key group when ``all_rows``, else only
+    the changed slots. ``changed``: positions of the changed rows within them (``None``: every
+    row changed or the rows are the changed ones). ``deleted``: keys deleted since the last
+    confirmed capture (absent from the rows). ``complete``: the rows of the delta are the key
+    group's full image (its deletes are then redundant).
+    """
+
+    keys: np.ndarray | list
+    values: np.ndarray
+    nulls: np.ndarray | None
+    changed: np.ndarray | None
+    deleted: list
+    all_rows: bool
+    complete: bool
+
+    def delta_rows(self) -> tuple[np.ndarray | list, np.ndarray, np.ndarray | None]:
+        """Keys, values and null mask of the changed rows."""
+        if self.changed is None:
+            return self.keys, self.values, self.nulls
+        at = self.changed
+        keys = self.keys[at] if isinstance(self.keys, np.ndarray) else [self.keys[i] for i in at.tolist()]
+        return keys, self.values[at], None if self.nulls is None else self.nulls[at]
+
+
+class Column:
+    """One key group of a columnar value state (see the module docstring)."""
+
+    __slots__ = ("index", "keys", "values", "stamps", "nulls", "deleted", "dtype")
+
+    def __init__(self, typecode: str) -> None:
+        self.index: dict = {}
+        self.keys: array | list = array("q")
+        self.values = array(typecode)
+        self.stamps = array("q")
+        self.nulls: set[int] = set()
+        self.deleted: dict = {}
+        self.dtype = np.dtype(typecode)
+
+    # ------------------------------------------------------------------ dict-like reads
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self.index
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        i = self.index.get(key)
+        if i is None:
+            return default
+        return None if i in self.nulls else self.values[i]
+
+    def items(self) -> Iterator[tuple[Any, Any]]:
+        nulls, values = self.nulls, self.values
+        for key, i in self.index.items():
+            yield key, None if i in nulls else values[i]
+
+    # ------------------------------------------------------------------ writes
+    def set(self, key: Any, value: Any, epoch: int) -> None:
+        """Insert or overwrite ``key``. ``TypeError`` (unhashable key, a value of another
+        type) or ``OverflowError`` leave the column unchanged."""
+        index = self.index
+        i = index.get(key)
+        stored = 0 if value is None else value
+        if i is None:
+            self.values.append(stored)
+            try:
+                self._append_key(key)
+            except BaseException:
+                self.values.pop()
+                raise
+            i = len(self.stamps)
+            self.stamps.append(epoch)
+            index[key] = i
+            if self.deleted:
+                self.deleted.pop(key, None)
+        else:
+            self.values[i] = stored
+            self.stamps[i] = epoch
+        if value is None:
+            self.nulls.add(i)
+        elif self.nulls:
+            self.nulls.discard(i)
+
+    def _append_key(self, key: Any) -> None:
+        keys = self.keys
+        if isinstance(keys, array):
+            if type(key) is int and _I64_MIN <= key <= _I64_MAX:
+                keys.append(key)
+                return
+            self.keys = keys = keys.tolist()  # from now on a list: any hashable key
+        keys.append(key)
+
+    def delete(self, key: Any, epoch: int) -> bool:
+        """Remove ``key``; False when it was absent."""
+        i = self.index.pop(key, None)
+        if i is None:
+            return False
+        last = len(self.stamps) - 1
+        keys, values, stamps, nulls = self.keys, self.values, self.stamps, self.nulls
+        if i != last:  # move the last slot into the hole
+            moved = keys[last]
+            keys[i] = moved
+            values[i] = values[last]
+            stamps[i] = stamps[last]
+            self.index[moved] = i
+            if nulls:
+                moved_null = last in nulls
+                nulls.discard(last)
+                nulls.discard(i)
+                if moved_null:
+                    nulls.add(i)
+        else:
+            nulls.discard(i)
+        keys.pop()
+        values.pop()
+        stamps.pop()
+        self.deleted[key] = epoch
+        return True
+
+    def load(self, keys: np.ndarray | list, values: np.ndarray, nulls: np.ndarray | None) -> bool:
+        """Bulk-load unique ``keys`` into an empty column, stamped 0 (not dirty). False (and
+        nothing loaded) when the column is not empty or the keys repeat."""
+        if self.index:
+            return False
+        n = len(keys)
+        index = dict(zip(keys.tolist() if isinstance(keys, np.ndarray) else keys, range(n)))
+        if len(index) != n:
+            return False
+        if isinstance(keys, np.ndarray):
+            self.keys = array("q", np.ascontiguousarray(keys, dtype=np.int64).tobytes())
+        else:
+            self.keys = list(keys)
+        self.values = array(self.values.typecode, np.ascontiguousarray(values, dtype=self.dtype).tobytes())
+        self.stamps = array("q", bytes(8 * n))
+        self.index = index
+        self.nulls = set(np.flatnonzero(nulls).tolist()) if nulls is not None else set()
+        return True
+
+    # ------------------------------------------------------------------ snapshots
+    def capture(self, since: int, *, full: bool = False) -> Captured | None:
+        """Copy what changed after epoch ``since`` (everything with ``full``); ``None`` when
+        nothing did. Runs in the synchronous part of a snapshot."""
+        n = len(self.stamps)
+        deleted = [k for k, e in self.deleted.items() if e > since] if self.deleted else []
+        if full:
+            if not n:
+                return None
+            changed = None
+            share = 1.0
+        else:
+            changed = np.flatnonzero(np.frombuffer(self.stamps, dtype=np.int64) > since) if n else np.empty(0, np.int64)
+            if not len(changed) and not deleted:
+                return None
+            share = len(changed) / n if n else 0.0
+        complete = n > 0 and share >= _IMAGE_SHARE
+        all_rows = full or share >= _COPY_ALL_SHARE
+        keys_view = np.frombuffer(self.keys, dtype=np.int64) if isinstance(self.keys, array) and n else None
+        values_view = np.frombuffer(self.values, dtype=self.dtype) if n else np.empty(0, self.dtype)
+        nulls = None
+        if all_rows:
+            keys: np.ndarray | list = keys_view.copy() if keys_view is not None else list(self.keys)
+            values = values_view.copy()
+            if self.nulls:
+                nulls = np.zeros(n, dtype=bool)
+                nulls[list(self.nulls)] = True
+            if complete:
+                changed = None
+        else:
+            assert changed is not None
+            keys = keys_view[changed] if keys_view is not None else [self.keys[i] for i in changed.tolist()]
+            values = values_view[changed]
+            if self.nulls:
+                nulls = np.isin(changed, np.fromiter(self.nulls, dtype=np.int64, count=len(self.nulls)))
+            changed = None
+        del keys_view, values_view  # release the buffers: the arrays may grow again
+        # deletes stay in a complete delta too: harmless in a new base, and right should the
+        # delta be appended to the chain by a writer that ignores ``complete``
+        return Captured(keys=keys, values=values, nulls=nulls, changed=changed, deleted=deleted,
+                        all_rows=all_rows, complete=complete)
+
+    def forget_deletes(self, upto: int) -> None:
+        """Drop the deletes of epochs ``<= upto`` (a confirmed capture holds them)."""
+        if self.deleted:
+            self.deleted = {k: e for k, e in self.deleted.items() if e > upto}
