@@ -358,11 +358,19 @@ class SnapshotStore:
             return [self._write_base(base_path, delta, checkpoint_id)]
         if delta.num_rows == 0:
             return chain
-        encoded = encode_table(delta_for_file(delta), "delta")
-        if compaction_reason(self.policy, chain, encoded.size) is None:
-            delta_path = StoragePaths.state_file(checkpoint_id, operator, state, key_group, "delta")
-            return chain + [self._put(delta_path, encoded, "delta", checkpoint_id)]
-        full = image() if image is not None else None
+        full = None
+        if image is not None and chain[0].rows:
+            # the delta's size estimated from the base's bytes per row: when that already
+            # compacts, the image is written without encoding the delta first
+            estimate = chain[0].bytes * delta.num_rows // chain[0].rows
+            if compaction_reason(self.policy, chain, estimate) is not None:
+                full = image()
+        if full is None:
+            encoded = encode_table(delta_for_file(delta), "delta")
+            if compaction_reason(self.policy, chain, encoded.size) is None:
+                delta_path = StoragePaths.state_file(checkpoint_id, operator, state, key_group, "delta")
+                return chain + [self._put(delta_path, encoded, "delta", checkpoint_id)]
+            full = image() if image is not None else None
         if full is not None:
             full = normalize_delta(full, what=f"{what} (full image)")
             return [self._write_base(base_path, full, checkpoint_id)]

@@ -31,11 +31,13 @@ import pyarrow as pa
 
 from ..dataflow import FORWARD, Dataflow
 from ..keygroups import key_group_range
+from ..state import ColumnDelta
 from .channels import InputGate, LocalSender, RemoteSender, decode
 from .operators import KeyedOp, OpSnapshot, SinkOp, build_operator
 from .plan import PhysicalPlan, compile_plan, task_key
 from ..faults import trip
 from .task import Control, ExchangeWriter, Task
+from .writer import SnapshotWriter, writes_in_process
 
 __all__ = ["WorkerSpec", "main"]
 
@@ -79,6 +81,7 @@ class Worker:
         self.tasks: dict[int, Task] = {}
         self.gates: dict[int, InputGate] = {}
         self.store = None
+        self.writer: SnapshotWriter | None = None
         self._fault_counts: dict[tuple, int] = {}
         self.bytes_restored = 0
         self.restore_seconds = 0.0
@@ -144,12 +147,22 @@ class Worker:
         self.fault("before_ack", task)
         self.send_to_driver(("ack", checkpoint_id, task.key, ack))
 
+    def discard_writer(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
     def _write(self, checkpoint_id: int, task: Task, pieces: list[OpSnapshot]) -> dict:
         store = self.store
+        if self.writer is not None and not self.writer.alive:
+            self.discard_writer()  # it died: write in this thread from now on
         keyed: dict = {}
         offsets: dict = {}
         sinks: dict = {}
         written = files = 0
+        writer = self.writer
+        jobs: list[tuple] = []  # (chains of the key group's state, kg, write_key_group args, image)
+        finished: list[tuple] = []  # (piece, chains) once every job is written
         for piece in pieces:
             if piece.source_offsets is not None:
                 offsets[piece.uid] = piece.source_offsets
@@ -161,23 +174,36 @@ class Worker:
             for state, by_kg in piece.deltas.items():
                 target = chains.setdefault(state, {})
                 prev_all = piece.prev_chains.get(state, {})
-                for kg, table in by_kg.items():
+                for kg, delta in by_kg.items():
                     complete, image = False, None
-                    if not isinstance(table, pa.Table):
-                        lazy = table
-                        table = lazy.to_table()  # captured by reference in the synchronous part
+                    if isinstance(delta, ColumnDelta) and writer is not None:
+                        pass  # encoded by the writer process from the captured copies
+                    elif not isinstance(delta, pa.Table):
+                        lazy = delta
+                        delta = lazy.to_table()  # captured by reference in the synchronous part
                         complete = getattr(lazy, "complete", False)
                         image = getattr(lazy, "image", None)
-                    new_chain = store.write_key_group(checkpoint_id, piece.uid, state, kg, prev_all.get(kg, []), table,
-                                                      complete=complete, image=image)
-                    fresh = [r for r in new_chain if r.checkpoint_id == checkpoint_id]
-                    written += sum(r.bytes for r in fresh)
-                    files += len(fresh)
-                    self.fault("during_upload", task)
-                    if new_chain:
-                        target[kg] = new_chain
-                    else:
-                        target.pop(kg, None)
+                    jobs.append((target, kg, (piece.uid, state, kg, prev_all.get(kg, []), delta, complete), image))
+            finished.append((piece, chains))
+        if writer is not None and jobs:
+            new_chains = writer.write(checkpoint_id, [args for _, _, args, _ in jobs])
+        else:
+            new_chains = []
+            for _, _, (uid, state, kg, prev, delta, complete), image in jobs:
+                new_chains.append(store.write_key_group(checkpoint_id, uid, state, kg, prev, delta,
+                                                        complete=complete, image=image))
+                self.fault("during_upload", task)
+        for (target, kg, _, _), new_chain in zip(jobs, new_chains):
+            fresh = [r for r in new_chain if r.checkpoint_id == checkpoint_id]
+            written += sum(r.bytes for r in fresh)
+            files += len(fresh)
+            if writer is not None:
+                self.fault("during_upload", task)
+            if new_chain:
+                target[kg] = new_chain
+            else:
+                target.pop(kg, None)
+        for piece, chains in finished:
             if piece.on_chains is not None:
                 piece.on_chains(checkpoint_id, chains)
             keyed[piece.uid] = chains
@@ -197,6 +223,12 @@ class Worker:
             from storage import SnapshotStore
 
             self.store = SnapshotStore.open(spec.storage_url, spec.storage_options)
+            if self.writer is not None and writes_in_process(spec.storage_url):
+                self.writer.open(spec.storage_url, spec.storage_options)
+            else:
+                self.discard_writer()
+        else:
+            self.discard_writer()
         P = spec.parallelism
         for t in self.plan.tasks:
             self.gates[t.index] = InputGate(t.num_channels(P), spec.channel_capacity)
@@ -329,6 +361,7 @@ class Worker:
                 break
         self._uploads.put(None)
         uploader.join(timeout=30)
+        self.discard_writer()
         self.send_to_driver(("done", self.index, self._metrics()))
 
     def _metrics(self) -> dict:
@@ -356,6 +389,7 @@ class _OperatorContext:
 def main() -> None:
     """Entry point of a worker process: reads its bootstrap JSON from stdin."""
     boot = json.loads(sys.stdin.readline())
+    writer = SnapshotWriter.fork()  # before any thread exists (see abs.runtime.writer)
     secret = bytes.fromhex(boot["secret"])
     index = boot["index"]
     conn = Client(tuple(boot["driver"]), authkey=secret)
@@ -367,6 +401,7 @@ def main() -> None:
     try:
         spec: WorkerSpec = cloudpickle.loads(payload)
         worker = Worker(index, conn, spec, secret)
+        worker.writer = writer
         worker.bind_host = boot.get("bind_host", "127.0.0.1")  # all interfaces on a cluster
         worker.build()
         host, port = worker.listener.address[:2]

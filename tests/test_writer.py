@@ -1,0 +1,134 @@
+"""The snapshot writer process of a worker (abs.runtime.writer): it writes what the uploader
+hands it, reports failures without dying, and a worker whose writer was killed goes on
+writing its snapshots itself."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pyarrow as pa
+import pytest
+
+import abs
+from abs.keygroups import KeyGroupRange, key_group
+from abs.runtime.writer import SnapshotWriter, writes_in_process
+from abs.state import ColumnDelta, KeyedStateBackend, ValueState
+from storage import SnapshotStore
+
+M = 8
+
+
+def column_deltas(values: dict[int, int]) -> dict[int, ColumnDelta]:
+    b = KeyedStateBackend("op", [ValueState("v", pa.int64())], M, KeyGroupRange(0, M - 1))
+    for k, v in values.items():
+        b.current_key, b.current_kg = k, key_group(k, M)
+        b.state("v").update(v)
+    return b.capture(1, lazy=True)["v"]
+
+
+@pytest.fixture
+def writer():
+    w = SnapshotWriter.fork()
+    assert w is not None and w.alive
+    yield w
+    w.close()
+
+
+def test_the_writer_process_writes_column_deltas_and_tables(tmp_path, writer):
+    store = SnapshotStore.open(str(tmp_path))
+    store.init_job({"job_name": "j", "max_parallelism": M})
+    writer.open(str(tmp_path), None)
+    values = {k: k * 10 for k in range(40)}
+    deltas = column_deltas(values)
+    assert all(isinstance(d, ColumnDelta) for d in deltas.values())
+    table = pa.table({"key": pa.array([1, 2], pa.int64()), "value": pa.array(["a", "b"])},
+                     metadata={b"abs.key_encoding": b"arrow", b"abs.value_encoding": b"arrow"})
+    jobs = [("op", "v", kg, [], d, False) for kg, d in deltas.items()] + [("op", "s", 3, [], table, False)]
+    chains = writer.write(1, jobs)
+    assert len(chains) == len(jobs) and all(len(c) == 1 and c[0].kind == "base" for c in chains)
+    got = {}
+    for chain in chains[:-1]:
+        t = store.read_chain(chain)
+        got.update(zip(t.column("key").to_pylist(), t.column("value").to_pylist()))
+    assert got == values
+    assert store.read_chain(chains[-1]).column("value").to_pylist() == ["a", "b"]
+
+
+def test_a_failing_write_is_reported_and_the_writer_serves_the_next(tmp_path, writer):
+    SnapshotStore.open(str(tmp_path)).init_job({"job_name": "j", "max_parallelism": M})
+    writer.open(str(tmp_path), None)
+    (kg, delta), *_ = column_deltas({1: 1}).items()
+    with pytest.raises(RuntimeError, match="key group 99 is outside"):
+        writer.write(1, [("op", "v", 99, [], delta, False)])
+    assert writer.alive
+    assert writer.write(1, [("op", "v", kg, [], delta, False)])[0][0].kind == "base"
+
+
+def test_a_killed_writer_is_reported(tmp_path, writer):
+    writer.open(str(tmp_path), None)
+    os.kill(writer._process.pid, signal.SIGKILL)
+    writer._process.join(timeout=10)
+    assert not writer.alive
+    (kg, delta), *_ = column_deltas({1: 1}).items()
+    with pytest.raises(RuntimeError, match="writer process died"):
+        writer.write(1, [("op", "v", kg, [], delta, False)])
+
+
+def test_memory_roots_are_written_in_the_worker():
+    assert not writes_in_process("memory://x") and not writes_in_process(None)
+    assert writes_in_process("/tmp/x") and writes_in_process("s3://bucket/p")
+
+
+# ----------------------------------------------------------------------------- in a job
+
+def children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(c) for c in f.read().split()]
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def count(ctx, row):
+    n = ctx.state.n
+    n.update((n.value() or 0) + 1)
+    ctx.emit({"key": ctx.key, "n": n.value()})
+
+
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task"), reason="needs /proc")
+def test_a_job_whose_writers_are_killed_keeps_checkpointing_with_exact_output(tmp_path):
+    flow = abs.Dataflow("writer-kill")
+    src = abs.GeneratorSource(60_000, num_keys=500, num_splits=4, rate=4_000)
+    sink = abs.CollectSink()
+    flow.source("events", src).key_by("key").process("count", count, state=[abs.ValueState("n", pa.int64())]) \
+        .sink("out", sink)
+    handle = abs.submit(flow, parallelism=2, storage=str(tmp_path),
+                        checkpoint=abs.CheckpointConfig(interval=0.2, retained=2))
+    deadline = time.time() + 60
+    workers: list[int] = []
+    while time.time() < deadline and len(workers) < 2:
+        workers = [p for p in children(os.getpid()) if children(p)]
+        time.sleep(0.05)
+    writers = [w for p in workers for w in children(p)]
+    assert len(writers) >= 2, "every worker of a job with a file root has a writer process"
+    while time.time() < deadline and handle.metrics()["completed_checkpoints"] < 2:
+        time.sleep(0.1)
+    first = handle.trigger_checkpoint()
+    for pid in writers:
+        os.kill(pid, signal.SIGKILL)
+    result = handle.wait(timeout=120)
+    assert result.status == "FINISHED", result
+    later = [c for c in result.completed_checkpoints if c.checkpoint_id > first]
+    assert later, "checkpoints complete after the writers died"
+    assert result.restarts == []  # the workers never failed
+    rows = result.collected("out").to_pylist()
+    final: dict = {}
+    for row in rows:
+        final[row["key"]] = max(final.get(row["key"], 0), row["n"])
+    assert len(rows) == 60_000 and sum(final.values()) == 60_000  # every record once, counts exact
+    for pid in writers:
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
