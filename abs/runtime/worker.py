@@ -224,7 +224,10 @@ class Worker:
 
             self.store = SnapshotStore.open(spec.storage_url, spec.storage_options)
             if self.writer is not None and writes_in_process(spec.storage_url):
-                self.writer.open(spec.storage_url, spec.storage_options)
+                try:
+                    self.writer.open(spec.storage_url, spec.storage_options)
+                except Exception:  # noqa: BLE001 - e.g. storage options that do not pickle: write in-thread
+                    self.discard_writer()
             else:
                 self.discard_writer()
         else:
