@@ -132,3 +132,12 @@ def test_a_job_whose_writers_are_killed_keeps_checkpointing_with_exact_output(tm
     assert len(rows) == 60_000 and sum(final.values()) == 60_000  # every record once, counts exact
     for pid in writers:
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+
+def test_closing_the_worker_end_stops_the_writer_at_once(tmp_path):
+    w = SnapshotWriter.fork()
+    w.open(str(tmp_path), None)
+    process = w._process
+    t0 = time.monotonic()
+    w.close()
+    assert not process.is_alive() and time.monotonic() - t0 < 2, "the writer saw end-of-file and exited"

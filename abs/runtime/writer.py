@@ -54,7 +54,9 @@ class SnapshotWriter:
             return None
         ctx = multiprocessing.get_context("fork")
         parent, child = ctx.Pipe()
-        process = ctx.Process(target=_main, args=(child,), name="abs-writer", daemon=True)
+        # the child gets the worker's end too (fork copies every descriptor): it closes it
+        # first, or the worker closing its end would never reach the child as end-of-file
+        process = ctx.Process(target=_main, args=(child, parent), name="abs-writer", daemon=True)
         process.start()
         child.close()
         return cls(parent, process)
@@ -108,7 +110,8 @@ def _die_with_parent() -> None:
         pass  # not Linux: the closed pipe ends the process
 
 
-def _main(conn: Any) -> None:
+def _main(conn: Any, workers_end: Any) -> None:
+    workers_end.close()
     _die_with_parent()
     import pyarrow as pa
 
