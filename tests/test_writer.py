@@ -141,3 +141,33 @@ def test_closing_the_worker_end_stops_the_writer_at_once(tmp_path):
     t0 = time.monotonic()
     w.close()
     assert not process.is_alive() and time.monotonic() - t0 < 2, "the writer saw end-of-file and exited"
+
+
+@pytest.mark.s3
+def test_a_job_checkpoints_to_s3_through_its_writers_and_restores(s3_server, s3_root):
+    """Workers hand their snapshots to writer processes that open s3fs themselves (forked
+    before any thread, so no event loop crosses the fork); the job restores from S3."""
+    options = s3_server.storage_options
+
+    def job(events: int) -> abs.Dataflow:
+        flow = abs.Dataflow("writer-s3")
+        src = abs.GeneratorSource(events, num_keys=300, num_splits=2, rate=4_000)
+        flow.source("events", src).key_by("key").process("count", count, state=[abs.ValueState("n", pa.int64())]) \
+            .sink("out", abs.CollectSink())
+        return flow
+
+    first = abs.run(job(16_000), parallelism=2, storage=s3_root, storage_options=options,
+                    checkpoint=abs.CheckpointConfig(interval=0.3, retained=3))
+    assert first.status == "FINISHED" and len(first.completed_checkpoints) >= 2
+    store = SnapshotStore.open(s3_root, options)
+    assert store.verify().ok
+    manifest = store.read_manifest(store.latest_checkpoint())
+    counts = {}
+    for kg in manifest.keyed["count"]["n"]:
+        t = store.read_key_group(manifest, "count", "n", kg)
+        counts.update(zip(t.column("key").to_pylist(), t.column("value").to_pylist()))
+    assert sum(counts.values()) == 16_000  # the final checkpoint holds every record's count
+    again = abs.run(job(16_000), parallelism=3, storage=s3_root, storage_options=options, restore="latest",
+                    checkpoint=abs.CheckpointConfig(interval=0.3, retained=3))
+    assert again.status == "FINISHED"
+    assert again.collected("out").num_rows == 0  # restored at the end of the input: nothing left to do
