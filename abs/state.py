@@ -330,27 +330,14 @@ class ColumnValueStateHandle(_Handle):
 
     def _update_checked(self, value: Any) -> None:
         b = self._backend
-        key = b.current_key
         try:
             col = self._data[b.current_kg]
-            hash(key)
-            col.set(key, value, b.epoch)
-        except (TypeError, AttributeError, IndexError) as exc:
-            self._fail()  # a key group problem raises StateError
-            if not isinstance(exc, TypeError) or not _hashable(key):
-                raise
-            self._refuse(key, value, exc)
-        except OverflowError as exc:
-            self._refuse(key, value, exc)
-
-    def _refuse(self, key: Any, value: Any, exc: Exception) -> None:
-        b = self._backend
-        t = b._slot(self.name).arrow_type
-        raise StateError(
-            f"operator {b.operator_uid!r}, state {self.name!r}: value {value!r} of key {key!r} "
-            f"does not fit the declared Arrow type {t} ({exc}); write values of that type or "
-            "declare the state without a type (pickled)"
-        ) from exc
+        except (TypeError, IndexError):
+            self._fail()
+            raise
+        if col is None:
+            self._fail()  # the key group is outside the range: StateError
+        b._column_set(b._slot(self.name), col, b.current_key, value, b.epoch)
 
     def clear(self) -> None:
         """Delete the current key's value."""
@@ -712,7 +699,8 @@ class _StateSlot:
             )
         )
         # a value state of a fixed-width numeric type keeps its key groups as columns
-        # (abs.columns): cheaper snapshots, and the same per-record cost as a dict
+        # (abs.columns): far cheaper snapshots, for ~200 ns more per read-modify-write of a
+        # value than a dict (measured; see abs.columns)
         self.typecode = typecode_of(t) if descriptor.kind == "value" else None
         self.data: list = [None] * backend.max_parallelism
         self.dirty: list = [None] * backend.max_parallelism
