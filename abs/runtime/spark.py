@@ -49,6 +49,7 @@ import uuid
 from typing import Any, Callable, Iterator
 
 from ..errors import ConfigError
+from .writer import die_with_parent
 
 __all__ = ["SparkExecutor", "free_task_slots"]
 
@@ -83,17 +84,6 @@ def free_task_slots(sc: Any) -> tuple[int, int]:
     return total, max(0, total - running)
 
 
-def _set_pdeathsig() -> None:
-    """In the worker child: die with SIGKILL when the Spark task's process dies."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass  # not Linux: the worker still exits when the driver's connection closes
-
-
 def _task_body(boots: list[dict], remote_hosts: bool) -> Callable[[Iterator[int]], Iterator[tuple[int, int]]]:
     """The function each barrier task runs: start worker ``partitionId`` and wait for it."""
 
@@ -111,7 +101,7 @@ def _task_body(boots: list[dict], remote_hosts: bool) -> Callable[[Iterator[int]
         env["PYTHONPATH"] = os.pathsep.join(paths)
         proc = subprocess.Popen(
             [sys.executable, "-c", "from abs.runtime.worker import main; main()"],
-            stdin=subprocess.PIPE, env=env, close_fds=True, preexec_fn=_set_pdeathsig,
+            stdin=subprocess.PIPE, env=env, close_fds=True, preexec_fn=die_with_parent,
         )
         assert proc.stdin is not None
         proc.stdin.write((json.dumps(boot) + "\n").encode())

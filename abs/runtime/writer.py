@@ -29,7 +29,7 @@ import multiprocessing
 import threading
 from typing import Any
 
-__all__ = ["SnapshotWriter", "writes_in_process"]
+__all__ = ["SnapshotWriter", "die_with_parent", "writes_in_process"]
 
 
 def writes_in_process(storage_url: str | None) -> bool:
@@ -100,19 +100,21 @@ class SnapshotWriter:
             self._close()
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """In a child process: be killed (SIGKILL) when the parent dies (Linux
+    ``PR_SET_PDEATHSIG``); elsewhere a no-op, and the closed pipe or connection ends it."""
     try:
         import ctypes
         import signal
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        pass  # not Linux: the closed pipe ends the process
+        pass
 
 
 def _main(conn: Any, workers_end: Any) -> None:
     workers_end.close()
-    _die_with_parent()
+    die_with_parent()
     import pyarrow as pa
 
     from storage import SnapshotStore
