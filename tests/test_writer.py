@@ -3,16 +3,19 @@ hands it, reports failures without dying, and a worker whose writer was killed g
 writing its snapshots itself."""
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
+import threading
 import time
 
+import numpy as np
 import pyarrow as pa
 import pytest
 
 import abs
 from abs.keygroups import KeyGroupRange, key_group
-from abs.runtime.writer import SnapshotWriter, writes_in_process
+from abs.runtime.writer import SnapshotWriter, recv_frame, send_frame, writes_in_process
 from abs.state import ColumnDelta, KeyedStateBackend, ValueState
 from storage import SnapshotStore
 
@@ -25,6 +28,39 @@ def column_deltas(values: dict[int, int]) -> dict[int, ColumnDelta]:
         b.current_key, b.current_kg = k, key_group(k, M)
         b.state("v").update(v)
     return b.capture(1, lazy=True)["v"]
+
+
+def test_frames_carry_arrays_out_of_band_whole_and_in_order():
+    """More buffers than one writev takes (1024), empty and 8 MB arrays, a non-contiguous
+    array (pickled in band) and plain objects all arrive equal, frame after frame."""
+    a, b = multiprocessing.Pipe()
+    rng = np.random.default_rng(7)
+    msgs = [
+        ("write", 1, [np.arange(i, dtype=np.int64) for i in range(1500)]),
+        ("open", "s3://b/p", {"key": "k"}),
+        ("write", 2, [rng.integers(0, 1 << 62, 1 << 20), np.empty(0, np.float64), np.arange(10)[::3], ["a", (1, 2)]]),
+    ]
+    got: list = []
+    reader = threading.Thread(target=lambda: got.extend(recv_frame(b) for _ in msgs))
+    reader.start()
+    for m in msgs:
+        send_frame(a, m)
+    reader.join(timeout=60)
+    assert len(got) == len(msgs)
+    for sent, received in zip(msgs, got):
+        assert sent[:2] == received[:2]
+        if sent[0] == "open":
+            assert sent == received
+            continue
+        assert len(sent[2]) == len(received[2])
+        for x, y in zip(sent[2], received[2]):
+            if isinstance(x, np.ndarray):
+                assert x.dtype == y.dtype and np.array_equal(x, y)
+            else:
+                assert x == y
+    a.close()
+    with pytest.raises(EOFError):
+        recv_frame(b)
 
 
 @pytest.fixture
