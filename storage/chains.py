@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .errors import DeltaSchemaError
-from .format import KEY_COLUMN, META_FILE_KIND, OP_COLUMN, OP_UPSERT
+from .format import KEY_COLUMN, META_FILE_KIND, OP_COLUMN, OP_UPSERT, has_deletes
 from .manifest import FileRef
 
 __all__ = ["CompactionPolicy", "compaction_reason", "resolve_chain"]
@@ -200,7 +200,7 @@ def resolve_chain(tables: Sequence[pa.Table], *, first_is_base: bool) -> pa.Tabl
     if with_ops:
         ops = last.column(OP_COLUMN)
         upserts = last.drop_columns([OP_COLUMN])
-        if pc.any(pc.not_equal(ops, OP_UPSERT)).as_py():
+        if has_deletes(ops):
             upserts = upserts.filter(pc.equal(ops, OP_UPSERT))
     if base is None:
         return upserts.replace_schema_metadata(metadata)
