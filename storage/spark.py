@@ -524,6 +524,7 @@ CHECKPOINT_STAT_COLUMNS: tuple[tuple[str, str], ...] = (
     ("restore_bytes", "long"),
     # runtime figures (absent: null)
     ("duration_s", "double"), ("alignment_s", "double"), ("sync_s", "double"), ("async_s", "double"),
+    ("async_cpu_s", "double"),
     ("parallelism", "int"), ("mode", "string"),
 )
 """Columns taken from ``Manifest.stats`` (name, type) by the checkpoints table."""

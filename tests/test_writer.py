@@ -83,6 +83,7 @@ def test_the_writer_process_writes_column_deltas_and_tables(tmp_path, writer):
     jobs = [("op", "v", kg, [], d, False) for kg, d in deltas.items()] + [("op", "s", 3, [], table, False)]
     chains = writer.write(1, jobs)
     assert len(chains) == len(jobs) and all(len(c) == 1 and c[0].kind == "base" for c in chains)
+    assert 0 < writer.last_cpu < 10  # the writer process's CPU seconds for this write
     got = {}
     for chain in chains[:-1]:
         t = store.read_chain(chain)
@@ -133,6 +134,20 @@ def count(ctx, row):
     n = ctx.state.n
     n.update((n.value() or 0) + 1)
     ctx.emit({"key": ctx.key, "n": n.value()})
+
+
+@pytest.mark.parametrize("root", ["file", "memory"])
+def test_checkpoints_report_the_cpu_of_their_asynchronous_part(tmp_path, root):
+    url = str(tmp_path) if root == "file" else f"memory://cpu-{os.getpid()}"
+    flow = abs.Dataflow("async-cpu")
+    flow.source("events", abs.GeneratorSource(20_000, num_keys=5_000, num_splits=2)).key_by("key") \
+        .process("count", count, state=[abs.ValueState("n", pa.int64())])
+    result = abs.run(flow, parallelism=2, storage=url, checkpoint=abs.CheckpointConfig(interval=0.1))
+    assert result.status == "FINISHED" and result.completed_checkpoints
+    store = SnapshotStore.open(url)
+    for c in result.completed_checkpoints:
+        assert c.async_cpu > 0, c  # uploader thread plus, for a file root, the writer process
+        assert store.read_manifest(c.checkpoint_id).stats["async_cpu_s"] == pytest.approx(c.async_cpu)
 
 
 @pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task"), reason="needs /proc")

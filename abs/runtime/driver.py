@@ -53,6 +53,7 @@ class CheckpointStats:
     bytes_written: int
     full_size: int
     files_written: int
+    async_cpu: float = 0.0  # sum over tasks: CPU seconds of the asynchronous part (uploader + writer process)
 
 
 @dataclasses.dataclass
@@ -670,7 +671,7 @@ class JobDriver:
         keyed: dict = {}
         offsets: dict = {}
         sinks: dict = {}
-        align = sync = asyn = 0.0
+        align = sync = asyn = async_cpu = 0.0
         written = files = 0
         for task, ack in a.acks.items():
             for uid, states in ack["keyed"].items():
@@ -683,6 +684,7 @@ class JobDriver:
             align = max(align, ack["alignment_time"])
             sync = max(sync, ack["sync_time"])
             asyn = max(asyn, ack["async_time"])
+            async_cpu += ack.get("async_cpu", 0.0)
             written += ack["bytes_written"]
             files += ack["files_written"]
         now = time.monotonic()
@@ -698,6 +700,7 @@ class JobDriver:
                 "alignment_s": align,
                 "sync_s": sync,
                 "async_s": asyn,
+                "async_cpu_s": async_cpu,
                 "parallelism": self.P,
                 "mode": self.config.mode,
             },
@@ -721,7 +724,8 @@ class JobDriver:
         full = sum(r.bytes for r in manifest.files().values())
         self.completed.append(
             CheckpointStats(
-                a.checkpoint_id, triggered - self.t_start, now - triggered, align, sync, asyn, written, full, files
+                a.checkpoint_id, triggered - self.t_start, now - triggered, align, sync, asyn, written, full, files,
+                async_cpu,
             )
         )
 

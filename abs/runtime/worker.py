@@ -136,6 +136,7 @@ class Worker:
     def _upload(self, job: tuple) -> None:
         checkpoint_id, task, pieces, alignment_time, sync_time = job
         t0 = time.perf_counter()
+        cpu0 = time.thread_time()
         try:
             ack = self._write(checkpoint_id, task, pieces)
         except Exception as exc:  # noqa: BLE001 - a failed upload declines the checkpoint
@@ -144,6 +145,7 @@ class Worker:
         ack["alignment_time"] = alignment_time
         ack["sync_time"] = sync_time
         ack["async_time"] = time.perf_counter() - t0
+        ack["async_cpu"] += time.thread_time() - cpu0  # plus the writer process's, counted in _write
         self.fault("before_ack", task)
         self.send_to_driver(("ack", checkpoint_id, task.key, ack))
 
@@ -185,8 +187,10 @@ class Worker:
                         image = getattr(lazy, "image", None)
                     jobs.append((target, kg, (piece.uid, state, kg, prev_all.get(kg, []), delta, complete), image))
             finished.append((piece, chains))
+        writer_cpu = 0.0
         if writer is not None and jobs:
             new_chains = writer.write(checkpoint_id, [args for _, _, args, _ in jobs])
+            writer_cpu = writer.last_cpu
         else:
             new_chains = []
             for _, _, (uid, state, kg, prev, delta, complete), image in jobs:
@@ -214,6 +218,7 @@ class Worker:
             "sink_transactions": {uid: {str(task.subtask): t} for uid, t in sinks.items()},
             "bytes_written": written,
             "files_written": files,
+            "async_cpu": writer_cpu,
         }
 
     # ------------------------------------------------------------------ set-up

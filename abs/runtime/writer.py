@@ -18,8 +18,9 @@ worker: ``Connection.send``):
 * ``("open", storage_url, storage_options)`` once, when the job has a storage root;
 * ``("write", checkpoint_id, jobs)``; a job is ``(operator, state, key_group, prev_chain,
   delta, complete)`` with ``delta`` a :class:`~abs.state.ColumnDelta` or a ``pyarrow.Table``;
-  reply ``("ok", [new_chain, ...])`` in job order, or ``("error", message)`` after the first
-  failing job (the checkpoint is then declined; files already written are garbage for GC).
+  reply ``("ok", [new_chain, ...], cpu_seconds)`` in job order with the CPU time the writer
+  spent on them, or ``("error", message)`` after the first failing job (the checkpoint is then
+  declined; files already written are garbage for GC).
 
 The process exits when the pipe closes (its worker ended or was killed: the read sees EOF)
 and, on Linux, when its parent dies (``PR_SET_PDEATHSIG``). A worker whose writer died
@@ -32,6 +33,7 @@ import os
 import pickle
 import struct
 import threading
+import time
 from typing import Any
 
 __all__ = ["SnapshotWriter", "die_with_parent", "recv_frame", "send_frame", "writes_in_process"]
@@ -106,6 +108,7 @@ class SnapshotWriter:
         self._conn = conn
         self._process = process
         self._lock = threading.Lock()
+        self.last_cpu = 0.0  # CPU seconds of the last write, as the writer process measured them
 
     @classmethod
     def fork(cls) -> "SnapshotWriter | None":
@@ -136,14 +139,15 @@ class SnapshotWriter:
         with self._lock:
             try:
                 send_frame(self._conn, ("write", checkpoint_id, jobs))
-                kind, payload = self._conn.recv()
+                kind, *payload = self._conn.recv()
             except (EOFError, OSError) as exc:
                 code = self._process.exitcode
                 self._close()
                 raise RuntimeError(f"the snapshot writer process died (exit code {code}): {exc}") from exc
-        if kind != "ok":
-            raise RuntimeError(payload)
-        return payload
+            if kind != "ok":
+                raise RuntimeError(payload[0])
+            self.last_cpu = payload[1]
+        return payload[0]
 
     def _close(self) -> None:
         if self._conn is not None:
@@ -191,6 +195,7 @@ def _main(conn: Any, workers_end: Any) -> None:
             continue
         _, checkpoint_id, jobs = msg
         chains: list = []
+        cpu = time.process_time()
         try:
             if store is None:
                 raise RuntimeError("the writer process got no storage root")
@@ -204,7 +209,7 @@ def _main(conn: Any, workers_end: Any) -> None:
         except Exception as exc:  # noqa: BLE001 - reported to the worker, which declines the checkpoint
             reply: tuple = ("error", f"{type(exc).__name__}: {exc}")
         else:
-            reply = ("ok", chains)
+            reply = ("ok", chains, time.process_time() - cpu)
         try:
             conn.send(reply)
         except (EOFError, OSError):
