@@ -17,6 +17,7 @@ with the algorithm named in the manifest (:data:`WRITE_CHECKSUM_ALGORITHM`). For
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -116,7 +117,10 @@ def is_checksum(value: object, algorithm: object) -> bool:
     """True when ``value`` is a well-formed hex digest of the named algorithm."""
     length = CHECKSUM_ALGORITHMS.get(algorithm) if isinstance(algorithm, str) else None
     return (length is not None and isinstance(value, str) and len(value) == length
-            and all(c in "0123456789abcdef" for c in value))
+            and _LOWER_HEX.fullmatch(value) is not None)
+
+
+_LOWER_HEX = re.compile(r"[0-9a-f]*")
 
 
 def sha256_hex(data: bytes | memoryview) -> str:
