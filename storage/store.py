@@ -114,6 +114,12 @@ class SnapshotStore:
     def fs(self) -> AbstractFileSystem:
         return self._io.fs
 
+    @property
+    def object_store(self) -> bool:
+        """Whether the root is on an object store (S3, GCS, Azure): a request's latency, not
+        its bytes, dominates, so callers should issue requests concurrently."""
+        return self._io.object_store
+
     def __repr__(self) -> str:
         return f"SnapshotStore({self.url!r})"
 

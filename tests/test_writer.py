@@ -102,6 +102,35 @@ def test_a_failing_write_is_reported_and_the_writer_serves_the_next(tmp_path, wr
     assert writer.write(1, [("op", "v", kg, [], delta, False)])[0][0].kind == "base"
 
 
+def test_on_an_object_store_the_writer_writes_key_groups_at_once_and_answers_in_job_order(s3_server, s3_root, writer):
+    """S3 (a moto server on loopback): the writer's thread pool returns every chain in job
+    order, each file holds its own key group's rows, and a failing job in the middle fails
+    the write without killing the writer."""
+    options = s3_server.storage_options
+    store = SnapshotStore.open(s3_root, options)
+    store.init_job({"job_name": "j", "max_parallelism": M})
+    writer.open(s3_root, options)
+    values = {k: k * 3 for k in range(400)}
+    deltas = column_deltas(values)
+    tables = [pa.table({"key": pa.array([1000 + i], pa.int64()), "value": pa.array([i], pa.int64())},
+                       metadata={b"abs.key_encoding": b"arrow", b"abs.value_encoding": b"arrow"}) for i in range(24)]
+    jobs = [("op", "v", kg, [], d, False) for kg, d in sorted(deltas.items())]
+    jobs += [("op", f"t{i}", i % M, [], t, False) for i, t in enumerate(tables)]
+    chains = writer.write(1, jobs)
+    assert [c[0].location().key_group for c in chains] == [j[2] for j in jobs]
+    assert [c[0].location().state for c in chains] == [j[1] for j in jobs]
+    got = {}
+    for chain in chains[:len(deltas)]:
+        t = store.read_chain(chain)
+        got.update(zip(t.column("key").to_pylist(), t.column("value").to_pylist()))
+    assert got == values
+    assert [store.read_chain(c).column("value").to_pylist() for c in chains[len(deltas):]] == [[i] for i in range(24)]
+    bad = jobs[:3] + [("op", "v", 99, [], jobs[0][4], False)] + jobs[3:]
+    with pytest.raises(RuntimeError, match="key group 99 is outside"):
+        writer.write(2, bad)
+    assert writer.alive and len(writer.write(3, jobs[:5])) == 5
+
+
 def test_a_killed_writer_is_reported(tmp_path, writer):
     writer.open(str(tmp_path), None)
     os.kill(writer._process.pid, signal.SIGKILL)

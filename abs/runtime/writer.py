@@ -16,7 +16,7 @@ and the numpy buffers of the captured copies out of band, written with one ``wri
 worker: ``Connection.send``):
 
 * ``("open", storage_url, storage_options)`` once, when the job has a storage root;
-* ``("write", checkpoint_id, jobs)``; a job is ``(operator, state, key_group, prev_chain,
+* ``("write", checkpoint_id, jobs)`` (on an object store up to 16 jobs at once); a job is ``(operator, state, key_group, prev_chain,
   delta, complete)`` with ``delta`` a :class:`~abs.state.ColumnDelta` or a ``pyarrow.Table``;
   reply ``("ok", [new_chain, ...], cpu_seconds)`` in job order with the CPU time the writer
   spent on them, or ``("error", message)`` after the first failing job (the checkpoint is then
@@ -34,11 +34,16 @@ import pickle
 import struct
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 __all__ = ["SnapshotWriter", "die_with_parent", "recv_frame", "send_frame", "writes_in_process"]
 
 _IOV_MAX = 1024  # POSIX guarantees at least 16; Linux and macOS allow 1024
+# key groups written at once to an object store: each PUT waits ~10-50 ms for the service,
+# and 128 of them one after the other made a checkpoint take seconds. No task thread shares
+# this process's GIL, and encoding and zstd release it, so threads do not convoy here.
+_OBJECT_STORE_WRITERS = 16
 
 
 def send_frame(conn: Any, msg: Any) -> None:
@@ -185,6 +190,7 @@ def _main(conn: Any, workers_end: Any) -> None:
     from storage import SnapshotStore
 
     store = None
+    pool = None
     while True:
         try:
             msg = recv_frame(conn)
@@ -194,18 +200,26 @@ def _main(conn: Any, workers_end: Any) -> None:
             store = SnapshotStore.open(msg[1], msg[2])
             continue
         _, checkpoint_id, jobs = msg
-        chains: list = []
         cpu = time.process_time()
         try:
             if store is None:
                 raise RuntimeError("the writer process got no storage root")
-            for operator, state, kg, prev_chain, delta, complete in jobs:
+
+            def write(job: tuple, store: Any = store) -> list:
+                operator, state, kg, prev_chain, delta, complete = job
                 if isinstance(delta, pa.Table):
                     table, image = delta, None
                 else:
                     table, image, complete = delta.to_table(), delta.image, delta.complete
-                chains.append(store.write_key_group(checkpoint_id, operator, state, kg, prev_chain, table,
-                                                    complete=complete, image=image))
+                return store.write_key_group(checkpoint_id, operator, state, kg, prev_chain, table,
+                                             complete=complete, image=image)
+
+            if store.object_store and len(jobs) > 1:
+                if pool is None:
+                    pool = ThreadPoolExecutor(_OBJECT_STORE_WRITERS, thread_name_prefix="abs-put")
+                chains = list(pool.map(write, jobs))  # job order; the first failure in it raises
+            else:
+                chains = [write(job) for job in jobs]
         except Exception as exc:  # noqa: BLE001 - reported to the worker, which declines the checkpoint
             reply: tuple = ("error", f"{type(exc).__name__}: {exc}")
         else:
