@@ -37,9 +37,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
+
 __all__ = ["SnapshotWriter", "die_with_parent", "recv_frame", "send_frame", "writes_in_process"]
 
 _IOV_MAX = 1024  # POSIX guarantees at least 16; Linux and macOS allow 1024
+_ALIGN = 64  # every out-of-band buffer starts at a multiple of this in the frame
 # key groups written at once to an object store: each PUT waits ~10-50 ms for the service,
 # and 128 of them one after the other made a checkpoint take seconds. No task thread shares
 # this process's GIL, and encoding and zstd release it, so threads do not convoy here.
@@ -55,19 +58,25 @@ def send_frame(conn: Any, msg: Any) -> None:
     where they are (pickle protocol 5, out-of-band buffers) and one ``writev`` call, without
     the GIL, hands them to the pipe. The frame is one ``Connection`` message: a length
     header, then ``!QQ`` (pickle length, buffer count), the buffer lengths (``!Q`` each), the
-    pickle and the buffers.
+    pickle and the buffers, each at an offset that is a multiple of 64.
     """
     buffers: list = []
     data = pickle.dumps(msg, protocol=5, buffer_callback=buffers.append)
     views = [b.raw() for b in buffers]
     head = struct.pack(f"!QQ{len(views)}Q", len(data), len(views), *(v.nbytes for v in views))
-    total = len(head) + len(data) + sum(v.nbytes for v in views)
-    size = struct.pack("!i", total) if total <= 0x7FFFFFFF else struct.pack("!iQ", -1, total)
-    parts: list = [size, head, data, *views]
+    parts: list = [head, data]
+    at = len(head) + len(data)
+    for v in views:
+        pad = -at % _ALIGN
+        if pad:
+            parts.append(bytes(pad))
+        parts.append(v)
+        at += pad + v.nbytes
+    size = struct.pack("!i", at) if at <= 0x7FFFFFFF else struct.pack("!iQ", -1, at)
     if not hasattr(os, "writev"):
-        conn.send_bytes(b"".join(parts[1:]))
+        conn.send_bytes(b"".join(parts))
         return
-    _writev_all(conn.fileno(), parts)
+    _writev_all(conn.fileno(), [size, *parts])
 
 
 def _writev_all(fd: int, parts: list) -> None:
@@ -86,8 +95,15 @@ def _writev_all(fd: int, parts: list) -> None:
 
 def recv_frame(conn: Any) -> Any:
     """The message of one :func:`send_frame` frame; raises ``EOFError`` when the pipe closed.
-    Arrays in it are read-only views of the received bytes."""
-    m = memoryview(conn.recv_bytes())
+    Arrays in it are views of one received block, each buffer 64-byte aligned."""
+    raw = conn.recv_bytes()
+    # a copy at a 64-byte boundary (Arrow's alignment): arrays over bytes at any offset work
+    # in numpy but make Arrow kernels warn or, on some hardware, fail
+    block = np.empty(len(raw) + _ALIGN, dtype=np.uint8)
+    start = -block.ctypes.data % _ALIGN
+    m = memoryview(block[start:start + len(raw)])
+    m[:] = raw
+    del raw
     n_data, n_bufs = struct.unpack_from("!QQ", m, 0)
     lengths = struct.unpack_from(f"!{n_bufs}Q", m, 16)
     at = 16 + 8 * n_bufs
@@ -95,6 +111,7 @@ def recv_frame(conn: Any) -> Any:
     at += n_data
     buffers = []
     for length in lengths:
+        at += -at % _ALIGN
         buffers.append(m[at:at + length])
         at += length
     return pickle.loads(data, buffers=buffers)
