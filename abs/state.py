@@ -71,6 +71,7 @@ from abs.keygroups import KeyGroupRange, check_max_parallelism, key_group
 __all__ = [
     "ColumnDelta",
     "PendingDelta",
+    "PickledDelta",
     "ValueState",
     "ListState",
     "MapState",
@@ -579,7 +580,7 @@ class PendingDelta:
         if sum(len(ks) for ks in key_sets) * 10 < len(d):
             self._keys = list(key_sets[0]) if len(key_sets) == 1 else list(set().union(*key_sets))
             get = d.get
-            self._values: list | None = [get(k, _MISSING) for k in self._keys]
+            self._values: list | None = list(map(get, self._keys, itertools.repeat(_MISSING)))
             self._frozen: dict | None = None
         else:
             self._keys = None
@@ -601,7 +602,7 @@ class PendingDelta:
                 return self.image()  # type: ignore[return-value]  # frozen is non-empty
             keys = list(changed)
             get = frozen.get
-            values = [get(k, _MISSING) for k in keys]
+            values = list(map(get, keys, itertools.repeat(_MISSING)))
         return self._backend._encode_pairs(self._slot, self._kg, keys, values, with_op=True, deletes=deletes)
 
     def image(self) -> pa.Table | None:
@@ -652,6 +653,52 @@ class ColumnDelta:
         if not c.all_rows or not len(c.values):
             return None
         return _column_table(self._arrow_type, self._kind, c.keys, c.values, c.nulls, [])
+
+
+class PickledDelta:
+    """The changed entries of an untyped state (values pickled one by one into a binary
+    column), frozen in the synchronous part by a single ``pickle.dumps`` of the list of their
+    values: one C-level call that deep-copies whatever the values are (lists and dicts a user
+    goes on mutating included), instead of a Python-level ``dumps`` per value while the task
+    waits. :meth:`to_table` unpickles the list and pickles each value on its own in the
+    asynchronous part, giving the same bytes as pickling the live values would have.
+    Self-contained and picklable, so the worker's writer process can do that part."""
+
+    __slots__ = ("_kind", "_keys", "_blob", "_ops", "complete")
+
+    def __init__(self, kind: str, keys: list, values: list) -> None:
+        missing = _MISSING
+        self._kind = kind
+        self._keys = keys
+        self._ops: list | None = None  # None: all upserts
+        if any(map(operator.is_, values, itertools.repeat(missing))):
+            self._ops = [OP_DELETE if v is missing else OP_UPSERT for v in values]
+            values = [None if v is missing else v for v in values]
+        self._blob = pickle.dumps(values, pickle.HIGHEST_PROTOCOL)
+        self.complete = False
+
+    def __getstate__(self) -> tuple:
+        return self._kind, self._keys, self._blob, self._ops
+
+    def __setstate__(self, state: tuple) -> None:
+        self._kind, self._keys, self._blob, self._ops = state
+        self.complete = False
+
+    def to_table(self) -> pa.Table:
+        values = pickle.loads(self._blob)
+        dumps = pickle.dumps
+        if self._ops is None:
+            ops: Any = np.zeros(len(values), dtype=np.int8)
+            blobs = [dumps(v, _PICKLE_PROTOCOL) for v in values]
+        else:
+            ops = self._ops
+            blobs = [None if o else dumps(v, _PICKLE_PROTOCOL) for v, o in zip(values, ops)]
+        key_arr, key_enc = _encode_keys(self._keys)
+        return _delta_table(self._kind, key_arr, key_enc, pa.array(blobs, pa.binary()), b"pickle", ops, with_op=True)
+
+    def image(self) -> None:
+        """No full image: the capture froze only the changed entries."""
+        return None
 
 
 def _column_table(t: pa.DataType, kind: str, keys: np.ndarray | list, values: np.ndarray,
@@ -1006,7 +1053,8 @@ class KeyedStateBackend:
         ``lazy``: for states whose values are immutable objects (typed value/reducing states
         of primitive Arrow types) only the changed keys and references to their values are
         taken now, and the delta is a :class:`PendingDelta` whose ``to_table()`` does the
-        Arrow encoding later (the asynchronous part). Other states are encoded at once.
+        Arrow encoding later (the asynchronous part); for untyped states the values are frozen
+        by one pickle of their list (:class:`PickledDelta`). Other states are encoded at once.
         """
         self._take_dirty(checkpoint_id)
         since = self._advance_epoch(checkpoint_id)
@@ -1021,6 +1069,13 @@ class KeyedStateBackend:
                     kg: PendingDelta(self, slot, kg, sets, data[kg], kg in deleted)
                     for kg, sets in sorted(self._unconfirmed_key_sets(name).items())
                 }
+            elif lazy and slot.arrow_type is None:
+                kind = slot.descriptor.kind
+                out[name] = {}
+                for kg, keys in sorted(self._unconfirmed_keys(name).items()):
+                    keys = list(keys)
+                    get = data[kg].get
+                    out[name][kg] = PickledDelta(kind, keys, list(map(get, keys, itertools.repeat(_MISSING))))
             else:
                 changed = sorted(self._unconfirmed_keys(name).items())
                 out[name] = {kg: self._encode(slot, kg, keys, data[kg], with_op=True) for kg, keys in changed}
@@ -1127,7 +1182,7 @@ class KeyedStateBackend:
     def _encode(self, slot: _StateSlot, kg: int, keys: Iterable[Any], d: dict, *, with_op: bool) -> pa.Table:
         keys = list(keys)
         get = d.get
-        return self._encode_pairs(slot, kg, keys, [get(k, _MISSING) for k in keys], with_op=with_op)
+        return self._encode_pairs(slot, kg, keys, list(map(get, keys, itertools.repeat(_MISSING))), with_op=with_op)
 
     def _encode_pairs(self, slot: _StateSlot, kg: int, keys: list, values: list, *, with_op: bool,
                       deletes: bool | None = None) -> pa.Table:

@@ -31,7 +31,7 @@ import pyarrow as pa
 
 from ..dataflow import FORWARD, Dataflow
 from ..keygroups import key_group_range
-from ..state import ColumnDelta
+from ..state import ColumnDelta, PickledDelta
 from .channels import InputGate, LocalSender, RemoteSender, decode
 from .operators import KeyedOp, OpSnapshot, SinkOp, build_operator
 from .plan import PhysicalPlan, compile_plan, task_key
@@ -178,7 +178,7 @@ class Worker:
                 prev_all = piece.prev_chains.get(state, {})
                 for kg, delta in by_kg.items():
                     complete, image = False, None
-                    if isinstance(delta, ColumnDelta) and writer is not None:
+                    if isinstance(delta, (ColumnDelta, PickledDelta)) and writer is not None:
                         pass  # encoded by the writer process from the captured copies
                     elif not isinstance(delta, pa.Table):
                         lazy = delta
