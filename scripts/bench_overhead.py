@@ -19,6 +19,7 @@ writer processes' own measurement), which does not depend on that drift.
 
     .venv/bin/python scripts/bench_overhead.py [--quick] [--only paper|reference] [--rounds N]
                                                [--paper-parallelism P [P ...]] [--path process|aggregate]
+                                               [--state int64|string|untyped] [--no-stop-the-world]
 """
 from __future__ import annotations
 
@@ -55,24 +56,39 @@ def running_sum(ctx, event):
     total.update(s)
 
 
-def build(events: int, keys: int, path: str, batch_size: int) -> abs.Dataflow:
+def running_sum_as_text(ctx, event):
+    total = ctx.state.total
+    total.update("%d" % (int(total.value() or 0) + event["value"]))
+
+
+# --state of experiment 1: the state's declared type and the process function
+STATES = {
+    "int64": (pa.int64(), running_sum),  # columnar key groups (abs.columns)
+    "string": (pa.string(), running_sum_as_text),  # dict key groups, Arrow-encoded values
+    "untyped": (None, running_sum),  # dict key groups, values pickled one by one
+}
+
+
+def build(events: int, keys: int, path: str, batch_size: int, state: str = "int64") -> abs.Dataflow:
     flow = abs.Dataflow(f"bench-{path}")
     src = abs.GeneratorSource(events, num_keys=keys, num_splits=8, batch_size=batch_size, make_batch=KeyValueBatches(keys))
     keyed = flow.source("events", src).key_by("key")
     if path == "process":
-        keyed.process("sum", running_sum, state=[abs.ValueState("total", pa.int64())])
+        arrow_type, fn = STATES[state]
+        keyed.process("sum", fn, state=[abs.ValueState("total", arrow_type)])
     else:
         keyed.aggregate("sum", {"total": ("value", "sum")}, emit="none")
     return flow
 
 
-def run_once(events: int, keys: int, path: str, parallelism: int, mode: str | None, batch_size: int) -> tuple[dict, dict | None]:
+def run_once(events: int, keys: int, path: str, parallelism: int, mode: str | None, batch_size: int,
+             state: str = "int64") -> tuple[dict, dict | None]:
     root = tempfile.mkdtemp(prefix="abs-bench-")
     try:
         kwargs: dict = {}
         if mode is not None:
             kwargs = {"checkpoint": abs.CheckpointConfig(interval=1.0, mode=mode, retained=2), "storage": root}
-        result = abs.run(build(events, keys, path, batch_size), parallelism=parallelism, **kwargs)
+        result = abs.run(build(events, keys, path, batch_size, state), parallelism=parallelism, **kwargs)
         state = None
         if mode is not None:
             store = SnapshotStore.open(root)
@@ -108,14 +124,15 @@ def expected_sums(events: int, keys: int) -> dict:
 def paper(args: argparse.Namespace) -> None:
     keys = 1_000_000
     events = args.events or (2_000_000 if args.quick else 6_000_000)
-    modes = (("off", None), ("ABS", "aligned"), ("stop-the-world", "stop_the_world"))
+    modes = (("off", None), ("ABS", "aligned")) + ((("stop-the-world", "stop_the_world"),) if args.stop_the_world else ())
     for p in args.paper_parallelism:
-        print(f"\n== 1. ABS vs stop-the-world vs off: {events:,} events, {keys:,} keys in state, parallelism {p}, "
-              f"checkpoint every 1 s, path={args.path}; {args.rounds} rounds, the modes alternating within each")
+        print(f"\n== 1. {' vs '.join(m for m, _ in reversed(modes))}: {events:,} events, {keys:,} keys in state, parallelism {p}, "
+              f"checkpoint every 1 s, path={args.path}" + (f", state={args.state}" if args.path == "process" else "")
+              + f"; {args.rounds} rounds, the modes alternating within each")
         runs: dict[str, list[dict]] = {label: [] for label, _ in modes}
         for _ in range(args.rounds):
             for label, mode in modes:
-                stats, _ = run_once(events, keys, args.path, p, mode, args.batch_size)
+                stats, _ = run_once(events, keys, args.path, p, mode, args.batch_size, args.state)
                 runs[label].append(stats)
         best = {label: max(rs, key=lambda r: r["throughput"]) for label, rs in runs.items()}
         for label, _ in modes:
@@ -126,7 +143,7 @@ def paper(args: argparse.Namespace) -> None:
                   f"{stats['mean_duration_ms']:>6.0f} ms  sync part {stats['mean_sync_ms']:>6.1f} ms  alignment "
                   f"{stats['mean_align_ms']:>6.1f} ms  written/ckpt {stats['mean_written'] / 2**20:>6.2f} MiB", flush=True)
         off = best["off"]["throughput"]
-        for label in ("ABS", "stop-the-world"):
+        for label in [m for m, _ in modes if m != "off"]:
             cost = 1 - best[label]["throughput"] / off
             per_round = [1 - a["throughput"] / o["throughput"] for a, o in zip(runs[label], runs["off"])]
             paired = float(np.median(per_round))
@@ -167,6 +184,10 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="smaller paper experiment")
     ap.add_argument("--only", choices=("paper", "reference"))
     ap.add_argument("--path", choices=("process", "aggregate"), default="process", help="operator for experiment 1")
+    ap.add_argument("--state", choices=sorted(STATES), default="int64",
+                    help="experiment 1, process path: the state's type (int64: columnar; string, untyped: dict-backed)")
+    ap.add_argument("--no-stop-the-world", dest="stop_the_world", action="store_false",
+                    help="experiment 1 without the stop-the-world baseline (slow with dict-backed 1M-key state)")
     ap.add_argument("--batch-size", type=int, default=8192)
     ap.add_argument("--rounds", type=int, default=5, help="runs of each configuration, alternating (default 5)")
     ap.add_argument("--paper-parallelism", type=int, nargs="+", default=[1, 2], metavar="P",
