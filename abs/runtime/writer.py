@@ -16,9 +16,10 @@ and the numpy buffers of the captured copies out of band, written with one ``wri
 worker: ``Connection.send``):
 
 * ``("open", storage_url, storage_options)`` once, when the job has a storage root;
-* ``("write", checkpoint_id, jobs)`` (on an object store up to 16 jobs at once); a job is ``(operator, state, key_group, prev_chain,
-  delta, complete)`` with ``delta`` a :class:`~abs.state.ColumnDelta`, a
-  :class:`~abs.state.PickledDelta` (captured copies, encoded here) or a ``pyarrow.Table``;
+* ``("write", checkpoint_id, jobs)`` (on an object store up to 16 jobs at once); a job is
+  ``(operator, state, key_group, prev_chain, delta, complete)`` with ``delta`` a
+  :class:`~abs.state.ColumnDelta`, a :class:`~abs.state.PickledDelta` (captured copies,
+  encoded here) or a ``pyarrow.Table``;
   reply ``("ok", [new_chain, ...], cpu_seconds)`` in job order with the CPU time the writer
   spent on them, or ``("error", message)`` after the first failing job (the checkpoint is then
   declined; files already written are garbage for GC).
