@@ -667,13 +667,9 @@ class PickledDelta:
     __slots__ = ("_kind", "_keys", "_blob", "_ops", "complete")
 
     def __init__(self, kind: str, keys: list, values: list) -> None:
-        missing = _MISSING
         self._kind = kind
         self._keys = keys
-        self._ops: list | None = None  # None: all upserts
-        if any(map(operator.is_, values, itertools.repeat(missing))):
-            self._ops = [OP_DELETE if v is missing else OP_UPSERT for v in values]
-            values = [None if v is missing else v for v in values]
+        values, self._ops = _split_deletes(values)
         self._blob = pickle.dumps(values, pickle.HIGHEST_PROTOCOL)
         self.complete = False
 
@@ -685,20 +681,35 @@ class PickledDelta:
         self.complete = False
 
     def to_table(self) -> pa.Table:
-        values = pickle.loads(self._blob)
-        dumps = pickle.dumps
-        if self._ops is None:
-            ops: Any = np.zeros(len(values), dtype=np.int8)
-            blobs = [dumps(v, _PICKLE_PROTOCOL) for v in values]
-        else:
-            ops = self._ops
-            blobs = [None if o else dumps(v, _PICKLE_PROTOCOL) for v, o in zip(values, ops)]
         key_arr, key_enc = _encode_keys(self._keys)
-        return _delta_table(self._kind, key_arr, key_enc, pa.array(blobs, pa.binary()), b"pickle", ops, with_op=True)
+        value_arr = _pickled_values(pickle.loads(self._blob), self._ops)
+        return _delta_table(self._kind, key_arr, key_enc, value_arr, b"pickle", self._ops, with_op=True)
 
     def image(self) -> None:
         """No full image: the capture froze only the changed entries."""
         return None
+
+
+def _split_deletes(values: list) -> tuple[list, Any]:
+    """``values`` with each ``_MISSING`` (a deleted key) as ``None``, and the op column: a list
+    when there are deletes, else int8 zeros (zero-copy into Arrow)."""
+    missing = _MISSING
+    # identity only (a value's own __eq__ may be anything): a C-level scan
+    if not any(map(operator.is_, values, itertools.repeat(missing))):
+        return values, np.zeros(len(values), dtype=np.int8)
+    ops = [OP_DELETE if v is missing else OP_UPSERT for v in values]
+    return [None if v is missing else v for v in values], ops
+
+
+def _pickled_values(values: list, ops: Any) -> pa.Array:
+    """The binary value column of an untyped state: each value pickled on its own, null for
+    a delete."""
+    dumps = pickle.dumps
+    if isinstance(ops, np.ndarray):  # all upserts
+        blobs = [dumps(v, _PICKLE_PROTOCOL) for v in values]
+    else:
+        blobs = [None if o else dumps(v, _PICKLE_PROTOCOL) for v, o in zip(values, ops)]
+    return pa.array(blobs, pa.binary())
 
 
 def _column_table(t: pa.DataType, kind: str, keys: np.ndarray | list, values: np.ndarray,
@@ -1188,15 +1199,10 @@ class KeyedStateBackend:
                       deletes: bool | None = None) -> pa.Table:
         """Encode keys and their values (``_MISSING``: deleted) as a delta table.
         ``deletes=False``: the caller knows no value is ``_MISSING``."""
-        missing = _MISSING
-        if deletes is None:
-            # identity only (a value's own __eq__ may be anything): a C-level scan
-            deletes = any(map(operator.is_, values, itertools.repeat(missing)))
-        if deletes:
-            ops: Any = [OP_DELETE if v is missing else OP_UPSERT for v in values]
-            values = [None if v is missing else v for v in values]
+        if deletes is False:
+            ops: Any = np.zeros(len(values), dtype=np.int8)  # all upserts (zero-copy into Arrow)
         else:
-            ops = np.zeros(len(values), dtype=np.int8)  # all upserts (zero-copy into Arrow)
+            values, ops = _split_deletes(values)
         key_arr, key_enc = _encode_keys(keys)
         value_arr, value_enc = self._encode_values(slot, kg, keys, values, ops)
         return _delta_table(slot.descriptor.kind, key_arr, key_enc, value_arr, value_enc, ops, with_op=with_op)
@@ -1204,9 +1210,7 @@ class KeyedStateBackend:
     def _encode_values(self, slot: _StateSlot, kg: int, keys: list, values: list, ops: list) -> tuple[pa.Array, bytes]:
         t = slot.arrow_type
         if t is None:
-            dumps = pickle.dumps
-            blobs = [None if o else dumps(v, _PICKLE_PROTOCOL) for v, o in zip(values, ops)]
-            return pa.array(blobs, pa.binary()), b"pickle"
+            return _pickled_values(values, ops), b"pickle"
         if slot.descriptor.kind == "map":
             values = [None if v is None else list(v.items()) for v in values]
         try:
