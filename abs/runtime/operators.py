@@ -45,6 +45,35 @@ class OpSnapshot:
     on_chains: Callable[[int, dict], None] | None = None  # uploader reports the new chains
 
 
+_ROW_BUILDERS: dict[tuple[str, ...], Callable[[list], list]] = {}
+
+
+def _row_builder(names: tuple[str, ...]) -> Callable[[list], list]:
+    """A function from a batch's column lists (one or more) to its rows as dicts, compiled
+    once per tuple of column names: ``lambda cols: [{'a': v0, 'b': v1} for v0, v1 in zip(*cols)]``. A dict
+    display in a comprehension builds each row ~3x faster than ``RecordBatch.to_pylist``
+    (about 190 against 620 ns for a two-column row), and the per-column ``to_pylist`` calls
+    it starts from cost ~30 ns per value. The source text holds only ``repr`` of the names
+    and generated variable names. A repeated name keeps its last column, as to_pylist does."""
+    fn = _ROW_BUILDERS.get(names)
+    if fn is None:
+        variables = [f"v{i}" for i in range(len(names))]
+        display = ", ".join(f"{name!r}: {var}" for name, var in zip(names, variables))
+        src = f"lambda cols: [{{{display}}} for ({', '.join(variables)},) in zip(*cols)]"
+        fn = _ROW_BUILDERS[names] = eval(compile(src, "<abs row builder>", "eval"), {"zip": zip})
+    return fn
+
+
+def batch_rows(batch: pa.RecordBatch) -> tuple[list[dict], list[list]]:
+    """The rows of ``batch`` as dicts (what ``batch.to_pylist()`` returns) and its columns as
+    Python lists, which the key extractor reuses instead of converting the key column twice."""
+    columns = [col.to_pylist() for col in batch.columns]
+    names = tuple(batch.schema.names)
+    if not names:
+        return [{} for _ in range(batch.num_rows)], columns
+    return _row_builder(names)(columns), columns
+
+
 class KeyExtractor:
     """Keys and key groups of a batch for a key spec: a column, a tuple of columns or a
     function of the record."""
@@ -55,13 +84,16 @@ class KeyExtractor:
         self.max_parallelism = max_parallelism
 
     def _column(self, batch: pa.RecordBatch, name: str) -> pa.Array:
+        return batch.column(self._index(batch, name))
+
+    def _index(self, batch: pa.RecordBatch, name: str) -> int:
         idx = batch.schema.get_field_index(name)
         if idx < 0:
             raise GraphError(
                 f"operator {self.uid!r}: key column {name!r} is not in the stream "
                 f"(columns: {', '.join(batch.schema.names)}); fix the key_by(...) column name"
             )
-        return batch.column(idx)
+        return idx
 
     def key_groups(self, batch: pa.RecordBatch, rows: list | None = None) -> np.ndarray:
         key = self.key
@@ -69,14 +101,20 @@ class KeyExtractor:
             return key_groups(self._column(batch, key), self.max_parallelism)
         return key_groups(self.keys(batch, rows), self.max_parallelism)
 
-    def keys(self, batch: pa.RecordBatch, rows: list | None = None) -> list:
+    def keys(self, batch: pa.RecordBatch, rows: list | None = None, columns: list | None = None) -> list:
+        """Keys of ``batch``'s records; ``columns``: the batch's columns as lists, from
+        :func:`batch_rows`, to take a key column from."""
         key = self.key
         if isinstance(key, str):
+            if columns is not None:
+                return columns[self._index(batch, key)]
             return self._column(batch, key).to_pylist()
         if isinstance(key, tuple):
+            if columns is not None:
+                return list(zip(*(columns[self._index(batch, k)] for k in key)))
             return list(zip(*(self._column(batch, k).to_pylist() for k in key)))
         if rows is None:
-            rows = batch.to_pylist()
+            rows = batch_rows(batch)[0]
         try:
             return [key(r) for r in rows]
         except Exception as exc:
@@ -148,7 +186,7 @@ class MapOp(OperatorRuntime):
         self.records_in += batch.num_rows
         fn = self.node.spec["fn"]
         try:
-            out = [fn(r) for r in batch.to_pylist()]
+            out = [fn(r) for r in batch_rows(batch)[0]]
         except Exception as exc:
             raise UserFunctionError(self.uid, "the map function", exc) from exc
         self.emit(_to_batch(out, self.uid))
@@ -159,7 +197,7 @@ class FilterOp(OperatorRuntime):
         self.records_in += batch.num_rows
         fn = self.node.spec["fn"]
         try:
-            mask = [bool(fn(r)) for r in batch.to_pylist()]
+            mask = [bool(fn(r)) for r in batch_rows(batch)[0]]
         except Exception as exc:
             raise UserFunctionError(self.uid, "the filter function", exc) from exc
         self.emit(batch.filter(pa.array(mask, pa.bool_())))
@@ -171,7 +209,7 @@ class FlatMapOp(OperatorRuntime):
         fn = self.node.spec["fn"]
         out: list = []
         try:
-            for r in batch.to_pylist():
+            for r in batch_rows(batch)[0]:
                 out.extend(fn(r))
         except Exception as exc:
             raise UserFunctionError(self.uid, "the flat_map function", exc) from exc
@@ -277,8 +315,8 @@ class ProcessOp(KeyedOp):
     def process(self, batch: pa.RecordBatch) -> None:
         n = batch.num_rows
         self.records_in += n
-        rows = batch.to_pylist()
-        keys = self.extractor.keys(batch, rows)
+        rows, columns = batch_rows(batch)
+        keys = self.extractor.keys(batch, rows, columns)
         kgs = self.extractor.key_groups(batch, rows).tolist()
         out: list = []
         ctx = self.context
@@ -302,8 +340,8 @@ class ReduceOp(KeyedOp):
 
     def process(self, batch: pa.RecordBatch) -> None:
         self.records_in += batch.num_rows
-        rows = batch.to_pylist()
-        keys = self.extractor.keys(batch, rows)
+        rows, columns = batch_rows(batch)
+        keys = self.extractor.keys(batch, rows, columns)
         kgs = self.extractor.key_groups(batch, rows).tolist()
         fn = self.node.spec["fn"]
         backend, acc = self.backend, self.acc

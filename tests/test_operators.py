@@ -1,0 +1,57 @@
+"""Operator runtimes in-process: records as dicts, keys taken from the same conversion."""
+from __future__ import annotations
+
+import datetime
+import decimal
+
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from abs.errors import GraphError
+from abs.runtime.operators import KeyExtractor, batch_rows
+
+
+def _cases() -> list[pa.RecordBatch]:
+    mixed = pa.RecordBatch.from_pylist([
+        {"a": 1, "b": "x", "c": None, "d": [1, 2], "e": {"x": 1},
+         "f": datetime.datetime(2020, 1, 1), "g": decimal.Decimal("1.5")},
+        {"a": None, "b": None, "c": 3.5, "d": None, "e": None, "f": None, "g": None},
+    ])
+    return [
+        mixed,
+        pa.RecordBatch.from_arrays([pa.array([1, 2]), pa.array([3, 4])], names=["a", "a"]),
+        pa.RecordBatch.from_arrays([pa.array([1, 2])], names=["quote'and\"backslash\\n"]),
+        pa.RecordBatch.from_arrays([pa.array([1])], names=["x"]).slice(0, 0),
+        pa.record_batch([], schema=pa.schema([])),
+    ]
+
+
+@pytest.mark.parametrize("batch", _cases(), ids=["mixed-types", "repeated-name", "odd-name", "empty", "no-columns"])
+def test_batch_rows_equal_to_pylist(batch):
+    rows, columns = batch_rows(batch)
+    assert rows == batch.to_pylist()
+    assert [type(v) for r in rows for v in r.values()] == [type(v) for r in batch.to_pylist() for v in r.values()]
+    assert columns == [c.to_pylist() for c in batch.columns]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.text(min_size=0, max_size=8), min_size=1, max_size=5),
+       st.lists(st.one_of(st.none(), st.integers(-2**63, 2**63 - 1)), min_size=0, max_size=20))
+def test_batch_rows_any_column_names(names, values):
+    batch = pa.RecordBatch.from_arrays([pa.array(values, pa.int64())] * len(names), names=names)
+    assert batch_rows(batch)[0] == batch.to_pylist()
+
+
+def test_keys_from_converted_columns_match_the_batch():
+    batch = pa.RecordBatch.from_pydict({"k": [3, 1, 3], "s": ["a", "b", "c"], "v": [1.0, 2.0, 3.0]})
+    rows, columns = batch_rows(batch)
+    by_column = KeyExtractor("op", "k", 128)
+    by_tuple = KeyExtractor("op", ("k", "s"), 128)
+    by_function = KeyExtractor("op", lambda r: r["s"] * 2, 128)
+    assert by_column.keys(batch, rows, columns) == by_column.keys(batch) == [3, 1, 3]
+    assert by_tuple.keys(batch, rows, columns) == by_tuple.keys(batch) == [(3, "a"), (1, "b"), (3, "c")]
+    assert by_function.keys(batch, rows, columns) == by_function.keys(batch) == ["aa", "bb", "cc"]
+    with pytest.raises(GraphError, match="key column 'nope' is not in the stream"):
+        KeyExtractor("op", "nope", 128).keys(batch, rows, columns)
