@@ -298,29 +298,53 @@ class ValueStateHandle(_Handle):
 class ColumnValueStateHandle(_Handle):
     """Handle of a :class:`ValueState` of a fixed-width numeric type, kept in
     :class:`~abs.columns.Column` key groups (``_data[kg]``). Same API as
-    :class:`ValueStateHandle`; a value the declared type cannot hold is refused at once."""
+    :class:`ValueStateHandle`; a value the declared type cannot hold is refused at once.
 
-    __slots__ = ()
+    :meth:`value` remembers where it found the current key (the key object, its column and
+    slot), so the :meth:`update` of a read-modify-write, which nearly every process function
+    does, writes there without a second lookup when the current key is the same object.
+    Only a delete moves a slot (the last one into the hole), so :meth:`clear` and the
+    backend's bulk deletes and restores forget the remembered slot (:meth:`_forget`)."""
+
+    __slots__ = ("_hit_key", "_hit_col", "_hit_slot")
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._forget()
+
+    def _forget(self) -> None:
+        self._hit_key: Any = _MISSING
+        self._hit_col: Any = None
+        self._hit_slot = -1
 
     def value(self) -> Any:
         """The value of the current key, or None if it has none."""
         b = self._backend
+        key = b.current_key
         try:
             col = self._data[b.current_kg]
-            i = col.index.get(b.current_key)
+            i = col.index.get(key)
         except (TypeError, AttributeError, IndexError):
             self._fail()
             raise
         if i is None or (col.nulls and i in col.nulls):
             return None
+        self._hit_key = key
+        self._hit_col = col
+        self._hit_slot = i
         return col.values[i]
 
     def update(self, value: Any) -> None:
         """Set the value of the current key (None is stored as a value; use clear())."""
         b = self._backend
+        key = b.current_key
         try:
-            col = self._data[b.current_kg]
-            i = col.index.get(b.current_key)
+            if key is self._hit_key:
+                col = self._hit_col
+                i = self._hit_slot
+            else:
+                col = self._data[b.current_kg]
+                i = col.index.get(key)
             if i is not None and not col.nulls:
                 col.values[i] = value
                 col.stamps[i] = b.epoch
@@ -343,6 +367,7 @@ class ColumnValueStateHandle(_Handle):
     def clear(self) -> None:
         """Delete the current key's value."""
         b = self._backend
+        self._forget()
         try:
             self._data[b.current_kg].delete(b.current_key, b.epoch)
         except (TypeError, AttributeError, IndexError):
@@ -984,6 +1009,7 @@ class KeyedStateBackend:
         self._check_kg(kg, "delete_many:")
         d = slot.data[kg]
         if slot.typecode is not None:
+            slot.handle._forget()  # a delete moves a slot (see ColumnValueStateHandle)
             for k in keys:
                 d.delete(k, self.epoch)
             return

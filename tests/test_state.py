@@ -901,6 +901,79 @@ def test_a_column_agrees_with_a_dict_under_writes_nulls_and_deletes(ops, capture
         assert set(since_1.deleted) == expect_del
 
 
+_HANDLE_OPS = st.lists(
+    st.tuples(st.sampled_from(["value", "update", "rmw", "clear", "delete_many"]), st.integers(0, 2),
+              st.booleans(), st.integers(-9, 9)),
+    max_size=60,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(_HANDLE_OPS)
+def test_column_handle_remembered_slot_never_writes_a_moved_slot(ops):
+    """value() remembers the slot it read for update(); deletes move slots (swap-remove). A
+    remembered slot that survived a delete would write another key's value: the model
+    catches it. A key is either the same object in every "record" (as interned small ints
+    are) or a fresh int object (as the runtime's keys usually are)."""
+    from abs.columns import Column
+
+    b = KeyedStateBackend("op", [ValueState("n", pa.int64())], 1, KeyGroupRange(0, 0))
+    n = b.state("n")
+    assert isinstance(b._slot("n").data[0], Column)
+    model: dict = {}
+    same = [1000 + k for k in range(3)]
+    for op, k, same_object, v in ops:
+        key = same[k] if same_object else k + 1000  # k + 1000: a new int object
+        assert (key is same[k]) == same_object
+        b.current_key, b.current_kg = key, 0
+        if op == "value":
+            assert n.value() == model.get(k)
+        elif op == "update":
+            n.update(v)
+            model[k] = v
+        elif op == "rmw":
+            n.update((n.value() or 0) + v)
+            model[k] = model.get(k, 0) + v
+        elif op == "clear":
+            n.clear()
+            model.pop(k, None)
+        else:
+            b.delete_many("n", 0, [key])
+            model.pop(k, None)
+    for k in range(3):
+        b.current_key, b.current_kg = same[k], 0
+        assert n.value() == model.get(k), k
+
+
+@pytest.mark.parametrize("delete", ["clear", "delete_many"])
+def test_column_handle_update_after_a_slot_moved_writes_its_own_key(delete):
+    """The shortest sequence a stale remembered slot gets wrong: A is read in the last
+    slot, deleting B moves A into B's hole, C is appended into A's old slot, then A is
+    written (the same key object, as an interned int would be)."""
+    b = KeyedStateBackend("op", [ValueState("n", pa.int64())], 1, KeyGroupRange(0, 0))
+    n = b.state("n")
+    a, b_key, c = 1000, 1001, 1002
+
+    def at(key):
+        b.current_key, b.current_kg = key, 0
+
+    at(b_key), n.update(1)
+    at(a), n.update(2)
+    at(a)
+    assert n.value() == 2
+    if delete == "clear":
+        at(b_key), n.clear()
+    else:
+        b.delete_many("n", 0, [b_key])
+    at(c), n.update(3)
+    at(a), n.update(5)
+    got = {}
+    for key in (a, b_key, c):
+        at(key)
+        got[key] = n.value()
+    assert got == {a: 5, b_key: None, c: 3}
+
+
 # ----------------------------------------------------------------------------- untyped lazy capture
 
 
