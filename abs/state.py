@@ -782,8 +782,8 @@ class _StateSlot:
             )
         )
         # a value state of a fixed-width numeric type keeps its key groups as columns
-        # (abs.columns): far cheaper snapshots, for ~200 ns more per read-modify-write of a
-        # value than a dict (measured; see abs.columns)
+        # (abs.columns): far cheaper snapshots, at about a dict's per-record cost (see
+        # abs.columns)
         self.typecode = typecode_of(t) if descriptor.kind == "value" else None
         self.data: list = [None] * backend.max_parallelism
         self.dirty: list = [None] * backend.max_parallelism
