@@ -1,12 +1,13 @@
 """Columnar key groups of a typed value state: keys and values unboxed in arrays.
 
 A ``ValueState`` declared with a fixed-width numeric Arrow type (``int8`` .. ``int64``,
-``uint8`` .. ``uint64``, ``float64``) keeps each key group as a :class:`Column` instead of a
-``dict``:
+``uint8`` .. ``uint64``, ``float64``), or declared without a type (values pickled), keeps
+each key group as a :class:`Column` instead of a ``dict``:
 
 * ``index``: ``dict`` key -> slot; ``keys``: the key of each slot, an ``array('q')`` while every
   key is an ``int`` in int64 range, a ``list`` from the first other key on; ``values``: an
-  ``array`` of the state's C type; ``stamps``: ``array('q')``, the backend *epoch* of each
+  ``array`` of the state's C type, or a ``list`` of the objects themselves for an untyped
+  state (typecode :data:`OBJECTS`; ``None`` is then a value like any other); ``stamps``: ``array('q')``, the backend *epoch* of each
   slot's last write; ``nulls``: slots holding ``None``; ``deleted``: key -> epoch of the keys
   deleted since the last confirmed capture.
 * Slots are dense: a delete moves the last slot into the hole.
@@ -38,7 +39,10 @@ from typing import Any, Iterator
 import numpy as np
 import pyarrow as pa
 
-__all__ = ["Captured", "Column", "typecode_of"]
+__all__ = ["Captured", "Column", "OBJECTS", "typecode_of"]
+
+OBJECTS = "O"
+"""Typecode of a column of Python objects (an untyped ``ValueState``): its values are a list."""
 
 _TYPECODES = {
     pa.int8(): "b", pa.int16(): "h", pa.int32(): "i", pa.int64(): "q",
@@ -74,35 +78,41 @@ class Captured:
     """
 
     keys: np.ndarray | list
-    values: np.ndarray
+    values: np.ndarray | list | None  # a list of objects (OBJECTS); None once a ColumnDelta froze them
     nulls: np.ndarray | None
     changed: np.ndarray | None
     deleted: list
     all_rows: bool
     complete: bool
 
-    def delta_rows(self) -> tuple[np.ndarray | list, np.ndarray, np.ndarray | None]:
-        """Keys, values and null mask of the changed rows."""
+    def delta_rows(self, values: np.ndarray | list | None = None) -> tuple[np.ndarray | list, np.ndarray | list, np.ndarray | None]:
+        """Keys, values and null mask of the changed rows; ``values``: the rows' values when
+        they are not in :attr:`values` (objects frozen by a pickle, see ``ColumnDelta``)."""
+        if values is None:
+            values = self.values
         if self.changed is None:
-            return self.keys, self.values, self.nulls
+            return self.keys, values, self.nulls
         at = self.changed
         keys = self.keys[at] if isinstance(self.keys, np.ndarray) else [self.keys[i] for i in at.tolist()]
-        return keys, self.values[at], None if self.nulls is None else self.nulls[at]
+        if isinstance(values, list):
+            return keys, [values[i] for i in at.tolist()], None
+        return keys, values[at], None if self.nulls is None else self.nulls[at]
 
 
 class Column:
     """One key group of a columnar value state (see the module docstring)."""
 
-    __slots__ = ("index", "keys", "values", "stamps", "nulls", "deleted", "dtype")
+    __slots__ = ("index", "keys", "values", "stamps", "nulls", "deleted", "dtype", "objects")
 
     def __init__(self, typecode: str) -> None:
         self.index: dict = {}
         self.keys: array | list = array("q")
-        self.values = array(typecode)
+        self.objects = typecode == OBJECTS
+        self.values: array | list = [] if self.objects else array(typecode)
         self.stamps = array("q")
-        self.nulls: set[int] = set()
+        self.nulls: set[int] = set()  # stays empty in an OBJECTS column
         self.deleted: dict = {}
-        self.dtype = np.dtype(typecode)
+        self.dtype = None if self.objects else np.dtype(typecode)
 
     # ------------------------------------------------------------------ dict-like reads
     def __len__(self) -> int:
@@ -126,28 +136,43 @@ class Column:
     def set(self, key: Any, value: Any, epoch: int) -> None:
         """Insert or overwrite ``key``. ``TypeError`` (unhashable key, a value of another
         type) or ``OverflowError`` leave the column unchanged."""
-        index = self.index
-        i = index.get(key)
-        stored = 0 if value is None else value
+        i = self.index.get(key)
         if i is None:
-            self.values.append(stored)
-            try:
-                self._append_key(key)
-            except BaseException:
-                self.values.pop()
-                raise
-            i = len(self.stamps)
-            self.stamps.append(epoch)
-            index[key] = i
-            if self.deleted:
-                self.deleted.pop(key, None)
-        else:
-            self.values[i] = stored
+            self.insert(key, value, epoch)
+            return
+        if self.objects:
+            self.values[i] = value
             self.stamps[i] = epoch
+            return
+        self.values[i] = 0 if value is None else value
+        self.stamps[i] = epoch
         if value is None:
             self.nulls.add(i)
         elif self.nulls:
             self.nulls.discard(i)
+
+    def insert(self, key: Any, value: Any, epoch: int) -> None:
+        """Append ``key``, which the caller found absent. Errors as :meth:`set`."""
+        values = self.values
+        objects = self.objects
+        values.append(value if value is not None or objects else 0)
+        keys = self.keys
+        if type(key) is int and type(keys) is array and _I64_MIN <= key <= _I64_MAX:
+            keys.append(key)
+        else:
+            try:
+                self._append_key(key)
+            except BaseException:
+                values.pop()
+                raise
+        stamps = self.stamps
+        i = len(stamps)
+        stamps.append(epoch)
+        self.index[key] = i
+        if self.deleted:
+            self.deleted.pop(key, None)
+        if value is None and not objects:
+            self.nulls.add(i)
 
     def _append_key(self, key: Any) -> None:
         keys = self.keys
@@ -185,19 +210,27 @@ class Column:
         self.deleted[key] = epoch
         return True
 
-    def load(self, keys: np.ndarray | list, values: np.ndarray, nulls: np.ndarray | None) -> bool:
+    def load(self, keys: np.ndarray | list, values: np.ndarray | list, nulls: np.ndarray | None) -> bool:
         """Bulk-load unique ``keys`` into an empty column, stamped 0 (not dirty). False (and
-        nothing loaded) when the column is not empty or the keys repeat."""
+        nothing loaded) when the column is not empty or the keys repeat. ``values``: a list
+        of the objects in an :data:`OBJECTS` column (``nulls`` is then ignored)."""
         if self.index:
             return False
         n = len(keys)
+        if len(values) != n:
+            return False
         index = dict(zip(keys.tolist() if isinstance(keys, np.ndarray) else keys, range(n)))
         if len(index) != n:
             return False
         if isinstance(keys, np.ndarray):
             self.keys = array("q", np.ascontiguousarray(keys, dtype=np.int64).tobytes())
         else:
-            self.keys = list(keys)
+            self.keys = _key_storage(keys)
+        if self.objects:
+            self.values = list(values)
+            self.stamps = array("q", bytes(8 * n))
+            self.index = index
+            return True
         self.values = array(self.values.typecode, np.ascontiguousarray(values, dtype=self.dtype).tobytes())
         self.stamps = array("q", bytes(8 * n))
         self.index = index
@@ -223,8 +256,13 @@ class Column:
         complete = n > 0 and share >= _IMAGE_SHARE
         all_rows = full or share >= _COPY_ALL_SHARE
         keys_view = np.frombuffer(self.keys, dtype=np.int64) if isinstance(self.keys, array) and n else None
-        values_view = np.frombuffer(self.values, dtype=self.dtype) if n else np.empty(0, self.dtype)
+        values_view: Any
+        if self.objects:
+            values_view = self.values  # references: ColumnDelta freezes them with one pickle
+        else:
+            values_view = np.frombuffer(self.values, dtype=self.dtype) if n else np.empty(0, self.dtype)
         nulls = None
+        values: np.ndarray | list
         if all_rows:
             keys: np.ndarray | list = keys_view.copy() if keys_view is not None else list(self.keys)
             values = values_view.copy()
@@ -236,7 +274,7 @@ class Column:
         else:
             assert changed is not None
             keys = keys_view[changed] if keys_view is not None else [self.keys[i] for i in changed.tolist()]
-            values = values_view[changed]
+            values = [values_view[i] for i in changed.tolist()] if self.objects else values_view[changed]
             if self.nulls:
                 nulls = np.isin(changed, np.fromiter(self.nulls, dtype=np.int64, count=len(self.nulls)))
             changed = None
@@ -250,3 +288,14 @@ class Column:
         """Drop the deletes of epochs ``<= upto`` (a confirmed capture holds them)."""
         if self.deleted:
             self.deleted = {k: e for k, e in self.deleted.items() if e > upto}
+
+
+def _key_storage(keys: list) -> array | list:
+    """``keys`` as :attr:`Column.keys` holds them: an ``array('q')`` while every key is an
+    ``int`` in int64 range (not a ``bool``), else a list."""
+    if all(type(k) is int for k in keys):
+        try:
+            return array("q", keys)
+        except OverflowError:
+            pass
+    return list(keys)

@@ -11,7 +11,8 @@ without one, values are pickled into a binary column.
 The backend and the hot path
 ============================
 :class:`KeyedStateBackend` keeps, per declared state, one ``dict`` (key -> value) per key
-group of its :class:`~abs.keygroups.KeyGroupRange`, in a list indexed by the *absolute* key
+group of its :class:`~abs.keygroups.KeyGroupRange` (value states: one
+:class:`~abs.columns.Column`), in a list indexed by the *absolute* key
 group (slots of key groups outside the range are ``None``).  Before calling user code for a
 record, the runtime sets the current key with two plain attribute writes, no method call::
 
@@ -34,7 +35,9 @@ checked, and when:
 
 Snapshots
 =========
-Every write adds the key to the per-key-group *dirty set* of its state (one ``set.add``).
+Every write adds the key to the per-key-group *dirty set* of its state (one ``set.add``), or,
+in a columnar key group (value states of a fixed-width numeric type or untyped, see
+:mod:`abs.columns`), stamps its slot with the current epoch.
 :meth:`KeyedStateBackend.capture` (the synchronous part of a snapshot) returns, for every key
 group with keys changed since the last **confirmed** checkpoint, a delta table
 (``key``, ``value``, ``op``: 0 upsert, 1 delete), values copied into Arrow (or pickled) at once.
@@ -57,14 +60,14 @@ from __future__ import annotations
 import itertools
 import operator
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, ClassVar, Iterable, Iterator, Sequence, Union
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from abs.columns import Captured, Column, typecode_of
+from abs.columns import OBJECTS, Captured, Column, typecode_of
 from abs.errors import ConfigError, StateError
 from abs.keygroups import KeyGroupRange, check_max_parallelism, key_group
 
@@ -296,7 +299,7 @@ class ValueStateHandle(_Handle):
 
 
 class ColumnValueStateHandle(_Handle):
-    """Handle of a :class:`ValueState` of a fixed-width numeric type, kept in
+    """Handle of a :class:`ValueState` of a fixed-width numeric type, or untyped, kept in
     :class:`~abs.columns.Column` key groups (``_data[kg]``). Same API as
     :class:`ValueStateHandle`; a value the declared type cannot hold is refused at once.
 
@@ -345,12 +348,15 @@ class ColumnValueStateHandle(_Handle):
             else:
                 col = self._data[b.current_kg]
                 i = col.index.get(key)
-            if i is not None and not col.nulls:
+            if i is None:
+                col.insert(key, value, b.epoch)
+                return
+            if not col.nulls:
                 col.values[i] = value
                 col.stamps[i] = b.epoch
                 return
         except (TypeError, OverflowError, AttributeError, IndexError):
-            pass  # the checked path below names the problem
+            pass  # nothing changed; the checked path below names the problem
         self._update_checked(value)
 
     def _update_checked(self, value: Any) -> None:
@@ -652,31 +658,48 @@ class ColumnDelta:
     """The captured change of a columnar key group (see :mod:`abs.columns`): copies taken in
     the synchronous part, encoded to Arrow by :meth:`to_table` in the asynchronous part.
     ``complete``: the table is the key group's full image. Self-contained and picklable, so
-    that another process can encode and write it (see :mod:`abs.runtime.writer`)."""
+    that another process can encode and write it (see :mod:`abs.runtime.writer`).
 
-    __slots__ = ("_captured", "_arrow_type", "_kind", "complete")
+    An untyped state's column (``arrow_type`` None) captured references to its values, which
+    may be mutable: they are frozen here, still in the synchronous part, by one
+    ``pickle.dumps`` of their list (a C-level deep copy, as :class:`PickledDelta` does), and
+    :meth:`to_table` pickles each value on its own from that copy."""
 
-    def __init__(self, captured: Captured, arrow_type: pa.DataType, kind: str) -> None:
+    __slots__ = ("_captured", "_arrow_type", "_kind", "_blob", "complete")
+
+    def __init__(self, captured: Captured, arrow_type: pa.DataType | None, kind: str, blob: bytes | None = None) -> None:
+        if arrow_type is None and blob is None:
+            blob = pickle.dumps(captured.values, pickle.HIGHEST_PROTOCOL)
+            captured = replace(captured, values=None)
         self._captured = captured
         self._arrow_type = arrow_type
         self._kind = kind
+        self._blob = blob
         self.complete = captured.complete
 
     def __getstate__(self) -> tuple:
-        return self._captured, self._arrow_type, self._kind
+        return self._captured, self._arrow_type, self._kind, self._blob
 
     def __setstate__(self, state: tuple) -> None:
         self.__init__(*state)  # type: ignore[misc]
 
+    def _values(self) -> np.ndarray | list:
+        return self._captured.values if self._blob is None else pickle.loads(self._blob)
+
     def to_table(self) -> pa.Table:
-        keys, values, nulls = self._captured.delta_rows()
-        return _column_table(self._arrow_type, self._kind, keys, values, nulls, self._captured.deleted)
+        c = self._captured
+        keys, values, nulls = c.delta_rows(self._values())
+        if self._arrow_type is None:
+            return _pickled_column_table(self._kind, keys, values, c.deleted)
+        return _column_table(self._arrow_type, self._kind, keys, values, nulls, c.deleted)
 
     def image(self) -> pa.Table | None:
         """The key group's full live state at the capture, when the capture copied it."""
         c = self._captured
-        if not c.all_rows or not len(c.values):
+        if not c.all_rows or not len(c.keys):
             return None
+        if self._arrow_type is None:
+            return _pickled_column_table(self._kind, c.keys, self._values(), [])
         return _column_table(self._arrow_type, self._kind, c.keys, c.values, c.nulls, [])
 
 
@@ -753,6 +776,22 @@ def _column_table(t: pa.DataType, kind: str, keys: np.ndarray | list, values: np
     return _delta_table(kind, key_arr, key_enc, value_arr, b"arrow", ops, with_op=True)
 
 
+def _pickled_column_table(kind: str, keys: np.ndarray | list, values: list, deleted: list) -> pa.Table:
+    """A delta table from a captured untyped column: upserts of ``keys`` with their values
+    pickled one by one, then deletes of ``deleted``. The same rows as a dict key group's."""
+    if deleted:
+        keys = (keys.tolist() if isinstance(keys, np.ndarray) else list(keys)) + deleted
+        ops: Any = [OP_UPSERT] * len(values) + [OP_DELETE] * len(deleted)
+        values = values + [None] * len(deleted)
+    else:
+        ops = np.zeros(len(values), dtype=np.int8)
+    if isinstance(keys, np.ndarray):
+        key_arr, key_enc = pa.array(keys, pa.int64()), b"arrow"
+    else:
+        key_arr, key_enc = _encode_keys(list(keys))
+    return _delta_table(kind, key_arr, key_enc, _pickled_values(values, ops), b"pickle", ops, with_op=True)
+
+
 class _StateSlot:
     """Storage of one declared state: per absolute key group a dict and a dirty set, or a
     :class:`~abs.columns.Column` (``typecode`` set; its dirty set stays empty)."""
@@ -784,7 +823,7 @@ class _StateSlot:
         # a value state of a fixed-width numeric type keeps its key groups as columns
         # (abs.columns): far cheaper snapshots, at about a dict's per-record cost (see
         # abs.columns)
-        self.typecode = typecode_of(t) if descriptor.kind == "value" else None
+        self.typecode = (OBJECTS if t is None else typecode_of(t)) if descriptor.kind == "value" else None
         self.data: list = [None] * backend.max_parallelism
         self.dirty: list = [None] * backend.max_parallelism
         for kg in backend.key_group_range:
@@ -1092,6 +1131,8 @@ class KeyedStateBackend:
         taken now, and the delta is a :class:`PendingDelta` whose ``to_table()`` does the
         Arrow encoding later (the asynchronous part); for untyped states the values are frozen
         by one pickle of their list (:class:`PickledDelta`). Other states are encoded at once.
+        Columnar key groups (value states of a fixed-width numeric type or untyped) always give
+        a :class:`ColumnDelta` of copies (untyped values frozen by one pickle), encoded later.
         """
         self._take_dirty(checkpoint_id)
         since = self._advance_epoch(checkpoint_id)
@@ -1278,6 +1319,8 @@ class KeyedStateBackend:
                         "another max_parallelism)"
                     )
         d = slot.data[kg]
+        if slot.typecode == OBJECTS and d.load(keys, values, None):
+            return
         if slot.typecode is not None:
             for k, v in zip(keys, values):
                 self._column_set(slot, d, k, v, 0)  # epoch 0: not dirty

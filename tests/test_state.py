@@ -16,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from abs.errors import ConfigError, StateError
 from abs.keygroups import KeyGroupRange, key_group
 from abs.state import (
+    ColumnDelta,
     KeyedStateBackend,
     ListState,
     MapState,
@@ -801,7 +802,7 @@ def test_lazy_capture_of_immutable_values_is_frozen_at_the_barrier(arrow_type, m
     eager_kg = next(iter(lazy["obj"]))
     kind = PendingDelta if arrow_type == pa.string() else ColumnDelta
     assert all(isinstance(d, kind) for d in lazy["n"].values())
-    assert isinstance(lazy["obj"][eager_kg], PickledDelta)  # untyped values: frozen by one pickle
+    assert isinstance(lazy["obj"][eager_kg], ColumnDelta)  # untyped values: a column, frozen by one pickle
     # writes after the barrier must not leak into the captured delta
     for k in range(40):
         backend.current_key, backend.current_kg = k, key_group(k, 8)
@@ -854,16 +855,18 @@ def test_lazy_capture_with_few_changed_keys_is_frozen_at_the_barrier():
 COLUMN_KEYS = st.one_of(st.integers(-3, 12), st.sampled_from([1 << 70, "a", ("t", 1), b"b"]))
 
 
+@pytest.mark.parametrize("typecode", ["q", "O"])
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(COLUMN_KEYS, st.one_of(st.none(), st.integers(-9, 9)), st.booleans()), max_size=40),
        st.integers(0, 40))
-def test_a_column_agrees_with_a_dict_under_writes_nulls_and_deletes(ops, capture_at):
+def test_a_column_agrees_with_a_dict_under_writes_nulls_and_deletes(typecode, ops, capture_at):
     """Dense slots (a delete moves the last slot into the hole), nulls following their slot,
     keys switching from an int array to a list: reads, full captures and the changed rows of
-    an incremental capture all agree with a plain dict."""
+    an incremental capture all agree with a plain dict. ``O``: a column of Python objects
+    (an untyped state), where None is a value like any other."""
     from abs.columns import Column
 
-    col, model = Column("q"), {}
+    col, model = Column(typecode), {}
     changed_after: dict = {}
     for step, (key, value, delete) in enumerate(ops):
         epoch = 1 if step < capture_at else 2
@@ -881,9 +884,10 @@ def test_a_column_agrees_with_a_dict_under_writes_nulls_and_deletes(ops, capture
     full = col.capture(0, full=True)
     if model:
         keys, values, nulls = full.delta_rows()
-        got = {k: (None if nulls is not None and nulls[i] else int(values[i]))
+        got = {k: (None if nulls is not None and nulls[i] else values[i] if typecode == "O" else int(values[i]))
                for i, k in enumerate(keys.tolist() if hasattr(keys, "tolist") else keys)}
         assert got == model and full.complete
+        assert typecode != "O" or (nulls is None and isinstance(values, list))
     else:
         assert full is None
     since_1 = col.capture(1)  # what changed in epoch 2
@@ -974,6 +978,49 @@ def test_column_handle_update_after_a_slot_moved_writes_its_own_key(delete):
     assert got == {a: 5, b_key: None, c: 3}
 
 
+def test_untyped_value_state_round_trips_through_restore_with_any_keys():
+    """An untyped value state's column restores in bulk (empty column, int keys), with a
+    key list (mixed key types), key by key into a non-empty column, and with verify."""
+    from array import array
+
+    keys = INT_KEYS[:3] + STR_KEYS[:2] + TUPLE_KEYS[:1]
+    src = backend(ValueState("v"))
+    values = {}
+    for i, k in enumerate(keys):
+        at(src, k)
+        src.state("v").update({"i": i, "none": None} if i % 2 else None)  # None is a value
+        values[k] = {"i": i, "none": None} if i % 2 else None
+    tables = src.capture_full(1)["v"]
+    for verify in (False, True):
+        dst = backend(ValueState("v"))
+        for kg, table in tables.items():
+            dst.restore("v", kg, resolve_for_restore(table), verify=verify)
+        got = {}
+        for k in keys:
+            at(dst, k)
+            got[k] = dst.state("v").value()
+        assert got == values
+        assert dst.capture(2) == {"v": {}}  # restored keys are not dirty
+        for kg in tables:  # int keys stay unboxed in an array, other keys in a list
+            col = dst._slot("v").data[kg]
+            assert isinstance(col.keys, array) == all(type(k) is int for k in col.keys)
+    # into a non-empty column: upserted key by key
+    dst = backend(ValueState("v"))
+    at(dst, keys[0])
+    dst.state("v").update("old")
+    at(dst, keys[1])
+    dst.state("v").update("kept")
+    for kg, table in tables.items():
+        dst.restore("v", kg, resolve_for_restore(table))
+    at(dst, keys[0])
+    assert dst.state("v").value() == values[keys[0]]
+
+
+def resolve_for_restore(table: pa.Table) -> pa.Table:
+    """A full capture's table as the store hands it to restore: upserts only, no op column."""
+    return table.drop_columns(["op"])
+
+
 # ----------------------------------------------------------------------------- untyped lazy capture
 
 
@@ -989,7 +1036,9 @@ def test_lazy_capture_of_untyped_state_is_frozen_at_the_barrier():
         v.update(doc)
         m.put("x", [k])
     lazy = b.capture(1, lazy=True)
-    assert all(isinstance(d, PickledDelta) for by_kg in lazy.values() for d in by_kg.values())
+    # untyped value state: a column (ColumnDelta); list and map states: dicts (PickledDelta)
+    assert all(isinstance(d, ColumnDelta if name == "v" else PickledDelta) for name, by_kg in lazy.items()
+               for d in by_kg.values())
     for k in INT_KEYS[:3]:  # after the barrier: in-place mutations and new writes
         at(b, k)
         l.add(99)
@@ -1010,8 +1059,9 @@ def test_lazy_capture_of_untyped_state_is_frozen_at_the_barrier():
 @given(st.lists(st.tuples(st.sampled_from(["put", "add", "clear"]), st.sampled_from(INT_KEYS + STR_KEYS),
                           st.integers(-5, 5)), max_size=40), st.booleans())
 def test_lazy_untyped_deltas_equal_eager_ones_and_survive_pickling(ops, confirm_first):
-    """Replaying the same writes on two backends, one captured lazily (PickledDelta, also
-    pickled and unpickled as the writer process gets it) and one eagerly, gives the same rows."""
+    """Replaying the same writes on two backends, one captured lazily (ColumnDelta for the
+    value state, PickledDelta for the list state; each also pickled and unpickled as the
+    writer process gets it) and one eagerly, gives the same rows."""
     lazy_b, eager_b = backend(ValueState("v"), ListState("l")), backend(ValueState("v"), ListState("l"))
     for i, (op, key, x) in enumerate(ops):
         for b in (lazy_b, eager_b):
@@ -1036,4 +1086,5 @@ def test_lazy_untyped_deltas_equal_eager_ones_and_survive_pickling(ops, confirm_
             d = lazy[name][kg]
             shipped = pickle.loads(pickle.dumps(d, protocol=5))
             assert decode_table(d.to_table()) == decode_table(table) == decode_table(shipped.to_table())
-            assert d.image() is None and not d.complete
+            if isinstance(d, PickledDelta):
+                assert d.image() is None and not d.complete

@@ -17,7 +17,7 @@ import pytest
 import abs
 from abs.keygroups import KeyGroupRange, key_group
 from abs.runtime.writer import SnapshotWriter, recv_frame, send_frame, writes_in_process
-from abs.state import ColumnDelta, KeyedStateBackend, PickledDelta, ValueState
+from abs.state import ColumnDelta, KeyedStateBackend, ListState, PickledDelta, ValueState
 from storage import SnapshotStore
 
 M = 8
@@ -108,16 +108,19 @@ def test_the_writer_process_writes_column_deltas_and_tables(tmp_path, writer):
     assert store.read_chain(chains[-1]).column("value").to_pylist() == ["a", "b"]
 
 
-def test_the_writer_process_writes_untyped_deltas_frozen_at_capture(tmp_path, writer):
+@pytest.mark.parametrize("kind", ["value", "list"])
+def test_the_writer_process_writes_untyped_deltas_frozen_at_capture(tmp_path, writer, kind):
+    """Untyped value states (columns: ColumnDelta) and list states (dicts: PickledDelta)
+    freeze their values at the capture; the writer process writes what was frozen."""
     SnapshotStore.open(str(tmp_path)).init_job({"job_name": "j", "max_parallelism": M})
     writer.open(str(tmp_path), None)
-    b = KeyedStateBackend("op", [ValueState("u")], M, KeyGroupRange(0, M - 1))
+    b = KeyedStateBackend("op", [ValueState("u") if kind == "value" else ListState("u")], M, KeyGroupRange(0, M - 1))
     docs = {k: {"k": k, "seen": [k]} for k in range(30)}
     for k, doc in docs.items():
         b.current_key, b.current_kg = k, key_group(k, M)
-        b.state("u").update(doc)
+        b.state("u").update(doc) if kind == "value" else b.state("u").add(doc)
     deltas = b.capture(1, lazy=True)["u"]
-    assert all(isinstance(d, PickledDelta) for d in deltas.values())
+    assert all(isinstance(d, ColumnDelta if kind == "value" else PickledDelta) for d in deltas.values())
     for doc in docs.values():
         doc["seen"].append("after the barrier")  # not in the snapshot
     chains = writer.write(1, [("op", "u", kg, [], d, False) for kg, d in deltas.items()])
@@ -127,7 +130,8 @@ def test_the_writer_process_writes_untyped_deltas_frozen_at_capture(tmp_path, wr
         t = store.read_chain(chain)
         assert t.schema.metadata[b"abs.value_encoding"] == b"pickle"
         got.update(zip(t.column("key").to_pylist(), map(pickle.loads, t.column("value").to_pylist())))
-    assert got == {k: {"k": k, "seen": [k]} for k in range(30)}
+    expected = {k: {"k": k, "seen": [k]} for k in range(30)}
+    assert got == (expected if kind == "value" else {k: [v] for k, v in expected.items()})
 
 
 def test_a_failing_write_is_reported_and_the_writer_serves_the_next(tmp_path, writer):
