@@ -1,4 +1,5 @@
-"""Columnar key groups of a typed value state: keys and values unboxed in arrays.
+"""Columnar key groups of a value state: keys and values unboxed in arrays, or the values
+kept as objects in a list for an untyped state.
 
 A ``ValueState`` declared with a fixed-width numeric Arrow type (``int8`` .. ``int64``,
 ``uint8`` .. ``uint64``, ``float64``), or declared without a type (values pickled), keeps
@@ -7,9 +8,9 @@ each key group as a :class:`Column` instead of a ``dict``:
 * ``index``: ``dict`` key -> slot; ``keys``: the key of each slot, an ``array('q')`` while every
   key is an ``int`` in int64 range, a ``list`` from the first other key on; ``values``: an
   ``array`` of the state's C type, or a ``list`` of the objects themselves for an untyped
-  state (typecode :data:`OBJECTS`; ``None`` is then a value like any other); ``stamps``: ``array('q')``, the backend *epoch* of each
-  slot's last write; ``nulls``: slots holding ``None``; ``deleted``: key -> epoch of the keys
-  deleted since the last confirmed capture.
+  state (typecode :data:`OBJECTS`; ``None`` is then a value like any other); ``stamps``:
+  ``array('q')``, the backend *epoch* of each slot's last write; ``nulls``: slots holding
+  ``None``; ``deleted``: key -> epoch of the keys deleted since the last confirmed capture.
 * Slots are dense: a delete moves the last slot into the hole.
 * Dirty tracking is the stamp. The backend's epoch advances at every capture, so the keys
   changed since the last *confirmed* capture are the slots stamped after that capture's
@@ -19,8 +20,10 @@ each key group as a :class:`Column` instead of a ``dict``:
 The synchronous part of a snapshot (:meth:`Column.capture`) is a comparison over the stamps
 and a copy of the changed keys and values with numpy; the Arrow encoding later works on those
 copies without touching a Python object (integer keys), so the asynchronous part runs almost
-entirely outside the GIL. A write of a value the C type cannot hold raises ``TypeError`` or
-``OverflowError`` with nothing changed.
+entirely outside the GIL. For an untyped state the copy is a gather of references, which
+``abs.state.ColumnDelta`` freezes with one pickle. A write of a value the C type cannot hold
+raises ``TypeError`` or ``OverflowError`` with nothing changed. Inserting a key costs more
+than in a dict (three appends and a slot, ~0.4 us more); updates cost about the same.
 
 On the hot path, reading a value builds an int object from the array and a write stores
 into two arrays; :class:`abs.state.ColumnValueStateHandle` writes the slot its read just

@@ -11,8 +11,8 @@ without one, values are pickled into a binary column.
 The backend and the hot path
 ============================
 :class:`KeyedStateBackend` keeps, per declared state, one ``dict`` (key -> value) per key
-group of its :class:`~abs.keygroups.KeyGroupRange` (value states: one
-:class:`~abs.columns.Column`), in a list indexed by the *absolute* key
+group of its :class:`~abs.keygroups.KeyGroupRange` (value states of a fixed-width numeric
+type or untyped: a :class:`~abs.columns.Column`), in a list indexed by the *absolute* key
 group (slots of key groups outside the range are ``None``).  Before calling user code for a
 record, the runtime sets the current key with two plain attribute writes, no method call::
 
