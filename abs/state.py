@@ -689,8 +689,6 @@ class ColumnDelta:
     def to_table(self) -> pa.Table:
         c = self._captured
         keys, values, nulls = c.delta_rows(self._values())
-        if self._arrow_type is None:
-            return _pickled_column_table(self._kind, keys, values, c.deleted)
         return _column_table(self._arrow_type, self._kind, keys, values, nulls, c.deleted)
 
     def image(self) -> pa.Table | None:
@@ -698,9 +696,7 @@ class ColumnDelta:
         c = self._captured
         if not c.all_rows or not len(c.keys):
             return None
-        if self._arrow_type is None:
-            return _pickled_column_table(self._kind, c.keys, self._values(), [])
-        return _column_table(self._arrow_type, self._kind, c.keys, c.values, c.nulls, [])
+        return _column_table(self._arrow_type, self._kind, c.keys, self._values(), c.nulls, [])
 
 
 class PickledDelta:
@@ -760,36 +756,25 @@ def _pickled_values(values: list, ops: Any) -> pa.Array:
     return pa.array(blobs, pa.binary())
 
 
-def _column_table(t: pa.DataType, kind: str, keys: np.ndarray | list, values: np.ndarray,
+def _column_table(t: pa.DataType | None, kind: str, keys: np.ndarray | list, values: np.ndarray | list,
                   nulls: np.ndarray | None, deleted: list) -> pa.Table:
-    """A delta table from captured columns: upserts of ``keys``, then deletes of ``deleted``."""
-    value_arr = pa.array(values, t, mask=nulls)
+    """A delta table from captured columns: upserts of ``keys``, then deletes of ``deleted``.
+    ``t`` None: an untyped column, its values pickled one by one (the rows a dict key group
+    of the same state would give)."""
+    if t is None:
+        value_arr, value_enc = _pickled_values(values, np.zeros(len(values), dtype=np.int8)), b"pickle"
+    else:
+        value_arr, value_enc = pa.array(values, t, mask=nulls), b"arrow"
     ops = np.zeros(len(values) + len(deleted), dtype=np.int8)
     if deleted:
         key_arr, key_enc = _encode_keys((keys.tolist() if isinstance(keys, np.ndarray) else list(keys)) + deleted)
-        value_arr = pa.concat_arrays([value_arr, pa.nulls(len(deleted), t)])
+        value_arr = pa.concat_arrays([value_arr, pa.nulls(len(deleted), value_arr.type)])
         ops[len(values):] = OP_DELETE
     elif isinstance(keys, np.ndarray):
         key_arr, key_enc = pa.array(keys, pa.int64()), b"arrow"
     else:
-        key_arr, key_enc = _encode_keys(keys)
-    return _delta_table(kind, key_arr, key_enc, value_arr, b"arrow", ops, with_op=True)
-
-
-def _pickled_column_table(kind: str, keys: np.ndarray | list, values: list, deleted: list) -> pa.Table:
-    """A delta table from a captured untyped column: upserts of ``keys`` with their values
-    pickled one by one, then deletes of ``deleted``. The same rows as a dict key group's."""
-    if deleted:
-        keys = (keys.tolist() if isinstance(keys, np.ndarray) else list(keys)) + deleted
-        ops: Any = [OP_UPSERT] * len(values) + [OP_DELETE] * len(deleted)
-        values = values + [None] * len(deleted)
-    else:
-        ops = np.zeros(len(values), dtype=np.int8)
-    if isinstance(keys, np.ndarray):
-        key_arr, key_enc = pa.array(keys, pa.int64()), b"arrow"
-    else:
         key_arr, key_enc = _encode_keys(list(keys))
-    return _delta_table(kind, key_arr, key_enc, _pickled_values(values, ops), b"pickle", ops, with_op=True)
+    return _delta_table(kind, key_arr, key_enc, value_arr, value_enc, ops, with_op=True)
 
 
 class _StateSlot:
@@ -820,9 +805,9 @@ class _StateSlot:
                 or pa.types.is_decimal(t)
             )
         )
-        # a value state of a fixed-width numeric type keeps its key groups as columns
-        # (abs.columns): far cheaper snapshots, at about a dict's per-record cost (see
-        # abs.columns)
+        # a value state of a fixed-width numeric type, or untyped, keeps its key groups as
+        # columns (abs.columns): far cheaper snapshots, at about a dict's per-record cost for
+        # updates (an insert costs more; see abs.columns)
         self.typecode = (OBJECTS if t is None else typecode_of(t)) if descriptor.kind == "value" else None
         self.data: list = [None] * backend.max_parallelism
         self.dirty: list = [None] * backend.max_parallelism
