@@ -538,12 +538,20 @@ class SnapshotStore:
         retain: int,
         in_flight: Iterable[FileRef | str] = (),
         protect_newer_than: int | None = None,
+        *,
+        as_of: int | None = None,
     ) -> GcPlan:
         """Plan a GC (no deletion); see :mod:`storage.gc` for the rules.
 
         ``in_flight``: files pending checkpoints may reference (new ones and the older files
         their chains build on). ``protect_newer_than``: unreferenced files of checkpoints above
         this id are kept (default: the newest complete checkpoint).
+
+        ``as_of``: plan as if checkpoint ``as_of`` were the newest: manifests above it are
+        neither counted nor dropped, and files above it are protected (``protect_newer_than``
+        defaults to ``as_of``). A job's GC that runs in the background, behind new commits,
+        passes the checkpoint whose commit asked for it, so that ``in_flight`` (computed at
+        that commit) still covers every pending checkpoint the plan must spare.
         """
         listing = self._io.list()
         paths = {}
@@ -551,7 +559,10 @@ class SnapshotStore:
             parsed = StoragePaths.parse(path)
             if parsed is not None and parsed.category == "manifest":
                 assert parsed.checkpoint_id is not None
-                paths[parsed.checkpoint_id] = path
+                if as_of is None or parsed.checkpoint_id <= as_of:
+                    paths[parsed.checkpoint_id] = path
+        if as_of is not None and protect_newer_than is None:
+            protect_newer_than = as_of
         manifests, unreadable = self._load_manifests(paths)
         return plan_gc(listing, manifests, retain=retain, in_flight=list(in_flight),
                        protect_newer_than=protect_newer_than, unreadable=unreadable)
@@ -563,10 +574,11 @@ class SnapshotStore:
         protect_newer_than: int | None = None,
         *,
         dry_run: bool = False,
+        as_of: int | None = None,
     ) -> GcPlan:
         """Plan and (unless ``dry_run``) execute a GC: data files first, manifests last, each
-        delete idempotent. Returns the plan."""
-        plan = self.plan_gc(retain, in_flight, protect_newer_than)
+        delete idempotent. Returns the plan. ``as_of``: see :meth:`plan_gc`."""
+        plan = self.plan_gc(retain, in_flight, protect_newer_than, as_of=as_of)
         if not dry_run:
             self.execute_gc(plan)
         return plan

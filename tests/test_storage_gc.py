@@ -155,3 +155,33 @@ def test_plan_without_any_complete_checkpoint_deletes_nothing():
     plan = plan_gc(listing, {}, retain=1)
     assert plan.empty and set(plan.protected) == set(listing)
 
+
+
+def test_gc_as_of_plans_as_if_that_checkpoint_were_the_newest(tmp_path):
+    """A GC that runs behind later commits (the runtime's background GC) must decide as the
+    commit that asked for it would have: checkpoint 3 committed after the request built on
+    checkpoint 1 (it was pending then, so 1's files were declared in flight), and an
+    up-to-date plan with retain=1 would drop 1 and 2."""
+    store = SnapshotStore.open(str(tmp_path))
+    store.init_job({"job_name": "j", "max_parallelism": 8})
+    c1 = store.write_key_group(1, "op", "s", 0, [], delta({1: 10}))
+    store.commit(Manifest(checkpoint_id=1, job_name="j", max_parallelism=8, keyed={"op": {"s": {0: c1}}}))
+    c2 = store.write_key_group(2, "op", "s", 0, [], delta({1: 20}))  # a new base: 2 does not need 1's file
+    store.commit(Manifest(checkpoint_id=2, job_name="j", max_parallelism=8, keyed={"op": {"s": {0: c2}}}))
+    in_flight = tuple(c1)  # checkpoint 3, pending when 2 committed, builds on 1
+    c3 = store.write_key_group(3, "op", "s", 0, c1, delta({3: 30}))
+    store.commit(Manifest(checkpoint_id=3, job_name="j", max_parallelism=8, keyed={"op": {"s": {0: c3}}}))
+    young = store.write_key_group(4, "op", "s", 0, c3, delta({4: 40}))  # in flight, undeclared
+
+    preview = store.plan_gc(1, in_flight=())  # what an up-to-date plan would do
+    assert set(preview.dropped) == {1, 2}
+
+    plan = store.gc(1, in_flight=in_flight, as_of=2)
+    assert plan.retained == (2,) and plan.dropped == (1,)
+    assert plan.protect_newer_than == 2
+    files = set(store.list_files())
+    assert {r.path for r in c1} <= files  # declared in flight at the request
+    assert {r.path for r in c3} <= files and {r.path for r in young} <= files  # newer than as_of
+    assert StoragePaths.manifest(3) in files and StoragePaths.manifest(1) not in files
+    assert store.list_checkpoints() == [2, 3]
+    assert store.read_chain(c3).column("key").to_pylist() == [1, 3]

@@ -34,6 +34,7 @@ from ..keygroups import routing_table
 from ..sinks import CollectSink
 from storage.errors import StorageError
 
+from .cleanup import BackgroundGc, GcRequest
 from .plan import compile_plan
 from .worker import WorkerSpec
 
@@ -168,6 +169,7 @@ class JobDriver:
         self.restored_from: int | None = None
         self.status = "CREATED"
         self._manifests: dict[int, Any] = {}  # recent committed manifests (GC protection of bases)
+        self._gc = BackgroundGc()  # retention runs off the loop (see abs.runtime.cleanup)
         self._bases: dict[int, int] = {}  # checkpoint id -> newest complete id when it was triggered
         self._last_completed_id = 0
         self._waiters: dict[int, "queue.Queue[Any]"] = {}
@@ -307,6 +309,7 @@ class JobDriver:
             finally:
                 self._teardown(procs, conns)
                 self._close_sources()
+                self._gc.drain()  # when run() returns, retention has been applied
         self.result = JobResult(
             job_name=self.flow.name,
             status=self.status,
@@ -394,6 +397,7 @@ class JobDriver:
     def _prepare_restart(self, attempt: int, exc: BaseException) -> None:
         """Global failover: every worker is stopped; the next attempt restores the latest
         complete checkpoint (or starts over without one) after the strategy's delay."""
+        self._gc.drain()  # the restore reads the root as the last GC left it
         delay = self.restart.delay_before(attempt)
         lines = [line for line in str(exc).splitlines() if line.strip()]
         # the first line names the worker or operator, the last one the cause
@@ -731,18 +735,22 @@ class JobDriver:
 
     def store_gc(self) -> None:
         """Retention: keep the last ``retained`` checkpoints, plus every file that an in-flight
-        checkpoint may build on (the files of its base checkpoint, see ``Barrier.base``)."""
+        checkpoint may build on (the files of its base checkpoint, see ``Barrier.base``). The
+        plan is made as of the checkpoint just committed and carried out in the background."""
         in_flight: list = []
-        live_bases = {self._bases[m] for m in self.coord.pending_ids() if m in self._bases}
+        # the checkpoint just committed is still pending in the coordinator, but its manifest
+        # now names every file it needs: its base is not live on its account
+        live_bases = {self._bases[m] for m in self.coord.pending_ids() if m in self._bases and m != self._last_completed_id}
         for cid in list(self._manifests):
             if cid in live_bases:
                 in_flight.extend(self._manifests[cid].files().values())
             elif cid != self._last_completed_id:
                 del self._manifests[cid]  # no pending checkpoint builds on it any more
-        try:
-            self.store.gc(self.config.retained, in_flight=in_flight)
-        except Exception as exc:  # noqa: BLE001 - GC failures never fail a checkpoint
-            print(f"[abs] warning: garbage collection failed ({exc}); files are kept", file=sys.stderr)
+        request = GcRequest(self.store, self.config.retained, tuple(in_flight), self._last_completed_id)
+        if str(self.storage_url).startswith("memory://"):
+            self._gc.run_now(request)  # see BackgroundGc.run_now
+        else:
+            self._gc.submit(request)
 
     def _on_collect(self, msg: tuple) -> None:
         """CollectSink's two-phase commit (see ``operators._CollectWriter``): staged epochs
