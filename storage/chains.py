@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .errors import DeltaSchemaError
-from .format import KEY_COLUMN, META_FILE_KIND, OP_COLUMN, OP_UPSERT, has_deletes
+from .format import KEY_COLUMN, META_FILE_KIND, OP_COLUMN, OP_UPSERT
 from .manifest import FileRef
 
 __all__ = ["CompactionPolicy", "compaction_reason", "resolve_chain"]
@@ -79,8 +79,16 @@ def _int_keys(keys: pa.ChunkedArray | pa.Array) -> np.ndarray | None:
     return keys.to_numpy()
 
 
+def _has_deletes(ops: pa.ChunkedArray | pa.Array) -> bool:
+    """:func:`storage.format.has_deletes` with ``count_nonzero`` instead of ``any()``: a numpy
+    reduction goes through numpy's Python-level wrappers (~8 us for 78 values in isolation,
+    measured several times that inside a restore), ``count_nonzero`` is one C call (~1.6 us)."""
+    return bool(np.count_nonzero(ops.to_numpy() != OP_UPSERT))
+
+
 def _strictly_increasing(k: np.ndarray) -> bool:
-    return bool(np.all(k[1:] > k[:-1]))
+    # counting violations, not np.all(): no numpy reduction (see _has_deletes)
+    return not np.count_nonzero(k[1:] <= k[:-1])
 
 
 def _last_per_key(deltas: pa.Table) -> pa.Table:
@@ -117,13 +125,12 @@ def _rows_of_keys(base: pa.Table, changed: pa.ChunkedArray | pa.Array) -> np.nda
     written sorted), a hash lookup otherwise."""
     keys = base.column(KEY_COLUMN)
     base_ints = _int_keys(keys)
-    if base_ints is not None and changed.type == keys.type and _strictly_increasing(base_ints):
+    if base_ints is not None and len(base_ints) and changed.type == keys.type and _strictly_increasing(base_ints):
         wanted = _int_keys(changed)
         assert wanted is not None
         at = np.searchsorted(base_ints, wanted)
-        inside = at < len(base_ints)
-        found = np.zeros(len(wanted), dtype=bool)
-        found[inside] = base_ints[at[inside]] == wanted[inside]
+        # a key past the last base key lands on the last row, whose key is smaller
+        found = base_ints[np.minimum(at, len(base_ints) - 1)] == wanted
         return np.sort(at[found])
     mask = pc.is_in(keys, value_set=changed)
     return np.flatnonzero(mask.to_numpy(zero_copy_only=False))
@@ -134,17 +141,22 @@ def _kept_batches(table: pa.Table, rows: np.ndarray) -> list[pa.RecordBatch] | N
     zero-copy slices; ``None`` when so many rows go that copying the rest is cheaper."""
     if len(rows) * _SLICE_ROWS_PER_CUT > table.num_rows:
         return None
+    # a plain loop over Python ints: for the ~80 cuts of a key group ~30 us less than the
+    # numpy calls that computed the runs per batch (measured)
     pieces: list[pa.RecordBatch] = []
+    cuts = iter(rows.tolist())
+    cut = next(cuts, None)
     offset = 0
     for batch in table.to_batches():
         end = offset + batch.num_rows
-        lo, hi = np.searchsorted(rows, (offset, end))
-        cuts = rows[lo:hi] - offset
-        # kept runs: [0, cut0), (cut0, cut1), ..., (cut_last, n): starts and lengths, empty ones dropped
-        starts = np.concatenate(([0], cuts + 1))
-        lengths = np.concatenate((cuts, [batch.num_rows])) - starts
-        keep = lengths > 0
-        pieces.extend(batch.slice(start, length) for start, length in zip(starts[keep].tolist(), lengths[keep].tolist()))
+        start = offset  # first row of the kept run being collected
+        while cut is not None and cut < end:
+            if cut > start:
+                pieces.append(batch.slice(start - offset, cut - start))
+            start = cut + 1
+            cut = next(cuts, None)
+        if end > start:
+            pieces.append(batch.slice(start - offset, end - start))
         offset = end
     return pieces
 
@@ -153,7 +165,9 @@ def _replace_rows(base: pa.Table, rows: np.ndarray, upserts: pa.Table,
                   metadata: dict[bytes, bytes] | None) -> pa.Table:
     """``base`` without the rows at positions ``rows``, then ``upserts`` (same column order),
     with schema metadata ``metadata``. Zero-copy when few rows go and the types match."""
-    schema = base.schema.with_metadata(metadata) if metadata else base.schema.remove_metadata()
+    schema = base.schema
+    if schema.metadata != metadata:  # files of a chain share it, and converting it costs ~8 us
+        schema = schema.with_metadata(metadata) if metadata else schema.remove_metadata()
     pieces = _kept_batches(base, rows)
     if pieces is not None:
         try:
@@ -168,6 +182,41 @@ def _replace_rows(base: pa.Table, rows: np.ndarray, upserts: pa.Table,
     return pa.concat_tables([kept, upserts], promote_options="default").replace_schema_metadata(metadata)
 
 
+def _resolve_sorted_pair(base: pa.Table, delta: pa.Table, metadata: dict[bytes, bytes] | None) -> pa.Table | None:
+    """``resolve_chain([base, delta], first_is_base=True)`` for the common restore case: integer
+    keys strictly increasing in both tables (as format 2 writes them), the base's columns in
+    the same order in the delta, ``op`` last or absent. Same result as the general path with
+    fewer Arrow and numpy calls, each of which costs several times more inside a restore than
+    in a micro-benchmark: ~20 % less time than the general path (measured). ``None`` when the
+    pair has another shape or its types do not concatenate: the general path resolves it or
+    names the problem."""
+    names = base.schema.names
+    delta_names = delta.schema.names
+    with_op = delta_names[-1:] == [OP_COLUMN]
+    if OP_COLUMN in names or delta_names[:len(delta_names) - with_op] != names:
+        return None
+    keys, changed = base.column(KEY_COLUMN), delta.column(KEY_COLUMN)
+    base_ints, delta_ints = _int_keys(keys), _int_keys(changed)
+    if base_ints is None or delta_ints is None or not len(base_ints) or not keys.type.equals(changed.type):
+        return None
+    if not (_strictly_increasing(delta_ints) and _strictly_increasing(base_ints)):
+        return None  # repeated delta keys, or a base of an older writer: the general path
+    at = np.searchsorted(base_ints, delta_ints)
+    # sorted and unique, as both key columns strictly increase; a key past the last base key
+    # lands on the last row, whose key is smaller
+    rows = at[base_ints[np.minimum(at, len(base_ints) - 1)] == delta_ints]
+    upserts = delta
+    if with_op:
+        ops = delta.column(len(names))
+        upserts = delta.remove_column(len(names))
+        if _has_deletes(ops):
+            upserts = upserts.filter(pc.equal(ops, OP_UPSERT))
+    try:
+        return _replace_rows(base, rows, upserts, metadata)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        return None  # the general path fails the same way and raises DeltaSchemaError
+
+
 def resolve_chain(tables: Sequence[pa.Table], *, first_is_base: bool) -> pa.Table:
     """Fold tables (oldest first) into live state: one row per live key, columns ``key`` and
     the value columns, no ``op``. The last op per key wins; a delete drops the key.
@@ -178,6 +227,10 @@ def resolve_chain(tables: Sequence[pa.Table], *, first_is_base: bool) -> pa.Tabl
     if not tables:
         raise ValueError("resolve_chain needs at least one table")
     metadata = _clean_metadata(tables[-1].schema)
+    if first_is_base and len(tables) == 2:  # a base and one delta: most key groups on restore
+        resolved = _resolve_sorted_pair(tables[0], tables[1], metadata)
+        if resolved is not None:
+            return resolved
     base: pa.Table | None = None
     rest = list(tables)
     if first_is_base:
@@ -200,15 +253,18 @@ def resolve_chain(tables: Sequence[pa.Table], *, first_is_base: bool) -> pa.Tabl
     if with_ops:
         ops = last.column(OP_COLUMN)
         upserts = last.drop_columns([OP_COLUMN])
-        if has_deletes(ops):
+        if _has_deletes(ops):
             upserts = upserts.filter(pc.equal(ops, OP_UPSERT))
     if base is None:
         return upserts.replace_schema_metadata(metadata)
     changed = last.column(KEY_COLUMN)
+    names = base.schema.names
     try:
-        if sorted(base.schema.names) != sorted(upserts.schema.names):
-            raise pa.ArrowInvalid(f"base columns {base.schema.names} differ from delta columns {upserts.schema.names}")
-        return _replace_rows(base, _rows_of_keys(base, changed), upserts.select(base.schema.names), metadata)
+        if upserts.schema.names != names:  # files of one state share the column order
+            if sorted(names) != sorted(upserts.schema.names):
+                raise pa.ArrowInvalid(f"base columns {names} differ from delta columns {upserts.schema.names}")
+            upserts = upserts.select(names)
+        return _replace_rows(base, _rows_of_keys(base, changed), upserts, metadata)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
         raise DeltaSchemaError(f"a delta does not match its base ({exc}); keep one schema per state") from exc
 
