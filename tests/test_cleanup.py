@@ -71,6 +71,7 @@ def test_a_failing_gc_warns_and_the_next_request_runs(tmp_path, capsys):
     assert store.list_checkpoints() == [1, 2]
     gc.run_now(GcRequest(store, 1, (), 2))
     assert store.list_checkpoints() == [2]
+    assert gc.close(timeout=10)
 
 
 @pytest.mark.integration
@@ -91,3 +92,16 @@ def test_a_finished_job_has_applied_its_retention(tmp_path):
     store = SnapshotStore.open(str(tmp_path))
     assert store.list_checkpoints() == [result.completed_checkpoints[-1].checkpoint_id]
     assert store.plan_gc(1).empty  # nothing left behind for a later GC
+
+
+@pytest.mark.integration
+def test_jobs_leave_no_gc_thread_behind(tmp_path):
+    flow = abs.Dataflow("threads")
+    flow.source("src", abs.GeneratorSource(2_000, num_keys=20, num_splits=1, batch_size=100, rate=4_000)).key_by(
+        "key").process("count", lambda ctx, row: ctx.state.n.update(1), state=[abs.ValueState("n", pa.int64())])
+    before = [t for t in threading.enumerate() if t.name == "abs-gc"]
+    for i in range(2):
+        result = abs.run(flow, parallelism=1, storage=str(tmp_path / str(i)),
+                         checkpoint=abs.CheckpointConfig(interval=0.1, retained=1))
+        assert len(result.completed_checkpoints) >= 2
+    assert [t for t in threading.enumerate() if t.name == "abs-gc"] == before

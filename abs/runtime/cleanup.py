@@ -72,6 +72,9 @@ class BackgroundGc:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+            thread = self._thread
+        if done and thread is not None:
+            thread.join(timeout)
         return done
 
     def _run(self) -> None:

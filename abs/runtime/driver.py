@@ -310,6 +310,7 @@ class JobDriver:
                 self._teardown(procs, conns)
                 self._close_sources()
                 self._gc.drain()  # when run() returns, retention has been applied
+        self._gc.close()  # no thread left behind per job
         self.result = JobResult(
             job_name=self.flow.name,
             status=self.status,
