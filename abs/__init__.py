@@ -19,7 +19,7 @@ from .errors import (
     OperatorError,
     WorkerLostError,
 )
-from .runtime.driver import CheckpointStats, JobResult
+from .runtime.driver import CheckpointStats, JobResult, LocalExecutor
 from .sinks import CollectSink, Sink, SinkWriter
 from .sources import END, GeneratorSource, Source, SourceReader
 from .state import ListState, MapState, ReducingState, ValueState
@@ -36,6 +36,7 @@ __all__ = [
     "CheckpointConfig",
     "RestartStrategy",
     "SparkExecutor",
+    "LocalExecutor",
     "ValueState",
     "ListState",
     "MapState",

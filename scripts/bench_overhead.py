@@ -20,6 +20,7 @@ writer processes' own measurement), which does not depend on that drift.
     .venv/bin/python scripts/bench_overhead.py [--quick] [--only paper|reference] [--rounds N]
                                                [--paper-parallelism P [P ...]] [--path process|aggregate]
                                                [--state int64|string|untyped] [--no-stop-the-world]
+                                               [--pin-cpus]
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def running_sum_as_text(ctx, event):
 STATES = {
     "int64": (pa.int64(), running_sum),  # columnar key groups (abs.columns)
     "string": (pa.string(), running_sum_as_text),  # dict key groups, Arrow-encoded values
-    "untyped": (None, running_sum),  # dict key groups, values pickled one by one
+    "untyped": (None, running_sum),  # a column of objects, values pickled one by one in the files
 }
 
 
@@ -82,12 +83,12 @@ def build(events: int, keys: int, path: str, batch_size: int, state: str = "int6
 
 
 def run_once(events: int, keys: int, path: str, parallelism: int, mode: str | None, batch_size: int,
-             state: str = "int64") -> tuple[dict, dict | None]:
+             state: str = "int64", pin_cpus: bool = False) -> tuple[dict, dict | None]:
     root = tempfile.mkdtemp(prefix="abs-bench-")
     try:
-        kwargs: dict = {}
+        kwargs: dict = {"executor": abs.LocalExecutor(pin_cpus=pin_cpus)}
         if mode is not None:
-            kwargs = {"checkpoint": abs.CheckpointConfig(interval=1.0, mode=mode, retained=2), "storage": root}
+            kwargs.update(checkpoint=abs.CheckpointConfig(interval=1.0, mode=mode, retained=2), storage=root)
         result = abs.run(build(events, keys, path, batch_size, state), parallelism=parallelism, **kwargs)
         state = None
         if mode is not None:
@@ -128,11 +129,12 @@ def paper(args: argparse.Namespace) -> None:
     for p in args.paper_parallelism:
         print(f"\n== 1. {' vs '.join(m for m, _ in reversed(modes))}: {events:,} events, {keys:,} keys in state, parallelism {p}, "
               f"checkpoint every 1 s, path={args.path}" + (f", state={args.state}" if args.path == "process" else "")
+              + (", workers pinned to CPUs" if args.pin_cpus else "")
               + f"; {args.rounds} rounds, the modes alternating within each")
         runs: dict[str, list[dict]] = {label: [] for label, _ in modes}
         for _ in range(args.rounds):
             for label, mode in modes:
-                stats, _ = run_once(events, keys, args.path, p, mode, args.batch_size, args.state)
+                stats, _ = run_once(events, keys, args.path, p, mode, args.batch_size, args.state, args.pin_cpus)
                 runs[label].append(stats)
         best = {label: max(rs, key=lambda r: r["throughput"]) for label, rs in runs.items()}
         for label, _ in modes:
@@ -161,12 +163,13 @@ def paper(args: argparse.Namespace) -> None:
 def reference(args: argparse.Namespace) -> None:
     events, keys = 2_000_000, 100_000
     expected = expected_sums(events, keys)
-    print(f"\n== 2. Reference workload: {events:,} events over {keys:,} keys, keyed running sum, checkpoints every 1 s")
+    print(f"\n== 2. Reference workload: {events:,} events over {keys:,} keys, keyed running sum, checkpoints every 1 s"
+          + (", workers pinned to CPUs" if args.pin_cpus else ""))
     for path, target in (("process", 500_000), ("aggregate", 3_000_000)):
         for p in (1, 2):
             runs = []
             for _ in range(args.rounds):
-                stats, state = run_once(events, keys, path, p, "aligned", args.batch_size)
+                stats, state = run_once(events, keys, path, p, "aligned", args.batch_size, pin_cpus=args.pin_cpus)
                 if state != expected:
                     print(f"  ERROR: {path} p={p}: final per-key sums differ from the input", file=sys.stderr)
                 runs.append((stats, state == expected))
@@ -185,7 +188,10 @@ def main() -> int:
     ap.add_argument("--only", choices=("paper", "reference"))
     ap.add_argument("--path", choices=("process", "aggregate"), default="process", help="operator for experiment 1")
     ap.add_argument("--state", choices=sorted(STATES), default="int64",
-                    help="experiment 1, process path: the state's type (int64: columnar; string, untyped: dict-backed)")
+                    help="experiment 1, process path: the state's type (int64: a numeric column; untyped: a "
+                         "column of objects; string: dict-backed)")
+    ap.add_argument("--pin-cpus", action="store_true",
+                    help="every run with abs.LocalExecutor(pin_cpus=True): worker i on CPU i mod N")
     ap.add_argument("--no-stop-the-world", dest="stop_the_world", action="store_false",
                     help="experiment 1 without the stop-the-world baseline (slow with dict-backed 1M-key state)")
     ap.add_argument("--batch-size", type=int, default=8192)

@@ -383,3 +383,52 @@ def test_restore_latest_falls_back_past_a_corrupt_checkpoint(tmp_path, capfd):
     assert newest_files[0].path in capfd.readouterr().err
     final = state_at(store, store.latest_checkpoint(), "count", "n")
     assert final == dict(collections.Counter((np.arange(20_000) % NUM_KEYS).tolist()))
+
+
+def _children_of(pid: int) -> list[int]:
+    import os
+
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def where_am_i(ctx, row):
+    import os
+
+    seen = ctx.state.seen
+    if seen.value() is None:  # once per key: which CPUs this worker and its writer may use
+        seen.update(1)
+        writers = [sorted(os.sched_getaffinity(c)) for c in _children_of(os.getpid())]
+        ctx.emit({"key": ctx.key, "pid": os.getpid(), "cpus": str(sorted(os.sched_getaffinity(0))),
+                  "writers": str(writers)})
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity"), reason="needs sched_setaffinity (Linux)")
+def test_pinned_workers_run_on_one_cpu_each_and_their_writers_on_all(tmp_path):
+    import os
+
+    cpus = sorted(os.sched_getaffinity(0))
+    flow = abs.Dataflow("pinned")
+    flow.source("src", abs.GeneratorSource(4_000, num_keys=40, num_splits=2, batch_size=100)).key_by("key").process(
+        "where", where_am_i, state=[abs.ValueState("seen", pa.int64())]).sink("out", abs.CollectSink())
+    result = abs.run(flow, parallelism=2, executor=abs.LocalExecutor(pin_cpus=True), storage=str(tmp_path),
+                     checkpoint=abs.CheckpointConfig(interval=0.2))
+    out = result.collected("out")
+    by_pid = {pid: (c, w) for pid, c, w in zip(out.column("pid").to_pylist(), out.column("cpus").to_pylist(),
+                                               out.column("writers").to_pylist())}
+    assert len(by_pid) == 2
+    pinned = sorted(eval(c) for c, _ in by_pid.values())
+    assert pinned == sorted([[cpus[0]], [cpus[1 % len(cpus)]]])  # worker i on the i-th CPU
+    for _, writers in by_pid.values():
+        assert eval(writers) == [cpus]  # the writer process (the worker's only child) is free
+    free = abs.run(flow, parallelism=1, storage=str(tmp_path / "free"), checkpoint=abs.CheckpointConfig(interval=0.2))
+    assert set(free.collected("out").column("cpus").to_pylist()) == {str(cpus)}  # not pinned by default

@@ -398,6 +398,10 @@ def main() -> None:
     """Entry point of a worker process: reads its bootstrap JSON from stdin."""
     boot = json.loads(sys.stdin.readline())
     writer = SnapshotWriter.fork()  # before any thread exists (see abs.runtime.writer)
+    # LocalExecutor(pin_cpus=True): set while this is the only thread (threads inherit it);
+    # the writer, forked above, stays free
+    if boot.get("cpu") is not None:
+        os.sched_setaffinity(0, {boot["cpu"]})
     secret = bytes.fromhex(boot["secret"])
     index = boot["index"]
     conn = Client(tuple(boot["driver"]), authkey=secret)
