@@ -100,9 +100,11 @@ class LocalExecutor:
     process stays free to run on any of them. A worker's Python threads (task threads,
     source readers, the uploader) share one GIL, so it uses about one CPU at a time; kept on
     one CPU, the GIL's hand-overs between its threads stay in one core's caches. Measured on
-    2 cores: +13 % throughput of the keyed ``process`` job without checkpoints at p=1 (5 of 5
-    interleaved rounds higher), +15 % with ABS at p=2 (median of 4). Off by default: jobs
-    sharing a machine would pin their workers to the same CPUs.
+    2 cores in interleaved rounds: +13 % throughput of the keyed ``process`` job without
+    checkpoints at p=1 (5 of 5 rounds higher), +15 % with ABS at p=2 (3 of 4 rounds); runs
+    of the reference workload an hour later, one setting after the other, were mixed, and the
+    ABS cost relative to "off" did not shrink. Off by default: jobs sharing a machine would
+    pin their workers to the same CPUs.
     """
 
     def __init__(self, *, pin_cpus: bool = False) -> None:
