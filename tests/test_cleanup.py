@@ -22,11 +22,22 @@ class GatedStore:
         self.started = threading.Event()
         self.calls: list[int] = []
 
+        self.active = 0
+        self.most_active = 0
+        self.lock = threading.Lock()
+
     def gc(self, retain, in_flight=(), *, as_of=None):
-        self.started.set()
-        assert self.gate.wait(10)
-        self.calls.append(as_of)
-        return self.store.gc(retain, in_flight=in_flight, as_of=as_of)
+        with self.lock:
+            self.active += 1
+            self.most_active = max(self.most_active, self.active)
+        try:
+            self.started.set()
+            assert self.gate.wait(10)
+            self.calls.append(as_of)
+            return self.store.gc(retain, in_flight=in_flight, as_of=as_of)
+        finally:
+            with self.lock:
+                self.active -= 1
 
 
 def table(keys):
@@ -57,6 +68,26 @@ def test_requests_return_at_once_coalesce_and_drain_waits(tmp_path):
     assert gc.close(timeout=10)
     gc.submit(GcRequest(gated, 1, (), 4))  # after close: ignored
     assert gc.drain(timeout=1) and gated.calls == [2, 4]
+
+
+def test_a_request_submitted_beside_run_now_waits_for_it(tmp_path):
+    store = SnapshotStore.open(str(tmp_path))
+    store.init_job({"job_name": "j", "max_parallelism": 8})
+    for cid in (1, 2, 3):
+        commit(store, cid)
+    gated = GatedStore(store)
+    gc = BackgroundGc()
+    inline = threading.Thread(target=gc.run_now, args=(GcRequest(gated, 2, (), 2),))
+    inline.start()
+    assert gated.started.wait(10)  # run_now is inside its GC, blocked at the gate
+    gc.submit(GcRequest(gated, 1, (), 3))
+    assert not gc.drain(timeout=0.2)
+    gated.gate.set()
+    inline.join(10)
+    assert gc.drain(timeout=10)
+    assert gated.calls == [2, 3] and gated.most_active == 1
+    assert store.list_checkpoints() == [3]
+    assert gc.close(timeout=10)
 
 
 def test_a_failing_gc_warns_and_the_next_request_runs(tmp_path, capsys):

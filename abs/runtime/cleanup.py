@@ -39,7 +39,6 @@ class BackgroundGc:
         self._running = False
         self._closed = False
         self._thread: threading.Thread | None = None
-        self.runs = 0  # GCs carried out (tests, metrics)
 
     def submit(self, request: GcRequest) -> None:
         """Queue ``request`` (replacing a waiting one); returns at once."""
@@ -80,8 +79,9 @@ class BackgroundGc:
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._waiting is not None or self._closed)
-                if self._waiting is None:
+                # one GC at a time, also beside run_now
+                self._cond.wait_for(lambda: (self._waiting is not None and not self._running) or self._closed)
+                if self._waiting is None or self._running:
                     return  # closed
                 request, self._waiting = self._waiting, None
                 self._running = True
@@ -96,5 +96,4 @@ class BackgroundGc:
         finally:
             with self._cond:
                 self._running = False
-                self.runs += 1
                 self._cond.notify_all()
