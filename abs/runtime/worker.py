@@ -32,7 +32,7 @@ import pyarrow as pa
 from ..dataflow import FORWARD, Dataflow
 from ..keygroups import key_group_range
 from ..state import ColumnDelta, PickledDelta
-from .channels import InputGate, LocalSender, RemoteSender, decode
+from .channels import InputGate, LocalSender, RemoteSender, accept_channel, connect_channel, decode
 from .operators import KeyedOp, OpSnapshot, SinkOp, build_operator
 from .plan import PhysicalPlan, compile_plan, task_key
 from ..faults import trip
@@ -264,7 +264,7 @@ class Worker:
                     if d == i:
                         senders.append(LocalSender(self.gates[target.index], ch))
                     else:
-                        conn = Client(tuple(peers[d]), authkey=self.secret)
+                        conn = connect_channel(tuple(peers[d]), self.secret)
                         conn.send_bytes(json.dumps({"task": target.index, "channel": ch}).encode())
                         senders.append(RemoteSender(conn))
                 self.senders[(t.index, out.from_node, out.target_task, out.edge_index)] = senders
@@ -276,7 +276,7 @@ class Worker:
 
     def _accept(self, expected: int, accepted: dict) -> None:
         while len(accepted) < expected:
-            conn = self.listener.accept()
+            conn = accept_channel(self.listener)
             hello = json.loads(conn.recv_bytes())
             accepted[(hello["task"], hello["channel"])] = conn
 
