@@ -212,7 +212,6 @@ class RemoteSender:
             pass
 
 
-
 # ------------------------------------------------------------------ remote connections
 SOCKET_BUFFER_BYTES = 256 * 1024
 """What each side's kernel may buffer of a remote channel (Linux reserves twice the value).
@@ -220,8 +219,9 @@ SOCKET_BUFFER_BYTES = 256 * 1024
 Left to the kernel, a loopback connection's buffers grow to megabytes (a sender whose
 receiver stopped reading got 3.9 MB in; with this bound 0.9 MB), about a hundred batches per
 channel that every barrier waits behind: in the 1M-key paper job at p=2 the mean alignment
-was 57-131 ms, 32-54 ms with the bound, for the same throughput. It also makes the gate's
-capacity the real bound on a channel's in-flight data, give or take this much."""
+was 79 ms, 38 ms with the bound (medians of 8 interleaved runs), for the same throughput
+within the noise. It also makes the gate's capacity the real bound on a channel's in-flight
+data, give or take this much."""
 
 
 def _bound_buffer(conn: Connection, option: int) -> None:
