@@ -73,8 +73,7 @@ _SMALL_TABLE_LEVEL = 12
 _LARGE_TABLE_LEVEL = 1
 # One thread: a state file has two or three buffers, and handing them to Arrow's thread pool
 # cost more than compressing them in place (64 key-group images of 7.8k int64 rows: 23-26 ms
-# of CPU with the pool, 16-20 ms without, and less wall time too); the pool's threads also
-# woke on whichever core was free, i.e. the one a task thread of the same machine wanted.
+# of CPU with the pool, 16-20 ms without, and less wall time too).
 _WRITE_OPTIONS = {
     level: pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", compression_level=level), use_threads=False)
     for level in (_SMALL_TABLE_LEVEL, _LARGE_TABLE_LEVEL)
