@@ -42,7 +42,7 @@ from typing import Any, Iterator
 import numpy as np
 import pyarrow as pa
 
-__all__ = ["Captured", "Column", "OBJECTS", "typecode_of"]
+__all__ = ["Captured", "Column", "KeyOrders", "OBJECTS", "typecode_of"]
 
 OBJECTS = "O"
 """Typecode of a column of Python objects (an untyped ``ValueState``): its values are a list."""
@@ -291,6 +291,39 @@ class Column:
         """Drop the deletes of epochs ``<= upto`` (a confirmed capture holds them)."""
         if self.deleted:
             self.deleted = {k: e for k, e in self.deleted.items() if e > upto}
+
+
+class KeyOrders:
+    """The sort order of each key group's integer keys, kept from one snapshot to the next.
+
+    Files store their rows sorted by key (``storage/FORMAT.md``), and a column's slots are in
+    insertion order, so every full image needs a sort. When every key of a key group was
+    written again between two snapshots (a state whose keys all change each interval: the
+    images are then the snapshots) its key array is usually the very same, and :meth:`order`
+    returns the order it computed last time after one comparison of the arrays (~6 us for
+    7.8k keys, against ~100 us for the ``argsort``). An insert or a delete changes the array
+    (a delete moves the last slot into the hole), and the keys are sorted afresh. Merging
+    appended slots into the known order was measured no faster than numpy's ``argsort``.
+
+    The keys of one ``slot`` must be unique (they are: they come from one :class:`Column`).
+    Holds a copy of the keys and their order per slot (16 bytes per key); used by one writer
+    process (:mod:`abs.runtime.writer`), one thread per slot at a time.
+    """
+
+    def __init__(self) -> None:
+        self._known: dict[Any, tuple[np.ndarray, np.ndarray]] = {}
+
+    def __len__(self) -> int:
+        return len(self._known)
+
+    def order(self, slot: Any, keys: np.ndarray) -> np.ndarray:
+        """Indexes that sort ``keys`` (unique int64) ascending; remembered for ``slot``."""
+        known = self._known.get(slot)
+        if known is not None and len(known[0]) == len(keys) and np.array_equal(known[0], keys):
+            return known[1]
+        order = np.argsort(keys)
+        self._known[slot] = (keys.copy(), order)
+        return order
 
 
 def _key_storage(keys: list) -> array | list:

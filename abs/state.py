@@ -67,7 +67,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from abs.columns import OBJECTS, Captured, Column, typecode_of
+from abs.columns import OBJECTS, Captured, Column, KeyOrders, typecode_of
 from abs.errors import ConfigError, StateError
 from abs.keygroups import KeyGroupRange, check_max_parallelism, key_group
 
@@ -686,17 +686,35 @@ class ColumnDelta:
     def _values(self) -> np.ndarray | list:
         return self._captured.values if self._blob is None else pickle.loads(self._blob)
 
-    def to_table(self) -> pa.Table:
+    def to_table(self, orders: KeyOrders | None = None, slot: Any = None) -> pa.Table:
+        """The delta as a table. ``orders``: when the rows are the key group's full image
+        (integer keys, no deletes), they come out sorted by key in the order ``orders``
+        keeps for ``slot``, and the store's sort finds them sorted."""
         c = self._captured
         keys, values, nulls = c.delta_rows(self._values())
+        if orders is not None and c.all_rows and c.changed is None and not c.deleted:
+            keys, values, nulls = _sorted_rows(orders, slot, keys, values, nulls)
         return _column_table(self._arrow_type, self._kind, keys, values, nulls, c.deleted)
 
-    def image(self) -> pa.Table | None:
-        """The key group's full live state at the capture, when the capture copied it."""
+    def image(self, orders: KeyOrders | None = None, slot: Any = None) -> pa.Table | None:
+        """The key group's full live state at the capture, when the capture copied it;
+        ``orders``, ``slot``: as for :meth:`to_table`."""
         c = self._captured
         if not c.all_rows or not len(c.keys):
             return None
-        return _column_table(self._arrow_type, self._kind, c.keys, self._values(), c.nulls, [])
+        keys, values, nulls = c.keys, self._values(), c.nulls
+        if orders is not None:
+            keys, values, nulls = _sorted_rows(orders, slot, keys, values, nulls)
+        return _column_table(self._arrow_type, self._kind, keys, values, nulls, [])
+
+
+def _sorted_rows(orders: KeyOrders, slot: Any, keys: Any, values: Any, nulls: np.ndarray | None) -> tuple:
+    """A full image's rows in key order, when its keys are an int64 array (else unchanged)."""
+    if not isinstance(keys, np.ndarray) or len(keys) < 2:
+        return keys, values, nulls
+    order = orders.order(slot, keys)
+    values = values[order] if isinstance(values, np.ndarray) else [values[i] for i in order.tolist()]
+    return keys[order], values, None if nulls is None else nulls[order]
 
 
 class PickledDelta:

@@ -30,6 +30,7 @@ writes in its uploader thread again.
 """
 from __future__ import annotations
 
+import functools
 import io
 import multiprocessing
 import os
@@ -218,10 +219,13 @@ def _main(conn: Any, workers_end: Any) -> None:
     die_with_parent()
     import pyarrow as pa
 
+    from abs.columns import KeyOrders
+    from abs.state import ColumnDelta
     from storage import SnapshotStore
 
     store = None
     pool = None
+    orders = KeyOrders()  # the sort order of each key group's keys, from its last full image
     while True:
         try:
             msg = recv_frame(conn)
@@ -240,6 +244,10 @@ def _main(conn: Any, workers_end: Any) -> None:
                 operator, state, kg, prev_chain, delta, complete = job
                 if isinstance(delta, pa.Table):
                     table, image = delta, None
+                elif isinstance(delta, ColumnDelta):
+                    slot = (operator, state, kg)
+                    table, complete = delta.to_table(orders, slot), delta.complete
+                    image = functools.partial(delta.image, orders, slot)
                 else:
                     table, image, complete = delta.to_table(), delta.image, delta.complete
                 return store.write_key_group(checkpoint_id, operator, state, kg, prev_chain, table,
