@@ -313,9 +313,6 @@ class KeyOrders:
     def __init__(self) -> None:
         self._known: dict[Any, tuple[np.ndarray, np.ndarray]] = {}
 
-    def __len__(self) -> int:
-        return len(self._known)
-
     def order(self, slot: Any, keys: np.ndarray) -> np.ndarray:
         """Indexes that sort ``keys`` (unique int64) ascending; remembered for ``slot``."""
         known = self._known.get(slot)
