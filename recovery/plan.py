@@ -62,18 +62,18 @@ class SubtaskPlan:
     channel_logs: list[FileRef] = field(default_factory=list)
 
     def files(self) -> list[FileRef]:
-        """Every distinct file this subtask reads, keyed chains first."""
+        """Every distinct file (or range of a packed file) this subtask reads, keyed chains first."""
         seen: dict[str, FileRef] = {}
         for states in self.keyed.values():
             for chains in states.values():
                 for chain in chains.values():
                     for ref in chain:
-                        seen.setdefault(ref.path, ref)
+                        seen.setdefault(ref.id, ref)
         for refs in self.operator_state.values():
             for ref in refs:
-                seen.setdefault(ref.path, ref)
+                seen.setdefault(ref.id, ref)
         for ref in self.channel_logs:
-            seen.setdefault(ref.path, ref)
+            seen.setdefault(ref.id, ref)
         return list(seen.values())
 
     @property

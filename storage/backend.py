@@ -156,6 +156,15 @@ class RootIO:
                     return f.read()
             return bytes(self.fs.cat_file(full))
 
+    def get_range(self, rel: str, offset: int, length: int) -> bytes:
+        """``length`` bytes at ``offset`` of a file (fewer when the file ends sooner)."""
+        full = self.full(rel)
+        with self.errors(f"reading {rel}"):
+            if self.local:
+                with open(full, "rb") as f:
+                    return os.pread(f.fileno(), length, offset) if length else b""
+            return bytes(self.fs.cat_file(full, start=offset, end=offset + length))
+
     def exists(self, rel: str) -> bool:
         full = self.full(rel)
         with self.errors(f"checking {rel}"):

@@ -43,6 +43,12 @@ class GcPlan:
     protected: tuple[str, ...]
     unknown: tuple[str, ...]
     bytes_freed: int
+    packed_bytes_kept: int = 0
+    """Size of the packed files kept (a packed file lives while any retained manifest needs
+    any range of it)."""
+    packed_bytes_live: int = 0
+    """Bytes of those files' ranges that retained manifests (or in-flight checkpoints) reference;
+    the rest is held only because it shares a file with a referenced range."""
 
     @property
     def empty(self) -> bool:
@@ -54,6 +60,8 @@ class GcPlan:
             f"delete {len(self.delete_files)} files and {len(self.delete_manifests)} manifests "
             f"({self.bytes_freed} bytes); {len(self.protected)} unreferenced files newer than checkpoint "
             f"{self.protect_newer_than} kept (may be in flight); {len(self.unknown)} unknown files left alone"
+            + (f"; packed files kept: {self.packed_bytes_kept} bytes, {self.packed_bytes_live} of them referenced"
+               if self.packed_bytes_kept else "")
         )
 
 
@@ -88,8 +96,11 @@ def plan_gc(
     retained = set(checkpoints[:retain]) | {cid for cid, m in manifests.items() if m.pinned}
     dropped = sorted(set(manifests) - retained)
     referenced: set[str] = {p for ref in in_flight for p in [ref.path if isinstance(ref, FileRef) else ref]}
+    live_ranges: dict[str, FileRef] = {ref.id: ref for ref in in_flight if isinstance(ref, FileRef) and ref.packed}
     for cid in retained:
-        referenced.update(manifests[cid].files())
+        referenced.update(manifests[cid].paths())  # a packed file while any range of it is needed
+        live_ranges.update((ref.id, ref) for ref in manifests[cid].iter_refs() if ref.packed)
+    packed_files = {ref.path for ref in live_ranges.values() if ref.path in listing}
 
     delete_files: list[str] = []
     delete_manifests: dict[int, str] = {}
@@ -131,4 +142,6 @@ def plan_gc(
         protected=tuple(protected),
         unknown=tuple(unknown),
         bytes_freed=freed,
+        packed_bytes_kept=sum(listing[p] for p in packed_files),
+        packed_bytes_live=sum(ref.bytes for ref in live_ranges.values() if ref.path in packed_files),
     )

@@ -104,6 +104,11 @@ def _ref(ref: FileRef) -> str:
     return f"{ref.kind}@{ref.checkpoint_id} ({human_bytes(ref.bytes)}, {ref.rows} rows)"
 
 
+def _where(ref: FileRef) -> str:
+    """The file, and for a range of a packed file the bytes of it."""
+    return ref.path if ref.offset is None else f"{ref.path} bytes [{ref.offset}, {ref.offset + ref.bytes})"
+
+
 def show_lines(manifest: Manifest, *, files: bool = False) -> list[str]:
     m = manifest
     out = [
@@ -115,16 +120,17 @@ def show_lines(manifest: Manifest, *, files: bool = False) -> list[str]:
     for op, states in sorted(m.keyed.items()):
         out.append(f"  operator {op!r}")
         for st, chains in sorted(states.items()):
-            refs = {r.path: r for chain in chains.values() for r in chain}
+            refs = {r.id: r for chain in chains.values() for r in chain}
             longest = max((len(c) for c in chains.values()), default=0)
+            n_files = len({r.path for r in refs.values()})
             out.append(
-                f"    state {st!r}: {len(chains)} key groups, {len(refs)} files, "
+                f"    state {st!r}: {len(chains)} key groups, {n_files} files, "
                 f"{human_bytes(sum(r.bytes for r in refs.values()))}, max chain {longest}"
             )
             for kg, chain in sorted(chains.items()):
                 out.append(f"      kg {kg:04d}: " + " <- ".join(_ref(r) for r in chain))
                 if files:
-                    out.extend(f"        {r.path}" for r in chain)
+                    out.extend(f"        {_where(r)}" for r in chain)
     out.append("operator state:" if m.operator_state else "operator state: none")
     for op, subtasks in sorted(m.operator_state.items()):
         out.append(f"  operator {op!r} (rule {m.operator_state_rules.get(op, '?')})")

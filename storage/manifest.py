@@ -1,6 +1,7 @@
-"""File references and checkpoint manifests, with their JSON form (format versions 1 and 2)."""
+"""File references and checkpoint manifests, with their JSON form (format versions 1 to 3)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -9,7 +10,7 @@ from typing import Any, Iterator, Literal, Mapping
 
 from .errors import CorruptManifestError, InvalidPathError, StateNotFoundError, UnsupportedFormatError
 from .format import CHECKSUM_ALGORITHMS, is_checksum
-from .ids import CheckpointId
+from .ids import CheckpointId, KeyGroup
 from .paths import FileKind, ParsedPath, StoragePaths, validate_relative_path
 
 __all__ = [
@@ -22,10 +23,11 @@ __all__ = [
     "manifest_problems",
 ]
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """Version of the on-disk format (manifests, ``_job.json``, file layout) this code writes; it
 reads every version from 1 up to this one. Version 2: file references name their checksum
-algorithm, data files are Arrow IPC streams (see ``storage/FORMAT.md``)."""
+algorithm, data files are Arrow IPC streams. Version 3: a reference may be a range of a packed
+file (``offset``, ``key_group``). See ``storage/FORMAT.md``."""
 
 ManifestKind = Literal["checkpoint", "savepoint"]
 KEYED_KINDS = ("base", "delta")
@@ -40,6 +42,11 @@ class FileRef:
     match ``kind`` and ``checkpoint_id``); ``checksum`` is the lower-case hex digest of the
     whole file with ``checksum_algorithm`` (``sha256`` in format 1 manifests, which do not name
     it); ``bytes`` its size; ``rows`` the number of rows of the Arrow table in it.
+
+    A *range* of a packed file (``state/<op>/<state>/packed/...``) has ``offset`` and
+    ``key_group`` set: the key group's file is the ``bytes`` bytes at ``offset`` of ``path``,
+    and ``checksum`` covers exactly those bytes. Several references then share one ``path``;
+    :attr:`id` tells them apart.
     """
 
     path: str
@@ -49,6 +56,8 @@ class FileRef:
     bytes: int
     checksum: str
     checksum_algorithm: str = "sha256"
+    offset: int | None = None
+    key_group: int | None = None
 
     def __post_init__(self) -> None:
         validate_relative_path(self.path)
@@ -64,21 +73,45 @@ class FileRef:
             )
         if not is_checksum(self.checksum, self.checksum_algorithm):
             raise InvalidPathError(f"file {self.path}: checksum {self.checksum!r} is not a {self.checksum_algorithm} hex digest")
-        parsed = StoragePaths.parse(self.path)
-        if parsed is None or parsed.category != self.kind or parsed.checkpoint_id != self.checkpoint_id:
+        if (self.offset is None) != (self.key_group is None):
             raise InvalidPathError(
-                f"file {self.path}: the name does not denote a {self.kind} file of checkpoint {self.checkpoint_id}; "
-                "refusing the reference"
+                f"file {self.path}: offset={self.offset!r} and key_group={self.key_group!r}: a range of a packed file "
+                "has both, a file of its own neither; refusing the reference"
             )
+        if self.offset is not None:
+            for name in ("offset", "key_group"):
+                value = getattr(self, name)
+                if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                    raise InvalidPathError(f"file {self.path}: {name}={value!r} is not a non-negative integer")
+        parsed = StoragePaths.parse(self.path)
+        category = "packed" if self.packed else self.kind
+        if (parsed is None or parsed.category != category or parsed.checkpoint_id != self.checkpoint_id
+                or (self.packed and self.kind not in ("base", "delta"))):
+            what = f"packed file of checkpoint {self.checkpoint_id} holding a {self.kind}" if self.packed \
+                else f"{self.kind} file of checkpoint {self.checkpoint_id}"
+            raise InvalidPathError(f"file {self.path}: the name does not denote a {what}; refusing the reference")
+
+    @property
+    def packed(self) -> bool:
+        """Whether this is a range of a packed file rather than a file of its own."""
+        return self.offset is not None
+
+    @property
+    def id(self) -> str:
+        """Unique among a root's references: the path, plus ``#kg-NNNN`` for a range of a packed file."""
+        return self.path if self.key_group is None else StoragePaths.range_id(self.path, self.key_group)
 
     def location(self) -> ParsedPath:
-        """Operator / state / key group / subtask / task encoded in the path."""
+        """Operator / state / key group / subtask / task encoded in the path (the key group of a
+        range of a packed file comes from the reference)."""
         parsed = StoragePaths.parse(self.path)
         assert parsed is not None  # validated in __post_init__
+        if self.key_group is not None:
+            return dataclasses.replace(parsed, category=self.kind, key_group=KeyGroup(self.key_group))
         return parsed
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "path": self.path,
             "kind": self.kind,
             "checkpoint_id": self.checkpoint_id,
@@ -87,6 +120,10 @@ class FileRef:
             "checksum": self.checksum,
             "checksum_algorithm": self.checksum_algorithm,
         }
+        if self.offset is not None:
+            out["offset"] = self.offset
+            out["key_group"] = self.key_group
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "FileRef":
@@ -99,6 +136,7 @@ class FileRef:
             path=data["path"], kind=data["kind"], checkpoint_id=CheckpointId(data["checkpoint_id"]),
             rows=data["rows"], bytes=data["bytes"], checksum=data["checksum"],
             checksum_algorithm=data.get("checksum_algorithm", "sha256"),
+            offset=data.get("offset"), key_group=data.get("key_group"),
         )
 
 
@@ -146,8 +184,12 @@ class Manifest:
         yield from self.channel_logs
 
     def files(self) -> dict[str, FileRef]:
-        """Distinct referenced files by path."""
-        return {ref.path: ref for ref in self.iter_refs()}
+        """Distinct references by :attr:`FileRef.id` (a range of a packed file is one entry)."""
+        return {ref.id: ref for ref in self.iter_refs()}
+
+    def paths(self) -> set[str]:
+        """Distinct files the manifest needs (a packed file once, however many ranges of it)."""
+        return {ref.path for ref in self.iter_refs()}
 
     def chains(self, operator: str, state: str) -> dict[int, list[FileRef]]:
         """Chains by key group of one keyed state; :class:`StateNotFoundError` if absent."""
@@ -230,7 +272,10 @@ class Manifest:
                 f"{FORMAT_VERSION}; upgrade to a release that supports format version {version}"
             )
         try:
-            manifest = cls._from_dict_v1(data)  # version 2 only adds FileRef.checksum_algorithm
+            # version 2 only adds FileRef.checksum_algorithm, version 3 FileRef.offset / key_group
+            manifest = cls._from_dict_v1(data)
+            if version < 3 and any(ref.packed for ref in manifest.iter_refs()):
+                raise ValueError(f"a format {version} manifest references a range of a packed file (format 3 and later)")
         except CorruptManifestError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -316,7 +361,8 @@ def chain_problems(chain: list[FileRef], *, operator: str, state: str, key_group
     """Structural problems of one key group's chain, as ``(path or None, message)`` pairs.
 
     A chain is non-empty, starts with a base, continues with deltas, never goes back in
-    checkpoint ids, and every file lives in the directory of (operator, state, key_group).
+    checkpoint ids, and every file lives in the directory of (operator, state, key_group) or is
+    a range of that key group in a packed file of (operator, state).
     """
     problems: list[tuple[str | None, str]] = []
     where = f"{operator}/{state}/kg {key_group}"
@@ -325,18 +371,20 @@ def chain_problems(chain: list[FileRef], *, operator: str, state: str, key_group
     if chain[0].kind != "base":
         problems.append((chain[0].path, f"{where}: chain starts with a {chain[0].kind}, not a base"))
     expected_dir = StoragePaths.key_group_dir(operator, state, key_group) + "/"
+    packed_dir = StoragePaths.packed_dir(operator, state) + "/"
     last = 0
     for i, ref in enumerate(chain):
         if i > 0 and ref.kind != "delta":
-            problems.append((ref.path, f"{where}: position {i} is a {ref.kind}, only deltas may follow the base"))
-        if not ref.path.startswith(expected_dir):
-            problems.append((ref.path, f"{where}: file belongs to another operator/state/key group"))
+            problems.append((ref.id, f"{where}: position {i} is a {ref.kind}, only deltas may follow the base"))
+        if not (ref.path.startswith(packed_dir) and ref.key_group == key_group if ref.packed
+                else ref.path.startswith(expected_dir)):
+            problems.append((ref.id, f"{where}: file belongs to another operator/state/key group"))
         if ref.checkpoint_id < last:
-            problems.append((ref.path, f"{where}: checkpoint ids go backwards along the chain"))
+            problems.append((ref.id, f"{where}: checkpoint ids go backwards along the chain"))
         if max_checkpoint_id is not None and ref.checkpoint_id > max_checkpoint_id:
-            problems.append((ref.path, f"{where}: file of checkpoint {ref.checkpoint_id} is newer than the manifest"))
+            problems.append((ref.id, f"{where}: file of checkpoint {ref.checkpoint_id} is newer than the manifest"))
         last = ref.checkpoint_id
-    if len({r.path for r in chain}) != len(chain):
+    if len({r.id for r in chain}) != len(chain):
         problems.append((None, f"{where}: the same file appears twice in the chain"))
     return problems
 

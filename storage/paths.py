@@ -7,6 +7,7 @@ Layout (see ``storage/FORMAT.md``)::
     checkpoints/.chk-00000042.json.<token>.tmp                  manifest being committed
     state/<operator>/<state>/kg-0037/00000042-delta-<token>.arrow
     state/<operator>/<state>/kg-0037/00000040-base-<token>.arrow
+    state/<operator>/<state>/packed/00000042-<token>.arrow       ranges of many key groups
     opstate/<operator>/00000042-<subtask>-<token>.arrow
     channels/00000042/<task>-<token>.arrow
 
@@ -41,7 +42,7 @@ __all__ = [
 ]
 
 FileKind = Literal["base", "delta", "opstate", "channel"]
-PathCategory = Literal["job", "job_tmp", "manifest", "manifest_tmp", "base", "delta", "opstate", "channel"]
+PathCategory = Literal["job", "job_tmp", "manifest", "manifest_tmp", "base", "delta", "packed", "opstate", "channel"]
 
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
 _MAX_SEGMENT = 255
@@ -123,6 +124,7 @@ _MANIFEST_RE = re.compile(rf"^checkpoints/chk-({_ID})\.json$")
 _MANIFEST_TMP_RE = re.compile(rf"^checkpoints/\.chk-({_ID})\.json\.{_TOKEN}\.tmp$")
 _JOB_TMP_RE = re.compile(rf"^\._job\.json\.{_TOKEN}\.tmp$")
 _STATE_RE = re.compile(rf"^state/([^/]+)/([^/]+)/kg-(\d{{4,}})/({_ID})-(base|delta)-{_TOKEN}\.arrow$")
+_PACKED_RE = re.compile(rf"^state/([^/]+)/([^/]+)/packed/({_ID})-{_TOKEN}\.arrow$")
 _OPSTATE_RE = re.compile(rf"^opstate/([^/]+)/({_ID})-(\d+)-{_TOKEN}\.arrow$")
 _CHANNEL_RE = re.compile(rf"^channels/({_ID})/([^/]+)-{_TOKEN}\.arrow$")
 
@@ -170,6 +172,20 @@ class StoragePaths:
         return f"{cls.key_group_dir(operator, state, key_group)}/{cls._cid(checkpoint_id)}-{kind}-{token or new_token()}.arrow"
 
     @classmethod
+    def packed_dir(cls, operator: str, state: str) -> str:
+        return f"{cls.STATE_DIR}/{encode_name(operator)}/{encode_name(state)}/packed"
+
+    @classmethod
+    def packed_file(cls, checkpoint_id: int, operator: str, state: str, token: str | None = None) -> str:
+        """A file holding the files of several key groups of one state back to back."""
+        return f"{cls.packed_dir(operator, state)}/{cls._cid(checkpoint_id)}-{token or new_token()}.arrow"
+
+    @staticmethod
+    def range_id(path: str, key_group: int) -> str:
+        """How a key group's range of a packed file is named in messages and listings."""
+        return f"{path}#kg-{key_group:04d}"
+
+    @classmethod
     def opstate_file(cls, checkpoint_id: int, operator: str, subtask: int, token: str | None = None) -> str:
         if not isinstance(subtask, int) or subtask < 0:
             raise InvalidPathError(f"subtask {subtask!r} is invalid: subtask indexes are integers >= 0")
@@ -203,6 +219,11 @@ def _parse(path: str) -> ParsedPath | None:
                 operator=OperatorUid(decode_name(m[1])),
                 state=StateName(decode_name(m[2])),
                 key_group=KeyGroup(int(m[3])),
+            )
+        if m := _PACKED_RE.match(path):
+            return ParsedPath(
+                "packed", CheckpointId(int(m[3])), operator=OperatorUid(decode_name(m[1])),
+                state=StateName(decode_name(m[2])),
             )
         if m := _OPSTATE_RE.match(path):
             return ParsedPath(

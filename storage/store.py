@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Literal, Mapping, NamedTuple, Sequence
 
 import fsspec
 import fsspec.core
@@ -39,10 +40,34 @@ from .paths import FileKind, StoragePaths
 from .stats import storage_stats
 from .verify import VerifyReport, check_files, structural_problems
 
-__all__ = ["SnapshotStore"]
+__all__ = ["KeyGroupWrite", "SnapshotStore"]
 
 _RESTORE_HINT = "restore from an earlier checkpoint or a savepoint ('abs-snapshot verify ROOT' lists intact ones)"
 _REMOTE_READERS = 8  # files of one chain fetched at once from an object store
+PACK_LIMIT = 64 << 20
+"""A packed file is closed once it holds this many bytes (the last key group may cross it)."""
+
+
+class KeyGroupWrite(NamedTuple):
+    """One key group's changes for :meth:`SnapshotStore.write_key_groups` (the arguments of
+    :meth:`SnapshotStore.write_key_group`)."""
+
+    operator: str
+    state: str
+    key_group: int
+    prev_chain: Sequence[FileRef]
+    delta: "pa.Table | Callable[[], pa.Table]"
+    complete: bool = False
+    image: Callable[[], pa.Table | None] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Planned:
+    """A key group's file to be written: its chain is ``prefix + [the file]``."""
+
+    kind: Literal["base", "delta"]
+    encoded: EncodedFile
+    prefix: list[FileRef]
 
 
 class SnapshotStore:
@@ -55,6 +80,7 @@ class SnapshotStore:
     def __init__(self, io: RootIO, *, policy: CompactionPolicy, clock: Callable[[], float] = time.time) -> None:
         self._io = io
         self.policy = policy
+        self.pack_limit = PACK_LIMIT
         self._clock = clock
         self._lock = threading.Lock()
         self._manifests: dict[str, Manifest] = {}
@@ -306,10 +332,10 @@ class SnapshotStore:
     def _write_table(self, path: str, table: pa.Table, kind: FileKind, checkpoint_id: int) -> FileRef:
         return self._put(path, encode_table(table, kind), kind, checkpoint_id)
 
-    def _write_base(self, path: str, delta: pa.Table, checkpoint_id: int) -> FileRef:
-        """Write a delta's live rows as a base. Sorting first makes the usual case (unique
+    def _encode_base(self, delta: pa.Table) -> EncodedFile:
+        """A delta's live rows encoded as a base. Sorting first makes the usual case (unique
         integer keys) resolve with one vectorized comparison instead of a distinct count."""
-        return self._write_table(path, resolve_chain([sort_by_key(delta)], first_is_base=False), "base", checkpoint_id)
+        return encode_table(resolve_chain([sort_by_key(delta)], first_is_base=False), "base")
 
     def _check_key_group(self, key_group: int, what: str) -> None:
         job = self._known_job()
@@ -347,7 +373,91 @@ class SnapshotStore:
         in-memory copy) and writes that as the new base instead of reading the previous chain
         back and resolving it; ``None`` from it falls back to reading.
         """
+        job = KeyGroupWrite(operator, state, key_group, prev_chain, delta, complete, image)
+        planned = self._plan_key_group(checkpoint_id, job)
+        if isinstance(planned, list):
+            return planned
+        path = StoragePaths.state_file(checkpoint_id, operator, state, key_group, planned.kind)
+        return planned.prefix + [self._put(path, planned.encoded, planned.kind, checkpoint_id)]
+
+    def write_key_groups(self, checkpoint_id: int, jobs: Sequence["KeyGroupWrite"]) -> list[list[FileRef]]:
+        """:meth:`write_key_group` for many key groups at once; returns the new chains in job order.
+
+        Each job's chain is decided exactly as :meth:`write_key_group` decides it, but the new
+        files of one (operator, state) are written *packed*: back to back, in key group order,
+        into one file (``state/<op>/<state>/packed/<id>-<token>.arrow``; a new one once it
+        holds :attr:`pack_limit` bytes), each referenced as a range of it
+        (:attr:`FileRef.offset`). A pack of a single file is written as a file of its own.
+        Why: a file costs a create on a local disk and a PUT on an object store, and a busy
+        state changes every key group at every checkpoint. A job's ``delta`` may be a
+        zero-argument callable returning the table, called when the job's turn comes, so that
+        no more than about one pack of encoded bytes is held at once. On an object store the
+        key groups are encoded on several threads (zstd and Arrow release the GIL). The first
+        failing job raises; files already written are garbage for GC.
+        """
+        jobs = [job if isinstance(job, KeyGroupWrite) else KeyGroupWrite(*job) for job in jobs]
+        out: list[list[FileRef] | None] = [None] * len(jobs)
+        groups: dict[tuple[str, str], list[int]] = {}
+        for i, job in enumerate(jobs):
+            groups.setdefault((job.operator, job.state), []).append(i)
+        parallel = self._io.object_store and len(jobs) > 1
+        pool = ThreadPoolExecutor(_REMOTE_READERS, thread_name_prefix="abs-encode") if parallel else None
+        try:
+            for (operator, state), members in groups.items():
+                members.sort(key=lambda i: jobs[i].key_group)
+                pack: list[tuple[int, KeyGroupWrite, _Planned]] = []
+                size = 0
+                step = _REMOTE_READERS * 2 if parallel else 1
+                for at in range(0, len(members), step):
+                    batch = members[at:at + step]
+                    plan = functools.partial(self._plan_key_group, checkpoint_id)
+                    planned = list(pool.map(plan, [jobs[i] for i in batch])) if pool else [plan(jobs[batch[0]])]
+                    for i, p in zip(batch, planned):
+                        if isinstance(p, list):
+                            out[i] = p
+                            continue
+                        pack.append((i, jobs[i], p))
+                        size += p.encoded.size
+                        if size >= self.pack_limit:
+                            self._put_pack(checkpoint_id, operator, state, pack, out)
+                            pack, size = [], 0
+                if pack:
+                    self._put_pack(checkpoint_id, operator, state, pack, out)
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True)
+        return out  # type: ignore[return-value]
+
+    def _put_single(self, checkpoint_id: int, job: "KeyGroupWrite", planned: "_Planned") -> list[FileRef]:
+        path = StoragePaths.state_file(checkpoint_id, job.operator, job.state, job.key_group, planned.kind)
+        return planned.prefix + [self._put(path, planned.encoded, planned.kind, checkpoint_id)]
+
+    def _put_pack(self, checkpoint_id: int, operator: str, state: str,
+                  members: list[tuple[int, "KeyGroupWrite", "_Planned"]], out: list) -> None:
+        if len(members) == 1:
+            i, job, planned = members[0]
+            out[i] = self._put_single(checkpoint_id, job, planned)
+            return
+        path = StoragePaths.packed_file(checkpoint_id, operator, state)
+        offset = 0
+        refs = []
+        for i, job, planned in members:
+            enc = planned.encoded
+            refs.append(FileRef(path=path, kind=planned.kind, checkpoint_id=CheckpointId(checkpoint_id), rows=enc.rows,
+                                bytes=enc.size, checksum=enc.checksum, checksum_algorithm=enc.checksum_algorithm,
+                                offset=offset, key_group=job.key_group))
+            offset += enc.size
+        self._io.put(path, b"".join(planned.encoded.data for _, _, planned in members))
+        for (i, _, planned), ref in zip(members, refs):
+            out[i] = planned.prefix + [ref]
+
+    def _plan_key_group(self, checkpoint_id: int, job: "KeyGroupWrite") -> "list[FileRef] | _Planned":
+        """What :meth:`write_key_group` writes for ``job``: the new chain when nothing is to be
+        written, else the encoded file and the part of the old chain it extends."""
+        operator, state, key_group, prev_chain, delta, complete, image = job
         what = f"checkpoint {checkpoint_id}: {operator}/{state} key group {key_group}"
+        if callable(delta):
+            delta = delta()
         delta = normalize_delta(delta, what=what)
         self._check_key_group(key_group, what)
         chain = list(prev_chain)
@@ -359,9 +469,8 @@ class SnapshotStore:
                     f"{what}: the previous chain is malformed ({problems[0][1]}); refusing to extend it; "
                     "pass the chain returned by the previous write_key_group or the last complete manifest"
                 )
-        base_path = StoragePaths.state_file(checkpoint_id, operator, state, key_group, "base")
         if not chain or (complete and delta.num_rows):
-            return [self._write_base(base_path, delta, checkpoint_id)]
+            return _Planned("base", self._encode_base(delta), [])
         if delta.num_rows == 0:
             return chain
         full = None
@@ -374,18 +483,17 @@ class SnapshotStore:
         if full is None:
             encoded = encode_table(delta_for_file(delta), "delta")
             if compaction_reason(self.policy, chain, encoded.size) is None:
-                delta_path = StoragePaths.state_file(checkpoint_id, operator, state, key_group, "delta")
-                return chain + [self._put(delta_path, encoded, "delta", checkpoint_id)]
+                return _Planned("delta", encoded, chain)
             full = image() if image is not None else None
         if full is not None:
             full = normalize_delta(full, what=f"{what} (full image)")
-            return [self._write_base(base_path, full, checkpoint_id)]
+            return _Planned("base", self._encode_base(full), [])
         tables = self._read_files(chain) + [delta]
         try:
             base = resolve_chain(tables, first_is_base=True)
         except DeltaSchemaError as exc:
             raise DeltaSchemaError(f"{what}: {exc}") from exc
-        return [self._write_table(base_path, base, "base", checkpoint_id)]
+        return _Planned("base", encode_table(base, "base"), [])
 
     def write_operator_state(self, checkpoint_id: int, operator: str, subtask: int, table: pa.Table) -> FileRef:
         """Write the operator (non-keyed) state of one subtask."""
@@ -437,21 +545,30 @@ class SnapshotStore:
 
     # ================================================================== reading
     def read_bytes(self, ref: FileRef, *, checkpoint_id: int | None = None) -> bytes:
-        """The raw bytes of a referenced file, after checking its size and checksum."""
+        """The raw bytes of a referenced file (or range of a packed file), after checking its
+        size and checksum."""
         try:
-            data = self._io.get(ref.path)
+            data = self._io.get(ref.path) if ref.offset is None else self._io.get_range(ref.path, ref.offset, ref.bytes)
         except FileNotFoundError:
             raise MissingFileError(
                 f"{self._whose(ref, checkpoint_id)} is missing; the checkpoint cannot be restored; {_RESTORE_HINT}"
             ) from None
         if len(data) != ref.bytes:
+            if ref.offset is not None:
+                raise CorruptFileError(
+                    f"{self._whose(ref, checkpoint_id)} ends {ref.bytes - len(data)} bytes before the end of key group "
+                    f"{ref.key_group}'s range [{ref.offset}, {ref.offset + ref.bytes}) (torn or truncated write); "
+                    f"the checkpoint cannot be restored; {_RESTORE_HINT}"
+                )
             raise CorruptFileError(
                 f"{self._whose(ref, checkpoint_id)} has {len(data)} bytes, the manifest says {ref.bytes} "
                 f"(torn or altered write); the checkpoint cannot be restored; {_RESTORE_HINT}"
             )
         if checksum_hex(data, ref.checksum_algorithm) != ref.checksum:
+            part = f": key group {ref.key_group}'s range [{ref.offset}, {ref.offset + ref.bytes})" \
+                if ref.offset is not None else ""
             raise CorruptFileError(
-                f"{self._whose(ref, checkpoint_id)} fails its {ref.checksum_algorithm} checksum; "
+                f"{self._whose(ref, checkpoint_id)}{part} fails its {ref.checksum_algorithm} checksum; "
                 f"the file is corrupt; {_RESTORE_HINT}"
             )
         return data

@@ -91,40 +91,69 @@ def check_files(
     *,
     workers: int = 8,
 ) -> tuple[list[Problem], int, int]:
-    """Check existence, size and checksum of every distinct referenced file.
+    """Check existence, size and checksum of every distinct referenced file; a packed file is
+    read once and each referenced range of it checked on its own (a problem in one range
+    names only the checkpoints that reference that range).
 
     Returns (problems, files checked, bytes read). ``read`` fetches a file by relative path.
     """
-    users: dict[str, list[CheckpointId]] = {}
-    refs: dict[str, FileRef] = {}
+    users: dict[str, list[CheckpointId]] = {}  # by FileRef.id
+    by_path: dict[str, dict[str, FileRef]] = {}
     for cid, manifest in sorted(manifests.items()):
-        for path, ref in manifest.files().items():
-            users.setdefault(path, []).append(CheckpointId(cid))
-            refs.setdefault(path, ref)
+        for ref_id, ref in manifest.files().items():
+            users.setdefault(ref_id, []).append(CheckpointId(cid))
+            by_path.setdefault(ref.path, {}).setdefault(ref_id, ref)
 
-    def check(path: str) -> tuple[Problem | None, int]:
-        ref = refs[path]
-        who = tuple(users[path])
+    def who(refs: list[FileRef]) -> tuple[CheckpointId, ...]:
+        return tuple(sorted({c for ref in refs for c in users[ref.id]}))
+
+    def where(ref: FileRef) -> str:
+        return ref.path if ref.offset is None else f"{ref.path} bytes [{ref.offset}, {ref.offset + ref.bytes})"
+
+    def check(path: str) -> tuple[list[Problem], int]:
+        refs = sorted(by_path[path].values(), key=lambda r: r.offset or 0)
+        first = refs[0]
         if path not in listing:
-            return Problem("missing", who, path, f"file (written by checkpoint {ref.checkpoint_id}) is missing"), 0
-        if listing[path] != ref.bytes:
-            return Problem("size", who, path, f"size {listing[path]} bytes, the manifest says {ref.bytes}: torn or altered write"), 0
+            return [Problem("missing", who(refs), path, f"file (written by checkpoint {first.checkpoint_id}) is missing")], 0
+        size = listing[path]
+        problems: list[Problem] = []
+        if first.offset is None:
+            if size != first.bytes:
+                return [Problem("size", who(refs), path,
+                                f"size {size} bytes, the manifest says {first.bytes}: torn or altered write")], 0
+        else:
+            short = [r for r in refs if r.offset + r.bytes > size]  # type: ignore[operator]
+            problems.extend(
+                Problem("size", who([r]), r.id, f"the packed file has {size} bytes, key group {r.key_group}'s range "
+                        f"ends at {r.offset + r.bytes}: torn or truncated write")  # type: ignore[operator]
+                for r in short
+            )
+            refs = [r for r in refs if r not in short]
+            if not refs:
+                return problems, 0
         try:
             data = read(path)
         except FileNotFoundError:
-            return Problem("missing", who, path, f"file (written by checkpoint {ref.checkpoint_id}) vanished while verifying"), 0
+            return [Problem("missing", who(refs), path,
+                            f"file (written by checkpoint {first.checkpoint_id}) vanished while verifying")], 0
         except OSError as exc:
-            return Problem("unreadable", who, path, f"cannot be read: {exc}"), 0
-        if len(data) != ref.bytes:
-            return Problem("size", who, path, f"read {len(data)} bytes, the manifest says {ref.bytes}: torn or altered write"), len(data)
-        digest = checksum_hex(data, ref.checksum_algorithm)
-        if digest != ref.checksum:
-            return Problem("checksum", who, path, f"{ref.checksum_algorithm} {digest[:12]}..., the manifest says "
-                           f"{ref.checksum[:12]}...: corrupt file"), len(data)
-        return None, len(data)
+            return [Problem("unreadable", who(refs), path, f"cannot be read: {exc}")], 0
+        for ref in refs:
+            start = ref.offset or 0
+            part = memoryview(data)[start:start + ref.bytes]
+            if len(part) != ref.bytes:
+                problems.append(Problem("size", who([ref]), ref.id, f"read {len(part)} bytes of {where(ref)}, "
+                                        f"the manifest says {ref.bytes}: torn or altered write"))
+                continue
+            digest = checksum_hex(part, ref.checksum_algorithm)
+            if digest != ref.checksum:
+                what = "corrupt file" if ref.offset is None else f"corrupt range of key group {ref.key_group} ({where(ref)})"
+                problems.append(Problem("checksum", who([ref]), ref.id, f"{ref.checksum_algorithm} {digest[:12]}..., "
+                                        f"the manifest says {ref.checksum[:12]}...: {what}"))
+        return problems, len(data)
 
-    paths = sorted(refs)
+    paths = sorted(by_path)
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         results = list(pool.map(check, paths))
-    problems = [p for p, _ in results if p is not None]
+    problems = [p for ps, _ in results for p in ps]
     return problems, len(paths), sum(n for _, n in results)

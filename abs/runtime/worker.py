@@ -161,7 +161,7 @@ class Worker:
         keyed: dict = {}
         offsets: dict = {}
         sinks: dict = {}
-        written = files = 0
+        written = 0
         writer = self.writer
         jobs: list[tuple] = []  # (chains of the key group's state, kg, write_key_group args, image)
         finished: list[tuple] = []  # (piece, chains) once every job is written
@@ -192,17 +192,16 @@ class Worker:
             new_chains = writer.write(checkpoint_id, [args for _, _, args, _ in jobs])
             writer_cpu = writer.last_cpu
         else:
-            new_chains = []
-            for _, _, (uid, state, kg, prev, delta, complete), image in jobs:
-                new_chains.append(store.write_key_group(checkpoint_id, uid, state, kg, prev, delta,
-                                                        complete=complete, image=image))
-                self.fault("during_upload", task)
+            from storage.store import KeyGroupWrite
+
+            new_chains = store.write_key_groups(
+                checkpoint_id, [KeyGroupWrite(*args, image) for _, _, args, image in jobs])
+        paths: set[str] = set()
         for (target, kg, _, _), new_chain in zip(jobs, new_chains):
             fresh = [r for r in new_chain if r.checkpoint_id == checkpoint_id]
             written += sum(r.bytes for r in fresh)
-            files += len(fresh)
-            if writer is not None:
-                self.fault("during_upload", task)
+            paths.update(r.path for r in fresh)
+            self.fault("during_upload", task)
             if new_chain:
                 target[kg] = new_chain
             else:
@@ -217,7 +216,7 @@ class Worker:
             "source_offsets": offsets,
             "sink_transactions": {uid: {str(task.subtask): t} for uid, t in sinks.items()},
             "bytes_written": written,
-            "files_written": files,
+            "files_written": len(paths),
             "async_cpu": writer_cpu,
         }
 

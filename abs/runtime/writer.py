@@ -16,7 +16,8 @@ and the numpy buffers of the captured copies out of band, written with one ``wri
 worker: ``Connection.send``):
 
 * ``("open", storage_url, storage_options)`` once, when the job has a storage root;
-* ``("write", checkpoint_id, jobs)`` (on an object store up to 16 jobs at once); a job is
+* ``("write", checkpoint_id, jobs)``, written with :meth:`SnapshotStore.write_key_groups`
+  (one packed file per state and checkpoint instead of a file per key group); a job is
   ``(operator, state, key_group, prev_chain, delta, complete)`` with ``delta`` a
   :class:`~abs.state.ColumnDelta`, a :class:`~abs.state.PickledDelta` (captured copies,
   encoded here) or a ``pyarrow.Table``;
@@ -38,7 +39,6 @@ import pickle
 import struct
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -47,10 +47,6 @@ __all__ = ["SnapshotWriter", "die_with_parent", "recv_frame", "send_frame", "wri
 
 _IOV_MAX = 1024  # POSIX guarantees at least 16; Linux and macOS allow 1024
 _ALIGN = 64  # every out-of-band buffer starts at a multiple of this in the frame
-# key groups written at once to an object store: each PUT waits ~10-50 ms for the service,
-# and 128 of them one after the other made a checkpoint take seconds. No task thread shares
-# this process's GIL, and encoding and zstd release it, so threads do not convoy here.
-_OBJECT_STORE_WRITERS = 16
 
 
 def send_frame(conn: Any, msg: Any) -> None:
@@ -222,9 +218,9 @@ def _main(conn: Any, workers_end: Any) -> None:
     from abs.columns import KeyOrders
     from abs.state import ColumnDelta
     from storage import SnapshotStore
+    from storage.store import KeyGroupWrite
 
     store = None
-    pool = None
     orders = KeyOrders()  # the sort order of each key group's keys, from its last full image
     while True:
         try:
@@ -240,25 +236,18 @@ def _main(conn: Any, workers_end: Any) -> None:
             if store is None:
                 raise RuntimeError("the writer process got no storage root")
 
-            def write(job: tuple, store: Any = store) -> list:
-                operator, state, kg, prev_chain, delta, complete = job
+            writes = []
+            for operator, state, kg, prev_chain, delta, complete in jobs:
                 if isinstance(delta, pa.Table):
                     table, image = delta, None
                 elif isinstance(delta, ColumnDelta):
                     slot = (operator, state, kg)
-                    table, complete = delta.to_table(orders, slot), delta.complete
+                    table, complete = functools.partial(delta.to_table, orders, slot), delta.complete
                     image = functools.partial(delta.image, orders, slot)
                 else:
-                    table, image, complete = delta.to_table(), delta.image, delta.complete
-                return store.write_key_group(checkpoint_id, operator, state, kg, prev_chain, table,
-                                             complete=complete, image=image)
-
-            if store.object_store and len(jobs) > 1:
-                if pool is None:
-                    pool = ThreadPoolExecutor(_OBJECT_STORE_WRITERS, thread_name_prefix="abs-put")
-                chains = list(pool.map(write, jobs))  # job order; the first failure in it raises
-            else:
-                chains = [write(job) for job in jobs]
+                    table, image, complete = delta.to_table, delta.image, delta.complete
+                writes.append(KeyGroupWrite(operator, state, kg, prev_chain, table, complete, image))
+            chains = store.write_key_groups(checkpoint_id, writes)  # job order; the first failure raises
         except Exception as exc:  # noqa: BLE001 - reported to the worker, which declines the checkpoint
             reply: tuple = ("error", f"{type(exc).__name__}: {exc}")
         else:
