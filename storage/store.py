@@ -366,7 +366,8 @@ class SnapshotStore:
 
         ``complete=True``: the writer guarantees that ``delta`` holds every live key of the key
         group as an upsert (a full image). It is written as the new base at once, without
-        reading the previous chain, and the chain restarts at length 1.
+        reading the previous chain, and the chain restarts at length 1; an image without rows
+        returns ``[]`` (the key group holds no state any more).
 
         ``image``: when the policy compacts the chain, the store calls it for the key group's
         full live state at this checkpoint (a table like ``delta``, e.g. the writer's
@@ -471,6 +472,8 @@ class SnapshotStore:
                 )
         if not chain or (complete and delta.num_rows):
             return _Planned("base", self._encode_base(delta), [])
+        if complete:
+            return []  # a full image without rows: the key group holds no state any more
         if delta.num_rows == 0:
             return chain
         full = None

@@ -244,8 +244,9 @@ def _main(conn: Any, workers_end: Any) -> None:
                     slot = (operator, state, kg)
                     table, complete = functools.partial(delta.to_table, orders, slot), delta.complete
                     image = functools.partial(delta.image, orders, slot)
-                else:
-                    table, image, complete = delta.to_table, delta.image, delta.complete
+                else:  # complete is read after to_table, which may set it
+                    table = delta.to_table()
+                    image, complete = delta.image, delta.complete
                 writes.append(KeyGroupWrite(operator, state, kg, prev_chain, table, complete, image))
             chains = store.write_key_groups(checkpoint_id, writes)  # job order; the first failure raises
         except Exception as exc:  # noqa: BLE001 - reported to the worker, which declines the checkpoint
