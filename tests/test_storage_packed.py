@@ -31,19 +31,10 @@ from storage import (
 from storage.format import checksum_hex
 from storage.manifest import manifest_problems
 from storage.store import KeyGroupWrite
+from test_storage_store import LocalRoot, MemoryRoot, S3Root, StoreFixtures, as_dict, delta  # the shared store fixtures and helpers
 
 OP = "count"
 JOB = {"job_name": "wordcount", "max_parallelism": 16}
-
-
-def delta(rows: list[tuple[Any, Any, int]]) -> pa.Table:
-    """(key, value, op) rows -> delta table."""
-    return pa.table({"key": [r[0] for r in rows], "value": [r[1] for r in rows],
-                     "op": pa.array([r[2] for r in rows], pa.int8())})
-
-
-def as_dict(table: pa.Table) -> dict[Any, Any]:
-    return dict(zip(table.column("key").to_pylist(), table.column("value").to_pylist()))
 
 
 def rows_of(kg: int, version: int = 0, n: int = 12) -> dict[int, str]:
@@ -69,35 +60,10 @@ def names_key_group(problem: storage.Problem, kg: int) -> bool:
     return (problem.path or "").endswith(f"#kg-{kg:04d}") or f"key group {kg}" in problem.message
 
 
-class PackedContract:
+class PackedContract(StoreFixtures):
     """Every backend must pass these. Subclasses provide the ``root`` and ``options`` fixtures."""
 
-    @pytest.fixture
-    def options(self) -> dict[str, Any] | None:
-        return None
-
-    @pytest.fixture
-    def open_store(self, options):
-        def _open(url: str, **kw: Any) -> SnapshotStore:
-            return SnapshotStore.open(url, options, **kw)
-        return _open
-
-    @pytest.fixture
-    def store(self, root, open_store) -> SnapshotStore:
-        s = open_store(root)
-        s.init_job(JOB)
-        return s
-
     # ----------------------------------------------------------------- helpers
-    @staticmethod
-    def damage(store: SnapshotStore, path: str, data: bytes | None) -> None:
-        """Replace (or with None: delete) a file behind the store's back."""
-        full = f"{store._io.root}/{path}"
-        if data is None:
-            store.fs.rm_file(full)
-        else:
-            store.fs.pipe_file(full, data)
-
     def truncate(self, store: SnapshotStore, path: str, size: int) -> None:
         self.damage(store, path, store._io.get(path)[:size])
 
@@ -414,31 +380,18 @@ class PackedContract:
         assert chains[0][0].path not in store.list_files() and store.verify(2).ok
 
 
-class TestMemoryPacked(PackedContract):
-    @pytest.fixture
-    def root(self, memory_root):
-        return memory_root
+class TestMemoryPacked(MemoryRoot, PackedContract):
+    pass
 
 
-class TestLocalPacked(PackedContract):
-    @pytest.fixture
-    def root(self, tmp_path):
-        return str(tmp_path / "snapshots")
-
+class TestLocalPacked(LocalRoot, PackedContract):
     def truncate(self, store: SnapshotStore, path: str, size: int) -> None:
         os.truncate(os.path.join(store._io.root, path), size)  # cut on disk, in place
 
 
 @pytest.mark.s3
-class TestS3Packed(PackedContract):
-    @pytest.fixture
-    def options(self, s3_server):
-        return dict(s3_server.storage_options)
-
-    @pytest.fixture
-    def root(self, s3_root):
-        return f"{s3_root}/jobs/wordcount"
-
+class TestS3Packed(S3Root, PackedContract):
+    pass
 
 # ====================================================================== manifest JSON
 def _refs() -> tuple[FileRef, FileRef]:

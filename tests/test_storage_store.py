@@ -43,8 +43,9 @@ def as_dict(table: pa.Table) -> dict[Any, Any]:
     return dict(zip(table.column("key").to_pylist(), table.column("value").to_pylist()))
 
 
-class StoreContract:
-    """Every backend must pass these. Subclasses provide the ``root`` and ``options`` fixtures."""
+class StoreFixtures:
+    """``store`` (with ``_job.json`` written) and ``open_store`` over the ``root`` and ``options``
+    fixtures that subclasses provide (also used by tests/test_storage_packed.py)."""
 
     @pytest.fixture
     def options(self) -> dict[str, Any] | None:
@@ -62,12 +63,6 @@ class StoreContract:
         s.init_job(JOB)
         return s
 
-    # ----------------------------------------------------------------- helpers
-    @staticmethod
-    def commit(store: SnapshotStore, cid: int, chains: dict[int, list[FileRef]], **kw: Any) -> Manifest:
-        return store.commit(Manifest(checkpoint_id=cid, job_name="wordcount", max_parallelism=16,
-                                     keyed={"count": {"n": chains}}, **kw))
-
     @staticmethod
     def damage(store: SnapshotStore, path: str, data: bytes | None) -> None:
         """Replace (or with None: delete) a file behind the store's back."""
@@ -76,6 +71,16 @@ class StoreContract:
             store.fs.rm_file(full)
         else:
             store.fs.pipe_file(full, data)
+
+
+class StoreContract(StoreFixtures):
+    """Every backend must pass these. Subclasses provide the ``root`` and ``options`` fixtures."""
+
+    # ----------------------------------------------------------------- helpers
+    @staticmethod
+    def commit(store: SnapshotStore, cid: int, chains: dict[int, list[FileRef]], **kw: Any) -> Manifest:
+        return store.commit(Manifest(checkpoint_id=cid, job_name="wordcount", max_parallelism=16,
+                                     keyed={"count": {"n": chains}}, **kw))
 
     # ----------------------------------------------------------------- writing and reading
     def test_first_write_of_a_key_group_is_a_base_without_deleted_keys(self, store):
@@ -412,16 +417,33 @@ class StoreContract:
         assert not any(p.startswith("state/") and "/00000002-" in p for p in store.list_files())
 
 
-class TestMemoryStore(StoreContract):
+class MemoryRoot:
     @pytest.fixture
     def root(self, memory_root):
         return memory_root
 
 
-class TestLocalStore(StoreContract):
+class LocalRoot:
     @pytest.fixture
     def root(self, tmp_path):
         return str(tmp_path / "snapshots")
+
+
+class S3Root:
+    @pytest.fixture
+    def options(self, s3_server):
+        return dict(s3_server.storage_options)
+
+    @pytest.fixture
+    def root(self, s3_root):
+        return f"{s3_root}/jobs/wordcount"
+
+
+class TestMemoryStore(MemoryRoot, StoreContract):
+    pass
+
+
+class TestLocalStore(LocalRoot, StoreContract):
 
     def test_a_file_url_and_a_plain_path_open_the_same_root(self, store, root):
         chain = store.write_key_group(1, "count", "n", 0, [], delta([(1, "a", 0)]))
@@ -435,15 +457,7 @@ class TestLocalStore(StoreContract):
 
 
 @pytest.mark.s3
-class TestS3Store(StoreContract):
-    @pytest.fixture
-    def options(self, s3_server):
-        return dict(s3_server.storage_options)
-
-    @pytest.fixture
-    def root(self, s3_root):
-        return f"{s3_root}/jobs/wordcount"
-
+class TestS3Store(S3Root, StoreContract):
     def test_commit_is_a_conditional_put_that_refuses_to_overwrite(self, store, s3_server):
         chain = store.write_key_group(1, "count", "n", 0, [], delta([(1, "a", 0)]))
         self.commit(store, 1, {0: chain})
