@@ -44,6 +44,7 @@ __all__ = ["KeyGroupWrite", "SnapshotStore"]
 
 _RESTORE_HINT = "restore from an earlier checkpoint or a savepoint ('abs-snapshot verify ROOT' lists intact ones)"
 _REMOTE_READERS = 8  # files of one chain fetched at once from an object store
+_REMOTE_ENCODERS = 8  # key groups encoded at once for an object store (zstd and Arrow release the GIL)
 PACK_LIMIT = 64 << 20
 """A packed file is closed once it holds this many bytes (the last key group may cross it)."""
 
@@ -402,13 +403,13 @@ class SnapshotStore:
         for i, job in enumerate(jobs):
             groups.setdefault((job.operator, job.state), []).append(i)
         parallel = self._io.object_store and len(jobs) > 1
-        pool = ThreadPoolExecutor(_REMOTE_READERS, thread_name_prefix="abs-encode") if parallel else None
+        pool = ThreadPoolExecutor(_REMOTE_ENCODERS, thread_name_prefix="abs-encode") if parallel else None
         try:
             for (operator, state), members in groups.items():
                 members.sort(key=lambda i: jobs[i].key_group)
                 pack: list[tuple[int, KeyGroupWrite, _Planned]] = []
                 size = 0
-                step = _REMOTE_READERS * 2 if parallel else 1
+                step = _REMOTE_ENCODERS * 2 if parallel else 1
                 for at in range(0, len(members), step):
                     batch = members[at:at + step]
                     plan = functools.partial(self._plan_key_group, checkpoint_id)
