@@ -104,11 +104,6 @@ def _ref(ref: FileRef) -> str:
     return f"{ref.kind}@{ref.checkpoint_id} ({human_bytes(ref.bytes)}, {ref.rows} rows)"
 
 
-def _where(ref: FileRef) -> str:
-    """The file, and for a range of a packed file the bytes of it."""
-    return ref.path if ref.offset is None else f"{ref.path} bytes [{ref.offset}, {ref.offset + ref.bytes})"
-
-
 def show_lines(manifest: Manifest, *, files: bool = False) -> list[str]:
     m = manifest
     out = [
@@ -130,7 +125,7 @@ def show_lines(manifest: Manifest, *, files: bool = False) -> list[str]:
             for kg, chain in sorted(chains.items()):
                 out.append(f"      kg {kg:04d}: " + " <- ".join(_ref(r) for r in chain))
                 if files:
-                    out.extend(f"        {_where(r)}" for r in chain)
+                    out.extend(f"        {r.where}" for r in chain)
     out.append("operator state:" if m.operator_state else "operator state: none")
     for op, subtasks in sorted(m.operator_state.items()):
         out.append(f"  operator {op!r} (rule {m.operator_state_rules.get(op, '?')})")

@@ -101,6 +101,11 @@ class FileRef:
         """Unique among a root's references: the path, plus ``#kg-NNNN`` for a range of a packed file."""
         return self.path if self.key_group is None else StoragePaths.range_id(self.path, self.key_group)
 
+    @property
+    def where(self) -> str:
+        """The file, and for a range of a packed file the bytes of it (for messages and listings)."""
+        return self.path if self.offset is None else f"{self.path} bytes [{self.offset}, {self.offset + self.bytes})"
+
     def location(self) -> ParsedPath:
         """Operator / state / key group / subtask / task encoded in the path (the key group of a
         range of a packed file comes from the reference)."""

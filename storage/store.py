@@ -377,10 +377,7 @@ class SnapshotStore:
         """
         job = KeyGroupWrite(operator, state, key_group, prev_chain, delta, complete, image)
         planned = self._plan_key_group(checkpoint_id, job)
-        if isinstance(planned, list):
-            return planned
-        path = StoragePaths.state_file(checkpoint_id, operator, state, key_group, planned.kind)
-        return planned.prefix + [self._put(path, planned.encoded, planned.kind, checkpoint_id)]
+        return planned if isinstance(planned, list) else self._put_single(checkpoint_id, job, planned)
 
     def write_key_groups(self, checkpoint_id: int, jobs: Sequence["KeyGroupWrite"]) -> list[list[FileRef]]:
         """:meth:`write_key_group` for many key groups at once; returns the new chains in job order.
@@ -404,15 +401,15 @@ class SnapshotStore:
             groups.setdefault((job.operator, job.state), []).append(i)
         parallel = self._io.object_store and len(jobs) > 1
         pool = ThreadPoolExecutor(_REMOTE_ENCODERS, thread_name_prefix="abs-encode") if parallel else None
+        plan = functools.partial(self._plan_key_group, checkpoint_id)
+        step = _REMOTE_ENCODERS * 2 if parallel else 1
         try:
             for (operator, state), members in groups.items():
                 members.sort(key=lambda i: jobs[i].key_group)
                 pack: list[tuple[int, KeyGroupWrite, _Planned]] = []
                 size = 0
-                step = _REMOTE_ENCODERS * 2 if parallel else 1
                 for at in range(0, len(members), step):
                     batch = members[at:at + step]
-                    plan = functools.partial(self._plan_key_group, checkpoint_id)
                     planned = list(pool.map(plan, [jobs[i] for i in batch])) if pool else [plan(jobs[batch[0]])]
                     for i, p in zip(batch, planned):
                         if isinstance(p, list):

@@ -107,9 +107,6 @@ def check_files(
     def who(refs: list[FileRef]) -> tuple[CheckpointId, ...]:
         return tuple(sorted({c for ref in refs for c in users[ref.id]}))
 
-    def where(ref: FileRef) -> str:
-        return ref.path if ref.offset is None else f"{ref.path} bytes [{ref.offset}, {ref.offset + ref.bytes})"
-
     def check(path: str) -> tuple[list[Problem], int]:
         refs = sorted(by_path[path].values(), key=lambda r: r.offset or 0)
         first = refs[0]
@@ -142,12 +139,12 @@ def check_files(
             start = ref.offset or 0
             part = memoryview(data)[start:start + ref.bytes]
             if len(part) != ref.bytes:
-                problems.append(Problem("size", who([ref]), ref.id, f"read {len(part)} bytes of {where(ref)}, "
+                problems.append(Problem("size", who([ref]), ref.id, f"read {len(part)} bytes of {ref.where}, "
                                         f"the manifest says {ref.bytes}: torn or altered write"))
                 continue
             digest = checksum_hex(part, ref.checksum_algorithm)
             if digest != ref.checksum:
-                what = "corrupt file" if ref.offset is None else f"corrupt range of key group {ref.key_group} ({where(ref)})"
+                what = "corrupt file" if ref.offset is None else f"corrupt range of key group {ref.key_group} ({ref.where})"
                 problems.append(Problem("checksum", who([ref]), ref.id, f"{ref.checksum_algorithm} {digest[:12]}..., "
                                         f"the manifest says {ref.checksum[:12]}...: {what}"))
         return problems, len(data)

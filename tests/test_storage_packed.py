@@ -298,7 +298,11 @@ class PackedContract(StoreFixtures):
         plan = store.gc(retain=2)
         assert plan.retained == (2, 3) and plan.dropped == (1,)
         assert not any(p.startswith("state/") for p in plan.delete_files)
-        assert {first, second, third} <= set(store.list_files())
+        listing = store.list_files()
+        assert {first, second, third} <= set(listing)
+        # kept: the three packs whole; referenced: all of them but the first pack's unused ranges
+        assert plan.packed_bytes_kept == sum(listing[p] for p in (first, second, third))
+        assert plan.packed_bytes_live == plan.packed_bytes_kept - (listing[first] - chains[0][0].bytes)
         for cid in (2, 3):
             assert store.verify(cid).ok  # checkpoint 3 references only the first range of the first pack
         m3 = store.read_manifest(3)
