@@ -16,7 +16,7 @@ import pytest
 
 import abs
 from abs.keygroups import KeyGroupRange, key_group
-from abs.runtime.writer import SnapshotWriter, recv_frame, send_frame, writes_in_process
+from abs.runtime.writer import FrameReader, SnapshotWriter, recv_frame, send_frame, writes_in_process
 from abs.state import ColumnDelta, KeyedStateBackend, ListState, PickledDelta, ValueState
 from storage import SnapshotStore
 
@@ -77,6 +77,44 @@ def test_frames_carry_arrays_out_of_band_whole_and_in_order():
     a.close()
     with pytest.raises(EOFError):
         recv_frame(b)
+
+
+def test_a_frame_reader_reuses_its_block_only_once_nothing_refers_to_it():
+    """The arrays of a message are views of the reader's block: a message still alive when
+    the next frame comes keeps its values (a fresh block is taken); once dropped, the next
+    frame lands in the same memory. Frames bigger than the block, or far smaller, get one
+    of their own; every array arrives whole and 64-byte aligned."""
+    a, b = multiprocessing.Pipe()
+    reader = FrameReader()
+
+    def roundtrip(msg):
+        sender = threading.Thread(target=send_frame, args=(a, msg))
+        sender.start()
+        got = reader.recv(b)
+        sender.join(timeout=30)
+        return got
+
+    first = roundtrip(("write", 1, [np.arange(100_000, dtype=np.int64)]))
+    kept = first[2][0]
+    second = roundtrip(("write", 2, [np.full(100_000, 7, dtype=np.int64)]))
+    assert np.array_equal(kept, np.arange(100_000)), "a live message was overwritten by the next frame"
+    assert kept.ctypes.data != second[2][0].ctypes.data
+    address = second[2][0].ctypes.data
+    del first, kept, second
+    third = roundtrip(("write", 3, [np.full(100_000, 9, dtype=np.int64)]))
+    assert third[2][0].ctypes.data == address, "a block nothing refers to was not reused"
+    assert np.array_equal(third[2][0], np.full(100_000, 9))
+    del third
+    big = np.random.default_rng(3).integers(0, 1 << 60, 1 << 20)
+    fourth = roundtrip(("write", 4, [big, np.arange(3, dtype=np.int8), np.arange(5)]))
+    assert np.array_equal(fourth[2][0], big) and list(fourth[2][2]) == [0, 1, 2, 3, 4]
+    assert all(x.ctypes.data % 64 == 0 for x in fourth[2])
+    del fourth
+    small = roundtrip(("write", 5, [np.arange(10)]))
+    assert list(small[2][0]) == list(range(10))
+    a.close()
+    with pytest.raises(EOFError):
+        reader.recv(b)
 
 
 @pytest.fixture
