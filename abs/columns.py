@@ -306,21 +306,30 @@ class KeyOrders:
     appended slots into the known order was measured no faster than numpy's ``argsort``.
 
     The keys of one ``slot`` must be unique (they are: they come from one :class:`Column`).
-    Holds a copy of the keys and their order per slot (16 bytes per key); used by one writer
-    process (:mod:`abs.runtime.writer`), one thread per slot at a time.
+    Holds a copy of the keys, their order and the sorted keys per slot (24 bytes per key): a
+    remembered order also spares the gather of the sorted keys (~1.5 ms of the writer's ~30
+    per checkpoint of 500k keys). Used by one writer process (:mod:`abs.runtime.writer`), one
+    thread per slot at a time.
     """
 
     def __init__(self) -> None:
-        self._known: dict[Any, tuple[np.ndarray, np.ndarray]] = {}
+        self._known: dict[Any, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def order(self, slot: Any, keys: np.ndarray) -> np.ndarray:
         """Indexes that sort ``keys`` (unique int64) ascending; remembered for ``slot``."""
+        return self.sort(slot, keys)[0]
+
+    def sort(self, slot: Any, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(order, keys[order])`` for unique int64 ``keys``; remembered for ``slot``. The
+        arrays returned are shared with later calls, and read-only."""
         known = self._known.get(slot)
         if known is not None and len(known[0]) == len(keys) and np.array_equal(known[0], keys):
-            return known[1]
+            return known[1], known[2]
         order = np.argsort(keys)
-        self._known[slot] = (keys.copy(), order)
-        return order
+        ordered = keys[order]
+        order.flags.writeable = ordered.flags.writeable = False  # shared with later calls
+        self._known[slot] = (keys.copy(), order, ordered)
+        return order, ordered
 
 
 def _key_storage(keys: list) -> array | list:

@@ -712,9 +712,9 @@ def _sorted_rows(orders: KeyOrders, slot: Any, keys: Any, values: Any, nulls: np
     """A full image's rows in key order, when its keys are an int64 array (else unchanged)."""
     if not isinstance(keys, np.ndarray) or len(keys) < 2:
         return keys, values, nulls
-    order = orders.order(slot, keys)
+    order, ordered = orders.sort(slot, keys)
     values = values[order] if isinstance(values, np.ndarray) else [values[i] for i in order.tolist()]
-    return keys[order], values, None if nulls is None else nulls[order]
+    return ordered, values, None if nulls is None else nulls[order]
 
 
 class PickledDelta:

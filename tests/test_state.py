@@ -943,6 +943,7 @@ def test_full_images_sorted_with_remembered_key_orders_equal_a_fresh_sort(typeco
         keys = np.array(col.keys.tolist(), dtype=np.int64)
         if known is not None and np.array_equal(known[0], keys):
             assert orders._known["s"][1] is known[1]  # same keys: the remembered order, no new sort
+            assert np.shares_memory(got_delta.column("key").chunk(0).to_numpy(), known[2])  # and sorted keys
         assert got_delta.column("key").to_pylist() == sorted(keys.tolist())
 
 
