@@ -247,7 +247,7 @@ def windows(args: argparse.Namespace) -> None:
             time.sleep(0.6)  # the last window's counts reach the driver
         finally:
             counts.stop()
-            handle.cancel()
+            result = handle.cancel()
             shutil.rmtree(root, ignore_errors=True)
         rates = [counts.rate(a, z) for _, a, z, _ in spans]
         costs = [1 - rates[i] / ((rates[i - 1] + rates[i + 1]) / 2) for i in range(1, len(spans), 2)]
@@ -260,6 +260,18 @@ def windows(args: argparse.Namespace) -> None:
               f"{q3 * 100:.1f} %, mean {float(np.mean(costs)) * 100:.1f} %; per window "
               + ", ".join(f"{c * 100:.0f}" for c in costs) + " %)  target <= 5 %: " + ("met" if med <= 0.05 else "NOT met"),
               flush=True)
+        # the CPU the checkpoints of the ABS windows took, as the workers measured it: a
+        # figure the machine's drift barely moves (it changes how fast, not how much work).
+        # Not in it: what checkpoints cost the processing threads indirectly (caches and
+        # memory shared with the writer processes, scheduling); the throughput figure has that
+        cps = result.completed_checkpoints[2:]  # after the two of the warm-up, all in ABS windows
+        if cps:
+            async_ms = 1000 * float(np.median([c.async_cpu for c in cps]))
+            sync_ms = 1000 * float(np.median([c.sync_time for c in cps]))
+            cores = os.cpu_count() or 1
+            print(f"  CPU of a checkpoint (medians over {len(cps)}): asynchronous part {async_ms:.0f} ms (writer processes and "
+                  f"uploader threads of all workers), synchronous part {sync_ms:.1f} ms (the slowest task's); at one checkpoint per "
+                  f"second that is {(async_ms + p * sync_ms) / 10 / cores:.1f} % of the {cores} cores' time", flush=True)
 
 
 def reference(args: argparse.Namespace) -> None:
