@@ -299,7 +299,7 @@ class KeyOrders:
     Files store their rows sorted by key (``storage/FORMAT.md``), and a column's slots are in
     insertion order, so every full image needs a sort. When every key of a key group was
     written again between two snapshots (a state whose keys all change each interval: the
-    images are then the snapshots) its key array is usually the very same, and :meth:`order`
+    images are then the snapshots) its key array is usually the very same, and :meth:`sort`
     returns the order it computed last time after one comparison of the arrays (~6 us for
     7.8k keys, against ~100 us for the ``argsort``). An insert or a delete changes the array
     (a delete moves the last slot into the hole), and the keys are sorted afresh. Merging
@@ -314,10 +314,6 @@ class KeyOrders:
 
     def __init__(self) -> None:
         self._known: dict[Any, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-
-    def order(self, slot: Any, keys: np.ndarray) -> np.ndarray:
-        """Indexes that sort ``keys`` (unique int64) ascending; remembered for ``slot``."""
-        return self.sort(slot, keys)[0]
 
     def sort(self, slot: Any, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(order, keys[order])`` for unique int64 ``keys``; remembered for ``slot``. The

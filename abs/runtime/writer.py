@@ -22,8 +22,8 @@ worker: ``Connection.send``):
   :class:`~abs.state.ColumnDelta`, a :class:`~abs.state.PickledDelta` (captured copies,
   encoded here) or a ``pyarrow.Table``;
   reply ``("ok", [new_chain, ...], cpu_seconds)`` in job order with the CPU time the writer
-  spent on receiving and writing them, or ``("error", message)`` after the first failing job (the checkpoint is then
-  declined; files already written are garbage for GC).
+  spent on receiving and writing them, or ``("error", message)`` after the first failing job
+  (the checkpoint is then declined; files already written are garbage for GC).
 
 The process exits when the pipe closes (its worker ended or was killed: the read sees EOF)
 and, on Linux, when its parent dies (``PR_SET_PDEATHSIG``). A worker whose writer died
