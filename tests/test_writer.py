@@ -109,9 +109,11 @@ def test_a_frame_reader_reuses_its_block_only_once_nothing_refers_to_it():
     fourth = roundtrip(("write", 4, [big, np.arange(3, dtype=np.int8), np.arange(5)]))
     assert np.array_equal(fourth[2][0], big) and list(fourth[2][2]) == [0, 1, 2, 3, 4]
     assert all(x.ctypes.data % 64 == 0 for x in fourth[2])
+    assert len(reader._block) >= big.nbytes  # outgrew the old block: a bigger one
     del fourth
     small = roundtrip(("write", 5, [np.arange(10)]))
     assert list(small[2][0]) == list(range(10))
+    assert len(reader._block) < big.nbytes // 4  # the 8 MB block is not kept for a tiny frame
     a.close()
     with pytest.raises(EOFError):
         reader.recv(b)
