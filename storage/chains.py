@@ -12,7 +12,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .errors import DeltaSchemaError
-from .format import KEY_COLUMN, META_FILE_KIND, OP_COLUMN, OP_UPSERT
+from .format import (CHECKSUM_ALGORITHMS, KEY_COLUMN, META_FILE_KIND, META_KEYS_DIGEST, OP_COLUMN, OP_UPSERT, is_values_image, keys_digest,
+                     value_columns)
 from .manifest import FileRef
 
 __all__ = ["CompactionPolicy", "compaction_reason", "resolve_chain"]
@@ -68,6 +69,7 @@ def _with_op(table: pa.Table) -> pa.Table:
 def _clean_metadata(schema: pa.Schema) -> dict[bytes, bytes] | None:
     meta = dict(schema.metadata or {})
     meta.pop(META_FILE_KIND, None)
+    meta.pop(META_KEYS_DIGEST, None)
     return meta or None
 
 
@@ -217,16 +219,49 @@ def _resolve_sorted_pair(base: pa.Table, delta: pa.Table, metadata: dict[bytes, 
         return None  # the general path fails the same way and raises DeltaSchemaError
 
 
+def _apply_values_image(base: pa.Table, image: pa.Table) -> pa.Table:
+    """The base with the values of a values image (format 4): row ``i`` of the image holds the
+    values of the base's row ``i``. Checks that the image was written for these very keys."""
+    digest = (image.schema.metadata or {}).get(META_KEYS_DIGEST, b"").decode(errors="replace")
+    algorithm = digest.partition(":")[0]
+    problem = None
+    if OP_COLUMN in base.schema.names:
+        problem = "its base has an 'op' column"
+    elif image.num_rows != base.num_rows:
+        problem = f"it has {image.num_rows} rows and its base {base.num_rows}"
+    elif sorted(value_columns(base.schema)) != sorted(image.schema.names):
+        problem = f"its columns {image.schema.names} are not the base's value columns {value_columns(base.schema)}"
+    else:
+        actual = keys_digest(base.column(KEY_COLUMN), algorithm) if algorithm in CHECKSUM_ALGORITHMS else None
+        if actual is None or actual != digest:
+            problem = f"it was written for other keys than its base's (keys digest {digest or 'absent'!r})"
+    if problem is not None:
+        raise DeltaSchemaError(f"a values image does not fit its base: {problem}; the chain or its manifest is corrupt")
+    columns = [base.column(KEY_COLUMN)] + [image.column(name) for name in value_columns(base.schema)]
+    names = [KEY_COLUMN] + value_columns(base.schema)
+    return pa.Table.from_arrays(columns, names=names).replace_schema_metadata(base.schema.metadata)
+
+
 def resolve_chain(tables: Sequence[pa.Table], *, first_is_base: bool) -> pa.Table:
     """Fold tables (oldest first) into live state: one row per live key, columns ``key`` and
     the value columns, no ``op``. The last op per key wins; a delete drops the key.
 
-    With ``first_is_base`` the first table is a base (unique keys, no deletes). Keys compare
-    by their Arrow value (pickled keys by bytes). Schema metadata comes from the newest table.
+    With ``first_is_base`` the first table is a base (unique keys, no deletes), and the second
+    may be a *values image* (format 4: no ``key`` column, the values of the base's rows, see
+    :func:`storage.format.values_image`). Keys compare by their Arrow value (pickled keys by
+    bytes). Schema metadata comes from the newest table.
     """
     if not tables:
         raise ValueError("resolve_chain needs at least one table")
     metadata = _clean_metadata(tables[-1].schema)
+    for i, t in enumerate(tables):
+        if is_values_image(t) and not (first_is_base and i == 1):
+            raise DeltaSchemaError(
+                f"file {i + 1} of the chain has no 'key' column: only a values image may, and only directly "
+                "after its chain's base; the chain or its manifest is corrupt"
+            )
+    if first_is_base and len(tables) > 1 and is_values_image(tables[1]):
+        tables = [_apply_values_image(tables[0], tables[1]), *tables[2:]]
     if first_is_base and len(tables) == 2:  # a base and one delta: most key groups on restore
         resolved = _resolve_sorted_pair(tables[0], tables[1], metadata)
         if resolved is not None:

@@ -9,7 +9,10 @@ Schema conventions (see ``storage/FORMAT.md``):
   column carries no information and costs ~200 bytes per small file); bases carry no ``op``;
 - the writer's schema metadata is kept as given.
 
-Format 2 (this writer) stores every file as an Arrow IPC *stream* (no footer repeating the
+Format 4 adds *values images* (:func:`values_image`): a delta without ``key`` that gives new
+values for the rows of its chain's base, positionally.
+
+Format 2 (and later) stores every file as an Arrow IPC *stream* (no footer repeating the
 schema), rows of base and delta files sorted by key where the key type sorts, and checksums
 with the algorithm named in the manifest (:data:`WRITE_CHECKSUM_ALGORITHM`). Format 1 files
 (IPC *files*, ``ARROW1`` magic, ``abs.file_kind`` metadata, SHA-256) are still read.
@@ -35,6 +38,7 @@ __all__ = [
     "META_KEY_ENCODING",
     "META_VALUE_ENCODING",
     "META_FILE_KIND",
+    "META_KEYS_DIGEST",
     "CHECKSUM_ALGORITHMS",
     "WRITE_CHECKSUM_ALGORITHM",
     "EncodedFile",
@@ -49,6 +53,9 @@ __all__ = [
     "delta_for_file",
     "value_columns",
     "is_pickled",
+    "is_values_image",
+    "keys_digest",
+    "values_image",
 ]
 
 KEY_COLUMN = "key"
@@ -59,6 +66,9 @@ META_KEY_ENCODING = b"abs.key_encoding"
 META_VALUE_ENCODING = b"abs.value_encoding"
 META_FILE_KIND = b"abs.file_kind"
 """Written by format 1 only (the manifest and the file name already say the kind); ignored on read."""
+META_KEYS_DIGEST = b"abs.keys_digest"
+"""Format 4, in a *values image* only: ``<algorithm>:<hex digest>`` of the int64 keys of the
+base whose rows it gives the values of (see :func:`values_image`)."""
 
 _FILE_MAGIC = b"ARROW1"  # format 1: IPC file; format 2 files start with an IPC stream message
 _MAX_BATCH_ROWS = 1 << 17
@@ -266,3 +276,45 @@ def delta_for_file(delta: pa.Table) -> pa.Table:
     if OP_COLUMN in delta.schema.names and not has_deletes(delta.column(OP_COLUMN)):
         return delta.drop_columns([OP_COLUMN])
     return delta
+
+
+# ---------------------------------------------------------------------------- values images
+def keys_digest(keys: pa.ChunkedArray | pa.Array, algorithm: str = WRITE_CHECKSUM_ALGORITHM) -> str | None:
+    """``<algorithm>:<hex digest>`` of an int64 key column without nulls (its values as
+    little-endian 8-byte integers), or ``None`` for any other column."""
+    if not pa.types.is_int64(keys.type) or keys.null_count:
+        return None
+    data = np.ascontiguousarray(keys.to_numpy(), dtype="<i8")
+    return f"{algorithm}:{checksum_hex(memoryview(data).cast('B'), algorithm)}"
+
+
+def is_values_image(table: pa.Table) -> bool:
+    """Whether a state file's table is a values image: a delta without a ``key`` column."""
+    return KEY_COLUMN not in table.schema.names
+
+
+def values_image(image: pa.Table) -> pa.Table | None:
+    """The table a *values image* stores for ``image``, a key group's full image (``key``,
+    value columns, ``op`` absent or all upserts) whose keys are exactly those of the chain's
+    base: the value columns alone, rows in ascending key order, so that row ``i`` holds the
+    values of the base's row ``i``, and :data:`META_KEYS_DIGEST` naming those keys.
+
+    Why: a state whose keys stay the same while every value changes (counters of a fixed key
+    set) would otherwise write the same keys again at every checkpoint; the keys are about
+    half of such a file's bytes and of the zstd work. ``None`` when the image does not
+    qualify: keys not int64, not unique, or null."""
+    if OP_COLUMN in image.schema.names:
+        if has_deletes(image.column(OP_COLUMN)):
+            return None
+        image = image.drop_columns([OP_COLUMN])
+    image = sort_by_key(image)
+    keys = image.column(KEY_COLUMN)
+    digest = keys_digest(keys)
+    if digest is None:
+        return None
+    k = keys.to_numpy()
+    if len(k) > 1 and not bool(np.all(k[1:] > k[:-1])):
+        return None  # repeated keys: rows cannot stand for the base's rows one to one
+    meta = dict(image.schema.metadata or {})
+    meta[META_KEYS_DIGEST] = digest.encode()
+    return image.drop_columns([KEY_COLUMN]).replace_schema_metadata(meta)

@@ -23,11 +23,12 @@ __all__ = [
     "manifest_problems",
 ]
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """Version of the on-disk format (manifests, ``_job.json``, file layout) this code writes; it
 reads every version from 1 up to this one. Version 2: file references name their checksum
 algorithm, data files are Arrow IPC streams. Version 3: a reference may be a range of a packed
-file (``offset``, ``key_group``). See ``storage/FORMAT.md``."""
+file (``offset``, ``key_group``). Version 4: the delta right after a chain's base may be a
+*values image* (no ``key`` column; the values of the base's rows). See ``storage/FORMAT.md``."""
 
 ManifestKind = Literal["checkpoint", "savepoint"]
 KEYED_KINDS = ("base", "delta")

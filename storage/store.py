@@ -32,7 +32,8 @@ from .errors import (
     StorageError,
     UnsupportedFormatError,
 )
-from .format import EncodedFile, checksum_hex, decode_table, delta_for_file, encode_table, normalize_delta, sort_by_key
+from .format import (EncodedFile, checksum_hex, decode_table, delta_for_file, encode_table, normalize_delta, sort_by_key,
+                     values_image)
 from .gc import GcPlan, plan_gc
 from .ids import CheckpointId, SubtaskIndex
 from .manifest import FORMAT_VERSION, FileRef, Manifest, chain_problems, manifest_problems
@@ -60,6 +61,7 @@ class KeyGroupWrite(NamedTuple):
     delta: "pa.Table | Callable[[], pa.Table]"
     complete: bool = False
     image: Callable[[], pa.Table | None] | None = None
+    over_base: FileRef | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,6 +359,7 @@ class SnapshotStore:
         *,
         complete: bool = False,
         image: Callable[[], pa.Table | None] | None = None,
+        over_base: FileRef | None = None,
     ) -> list[FileRef]:
         """Write the changes of one key group and return its new chain.
 
@@ -374,8 +377,18 @@ class SnapshotStore:
         full live state at this checkpoint (a table like ``delta``, e.g. the writer's
         in-memory copy) and writes that as the new base instead of reading the previous chain
         back and resolving it; ``None`` from it falls back to reading.
+
+        ``over_base`` (with ``complete``): the writer guarantees that the full image's keys are
+        exactly the keys of this base file (e.g. it wrote that base from a key array that has
+        not changed since). When it still heads ``prev_chain``, the image is written as a
+        *values image* (format 4: the values alone, in the base's row order) and the chain
+        becomes ``[base, values image]``: the keys are not written again. Falls back to a
+        new base when the image does not qualify (keys not unique int64, another row count)
+        or the compaction policy rejects the pair. Readers check the image's keys digest
+        against the base, so a broken guarantee fails a restore loudly instead of mixing up
+        values.
         """
-        job = KeyGroupWrite(operator, state, key_group, prev_chain, delta, complete, image)
+        job = KeyGroupWrite(operator, state, key_group, prev_chain, delta, complete, image, over_base)
         planned = self._plan_key_group(checkpoint_id, job)
         return planned if isinstance(planned, list) else self._put_single(checkpoint_id, job, planned)
 
@@ -453,7 +466,7 @@ class SnapshotStore:
     def _plan_key_group(self, checkpoint_id: int, job: "KeyGroupWrite") -> "list[FileRef] | _Planned":
         """What :meth:`write_key_group` writes for ``job``: the new chain when nothing is to be
         written, else the encoded file and the part of the old chain it extends."""
-        operator, state, key_group, prev_chain, delta, complete, image = job
+        operator, state, key_group, prev_chain, delta, complete, image, over_base = job
         what = f"checkpoint {checkpoint_id}: {operator}/{state} key group {key_group}"
         if callable(delta):
             delta = delta()
@@ -468,6 +481,12 @@ class SnapshotStore:
                     f"{what}: the previous chain is malformed ({problems[0][1]}); refusing to extend it; "
                     "pass the chain returned by the previous write_key_group or the last complete manifest"
                 )
+        if complete and over_base is not None and chain and chain[0] == over_base and delta.num_rows == over_base.rows:
+            values = values_image(delta)
+            if values is not None:
+                encoded = encode_table(values, "delta")
+                if compaction_reason(self.policy, chain[:1], encoded.size) is None:
+                    return _Planned("delta", encoded, chain[:1])
         if not chain or (complete and delta.num_rows):
             return _Planned("base", self._encode_base(delta), [])
         if complete:

@@ -38,48 +38,59 @@ def build(root: str) -> tuple[SnapshotStore, Manifest]:
     chain = store.write_key_group(41, "count", "n", 37, chain, rows([1, 2, 4], [0, 21, 40], [1, 0, 0]))
     chain = store.write_key_group(42, "count", "n", 37, chain, rows([4, 1], [41, 11], [0, 0]))
     assert [r.kind for r in chain] == ["base", "delta", "delta"]
+    # key group 38: a base, a values image over it (format 4), a delta on top
+    other = store.write_key_group(40, "count", "n", 38, [], rows([7, 5, 6], [70, 50, 60], [0, 0, 0]), complete=True)
+    other = store.write_key_group(41, "count", "n", 38, other, rows([6, 7, 5], [61, 71, 51], [0, 0, 0]), complete=True,
+                                  over_base=other[0])
+    other = store.write_key_group(42, "count", "n", 38, other, rows([8, 6], [80, 0], [0, 1]))
+    assert [r.kind for r in other] == ["base", "delta", "delta"] and other[0].checkpoint_id == 40
     return store, store.commit(Manifest(checkpoint_id=42, job_name="wc", max_parallelism=128,
-                                        keyed={"count": {"n": {37: chain}}}))
+                                        keyed={"count": {"n": {37: chain, 38: other}}}))
 
 
 def test_the_documented_pyarrow_example_resolves_a_key_group_like_the_store(tmp_path):
     root = str(tmp_path / "ckpt")
     store, manifest = build(root)
     code = re.search(r"```python\n(.*?)```", FORMAT_MD.read_text(), re.S).group(1)
-    assert len(code.strip().splitlines()) <= 10
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        exec(code.replace("/data/ckpt", root), {})  # noqa: S102 - our own documentation
-    expected = store.read_key_group(manifest, "count", "n", 37)
-    assert out.getvalue().strip() == str(expected.sort_by("key").to_pylist())
-    assert sorted(expected.to_pylist(), key=lambda r: r["key"]) == [
-        {"key": 1, "value": 11}, {"key": 2, "value": 21}, {"key": 3, "value": 30}, {"key": 4, "value": 41}]
+    assert len(code.strip().splitlines()) <= 12
+    for kg, rows in [(37, [(1, 11), (2, 21), (3, 30), (4, 41)]), (38, [(5, 51), (7, 71), (8, 80)])]:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(code.replace("/data/ckpt", root).replace('"n", 37', f'"n", {kg}'), {})  # noqa: S102 - our own documentation
+        expected = store.read_key_group(manifest, "count", "n", kg)
+        assert out.getvalue().strip() == str(expected.sort_by("key").to_pylist())
+        assert sorted(expected.to_pylist(), key=lambda r: r["key"]) == [{"key": k, "value": v} for k, v in rows]
 
 
 def test_files_are_zstd_compressed_arrow_ipc_streams_and_manifests_plain_json(tmp_path):
     root = tmp_path / "ckpt"
     store, manifest = build(str(root))
+    chain37, chain38 = manifest.chains("count", "n")[37], manifest.chains("count", "n")[38]
     for ref in manifest.files().values():
         data = (root / ref.path).read_bytes()
         assert data[:4] == b"\xff\xff\xff\xff" and ZSTD_MAGIC in data  # a stream message, not the ARROW1 file magic
         assert ref.checksum_algorithm == WRITE_CHECKSUM_ALGORITHM and ref.checksum == checksum_hex(data, ref.checksum_algorithm)
         table = pa.ipc.open_stream(pa.BufferReader(data)).read_all()
         assert b"abs.file_kind" not in (table.schema.metadata or {})
+        if "key" not in table.column_names:  # the values image of key group 38: values in its base's key order
+            assert ref.checkpoint_id == 41 and table.column_names == ["value"] and table["value"].to_pylist() == [51, 61, 71]
+            assert table.schema.metadata[b"abs.keys_digest"].startswith(WRITE_CHECKSUM_ALGORITHM.encode() + b":")
+            continue
         assert table.column("key").to_pylist() == sorted(table.column("key").to_pylist())
         if ref.kind == "base":
             assert "op" not in table.column_names
-        elif ref.checkpoint_id == 41:  # the delta with a delete keeps op; all-upsert deltas omit it
-            assert table.column("op").to_pylist() == [1, 0, 0]
+        elif ref in (chain37[1], chain38[2]):  # the deltas with a delete keep op; all-upsert deltas omit it
+            assert table.column("op").to_pylist() == ([1, 0, 0] if ref == chain37[1] else [1, 0])
         else:
             assert "op" not in table.column_names
     doc = json.loads((root / StoragePaths.manifest(42)).read_text())
-    assert doc["format_version"] == FORMAT_VERSION == 3
+    assert doc["format_version"] == FORMAT_VERSION == 4
     assert set(doc) >= {"checkpoint_id", "kind", "job_name", "max_parallelism", "created_at", "keyed",
                         "operator_state", "operator_state_rules", "channel_logs", "source_offsets",
                         "sink_transactions", "stats"}
     assert all(ref["checksum_algorithm"] == WRITE_CHECKSUM_ALGORITHM for ref in doc["keyed"]["count"]["n"]["37"])
     job = json.loads((root / "_job.json").read_text())
-    assert job == {"format_version": 3, "job_name": "wc", "max_parallelism": 128}
+    assert job == {"format_version": 4, "job_name": "wc", "max_parallelism": 128}
 
 
 def test_xxhash_is_installed_so_new_files_get_xxh3_checksums():
@@ -173,7 +184,7 @@ def test_a_version_1_root_is_read_verified_and_continued(tmp_path):
     chain = store.write_key_group(3, "count", "n", 5, m2.chains("count", "n")[5],
                                   pa.table({"key": [50, 30], "value": [5, 33]}).replace_schema_metadata(state.schema.metadata))
     m3 = store.commit(Manifest(checkpoint_id=3, job_name="wc", max_parallelism=8, keyed={"count": {"n": {5: chain}}}))
-    assert m3.format_version == 3 and [r.checksum_algorithm for r in chain] == ["sha256", "sha256", WRITE_CHECKSUM_ALGORITHM]
+    assert m3.format_version == 4 and [r.checksum_algorithm for r in chain] == ["sha256", "sha256", WRITE_CHECKSUM_ALGORITHM]
     again = SnapshotStore.open(str(root))
     assert again.verify().ok
     assert as_sorted(again.read_key_group(again.read_manifest(3), "count", "n", 5)) == [
@@ -191,6 +202,6 @@ def as_sorted(table: pa.Table) -> list[tuple]:
     return sorted(zip(table.column("key").to_pylist(), table.column("value").to_pylist()))
 
 
-def test_older_code_would_refuse_a_version_3_manifest_by_its_version():
+def test_older_code_would_refuse_a_version_4_manifest_by_its_version():
     doc = Manifest(checkpoint_id=1, job_name="j", max_parallelism=1).to_dict()
-    assert doc["format_version"] == 3  # version 1 and 2 readers raise UnsupportedFormatError on > their own
+    assert doc["format_version"] == 4  # version 1 to 3 readers raise UnsupportedFormatError on > their own

@@ -412,9 +412,9 @@ def _manifest_doc(**kw: Any) -> dict[str, Any]:
                     **kw).to_dict()
 
 
-def test_the_format_version_is_3():
-    assert FORMAT_VERSION == storage.FORMAT_VERSION == 3
-    assert _manifest_doc()["format_version"] == 3
+def test_the_format_version_is_4():
+    assert FORMAT_VERSION == storage.FORMAT_VERSION == 4
+    assert _manifest_doc()["format_version"] == 4
 
 
 def test_a_range_reference_round_trips_through_manifest_json():
