@@ -696,6 +696,17 @@ class ColumnDelta:
             keys, values, nulls = _sorted_rows(orders, slot, keys, values, nulls)
         return _column_table(self._arrow_type, self._kind, keys, values, nulls, c.deleted)
 
+    def image_keys(self, orders: KeyOrders, slot: Any) -> np.ndarray | None:
+        """When the delta is the key group's full image of two or more int64 keys (the rows
+        :meth:`to_table` sorts with ``orders``): its keys in ascending order, as the array
+        ``orders`` keeps for ``slot``, which stays the very same object while the key group's
+        keys do not change (an identity check then tells that they did not). Else ``None``."""
+        c = self._captured
+        if not (self.complete and c.all_rows and c.changed is None and not c.deleted
+                and isinstance(c.keys, np.ndarray) and len(c.keys) >= 2):
+            return None
+        return orders.sort(slot, c.keys)[1]
+
     def image(self, orders: KeyOrders | None = None, slot: Any = None) -> pa.Table | None:
         """The key group's full live state at the capture, when the capture copied it;
         ``orders``, ``slot``: as for :meth:`to_table`."""

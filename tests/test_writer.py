@@ -148,6 +148,64 @@ def test_the_writer_process_writes_column_deltas_and_tables(tmp_path, writer):
     assert store.read_chain(chains[-1]).column("value").to_pylist() == ["a", "b"]
 
 
+def test_the_writer_process_writes_values_images_while_a_key_groups_keys_stay(tmp_path, writer):
+    """Counters over a fixed key set: from the second checkpoint on, every key group's chain is
+    its first base and a values image; a key group with a new key gets a new base."""
+    store = SnapshotStore.open(str(tmp_path))
+    store.init_job({"job_name": "j", "max_parallelism": M})
+    writer.open(str(tmp_path), None)
+    b = KeyedStateBackend("op", [ValueState("v", pa.int64())], M, KeyGroupRange(0, M - 1))
+    values: dict[int, int] = {}
+
+    def checkpoint(cid: int, prev: dict, add: int | None = None, drop: int | None = None) -> dict:
+        if drop is not None:
+            del values[drop]
+            b.current_key, b.current_kg = drop, key_group(drop, M)
+            b.state("v").clear()
+        for k in [*(k for k in range(200) if k in values or cid == 1), *([add] if add is not None else [])]:
+            values[k] = values.get(k, 0) + k + cid
+            b.current_key, b.current_kg = k, key_group(k, M)
+            b.state("v").update(values[k])
+        deltas = b.capture(cid, lazy=True)["v"]
+        b.confirm(cid)
+        assert all(d.complete for d in deltas.values())
+        chains = writer.write(cid, [("op", "v", kg, prev.get(kg, []), d, False) for kg, d in deltas.items()])
+        new = dict(zip(deltas, chains))
+        got = {}
+        for chain in new.values():
+            t = store.read_chain(chain)
+            got.update(zip(t.column("key").to_pylist(), t.column("value").to_pylist()))
+        assert got == values
+        return new
+
+    first = checkpoint(1, {})
+    assert all(len(c) == 1 and c[0].kind == "base" for c in first.values())
+    second = checkpoint(2, first)
+    for kg, chain in second.items():
+        assert chain[0] == first[kg][0] and len(chain) == 2 and chain[1].checkpoint_id == 2
+        assert store.read_file(chain[1]).column_names == ["value"]  # the values alone
+        assert chain[1].bytes < chain[0].bytes
+    added = 1000
+    third = checkpoint(3, second, add=added)
+    for kg, chain in third.items():
+        if kg == key_group(added, M):  # an insert changed its keys: a new base
+            assert len(chain) == 1 and chain[0].checkpoint_id == 3 and chain[0].kind == "base"
+        else:
+            assert chain[0] == first[kg][0] and len(chain) == 2 and chain[1].checkpoint_id == 3
+    # a chain the writer's base does not head (e.g. its checkpoint was aborted): a new base,
+    # and the values images continue over that one
+    fourth = checkpoint(4, {kg: c for kg, c in first.items() if kg != 0})
+    assert len(fourth[0]) == 1 and fourth[0][0].checkpoint_id == 4
+    assert all(len(c) == 2 for kg, c in fourth.items() if kg not in (0, key_group(added, M)))
+    fifth = checkpoint(5, fourth)
+    assert fifth[0][0] == fourth[0][0] and len(fifth[0]) == 2
+    # a delete and an insert in one key group: as many keys as its base, but other ones
+    gone = next(k for k in range(200) if key_group(k, M) == 1)
+    other = next(k for k in range(2000, 3000) if key_group(k, M) == 1)
+    sixth = checkpoint(6, fifth, add=other, drop=gone)
+    assert len(sixth[1]) == 1 and sixth[1][0].checkpoint_id == 6 and sixth[1][0].rows == fifth[1][0].rows
+
+
 @pytest.mark.parametrize("kind", ["value", "list"])
 def test_the_writer_process_writes_untyped_deltas_frozen_at_capture(tmp_path, writer, kind):
     """Untyped value states (columns: ColumnDelta) and list states (dicts: PickledDelta)

@@ -273,6 +273,7 @@ def _main(conn: Any, workers_end: Any) -> None:
 
     store = None
     orders = KeyOrders()  # the sort order of each key group's keys, from its last full image
+    bases: dict = {}  # the base each key group's keys were last written into (see _write)
     reader = FrameReader()
     while True:
         cpu = time.process_time()  # waiting for a frame takes none: the receive is counted
@@ -287,7 +288,7 @@ def _main(conn: Any, workers_end: Any) -> None:
             continue
         _, checkpoint_id, jobs = msg
         del msg  # the jobs' arrays are views of the reader's block: none may outlive the write
-        reply = _write(store, orders, checkpoint_id, jobs)
+        reply = _write(store, orders, checkpoint_id, jobs, bases)
         del jobs
         if reply[0] == "ok":
             reply += (time.process_time() - cpu,)
@@ -297,28 +298,55 @@ def _main(conn: Any, workers_end: Any) -> None:
             return
 
 
-def _write(store: Any, orders: Any, checkpoint_id: int, jobs: list) -> tuple:
-    """``("ok", chains)`` or ``("error", message)`` for one ``write`` message."""
+def _write(store: Any, orders: Any, checkpoint_id: int, jobs: list, bases: dict | None = None) -> tuple:
+    """``("ok", chains)`` or ``("error", message)`` for one ``write`` message.
+
+    ``bases`` (kept by the caller from one write to the next): per key group of a columnar
+    state, ``(base, keys)``, the base file this writer last wrote from a full image and that
+    image's sorted keys as :class:`~abs.columns.KeyOrders` keeps them. A full image whose
+    keys are still that very array (the key group had no insert or delete since), over a
+    chain the base still heads, is written as a *values image* over it
+    (``KeyGroupWrite.over_base``): a state whose keys stay while its values change, such as
+    counters over a fixed key set, then writes its keys once instead of at every checkpoint.
+    """
     import pyarrow as pa
 
     from abs.state import ColumnDelta
     from storage.store import KeyGroupWrite
 
+    bases = {} if bases is None else bases
     try:
         if store is None:
             raise RuntimeError("the writer process got no storage root")
         writes = []
         for operator, state, kg, prev_chain, delta, complete in jobs:
+            over_base = None
             if isinstance(delta, pa.Table):
                 table, image = delta, None
             elif isinstance(delta, ColumnDelta):
                 slot = (operator, state, kg)
                 table, complete = functools.partial(delta.to_table, orders, slot), delta.complete
                 image = functools.partial(delta.image, orders, slot)
+                known = bases.get(slot)
+                if known is not None and prev_chain and prev_chain[0] == known[0] \
+                        and delta.image_keys(orders, slot) is known[1]:
+                    over_base = known[0]
             else:  # complete is read after to_table, which may set it
                 table = delta.to_table()
                 image, complete = delta.image, delta.complete
-            writes.append(KeyGroupWrite(operator, state, kg, prev_chain, table, complete, image))
-        return ("ok", store.write_key_groups(checkpoint_id, writes))  # job order; the first failure raises
+            writes.append(KeyGroupWrite(operator, state, kg, prev_chain, table, complete, image, over_base))
+        chains = store.write_key_groups(checkpoint_id, writes)  # job order; the first failure raises
     except Exception as exc:  # noqa: BLE001 - reported to the worker, which declines the checkpoint
         return ("error", f"{type(exc).__name__}: {exc}")
+    for (operator, state, kg, _, delta, _), chain in zip(jobs, chains):
+        if not isinstance(delta, ColumnDelta):
+            continue
+        slot = (operator, state, kg)
+        head = chain[0] if chain else None
+        keys = delta.image_keys(orders, slot)
+        if head is not None and len(chain) == 1 and head.kind == "base" and head.checkpoint_id == checkpoint_id \
+                and keys is not None and head.rows == len(keys):
+            bases[slot] = (head, keys)  # written from this full image: its keys are these
+        elif head is None or slot not in bases or bases[slot][0] != head:
+            bases.pop(slot, None)
+    return ("ok", chains)
