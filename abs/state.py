@@ -665,7 +665,7 @@ class ColumnDelta:
     ``pickle.dumps`` of their list (a C-level deep copy, as :class:`PickledDelta` does), and
     :meth:`to_table` pickles each value on its own from that copy."""
 
-    __slots__ = ("_captured", "_arrow_type", "_kind", "_blob", "complete")
+    __slots__ = ("_captured", "_arrow_type", "_kind", "_blob", "complete", "_sorted")
 
     def __init__(self, captured: Captured, arrow_type: pa.DataType | None, kind: str, blob: bytes | None = None) -> None:
         if arrow_type is None and blob is None:
@@ -676,6 +676,17 @@ class ColumnDelta:
         self._kind = kind
         self._blob = blob
         self.complete = captured.complete
+        self._sorted: tuple | None = None  # (orders, slot, order, sorted keys) of the last _sort
+
+    def _sort(self, orders: KeyOrders, slot: Any) -> tuple[np.ndarray, np.ndarray]:
+        """``orders.sort(slot, keys)`` of the captured int64 keys, asked of ``orders`` once per
+        delta: a write needs it up to three times (:meth:`image_keys` before and after,
+        :meth:`to_table`), and each ask compares the whole key array."""
+        memo = self._sorted
+        if memo is None or memo[0] is not orders or memo[1] != slot:
+            order, ordered = orders.sort(slot, self._captured.keys)
+            memo = self._sorted = (orders, slot, order, ordered)
+        return memo[2], memo[3]
 
     def __getstate__(self) -> tuple:
         return self._captured, self._arrow_type, self._kind, self._blob
@@ -693,7 +704,7 @@ class ColumnDelta:
         c = self._captured
         keys, values, nulls = c.delta_rows(self._values())
         if orders is not None and c.all_rows and c.changed is None and not c.deleted:
-            keys, values, nulls = _sorted_rows(orders, slot, keys, values, nulls)
+            keys, values, nulls = _sorted_rows(self, orders, slot, keys, values, nulls)
         return _column_table(self._arrow_type, self._kind, keys, values, nulls, c.deleted)
 
     def image_keys(self, orders: KeyOrders, slot: Any) -> np.ndarray | None:
@@ -705,7 +716,7 @@ class ColumnDelta:
         if not (self.complete and c.all_rows and c.changed is None and not c.deleted
                 and isinstance(c.keys, np.ndarray) and len(c.keys) >= 2):
             return None
-        return orders.sort(slot, c.keys)[1]
+        return self._sort(orders, slot)[1]
 
     def image(self, orders: KeyOrders | None = None, slot: Any = None) -> pa.Table | None:
         """The key group's full live state at the capture, when the capture copied it;
@@ -715,15 +726,17 @@ class ColumnDelta:
             return None
         keys, values, nulls = c.keys, self._values(), c.nulls
         if orders is not None:
-            keys, values, nulls = _sorted_rows(orders, slot, keys, values, nulls)
+            keys, values, nulls = _sorted_rows(self, orders, slot, keys, values, nulls)
         return _column_table(self._arrow_type, self._kind, keys, values, nulls, [])
 
 
-def _sorted_rows(orders: KeyOrders, slot: Any, keys: Any, values: Any, nulls: np.ndarray | None) -> tuple:
-    """A full image's rows in key order, when its keys are an int64 array (else unchanged)."""
+def _sorted_rows(delta: ColumnDelta, orders: KeyOrders, slot: Any, keys: Any, values: Any,
+                 nulls: np.ndarray | None) -> tuple:
+    """A full image's rows (``delta``'s captured keys) in key order, when its keys are an int64
+    array (else unchanged)."""
     if not isinstance(keys, np.ndarray) or len(keys) < 2:
         return keys, values, nulls
-    order, ordered = orders.sort(slot, keys)
+    order, ordered = delta._sort(orders, slot)
     values = values[order] if isinstance(values, np.ndarray) else [values[i] for i in order.tolist()]
     return ordered, values, None if nulls is None else nulls[order]
 

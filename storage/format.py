@@ -288,6 +288,10 @@ def keys_digest(keys: pa.ChunkedArray | pa.Array, algorithm: str = WRITE_CHECKSU
     return f"{algorithm}:{checksum_hex(memoryview(data).cast('B'), algorithm)}"
 
 
+def _strictly_increasing(k: np.ndarray) -> bool:
+    return len(k) < 2 or bool(np.all(k[1:] > k[:-1]))
+
+
 def is_values_image(table: pa.Table) -> bool:
     """Whether a state file's table is a values image: a delta without a ``key`` column."""
     return KEY_COLUMN not in table.schema.names
@@ -307,14 +311,17 @@ def values_image(image: pa.Table) -> pa.Table | None:
         if has_deletes(image.column(OP_COLUMN)):
             return None
         image = image.drop_columns([OP_COLUMN])
-    image = sort_by_key(image)
     keys = image.column(KEY_COLUMN)
+    if not pa.types.is_int64(keys.type) or keys.null_count:
+        return None
+    if not _strictly_increasing(keys.to_numpy()):  # the writer's images come sorted
+        image = sort_by_key(image)
+        keys = image.column(KEY_COLUMN)
+        if not _strictly_increasing(keys.to_numpy()):
+            return None  # repeated keys: rows cannot stand for the base's rows one to one
     digest = keys_digest(keys)
     if digest is None:
         return None
-    k = keys.to_numpy()
-    if len(k) > 1 and not bool(np.all(k[1:] > k[:-1])):
-        return None  # repeated keys: rows cannot stand for the base's rows one to one
     meta = dict(image.schema.metadata or {})
     meta[META_KEYS_DIGEST] = digest.encode()
     return image.drop_columns([KEY_COLUMN]).replace_schema_metadata(meta)
