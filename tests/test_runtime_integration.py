@@ -95,6 +95,11 @@ def test_snapshot_n_holds_exactly_the_records_before_barrier_n(tmp_path):
         assert state_at(store, cid, "count", "n") == expected, f"checkpoint {cid}"
         mid_stream += 0 < len(before) < 48_000
     assert mid_stream >= 2, "checkpoints should fall in the middle of the stream"
+    # counters over a fixed key set: key groups whose keys stayed are [base, values image] (the
+    # values alone, format 4), and those chains were among the ones checked above
+    values_images = sum(1 for cid in ids for chain in store.read_manifest(cid).keyed["count"]["n"].values()
+                        if len(chain) > 1 and "key" not in store.read_file(chain[1]).column_names)
+    assert values_images > 0
     # incremental: a checkpoint writes files only for key groups whose state changed since
     # the previous one; the others keep referencing earlier files
     for prev, cid in zip(ids, ids[1:]):
