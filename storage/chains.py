@@ -221,7 +221,9 @@ def _resolve_sorted_pair(base: pa.Table, delta: pa.Table, metadata: dict[bytes, 
 
 def _apply_values_image(base: pa.Table, image: pa.Table) -> pa.Table:
     """The base with the values of a values image (format 4): row ``i`` of the image holds the
-    values of the base's row ``i``. Checks that the image was written for these very keys."""
+    values of the base's row ``i``. Checks that the image was written for these very keys.
+    ``base`` may hold its key column alone (:meth:`SnapshotStore.read_chain` does not decode
+    the values a values image replaces)."""
     digest = (image.schema.metadata or {}).get(META_KEYS_DIGEST, b"").decode(errors="replace")
     algorithm = digest.partition(":")[0]
     problem = None
@@ -229,7 +231,7 @@ def _apply_values_image(base: pa.Table, image: pa.Table) -> pa.Table:
         problem = "its base has an 'op' column"
     elif image.num_rows != base.num_rows:
         problem = f"it has {image.num_rows} rows and its base {base.num_rows}"
-    elif sorted(value_columns(base.schema)) != sorted(image.schema.names):
+    elif value_columns(base.schema) and sorted(value_columns(base.schema)) != sorted(image.schema.names):
         problem = f"its columns {image.schema.names} are not the base's value columns {value_columns(base.schema)}"
     else:
         actual = keys_digest(base.column(KEY_COLUMN), algorithm) if algorithm in CHECKSUM_ALGORITHMS else None
@@ -237,9 +239,9 @@ def _apply_values_image(base: pa.Table, image: pa.Table) -> pa.Table:
             problem = f"it was written for other keys than its base's (keys digest {digest or 'absent'!r})"
     if problem is not None:
         raise DeltaSchemaError(f"a values image does not fit its base: {problem}; the chain or its manifest is corrupt")
-    columns = [base.column(KEY_COLUMN)] + [image.column(name) for name in value_columns(base.schema)]
-    names = [KEY_COLUMN] + value_columns(base.schema)
-    return pa.Table.from_arrays(columns, names=names).replace_schema_metadata(base.schema.metadata)
+    names = value_columns(base.schema) or image.schema.names  # a base decoded without its dead values: the image's order
+    columns = [base.column(KEY_COLUMN)] + [image.column(name) for name in names]
+    return pa.Table.from_arrays(columns, names=[KEY_COLUMN, *names]).replace_schema_metadata(base.schema.metadata)
 
 
 def resolve_chain(tables: Sequence[pa.Table], *, first_is_base: bool) -> pa.Table:

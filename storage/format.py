@@ -209,14 +209,18 @@ def encode_table(table: pa.Table, kind: str) -> EncodedFile:
                        checksum_algorithm=algorithm)
 
 
-def decode_table(data: bytes, *, source: str) -> pa.Table:
+def decode_table(data: bytes, *, source: str, columns: list[str] | None = None) -> pa.Table:
     """Decode an Arrow IPC stream (format 2) or file (format 1, ``ARROW1`` magic); ``source``
-    names the file in the error if it does not decode."""
+    names the file in the error if it does not decode. ``columns``: decode only these (the
+    others are not even decompressed; names the file lacks are ignored)."""
     try:
-        buf = pa.BufferReader(data)
-        if data[:len(_FILE_MAGIC)] == _FILE_MAGIC:
-            return pa.ipc.open_file(buf, options=_READ_OPTIONS).read_all()
-        return pa.ipc.open_stream(buf, options=_READ_OPTIONS).read_all()
+        opener = pa.ipc.open_file if data[:len(_FILE_MAGIC)] == _FILE_MAGIC else pa.ipc.open_stream
+        options = _READ_OPTIONS
+        if columns is not None:
+            names = opener(pa.BufferReader(data)).schema.names  # reads the schema message alone
+            options = pa.ipc.IpcReadOptions(use_threads=False,
+                                            included_fields=[i for i, n in enumerate(names) if n in columns])
+        return opener(pa.BufferReader(data), options=options).read_all()
     except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
         raise CorruptFileError(
             f"{source}: not a readable Arrow IPC stream or file ({exc}); the file is corrupt; "

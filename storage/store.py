@@ -32,8 +32,8 @@ from .errors import (
     StorageError,
     UnsupportedFormatError,
 )
-from .format import (EncodedFile, checksum_hex, decode_table, delta_for_file, encode_table, normalize_delta, sort_by_key,
-                     values_image)
+from .format import (KEY_COLUMN, EncodedFile, checksum_hex, decode_table, delta_for_file, encode_table, is_values_image,
+                     normalize_delta, sort_by_key, values_image)
 from .gc import GcPlan, plan_gc
 from .ids import CheckpointId, SubtaskIndex
 from .manifest import FORMAT_VERSION, FileRef, Manifest, chain_problems, manifest_problems
@@ -602,8 +602,10 @@ class SnapshotStore:
     def read_file(self, ref: FileRef, *, checkpoint_id: int | None = None) -> pa.Table:
         """Read one file as a table (verified). Deltas keep their ``op`` column (absent when
         every row is an upsert)."""
-        data = self.read_bytes(ref, checkpoint_id=checkpoint_id)
-        table = decode_table(data, source=f"{self.url}: file {ref.path}")
+        return self._decode(ref, self.read_bytes(ref, checkpoint_id=checkpoint_id))
+
+    def _decode(self, ref: FileRef, data: bytes, columns: list[str] | None = None) -> pa.Table:
+        table = decode_table(data, source=f"{self.url}: file {ref.path}", columns=columns)
         if table.num_rows != ref.rows:
             raise CorruptFileError(
                 f"{self.url}: file {ref.path} has {table.num_rows} rows, the manifest says {ref.rows}; "
@@ -622,17 +624,25 @@ class SnapshotStore:
         problems = chain_problems(chain, operator=loc.operator, state=loc.state, key_group=loc.key_group)
         if problems:
             raise InvalidChainError(f"read_chain: malformed chain ({problems[0][1]}); pass a chain from a manifest")
-        return resolve_chain(self._read_files(chain, checkpoint_id=checkpoint_id), first_is_base=True)
+        data = self._fetch(chain, checkpoint_id=checkpoint_id)
+        rest = [self._decode(ref, d) for ref, d in zip(chain[1:], data[1:])]
+        # under a values image the base's values are dead: its keys alone are decoded
+        base_columns = [KEY_COLUMN] if rest and is_values_image(rest[0]) else None
+        return resolve_chain([self._decode(chain[0], data[0], base_columns), *rest], first_is_base=True)
 
     def _read_files(self, refs: Sequence[FileRef], *, checkpoint_id: int | None = None) -> list[pa.Table]:
-        """:meth:`read_file` of each ref, in order. From an object store the files are fetched
-        (and verified and decoded) concurrently: there a request's latency, not the bytes,
-        dominates. Local and in-memory files are read one after the other. The first failing
-        file in chain order raises."""
+        """:meth:`read_file` of each ref, in order (fetched as :meth:`_fetch` does)."""
+        return [self._decode(ref, d) for ref, d in zip(refs, self._fetch(refs, checkpoint_id=checkpoint_id))]
+
+    def _fetch(self, refs: Sequence[FileRef], *, checkpoint_id: int | None = None) -> list[bytes]:
+        """:meth:`read_bytes` of each ref, in order. From an object store the files are fetched
+        (and verified) concurrently: there a request's latency, not the bytes, dominates.
+        Local and in-memory files are read one after the other. The first failing file in
+        chain order raises."""
         if len(refs) < 2 or not self._io.object_store:
-            return [self.read_file(ref, checkpoint_id=checkpoint_id) for ref in refs]
+            return [self.read_bytes(ref, checkpoint_id=checkpoint_id) for ref in refs]
         with ThreadPoolExecutor(max_workers=min(len(refs), _REMOTE_READERS), thread_name_prefix="abs-read") as pool:
-            return list(pool.map(lambda ref: self.read_file(ref, checkpoint_id=checkpoint_id), refs))
+            return list(pool.map(lambda ref: self.read_bytes(ref, checkpoint_id=checkpoint_id), refs))
 
     def read_key_group(self, manifest: Manifest, operator: str, state: str, key_group: int) -> pa.Table:
         """Resolved state of one key group at ``manifest``'s checkpoint."""
