@@ -12,8 +12,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .errors import DeltaSchemaError
-from .format import (CHECKSUM_ALGORITHMS, KEY_COLUMN, META_FILE_KIND, META_KEYS_DIGEST, OP_COLUMN, OP_UPSERT, is_values_image, keys_digest,
-                     value_columns)
+from .format import (CHECKSUM_ALGORITHMS, KEY_COLUMN, META_FILE_KIND, META_KEYS_DIGEST, OP_COLUMN, OP_UPSERT,
+                     is_values_image, keys_digest, strictly_increasing, value_columns)
 from .manifest import FileRef
 
 __all__ = ["CompactionPolicy", "compaction_reason", "resolve_chain"]
@@ -88,16 +88,11 @@ def _has_deletes(ops: pa.ChunkedArray | pa.Array) -> bool:
     return bool(np.count_nonzero(ops.to_numpy() != OP_UPSERT))
 
 
-def _strictly_increasing(k: np.ndarray) -> bool:
-    # counting violations, not np.all(): no numpy reduction (see _has_deletes)
-    return not np.count_nonzero(k[1:] <= k[:-1])
-
-
 def _last_per_key(deltas: pa.Table) -> pa.Table:
     """Rows of ``deltas`` that are the last occurrence of their key (vectorized)."""
     keys = deltas.column(KEY_COLUMN)
     ints = _int_keys(keys)
-    if ints is not None and _strictly_increasing(ints):
+    if ints is not None and strictly_increasing(ints):
         return deltas  # strictly increasing keys (one delta file, sorted on write): every key once
     try:
         if pc.count_distinct(keys).as_py() == deltas.num_rows:
@@ -127,7 +122,7 @@ def _rows_of_keys(base: pa.Table, changed: pa.ChunkedArray | pa.Array) -> np.nda
     written sorted), a hash lookup otherwise."""
     keys = base.column(KEY_COLUMN)
     base_ints = _int_keys(keys)
-    if base_ints is not None and len(base_ints) and changed.type == keys.type and _strictly_increasing(base_ints):
+    if base_ints is not None and len(base_ints) and changed.type == keys.type and strictly_increasing(base_ints):
         wanted = _int_keys(changed)
         assert wanted is not None
         at = np.searchsorted(base_ints, wanted)
@@ -201,7 +196,7 @@ def _resolve_sorted_pair(base: pa.Table, delta: pa.Table, metadata: dict[bytes, 
     base_ints, delta_ints = _int_keys(keys), _int_keys(changed)
     if base_ints is None or delta_ints is None or not len(base_ints) or not keys.type.equals(changed.type):
         return None
-    if not (_strictly_increasing(delta_ints) and _strictly_increasing(base_ints)):
+    if not (strictly_increasing(delta_ints) and strictly_increasing(base_ints)):
         return None  # repeated delta keys, or a base of an older writer: the general path
     at = np.searchsorted(base_ints, delta_ints)
     # sorted and unique, as both key columns strictly increase; a key past the last base key
