@@ -184,3 +184,13 @@ def test_chains_with_values_images_equal_the_model_after_every_checkpoint(histor
             assert (as_dict(store.read_chain(chain)) if chain else {}) == model
     finally:
         fsspec.filesystem("memory").rm(name, recursive=True)
+
+
+def test_a_file_decodes_with_only_the_columns_asked_for():
+    """read_chain decodes a base under a values image this way: its values are dead."""
+    from storage.format import decode_table, encode_table
+
+    data = encode_table(image({1: 10, 2: 20}), "base").data
+    assert decode_table(data, source="t", columns=["key"]).to_pydict() == {"key": [1, 2]}
+    assert decode_table(data, source="t", columns=["value", "absent"]).to_pydict() == {"value": [10, 20]}
+    assert decode_table(data, source="t").column_names == ["key", "value"]
