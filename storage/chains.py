@@ -214,11 +214,12 @@ def _resolve_sorted_pair(base: pa.Table, delta: pa.Table, metadata: dict[bytes, 
         return None  # the general path fails the same way and raises DeltaSchemaError
 
 
-def _apply_values_image(base: pa.Table, image: pa.Table) -> pa.Table:
+def _apply_values_image(base: pa.Table, image: pa.Table, base_schema: pa.Schema | None) -> pa.Table:
     """The base with the values of a values image (format 4): row ``i`` of the image holds the
-    values of the base's row ``i``. Checks that the image was written for these very keys.
-    ``base`` may hold its key column alone (:meth:`SnapshotStore.read_chain` does not decode
-    the values a values image replaces)."""
+    values of the base's row ``i``. Checks that the image was written for these very keys and
+    columns. ``base`` may hold its key column alone (:meth:`SnapshotStore.read_chain` does not
+    decode the values a values image replaces); ``base_schema`` is then its file's schema."""
+    base_values = value_columns(base_schema if base_schema is not None else base.schema)
     digest = (image.schema.metadata or {}).get(META_KEYS_DIGEST, b"").decode(errors="replace")
     algorithm = digest.partition(":")[0]
     problem = None
@@ -226,27 +227,28 @@ def _apply_values_image(base: pa.Table, image: pa.Table) -> pa.Table:
         problem = "its base has an 'op' column"
     elif image.num_rows != base.num_rows:
         problem = f"it has {image.num_rows} rows and its base {base.num_rows}"
-    elif value_columns(base.schema) and sorted(value_columns(base.schema)) != sorted(image.schema.names):
-        problem = f"its columns {image.schema.names} are not the base's value columns {value_columns(base.schema)}"
+    elif sorted(base_values) != sorted(image.schema.names):
+        problem = f"its columns {image.schema.names} are not the base's value columns {base_values}"
     else:
         actual = keys_digest(base.column(KEY_COLUMN), algorithm) if algorithm in CHECKSUM_ALGORITHMS else None
         if actual is None or actual != digest:
             problem = f"it was written for other keys than its base's (keys digest {digest or 'absent'!r})"
     if problem is not None:
         raise DeltaSchemaError(f"a values image does not fit its base: {problem}; the chain or its manifest is corrupt")
-    names = value_columns(base.schema) or image.schema.names  # a base decoded without its dead values: the image's order
-    columns = [base.column(KEY_COLUMN)] + [image.column(name) for name in names]
-    return pa.Table.from_arrays(columns, names=[KEY_COLUMN, *names]).replace_schema_metadata(base.schema.metadata)
+    columns = [base.column(KEY_COLUMN)] + [image.column(name) for name in base_values]
+    return pa.Table.from_arrays(columns, names=[KEY_COLUMN, *base_values]).replace_schema_metadata(base.schema.metadata)
 
 
-def resolve_chain(tables: Sequence[pa.Table], *, first_is_base: bool) -> pa.Table:
+def resolve_chain(tables: Sequence[pa.Table], *, first_is_base: bool, base_schema: pa.Schema | None = None) -> pa.Table:
     """Fold tables (oldest first) into live state: one row per live key, columns ``key`` and
     the value columns, no ``op``. The last op per key wins; a delete drops the key.
 
     With ``first_is_base`` the first table is a base (unique keys, no deletes), and the second
     may be a *values image* (format 4: no ``key`` column, the values of the base's rows, see
     :func:`storage.format.values_image`). Keys compare by their Arrow value (pickled keys by
-    bytes). Schema metadata comes from the newest table.
+    bytes). Schema metadata comes from the newest table. ``base_schema``: the schema of the
+    base's file when the base was decoded with fewer columns (its keys alone under a values
+    image): the image's columns are checked against it, and the result has its column order.
     """
     if not tables:
         raise ValueError("resolve_chain needs at least one table")
@@ -258,7 +260,7 @@ def resolve_chain(tables: Sequence[pa.Table], *, first_is_base: bool) -> pa.Tabl
                 "after its chain's base; the chain or its manifest is corrupt"
             )
     if first_is_base and len(tables) > 1 and is_values_image(tables[1]):
-        tables = [_apply_values_image(tables[0], tables[1]), *tables[2:]]
+        tables = [_apply_values_image(tables[0], tables[1], base_schema), *tables[2:]]
     if first_is_base and len(tables) == 2:  # a base and one delta: most key groups on restore
         resolved = _resolve_sorted_pair(tables[0], tables[1], metadata)
         if resolved is not None:

@@ -210,6 +210,20 @@ def encode_table(table: pa.Table, kind: str) -> EncodedFile:
                        checksum_algorithm=algorithm)
 
 
+def _unreadable(source: str, exc: Exception) -> CorruptFileError:
+    return CorruptFileError(f"{source}: not a readable Arrow IPC stream or file ({exc}); the file is corrupt; "
+                            "restore from an earlier checkpoint or a savepoint")
+
+
+def stream_schema(data: bytes, *, source: str) -> pa.Schema:
+    """The schema of an encoded file (:func:`decode_table`'s input), from its schema message alone."""
+    try:
+        opener = pa.ipc.open_file if data[:len(_FILE_MAGIC)] == _FILE_MAGIC else pa.ipc.open_stream
+        return opener(pa.BufferReader(data)).schema
+    except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
+        raise _unreadable(source, exc) from exc
+
+
 def decode_table(data: bytes, *, source: str, columns: list[str] | None = None) -> pa.Table:
     """Decode an Arrow IPC stream (format 2) or file (format 1, ``ARROW1`` magic); ``source``
     names the file in the error if it does not decode. ``columns``: decode only these (the
@@ -218,15 +232,12 @@ def decode_table(data: bytes, *, source: str, columns: list[str] | None = None) 
         opener = pa.ipc.open_file if data[:len(_FILE_MAGIC)] == _FILE_MAGIC else pa.ipc.open_stream
         options = _READ_OPTIONS
         if columns is not None:
-            names = opener(pa.BufferReader(data)).schema.names  # reads the schema message alone
+            names = stream_schema(data, source=source).names
             options = pa.ipc.IpcReadOptions(use_threads=False,
                                             included_fields=[i for i, n in enumerate(names) if n in columns])
         return opener(pa.BufferReader(data), options=options).read_all()
     except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
-        raise CorruptFileError(
-            f"{source}: not a readable Arrow IPC stream or file ({exc}); the file is corrupt; "
-            "restore from an earlier checkpoint or a savepoint"
-        ) from exc
+        raise _unreadable(source, exc) from exc
 
 
 def is_pickled(schema: pa.Schema, column: str) -> bool:

@@ -33,7 +33,7 @@ from .errors import (
     UnsupportedFormatError,
 )
 from .format import (KEY_COLUMN, EncodedFile, checksum_hex, decode_table, delta_for_file, encode_table, is_values_image,
-                     normalize_delta, sort_by_key, values_image)
+                     normalize_delta, sort_by_key, stream_schema, values_image)
 from .gc import GcPlan, plan_gc
 from .ids import CheckpointId, SubtaskIndex
 from .manifest import FORMAT_VERSION, FileRef, Manifest, chain_problems, manifest_problems
@@ -626,9 +626,13 @@ class SnapshotStore:
             raise InvalidChainError(f"read_chain: malformed chain ({problems[0][1]}); pass a chain from a manifest")
         data = self._fetch(chain, checkpoint_id=checkpoint_id)
         rest = [self._decode(ref, d) for ref, d in zip(chain[1:], data[1:])]
-        # under a values image the base's values are dead: its keys alone are decoded
-        base_columns = [KEY_COLUMN] if rest and is_values_image(rest[0]) else None
-        return resolve_chain([self._decode(chain[0], data[0], base_columns), *rest], first_is_base=True)
+        if not (rest and is_values_image(rest[0])):
+            return resolve_chain([self._decode(chain[0], data[0]), *rest], first_is_base=True)
+        # under a values image the base's values are dead: its keys alone are decoded, and the
+        # image's columns are checked against the schema of the base's file
+        base = self._decode(chain[0], data[0], [KEY_COLUMN])
+        schema = stream_schema(data[0], source=f"{self.url}: file {chain[0].path}")
+        return resolve_chain([base, *rest], first_is_base=True, base_schema=schema)
 
     def _read_files(self, refs: Sequence[FileRef], *, checkpoint_id: int | None = None) -> list[pa.Table]:
         """:meth:`read_file` of each ref, in order (fetched as :meth:`_fetch` does)."""

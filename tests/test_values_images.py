@@ -109,6 +109,25 @@ def test_a_values_image_written_for_other_keys_fails_the_restore_naming_the_dige
         store.read_chain(chain)
 
 
+def test_a_restore_refuses_a_values_image_whose_columns_are_not_its_bases(store):
+    """read_chain decodes a base under a values image without its values: the image's columns
+    are checked against the schema of the base's file, not against the decoded columns."""
+    (base,) = store.write_key_group(1, "op", "n", 0, [], image({1: 1, 2: 2}), complete=True)
+    renamed = image({1: 10, 2: 20}).rename_columns(["key", "count"])
+    chain = store.write_key_group(2, "op", "n", 0, [base], renamed, complete=True, over_base=base)
+    assert len(chain) == 2 and store.read_file(chain[1]).column_names == ["count"]
+    with pytest.raises(DeltaSchemaError, match=r"its columns \['count'\] are not the base's value columns \['value'\]"):
+        store.read_chain(chain)
+
+
+def test_a_restore_keeps_the_bases_column_order():
+    two = pa.table({"key": pa.array([1, 2], pa.int64()), "b": [1, 2], "a": [3, 4]}).replace_schema_metadata(META)
+    values = values_image(two.select(["key", "a", "b"]))
+    keys_only = two.select(["key"])
+    out = resolve_chain([keys_only, values], first_is_base=True, base_schema=two.schema)
+    assert out.column_names == ["key", "b", "a"] and out.to_pydict() == two.to_pydict()
+
+
 def test_a_values_image_anywhere_but_right_after_the_base_is_refused():
     base = image({1: 1, 2: 2})
     values = values_image(image({1: 5, 2: 6}))
