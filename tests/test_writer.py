@@ -10,13 +10,14 @@ import signal
 import threading
 import time
 
+import fsspec
 import numpy as np
 import pyarrow as pa
 import pytest
 
 import abs
 from abs.keygroups import KeyGroupRange, key_group
-from abs.runtime.writer import FrameReader, SnapshotWriter, recv_frame, send_frame, writes_in_process
+from abs.runtime.writer import FrameReader, InThreadWriter, SnapshotWriter, recv_frame, send_frame, writes_in_process
 from abs.state import ColumnDelta, KeyedStateBackend, ListState, PickledDelta, ValueState
 from storage import SnapshotStore
 
@@ -148,12 +149,29 @@ def test_the_writer_process_writes_column_deltas_and_tables(tmp_path, writer):
     assert store.read_chain(chains[-1]).column("value").to_pylist() == ["a", "b"]
 
 
-def test_the_writer_process_writes_values_images_while_a_key_groups_keys_stay(tmp_path, writer):
+@pytest.mark.parametrize("where", ["process", "thread"])
+def test_the_writer_writes_values_images_while_a_key_groups_keys_stay(tmp_path, where):
     """Counters over a fixed key set: from the second checkpoint on, every key group's chain is
-    its first base and a values image; a key group with a new key gets a new base."""
-    store = SnapshotStore.open(str(tmp_path))
+    its first base and a values image; a key group with a new key gets a new base. The same
+    in the writer process and in a worker's own thread (``memory://`` roots, no writer)."""
+    url = str(tmp_path) if where == "process" else f"memory://values-{os.getpid()}"
+    store = SnapshotStore.open(url)
     store.init_job({"job_name": "j", "max_parallelism": M})
-    writer.open(str(tmp_path), None)
+    if where == "process":
+        writer = SnapshotWriter.fork()
+        writer.open(url, None)
+    else:
+        writer = InThreadWriter(SnapshotStore.open(url))
+    try:
+        _values_images_scenario(store, writer)
+    finally:
+        if where == "process":
+            writer.close()
+        else:
+            fsspec.filesystem("memory").rm(f"/values-{os.getpid()}", recursive=True)
+
+
+def _values_images_scenario(store: SnapshotStore, writer) -> None:
     b = KeyedStateBackend("op", [ValueState("v", pa.int64())], M, KeyGroupRange(0, M - 1))
     values: dict[int, int] = {}
 

@@ -37,7 +37,7 @@ from .operators import KeyedOp, OpSnapshot, SinkOp, build_operator
 from .plan import PhysicalPlan, compile_plan, task_key
 from ..faults import trip
 from .task import Control, ExchangeWriter, Task
-from .writer import SnapshotWriter, writes_in_process
+from .writer import InThreadWriter, SnapshotWriter, writes_in_process
 
 __all__ = ["WorkerSpec", "main"]
 
@@ -82,6 +82,7 @@ class Worker:
         self.gates: dict[int, InputGate] = {}
         self.store = None
         self.writer: SnapshotWriter | None = None
+        self._in_thread: InThreadWriter | None = None  # writes where there is no writer process
         self._fault_counts: dict[tuple, int] = {}
         self.bytes_restored = 0
         self.restore_seconds = 0.0
@@ -163,7 +164,12 @@ class Worker:
         sinks: dict = {}
         written = 0
         writer = self.writer
-        jobs: list[tuple] = []  # (chains of the key group's state, kg, write_key_group args, image)
+        in_thread = writer is None
+        if writer is None:
+            if self._in_thread is None:
+                self._in_thread = InThreadWriter(store)
+            writer = self._in_thread
+        jobs: list[tuple] = []  # (chains of the key group's state, kg, write_key_group args)
         finished: list[tuple] = []  # (piece, chains) once every job is written
         for piece in pieces:
             if piece.source_offsets is not None:
@@ -177,27 +183,22 @@ class Worker:
                 target = chains.setdefault(state, {})
                 prev_all = piece.prev_chains.get(state, {})
                 for kg, delta in by_kg.items():
-                    complete, image = False, None
-                    if isinstance(delta, (ColumnDelta, PickledDelta)) and writer is not None:
-                        pass  # encoded by the writer process from the captured copies
-                    elif not isinstance(delta, pa.Table):
+                    complete = False
+                    if not (in_thread or isinstance(delta, (ColumnDelta, PickledDelta, pa.Table))):
+                        # captured by reference in the synchronous part: encoded here, and the
+                        # writer process gets the table
                         lazy = delta
-                        delta = lazy.to_table()  # captured by reference in the synchronous part
+                        delta = lazy.to_table()
                         complete = getattr(lazy, "complete", False)
-                        image = getattr(lazy, "image", None)
-                    jobs.append((target, kg, (piece.uid, state, kg, prev_all.get(kg, []), delta, complete), image))
+                    jobs.append((target, kg, (piece.uid, state, kg, prev_all.get(kg, []), delta, complete)))
             finished.append((piece, chains))
         writer_cpu = 0.0
-        if writer is not None and jobs:
-            new_chains = writer.write(checkpoint_id, [args for _, _, args, _ in jobs])
+        new_chains: list = []
+        if jobs:
+            new_chains = writer.write(checkpoint_id, [args for _, _, args in jobs])
             writer_cpu = writer.last_cpu
-        else:
-            from storage.store import KeyGroupWrite
-
-            new_chains = store.write_key_groups(
-                checkpoint_id, [KeyGroupWrite(*args, image) for _, _, args, image in jobs])
         paths: set[str] = set()
-        for (target, kg, _, _), new_chain in zip(jobs, new_chains):
+        for (target, kg, _), new_chain in zip(jobs, new_chains):
             fresh = [r for r in new_chain if r.checkpoint_id == checkpoint_id]
             written += sum(r.bytes for r in fresh)
             paths.update(r.path for r in fresh)

@@ -27,7 +27,8 @@ worker: ``Connection.send``):
 
 The process exits when the pipe closes (its worker ended or was killed: the read sees EOF)
 and, on Linux, when its parent dies (``PR_SET_PDEATHSIG``). A worker whose writer died
-writes in its uploader thread again.
+writes in its uploader thread again, through an :class:`InThreadWriter` that keeps the same
+memory (:func:`write_jobs` is the one write path of both).
 """
 from __future__ import annotations
 
@@ -273,7 +274,7 @@ def _main(conn: Any, workers_end: Any) -> None:
 
     store = None
     orders = KeyOrders()  # the sort order of each key group's keys, from its last full image
-    bases: dict = {}  # the base each key group's keys were last written into (see _write)
+    bases: dict = {}  # the base each key group's keys were last written into (see write_jobs)
     reader = FrameReader()
     while True:
         cpu = time.process_time()  # waiting for a frame takes none: the receive is counted
@@ -299,7 +300,19 @@ def _main(conn: Any, workers_end: Any) -> None:
 
 
 def _write(store: Any, orders: Any, checkpoint_id: int, jobs: list, bases: dict | None = None) -> tuple:
-    """``("ok", chains)`` or ``("error", message)`` for one ``write`` message.
+    """``("ok", chains)`` or ``("error", message)`` for one ``write`` message (see :func:`write_jobs`)."""
+    if store is None:
+        return ("error", "RuntimeError: the writer process got no storage root")
+    try:
+        return ("ok", write_jobs(store, orders, checkpoint_id, jobs, {} if bases is None else bases))
+    except Exception as exc:  # noqa: BLE001 - reported to the worker, which declines the checkpoint
+        return ("error", f"{type(exc).__name__}: {exc}")
+
+
+def write_jobs(store: Any, orders: Any, checkpoint_id: int, jobs: list, bases: dict) -> list[list]:
+    """Write one checkpoint's ``jobs`` (see the module docstring; in the worker's own thread a
+    ``delta`` may also be any lazy delta with ``to_table``) and return their new chains in job
+    order; the first failure raises.
 
     ``bases`` (kept by the caller from one write to the next): per key group of a columnar
     state, ``(base, keys)``, the base file this writer last wrote from a full image and that
@@ -314,30 +327,24 @@ def _write(store: Any, orders: Any, checkpoint_id: int, jobs: list, bases: dict 
     from abs.state import ColumnDelta
     from storage.store import KeyGroupWrite
 
-    bases = {} if bases is None else bases
-    try:
-        if store is None:
-            raise RuntimeError("the writer process got no storage root")
-        writes = []
-        for operator, state, kg, prev_chain, delta, complete in jobs:
-            over_base = None
-            if isinstance(delta, pa.Table):
-                table, image = delta, None
-            elif isinstance(delta, ColumnDelta):
-                slot = (operator, state, kg)
-                table, complete = functools.partial(delta.to_table, orders, slot), delta.complete
-                image = functools.partial(delta.image, orders, slot)
-                known = bases.get(slot)
-                if known is not None and prev_chain and prev_chain[0] == known[0] \
-                        and delta.image_keys(orders, slot) is known[1]:
-                    over_base = known[0]
-            else:  # complete is read after to_table, which may set it
-                table = delta.to_table()
-                image, complete = delta.image, delta.complete
-            writes.append(KeyGroupWrite(operator, state, kg, prev_chain, table, complete, image, over_base))
-        chains = store.write_key_groups(checkpoint_id, writes)  # job order; the first failure raises
-    except Exception as exc:  # noqa: BLE001 - reported to the worker, which declines the checkpoint
-        return ("error", f"{type(exc).__name__}: {exc}")
+    writes = []
+    for operator, state, kg, prev_chain, delta, complete in jobs:
+        over_base = None
+        if isinstance(delta, pa.Table):
+            table, image = delta, None
+        elif isinstance(delta, ColumnDelta):
+            slot = (operator, state, kg)
+            table, complete = functools.partial(delta.to_table, orders, slot), delta.complete
+            image = functools.partial(delta.image, orders, slot)
+            known = bases.get(slot)
+            if known is not None and prev_chain and prev_chain[0] == known[0] \
+                    and delta.image_keys(orders, slot) is known[1]:
+                over_base = known[0]
+        else:  # complete is read after to_table, which may set it
+            table = delta.to_table()
+            image, complete = getattr(delta, "image", None), getattr(delta, "complete", complete)
+        writes.append(KeyGroupWrite(operator, state, kg, prev_chain, table, complete, image, over_base))
+    chains = store.write_key_groups(checkpoint_id, writes)  # job order; the first failure raises
     for (operator, state, kg, _, delta, _), chain in zip(jobs, chains):
         if not isinstance(delta, ColumnDelta):
             continue
@@ -349,4 +356,24 @@ def _write(store: Any, orders: Any, checkpoint_id: int, jobs: list, bases: dict 
             bases[slot] = (head, keys)  # written from this full image: its keys are these
         elif head is None or slot not in bases or bases[slot][0] != head:
             bases.pop(slot, None)
-    return ("ok", chains)
+    return chains
+
+
+class InThreadWriter:
+    """Writes a worker's snapshots in the calling (uploader) thread, with the memory the writer
+    process keeps (each key group's sort order and base, see :func:`write_jobs`): where there
+    is no writer process (a ``memory://`` root, no ``fork``, or the process died), values
+    images and remembered sort orders still spare the work they spare there. Same ``write``
+    as :class:`SnapshotWriter`; ``jobs`` may hold any lazy delta."""
+
+    last_cpu = 0.0  # the CPU is the calling thread's: its caller measures it
+
+    def __init__(self, store: Any) -> None:
+        from abs.columns import KeyOrders
+
+        self._store = store
+        self._orders = KeyOrders()
+        self._bases: dict = {}
+
+    def write(self, checkpoint_id: int, jobs: list[tuple]) -> list[list]:
+        return write_jobs(self._store, self._orders, checkpoint_id, jobs, self._bases)
