@@ -33,7 +33,7 @@ from fsspec.implementations.local import LocalFileSystem
 from .errors import StorageUnavailableError
 from .paths import validate_relative_path
 
-__all__ = ["RootIO", "OBJECT_STORE_PROTOCOLS", "protocols_of"]
+__all__ = ["RootIO", "OBJECT_STORE_PROTOCOLS", "protocols_of", "absolute_url"]
 
 OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
 
@@ -42,6 +42,23 @@ def protocols_of(fs: AbstractFileSystem) -> set[str]:
     """The protocol names an fsspec file system answers to."""
     proto = fs.protocol
     return {proto} if isinstance(proto, str) else set(proto)
+
+
+def absolute_url(url: str) -> str:
+    """``url`` with a local path made absolute against this process's working directory.
+
+    A plain path (``./snapshots``, ``~/ckpt``) or a ``file://`` URL is resolved here, in the
+    process that names it (the driver), so that processes started elsewhere (Spark
+    executors run in their own work directories) do not resolve it against theirs. Every
+    other URL (``s3://``, ``memory://``, ...) is returned unchanged.
+    """
+    if not isinstance(url, str) or not url:
+        return url
+    if url.startswith("file://"):
+        return "file://" + os.path.abspath(os.path.expanduser(url[len("file://"):]))
+    if "://" in url or "::" in url:  # another protocol, or an fsspec chain
+        return url
+    return os.path.abspath(os.path.expanduser(url))
 
 
 def _is_foreign_error(exc: BaseException) -> bool:

@@ -26,6 +26,7 @@ __all__ = [
     "DeltaSchemaError",
     "InvalidChainError",
     "GcRefusedError",
+    "RootNotSharedError",
 ]
 
 
@@ -47,6 +48,17 @@ class StorageConfigError(StorageError, ValueError):
     (unknown protocol, unknown option, wrong type).
 
     Remedy: fix the option named in the message (``--storage-option key=value`` on the CLI).
+    """
+
+
+class RootNotSharedError(StorageConfigError):
+    """A worker does not see the snapshot root the driver writes to: the probe file the driver
+    wrote at start is missing or different where the worker looks (a relative or local path on
+    a cluster resolves to each machine's own disk; a ``memory://`` root is per process).
+
+    Remedy: use storage every worker and the driver share (an object store URL such as
+    ``s3://bucket/prefix``, or a path on a file system mounted at the same place on every
+    host). Nothing was written by the workers.
     """
 
 

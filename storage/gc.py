@@ -113,7 +113,7 @@ def plan_gc(
             continue
         if parsed.category == "job":
             continue
-        if parsed.category == "job_tmp":
+        if parsed.category in ("job_tmp", "probe"):  # a probe is deleted by the driver that wrote it
             protected.append(path)
             continue
         cid = parsed.checkpoint_id

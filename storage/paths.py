@@ -10,6 +10,7 @@ Layout (see ``storage/FORMAT.md``)::
     state/<operator>/<state>/packed/00000042-<token>.arrow       ranges of many key groups
     opstate/<operator>/00000042-<subtask>-<token>.arrow
     channels/00000042/<task>-<token>.arrow
+    ._probe.<token>                                             a driver's "can every worker see this root" probe
 
 Checkpoint ids are zero-padded to 8 digits, key groups to 4 (wider numbers simply use more
 digits). ``<token>`` is 32 lower-case hex digits (a uuid4), so two attempts never collide.
@@ -42,7 +43,7 @@ __all__ = [
 ]
 
 FileKind = Literal["base", "delta", "opstate", "channel"]
-PathCategory = Literal["job", "job_tmp", "manifest", "manifest_tmp", "base", "delta", "packed", "opstate", "channel"]
+PathCategory = Literal["job", "job_tmp", "probe", "manifest", "manifest_tmp", "base", "delta", "packed", "opstate", "channel"]
 
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
 _MAX_SEGMENT = 255
@@ -123,6 +124,7 @@ class ParsedPath:
 _MANIFEST_RE = re.compile(rf"^checkpoints/chk-({_ID})\.json$")
 _MANIFEST_TMP_RE = re.compile(rf"^checkpoints/\.chk-({_ID})\.json\.{_TOKEN}\.tmp$")
 _JOB_TMP_RE = re.compile(rf"^\._job\.json\.{_TOKEN}\.tmp$")
+_PROBE_RE = re.compile(rf"^\._probe\.{_TOKEN}$")
 _STATE_RE = re.compile(rf"^state/([^/]+)/([^/]+)/kg-(\d{{4,}})/({_ID})-(base|delta)-{_TOKEN}\.arrow$")
 _PACKED_RE = re.compile(rf"^state/([^/]+)/([^/]+)/packed/({_ID})-{_TOKEN}\.arrow$")
 _OPSTATE_RE = re.compile(rf"^opstate/([^/]+)/({_ID})-(\d+)-{_TOKEN}\.arrow$")
@@ -147,6 +149,11 @@ class StoragePaths:
     @classmethod
     def job_temp(cls, token: str | None = None) -> str:
         return f".{cls.JOB}.{token or new_token()}.tmp"
+
+    @staticmethod
+    def probe(token: str) -> str:
+        """The probe file a driver writes at start and every worker reads (same root?)."""
+        return f"._probe.{token}"
 
     @classmethod
     def manifest(cls, checkpoint_id: int) -> str:
@@ -207,6 +214,8 @@ def _parse(path: str) -> ParsedPath | None:
         return ParsedPath("job")
     if _JOB_TMP_RE.match(path):
         return ParsedPath("job_tmp")
+    if _PROBE_RE.match(path):
+        return ParsedPath("probe")
     try:
         if m := _MANIFEST_RE.match(path):
             return ParsedPath("manifest", CheckpointId(int(m[1])))

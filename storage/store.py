@@ -27,6 +27,7 @@ from .errors import (
     InvalidPathError,
     JobMismatchError,
     MissingFileError,
+    RootNotSharedError,
     StateNotFoundError,
     StorageConfigError,
     StorageError,
@@ -37,7 +38,7 @@ from .format import (KEY_COLUMN, EncodedFile, checksum_hex, decode_table, delta_
 from .gc import GcPlan, plan_gc
 from .ids import CheckpointId, SubtaskIndex
 from .manifest import FORMAT_VERSION, FileRef, Manifest, chain_problems, manifest_problems
-from .paths import FileKind, StoragePaths
+from .paths import FileKind, StoragePaths, new_token
 from .stats import storage_stats
 from .verify import VerifyReport, check_files, structural_problems
 
@@ -159,6 +160,36 @@ class SnapshotStore:
     def list_files(self) -> dict[str, int]:
         """Every file under the root: relative path -> size in bytes."""
         return self._io.list()
+
+    # ================================================================== shared-root probe
+    def write_probe(self) -> str:
+        """Write a probe file with a fresh token (a driver, at start); returns the token.
+
+        Every worker then calls :meth:`check_probe` on its own opening of the same URL: a
+        worker that does not find the token there does not see the driver's root (a relative
+        or machine-local path on a cluster, another process's ``memory://``).
+        """
+        token = new_token()
+        self._io.put(StoragePaths.probe(token), token.encode())
+        return token
+
+    def check_probe(self, token: str, *, who: str = "this process") -> None:
+        """Raise :class:`RootNotSharedError` unless the probe ``token`` is readable here."""
+        try:
+            seen = self._io.get(StoragePaths.probe(token))
+        except FileNotFoundError:
+            seen = None
+        if seen != token.encode():
+            what = "is missing" if seen is None else "holds another token"
+            raise RootNotSharedError(
+                f"{who} does not see the snapshot root {self.url!r} the driver writes to (the driver's probe file "
+                f"{StoragePaths.probe(token)} {what} there); use storage that the driver and every worker share: "
+                "an object store URL (s3://bucket/prefix) or a path mounted at the same place on every host"
+            )
+
+    def delete_probe(self, token: str) -> None:
+        """Remove the probe file (idempotent)."""
+        self._io.delete(StoragePaths.probe(token))
 
     # ================================================================== job fingerprint
     def init_job(self, fingerprint: Mapping[str, Any]) -> None:

@@ -32,11 +32,15 @@ from ..faults import normalize_faults, trip
 from ..errors import ConfigError, JobFailedError, OperatorError, WorkerLostError
 from ..keygroups import routing_table
 from ..sinks import CollectSink
+from storage.backend import absolute_url
 from storage.errors import StorageError
 
 from .cleanup import BackgroundGc, GcRequest
 from .plan import compile_plan
 from .worker import WorkerSpec
+
+# restore= values that are words, not savepoint paths
+_RESTORE_WORDS = ("latest", "latest-if-any", "fresh")
 
 __all__ = ["JobDriver", "CheckpointStats", "JobResult", "LocalExecutor"]
 
@@ -161,6 +165,11 @@ class JobDriver:
             raise ConfigError("checkpoint= needs storage= (a path or fsspec URL where snapshots are written)")
         if restore is not None and storage is None and not isinstance(restore, str):
             raise ConfigError("restore= needs storage= or a savepoint path")
+        # a relative path is resolved here, in the driver: a worker started elsewhere (a Spark
+        # executor's work directory) would resolve it against its own directory
+        storage = absolute_url(storage) if isinstance(storage, str) else storage
+        if isinstance(restore, str) and restore not in _RESTORE_WORDS:
+            restore = absolute_url(restore)  # a savepoint path
         self.storage_url = storage
         self.storage_options = storage_options
         self.restore = restore
@@ -188,6 +197,7 @@ class JobDriver:
         self.failed: list[tuple[int, str]] = []
         self.restored_from: int | None = None
         self.status = "CREATED"
+        self._probe: str | None = None
         self._manifests: dict[int, Any] = {}  # recent committed manifests (GC protection of bases)
         self._gc = BackgroundGc()  # retention runs off the loop (see abs.runtime.cleanup)
         self._bases: dict[int, int] = {}  # checkpoint id -> newest complete id when it was triggered
@@ -208,6 +218,8 @@ class JobDriver:
             self.store = SnapshotStore.open(self.storage_url, self.storage_options)
             self.store.init_job(self.flow.fingerprint())
             first_id = self.store.next_checkpoint_id()
+            if not self.storage_url.startswith("memory://"):  # memory:// is each process's own
+                self._probe = self.store.write_probe()  # every worker checks it sees this root
         if self.restore is not None:
             restore_info = self._resolve_restore()
         return first_id, restore_info
@@ -286,6 +298,7 @@ class JobDriver:
             checkpointing=self.checkpointing,
             checkpoint_mode=self.config.mode,
             storage_url=self.storage_url,
+            storage_probe=self._probe,
             storage_options=self.storage_options,
             source_splits=source_splits,
             restore_url=restore_info.get("url"),
@@ -500,7 +513,16 @@ class JobDriver:
                 c.send(("start",))
         finally:
             listener.close()
+            self._drop_probe()
         return procs, conns
+
+    def _drop_probe(self) -> None:
+        token, self._probe = self._probe, None
+        if token is not None and self.store is not None:
+            try:
+                self.store.delete_probe(token)
+            except StorageError as exc:  # a leftover probe is harmless (GC leaves it alone)
+                print(f"[abs] warning: could not delete the storage probe: {exc}", file=sys.stderr)
 
     def _expect(self, conn: Any, kind: str, procs: list) -> Any:
         deadline = time.monotonic() + self.startup_timeout
@@ -517,6 +539,9 @@ class JobDriver:
                 if msg[0] == kind:
                     return msg[1]
                 if msg[0] == "failed":
+                    cause = msg[4] if len(msg) > 4 else {}
+                    if cause.get("config"):  # the job's set-up is wrong: restarting cannot help
+                        raise ConfigError(f"job {self.flow.name!r}: {msg[1]} cannot start: {cause['message']}")
                     raise JobFailedError(f"job {self.flow.name!r}: {msg[1]} failed to start:\n{msg[3]}")
                 continue
             self._check_procs(procs, {})

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import queue
+import socket
 import sys
 import threading
 import time
@@ -30,6 +31,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..dataflow import FORWARD, Dataflow
+from ..errors import ConfigError
 from ..keygroups import key_group_range
 from ..state import ColumnDelta, PickledDelta
 from .channels import InputGate, LocalSender, RemoteSender, accept_channel, connect_channel, decode
@@ -60,6 +62,7 @@ class WorkerSpec:
     sink_transactions: dict | None = None  # uid -> [txn] (restore, union)
     channel_capacity: int = 8
     faults: tuple = ()  # abs.faults.Fault of this attempt
+    storage_probe: str | None = None  # token of the driver's probe file (storage.SnapshotStore.write_probe)
 
 
 class _Fault(Exception):
@@ -228,6 +231,8 @@ class Worker:
             from storage import SnapshotStore
 
             self.store = SnapshotStore.open(spec.storage_url, spec.storage_options)
+            if spec.storage_probe is not None:
+                self.store.check_probe(spec.storage_probe, who=f"worker {self.index} (host {socket.gethostname()})")
             if self.writer is not None and writes_in_process(spec.storage_url):
                 try:
                     self.writer.open(spec.storage_url, spec.storage_options)
@@ -422,8 +427,12 @@ def main() -> None:
         worker.connect(peers)
         stats = worker.create_tasks()
         conn.send(("ready", stats))
-    except Exception:  # noqa: BLE001
-        conn.send(("failed", f"worker{index}", "<startup>", traceback.format_exc()))
+    except Exception as exc:  # noqa: BLE001
+        from storage.errors import StorageConfigError
+
+        cause = {"error": type(exc).__name__, "message": str(exc),
+                 "config": isinstance(exc, (ConfigError, StorageConfigError))}
+        conn.send(("failed", f"worker{index}", "<startup>", traceback.format_exc(), cause))
         sys.exit(1)
     msg = conn.recv()
     if msg[0] != "start":
