@@ -20,6 +20,7 @@ from .errors import (
     WorkerLostError,
 )
 from .runtime.driver import CheckpointStats, JobResult, LocalExecutor
+from .files import FileSink, FileSource, read_output
 from .sinks import CollectSink, Sink, SinkWriter
 from .sources import END, GeneratorSource, Source, SourceReader
 from .state import ListState, MapState, ReducingState, ValueState
@@ -48,6 +49,9 @@ __all__ = [
     "Sink",
     "SinkWriter",
     "CollectSink",
+    "FileSink",
+    "FileSource",
+    "read_output",
     "AbsError",
     "ConfigError",
     "GraphError",

@@ -19,8 +19,8 @@ Columns of the state table: ``key_group`` (int), ``key`` (as stored: e.g. bigint
 binary for pickled keys) and the value column(s) as stored (binary for pickled values). The
 schema comes from the Arrow schema of the first non-empty file of the state (``op`` dropped).
 Every key group's chain (base + deltas) is resolved with :meth:`SnapshotStore.read_chain` on
-the executors, which also verifies sizes and SHA-256 checksums; ``read()`` yields Arrow
-record batches.
+the executors, which also verifies sizes and checksums (XXH3-128; SHA-256 in format-1
+files); ``read()`` yields Arrow record batches.
 
 Options (names are case-insensitive, as always in Spark):
 
@@ -51,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
@@ -77,6 +78,8 @@ __all__ = [
     "SOURCE_NAME",
     "KEY_GROUP_COLUMN",
     "register",
+    "load",
+    "cause",
     "arrow_to_spark_type",
     "checkpoints_table",
     "CHECKPOINT_STAT_COLUMNS",
@@ -107,6 +110,44 @@ _STORAGE_PREFIX = "storage."
 def register(spark: "SparkSession") -> None:
     """Register the ``abs-snapshot`` data source with ``spark`` (idempotent)."""
     spark.dataSource.register(_spark_classes()["AbsSnapshotDataSource"])
+
+
+def load(spark: "SparkSession", root: str, **options: Any) -> "Any":
+    """``spark.read.format("abs-snapshot").options(**options).load(root)`` (registering the
+    source first), with the data source's own error raised as itself: Spark reports an error
+    of a Python data source as an ``AnalysisException`` whose message starts with Spark's
+    words and a Python traceback and ends with the cause; this raises the cause (e.g.
+    :class:`storage.errors.CheckpointNotFoundError` with its message), chained to Spark's.
+
+    Errors found later, while an action reads the files, arrive inside Spark's execution
+    errors: :func:`cause` finds them there.
+    """
+    register(spark)
+    try:
+        return spark.read.format(SOURCE_NAME).options(**{k: str(v) for k, v in options.items()}).load(root)
+    except Exception as exc:
+        found = cause(exc)
+        if found is None:
+            raise
+        raise found from exc
+
+
+_CAUSE_LINE = re.compile(r"^(?:storage|recovery)\.errors\.(\w+): (.+)$", re.MULTILINE)
+
+
+def cause(exc: BaseException) -> StorageError | None:
+    """The storage error a Spark exception carries (the last ``storage.errors.X: message``
+    line of its text), as an instance of that class; ``None`` when it carries none."""
+    from . import errors as storage_errors
+
+    found = _CAUSE_LINE.findall(str(exc))
+    if not found:
+        return None
+    name, message = found[-1]
+    cls = getattr(storage_errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, StorageError)):
+        cls = StorageError
+    return cls(message.strip())
 
 
 # ============================================================================ options

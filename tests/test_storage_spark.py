@@ -294,6 +294,26 @@ def test_errors_through_spark(snapshot, reader, tmp_path: Path):
     assert "holds no snapshots" in msg
 
 
+def test_load_raises_the_data_sources_own_error_first(snapshot, spark, tmp_path: Path):
+    """Spark wraps a data source's error in an AnalysisException that starts with Spark's
+    words and a traceback; storage.spark.load raises the cause itself, chained to it."""
+    import storage.spark
+    from storage import CheckpointNotFoundError, StateNotFoundError, StorageError
+
+    root = snapshot["root"]
+    with pytest.raises(CheckpointNotFoundError) as info:
+        storage.spark.load(spark, root, operator="count", state="n", checkpoint=99)
+    assert str(info.value).startswith(f"{root}: checkpoint 99 does not exist")
+    assert "Traceback" not in str(info.value) and "PYTHON_DATA_SOURCE_ERROR" in str(info.value.__cause__)
+    with pytest.raises(StateNotFoundError, match="has no state 'nope'"):
+        storage.spark.load(spark, root, operator="count", state="nope")
+    with pytest.raises(StorageError, match="holds no snapshots"):
+        storage.spark.load(spark, str(tmp_path / "empty"), operator="count", state="n")
+    df = storage.spark.load(spark, root, operator="count", state="n", checkpoint=4)
+    assert df.count() == len(snapshot["models"][4][("count", "n")])
+    assert storage.spark.cause(ValueError("no storage error here")) is None
+
+
 # ----------------------------------------------------------------------------- without Spark's JVM
 def test_options_and_types_without_a_session():
     from pyspark.sql import types as T
