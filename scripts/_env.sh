@@ -13,13 +13,23 @@ VPY="$ROOT/.venv/bin/python"
 STAMP=.venv/.abs-installed
 WANT="$(cat setup.cfg pyproject.toml | "$VPY" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
-  echo "[setup] installing the project and its dependencies into .venv (first time: about a minute)"
+  echo "[setup] installing the project and its dependencies into .venv"
+  echo "[setup] (first time: 1-3 minutes, most of it downloading pyspark, ~320 MB; later runs skip this)"
   LOG=.venv/install.log
-  if ! { "$VPY" -m pip install --upgrade pip && "$VPY" -m pip install -e ".[test]"; } >"$LOG" 2>&1; then
+  SECONDS=0
+  # the full output goes to the log; each package pip starts on is named as it goes
+  set +o pipefail
+  { "$VPY" -m pip install --upgrade pip && "$VPY" -m pip install -e ".[test]"; } 2>&1 | tee "$LOG" \
+    | grep --line-buffered -E '^(Collecting|Installing collected)' \
+    | sed -u -E 's/^Collecting ([^ ]+).*/[setup]   fetching \1/; s/^Installing collected packages:.*/[setup]   installing the packages/'
+  STATUS=${PIPESTATUS[0]}
+  set -o pipefail
+  if [ "$STATUS" -ne 0 ]; then
     tail -n 40 "$LOG" >&2
     echo "[setup] installation failed; the full log is in $LOG" >&2
     exit 1
   fi
+  echo "[setup] installed in ${SECONDS} s"
   echo "$WANT" > "$STAMP"
 fi
 export PATH="$ROOT/.venv/bin:$PATH"

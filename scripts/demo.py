@@ -88,9 +88,21 @@ def main(argv: list[str] | None = None) -> int:
         storage=args.storage,
     )
     t0 = time.monotonic()
-    while job.status in ("CREATED", "RUNNING"):
-        time.sleep(1.0)
+    print(f"demo: starting {args.parallelism} worker processes (each imports pyarrow, forks its snapshot writer "
+          "and connects to the others: a few seconds) ...", flush=True)
+    phase = "CREATED"
+    while job.status in ("CREATED", "RUNNING", "RESTARTING"):
+        time.sleep(0.5 if phase == "CREATED" else 1.0)
         m = job.metrics()
+        if m["status"] != phase:
+            phase = m["status"]
+            if phase == "RUNNING":
+                print(f"demo: workers running after {time.monotonic() - t0:.1f} s; counting, a checkpoint every second",
+                      flush=True)
+            elif phase == "RESTARTING":
+                print("demo: a worker failed; restarting from the last checkpoint", flush=True)
+        if phase != "RUNNING":
+            continue
         done = m["records_in"].get("count", 0)
         print(f"  {time.monotonic() - t0:5.1f} s  {done:>10,} events counted  "
               f"checkpoints: {m['completed_checkpoints']} complete, {m['failed_checkpoints']} failed", flush=True)
