@@ -17,6 +17,7 @@ from .errors import (
     GraphError,
     JobFailedError,
     OperatorError,
+    StartupError,
     WorkerLostError,
 )
 from .runtime.driver import CheckpointStats, JobResult, LocalExecutor
@@ -54,6 +55,7 @@ __all__ = [
     "DuplicateUidError",
     "JobFailedError",
     "OperatorError",
+    "StartupError",
     "WorkerLostError",
 ]
 __version__ = "0.1.0"

@@ -13,6 +13,7 @@ __all__ = [
     "JobFailedError",
     "WorkerLostError",
     "OperatorError",
+    "StartupError",
     "StateError",
     "AlignmentError",
 ]
@@ -61,6 +62,21 @@ class WorkerLostError(JobFailedError):
 class OperatorError(JobFailedError):
     """A user function raised inside an operator; the message names the operator uid and
     the worker, and carries the remote traceback."""
+
+
+class StartupError(JobFailedError):
+    """A job attempt failed while it started or restarted: between launching the workers and
+    the first running state (a worker failed while connecting to its peers or restoring its
+    state, e.g. a state file it could not read). The message names the worker, what it was
+    doing, and the worker's own error; ``permanent`` says whether retrying would fail alike.
+
+    Remedy: none while restarts are left (the restart strategy retries the attempt); otherwise
+    fix the cause the message names, then run the job again with ``restore='latest'``.
+    """
+
+    def __init__(self, message: str, result: object | None = None, *, permanent: bool = False) -> None:
+        super().__init__(message, result)
+        self.permanent = permanent
 
 
 class StateError(AbsError, RuntimeError):

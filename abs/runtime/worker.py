@@ -35,7 +35,7 @@ from ..state import ColumnDelta, PickledDelta
 from .channels import InputGate, LocalSender, RemoteSender, accept_channel, connect_channel, decode
 from .operators import KeyedOp, OpSnapshot, SinkOp, build_operator
 from .plan import PhysicalPlan, compile_plan, task_key
-from ..faults import trip
+from ..faults import WORKER_POINTS, trip
 from .task import Control, ExchangeWriter, Task
 from .writer import InThreadWriter, SnapshotWriter, writes_in_process
 
@@ -115,7 +115,11 @@ class Worker:
             return
         key = getattr(task, "key", task)
         for f in self.spec.faults:
-            if f.point == point and f.task in ("*", key):
+            if f.point in WORKER_POINTS:  # "task<t>#<i>" names worker i
+                hit = f.point == point and (f.task == "*" or f.task.endswith(f"#{self.index}"))
+            else:
+                hit = f.point == point and f.task in ("*", key)
+            if hit:
                 self._fault_counts[f] = self._fault_counts.get(f, 0) + 1
                 if self._fault_counts[f] == f.nth:
                     trip(f)
@@ -245,6 +249,7 @@ class Worker:
     def connect(self, peers: list) -> None:
         """Open one connection per outgoing remote channel, accept the incoming ones."""
         spec, P, i = self.spec, self.spec.parallelism, self.index
+        self.fault("before_connect", None)
         incoming = []  # (task, channel) expected from other workers
         for t in self.plan.tasks:
             for edge, _up, partition in t.inputs:
@@ -410,20 +415,32 @@ def main() -> None:
     assert kind == "spec"
     import cloudpickle
 
+    phase = "loading the job"
     try:
         spec: WorkerSpec = cloudpickle.loads(payload)
         worker = Worker(index, conn, spec, secret)
         worker.writer = writer
         worker.bind_host = boot.get("bind_host", "127.0.0.1")  # all interfaces on a cluster
+        phase = "opening the storage root"
         worker.build()
         host, port = worker.listener.address[:2]
         conn.send(("listening", (boot.get("advertise_host") or host, port)))
+        phase = "waiting for its peers' addresses"
         kind, peers = conn.recv()
+        phase = "connecting to its peers"
         worker.connect(peers)
+        worker.fault("after_connect", None)
+        phase = "restoring its state" if spec.keyed_chains else "creating its tasks"
         stats = worker.create_tasks()
         conn.send(("ready", stats))
-    except Exception:  # noqa: BLE001
-        conn.send(("failed", f"worker{index}", "<startup>", traceback.format_exc()))
+    except Exception as exc:  # noqa: BLE001 - reported to the driver, whose restart strategy decides
+        from .failures import describe, is_permanent
+
+        info = {"phase": phase, "cause": describe(exc), "permanent": is_permanent(exc)}
+        try:
+            conn.send(("failed", f"worker{index}", "<startup>", traceback.format_exc(), info))
+        except (OSError, EOFError):
+            pass  # the driver is gone or gave up on this attempt
         sys.exit(1)
     msg = conn.recv()
     if msg[0] != "start":
