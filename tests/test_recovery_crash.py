@@ -198,6 +198,7 @@ def test_a_storage_outage_during_the_restart_is_retried_until_it_clears(tmp_path
                       storage_options={"target_protocol": "file", "faults": faults})
     assert [r["attempt"] for r in result.restarts] == [1, 2]
     assert match in result.restarts[1]["error"], result.restarts
+    assert result.restarts[1]["error"].count("StorageUnavailableError") == 1  # the cause once, in one line
     assert result.restored_from is not None  # the attempt after the outage restored a checkpoint
 
 

@@ -41,6 +41,13 @@ from .worker import WorkerSpec
 
 __all__ = ["JobDriver", "CheckpointStats", "JobResult", "LocalExecutor"]
 
+WRITER_TIMEOUT_FACTOR = 1.5
+"""A worker's uploader waits on its snapshot writer process at most this many times the
+checkpoint timeout for one write, then kills it (see ``Worker._write``). Past the checkpoint
+timeout itself the driver has aborted the checkpoint anyway, so a writer that is merely slow
+never costs a checkpoint that could still complete; the half on top lets the abort come first."""
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckpointStats:
     """One completed checkpoint as the driver saw it."""
@@ -293,6 +300,7 @@ class JobDriver:
             keyed_chains=dict(manifest.keyed) if manifest is not None else None,
             sink_transactions=sink_txns or None,
             faults=tuple(f for f in self.faults if f.attempt == attempt and f.point not in ("before_commit", "after_commit")),
+            writer_timeout=WRITER_TIMEOUT_FACTOR * self.config.timeout,
         )
 
     # ------------------------------------------------------------------ run
@@ -454,7 +462,7 @@ class JobDriver:
         first = lines[0].removeprefix(f"job {self.flow.name!r}: ")
         if not isinstance(exc, JobFailedError):
             first = f"{type(exc).__name__}: {first}"  # e.g. a storage error while opening the root
-        if len(lines) > 1 and lines[-1] not in first:
+        if len(lines) > 1 and lines[-1].split(": ", 1)[-1] not in first:
             first += f" {lines[-1]}"
         return first
 
@@ -695,7 +703,10 @@ class JobDriver:
                 if kind == "ack":
                     handle(coord.on_ack(msg[1], msg[2], msg[3]))
                 elif kind == "decline":
-                    handle(coord.on_decline(msg[1], msg[2], msg[3]))
+                    actions = coord.on_decline(msg[1], msg[2], msg[3])
+                    if not actions:
+                        self._late_decline(msg[1], msg[2], msg[3])
+                    handle(actions)
                 elif kind in ("collect", "collect_commit"):
                     self._on_collect(msg)
                 elif kind == "metrics":
@@ -747,6 +758,15 @@ class JobDriver:
                         )
                     coord.request()
             handle(coord.tick())
+
+    def _late_decline(self, cid: int, task: str, reason: str) -> None:
+        """A decline for a checkpoint that has already failed (e.g. its timeout fired while a
+        task's snapshot writer hung): its reason joins the failure's, so that
+        ``JobResult.failed_checkpoints`` names the cause, not only the timeout."""
+        for k, (failed_id, why) in enumerate(self.failed):
+            if failed_id == cid and reason not in why:
+                self.failed[k] = (cid, f"{why}; then declined by {task}: {reason}")
+                return
 
     def _serve_requests(self, coord: Any, handle: Any, broadcast: Any) -> None:
         while True:

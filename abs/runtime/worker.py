@@ -37,7 +37,7 @@ from .operators import KeyedOp, OpSnapshot, SinkOp, build_operator
 from .plan import PhysicalPlan, compile_plan, task_key
 from ..faults import WORKER_POINTS, trip
 from .task import Control, ExchangeWriter, Task
-from .writer import InThreadWriter, SnapshotWriter, writes_in_process
+from .writer import InThreadWriter, SnapshotWriter, WriterHungError, writes_in_process
 
 __all__ = ["WorkerSpec", "main"]
 
@@ -60,6 +60,7 @@ class WorkerSpec:
     sink_transactions: dict | None = None  # uid -> [txn] (restore, union)
     channel_capacity: int = 8
     faults: tuple = ()  # abs.faults.Fault of this attempt
+    writer_timeout: float | None = None  # seconds the uploader waits on the writer process for one write
 
 
 class _Fault(Exception):
@@ -144,6 +145,16 @@ class Worker:
         cpu0 = time.thread_time()
         try:
             ack = self._write(checkpoint_id, task, pieces)
+        except WriterHungError as exc:
+            # killed (see SnapshotWriter.write): this checkpoint is declined, later ones are
+            # written in this thread, as after a writer that died. Nothing the killed writer
+            # wrote is named by a manifest (the checkpoint never completes), so it is garbage
+            # for GC, and the next checkpoint's deltas are taken against the last complete one.
+            reason = (f"worker {self.index}'s snapshot writer hung: {exc}; the worker writes its snapshots in its "
+                      "own thread from now on")
+            print(f"[abs] warning: {reason}", file=sys.stderr, flush=True)
+            self.decline(task, checkpoint_id, reason)
+            return
         except Exception as exc:  # noqa: BLE001 - a failed upload declines the checkpoint
             self.decline(task, checkpoint_id, f"upload failed: {type(exc).__name__}: {exc}")
             return
@@ -199,7 +210,11 @@ class Worker:
         writer_cpu = 0.0
         new_chains: list = []
         if jobs:
-            new_chains = writer.write(checkpoint_id, [args for _, _, args in jobs])
+            args = [args for _, _, args in jobs]
+            if in_thread:
+                new_chains = writer.write(checkpoint_id, args)
+            else:
+                new_chains = writer.write(checkpoint_id, args, timeout=self.spec.writer_timeout)
             writer_cpu = writer.last_cpu
         paths: set[str] = set()
         for (target, kg, _), new_chain in zip(jobs, new_chains):
