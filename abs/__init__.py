@@ -18,6 +18,7 @@ from .errors import (
     JobFailedError,
     OperatorError,
     StartupError,
+    CheckpointFailedError,
     WorkerLostError,
 )
 from .runtime.driver import CheckpointStats, JobResult, LocalExecutor
@@ -56,6 +57,7 @@ __all__ = [
     "JobFailedError",
     "OperatorError",
     "StartupError",
+    "CheckpointFailedError",
     "WorkerLostError",
 ]
 __version__ = "0.1.0"

@@ -14,6 +14,7 @@ __all__ = [
     "WorkerLostError",
     "OperatorError",
     "StartupError",
+    "CheckpointFailedError",
     "StateError",
     "AlignmentError",
 ]
@@ -77,6 +78,18 @@ class StartupError(JobFailedError):
     def __init__(self, message: str, result: object | None = None, *, permanent: bool = False) -> None:
         super().__init__(message, result)
         self.permanent = permanent
+
+
+class CheckpointFailedError(JobFailedError):
+    """Checkpoints cannot complete: the job's final checkpoint failed again and again (its
+    output since the last complete checkpoint would never be committed), or more consecutive
+    checkpoints failed than ``CheckpointConfig.tolerable_failures`` allows. The message names
+    the last failure's reason.
+
+    The restart strategy fails the job over (restores the latest complete checkpoint with new
+    workers and writers) while restarts are left. Remedy otherwise: fix the cause named (storage
+    full or unreachable, a hung process), then run the job again with ``restore='latest'``.
+    """
 
 
 class StateError(AbsError, RuntimeError):

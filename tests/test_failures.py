@@ -32,6 +32,7 @@ PERMANENT = [
 TRANSIENT = [
     abs.WorkerLostError("worker 1 was killed"), abs.OperatorError("user function raised"),
     abs.StartupError("worker 0 failed while restoring its state: StorageUnavailableError: x"),
+    abs.CheckpointFailedError("the final checkpoint failed 5 times"),
     StorageUnavailableError("unreachable"), CorruptFileError("torn"), MissingFileError("gone"),
     OSError(errno.ENOSPC, "No space left on device"), ConnectionRefusedError(), EOFError(), RuntimeError("bug?"),
 ]

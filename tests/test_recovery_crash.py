@@ -246,3 +246,15 @@ def test_a_storage_root_of_another_job_fails_at_once_and_uses_no_restart(tmp_pat
         abs.run(flow(str(tmp_path / "out")), parallelism=2, checkpoint=abs.CheckpointConfig(interval=0.25),
                 storage=str(tmp_path / "snap"), restart=abs.RestartStrategy(max_restarts=3, delay=0.1))
     assert "restart 1 of" not in capfd.readouterr().err
+
+
+def test_a_final_checkpoint_that_cannot_complete_fails_the_job_over(tmp_path):
+    """Every state write of the first attempt's workers fails: no checkpoint completes, the
+    final one neither; the job fails over (it does not wait for good) and the next attempt,
+    whose storage works, finishes with exact output."""
+    faults = FaultsInAttempts([StorageFault(op="write", times=None, path_glob="*/state/*")], attempts={0},
+                              where="workers")
+    result = run_with(tmp_path, restarts=1, storage=f"faulty://{tmp_path / 'snap'}",
+                      storage_options={"target_protocol": "file", "faults": faults})
+    assert len(result.restarts) == 1 and "final checkpoint failed 5 times" in result.restarts[0]["error"]
+    assert any("upload failed" in why for _cid, why in result.failed_checkpoints)

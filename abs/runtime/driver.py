@@ -29,7 +29,7 @@ from ..config import CheckpointConfig, RestartStrategy
 from ..coordinator import Abort, CheckpointCoordinator, Commit, FailJob, NotifyComplete, Trigger
 from ..dataflow import Dataflow
 from ..faults import normalize_faults, trip
-from ..errors import ConfigError, JobFailedError, OperatorError, StartupError, WorkerLostError
+from ..errors import CheckpointFailedError, ConfigError, JobFailedError, OperatorError, StartupError, WorkerLostError
 from ..keygroups import routing_table
 from ..sinks import CollectSink
 from storage.errors import StorageError
@@ -658,7 +658,7 @@ class JobDriver:
                     self._bases[a.checkpoint_id] = base
                     broadcast(("trigger", a.checkpoint_id, base))
                 elif isinstance(a, FailJob):
-                    raise JobFailedError(
+                    raise CheckpointFailedError(
                         f"job {self.flow.name!r}: {a.reason}; raise CheckpointConfig.tolerable_failures or fix the cause"
                     )
                 elif isinstance(a, Abort):
@@ -751,10 +751,10 @@ class JobDriver:
                 if final_from is None and not coord.pending_ids():
                     finals_requested += 1
                     if finals_requested > 5:
-                        raise JobFailedError(
+                        raise CheckpointFailedError(
                             f"job {self.flow.name!r}: the final checkpoint failed 5 times "
                             f"(last: {self.failed[-1][1] if self.failed else '?'}); output since the last complete "
-                            "checkpoint is not committed; fix the cause and restart with restore='latest'"
+                            "checkpoint is not committed"
                         )
                     coord.request()
             handle(coord.tick())

@@ -20,7 +20,16 @@ travels to the driver with the failure, see :class:`abs.errors.StartupError`).
 """
 from __future__ import annotations
 
-from ..errors import ConfigError, GraphError, JobFailedError, OperatorError, StartupError, StateError, WorkerLostError
+from ..errors import (
+    CheckpointFailedError,
+    ConfigError,
+    GraphError,
+    JobFailedError,
+    OperatorError,
+    StartupError,
+    StateError,
+    WorkerLostError,
+)
 
 __all__ = ["is_permanent", "should_restart", "describe"]
 
@@ -75,13 +84,14 @@ def should_restart(exc: BaseException) -> bool:
     """Whether the restart strategy may retry the attempt that failed with ``exc``.
 
     Retried: a lost or failed worker, a user function that raised, a failure while the job
-    started or restored, and any other error that is not permanent (storage I/O above all).
-    Not retried: permanent errors, interrupts (``KeyboardInterrupt``, ``SystemExit``), and the
-    job's own verdicts (a :class:`~abs.errors.JobFailedError` that is none of the above, such
-    as more failed checkpoints than ``CheckpointConfig.tolerable_failures`` allows)."""
+    started or restored, checkpoints that cannot complete (the final one, or more in a row
+    than ``CheckpointConfig.tolerable_failures`` allows: a failover, as in Flink), and any
+    other error that is not permanent (storage I/O above all). Not retried: permanent errors,
+    interrupts (``KeyboardInterrupt``, ``SystemExit``), and any other
+    :class:`~abs.errors.JobFailedError` (a verdict on the job itself)."""
     if not isinstance(exc, Exception) or is_permanent(exc):
         return False
-    if isinstance(exc, (WorkerLostError, OperatorError, StartupError)):
+    if isinstance(exc, (WorkerLostError, OperatorError, StartupError, CheckpointFailedError)):
         return True
     return not isinstance(exc, JobFailedError)
 
