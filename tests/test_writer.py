@@ -493,6 +493,14 @@ def test_a_writer_stopped_for_good_is_killed_and_the_job_finishes_exactly(tmp_pa
     assert "snapshot writer hung" in named[0][1] and "was killed" in named[0][1]
     assert any(c.checkpoint_id > named[0][0] for c in result.completed_checkpoints), "checkpoints go on after it"
     assert not os.path.exists(f"/proc/{stopped}") or open(f"/proc/{stopped}/stat").read().split()[2] == "Z"
+    store = SnapshotStore.open(str(tmp_path))  # the checkpoints written past the killed writer hold exact state
+    manifest = store.read_manifest(store.latest_checkpoint())
+    assert manifest.checkpoint_id > named[0][0] and store.verify().ok
+    counts: dict = {}
+    for kg in manifest.keyed["count"]["n"]:
+        t = store.read_key_group(manifest, "count", "n", kg)
+        counts.update(zip(t.column("key").to_pylist(), t.column("value").to_pylist()))
+    assert sum(counts.values()) == 40_000 and len(counts) == 500
 
 
 @pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task"), reason="needs /proc")
