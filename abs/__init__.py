@@ -17,6 +17,8 @@ from .errors import (
     GraphError,
     JobFailedError,
     OperatorError,
+    StartupError,
+    CheckpointFailedError,
     WorkerLostError,
 )
 from .runtime.driver import CheckpointStats, JobResult, LocalExecutor
@@ -58,6 +60,8 @@ __all__ = [
     "DuplicateUidError",
     "JobFailedError",
     "OperatorError",
+    "StartupError",
+    "CheckpointFailedError",
     "WorkerLostError",
 ]
 __version__ = "0.1.0"

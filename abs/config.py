@@ -38,7 +38,8 @@ class CheckpointConfig:
     * ``retained``: completed checkpoints kept by retention (savepoints are pinned apart).
     * ``mode``: ``"aligned"`` or ``"stop_the_world"`` (benchmark baseline only).
     * ``tolerable_failures``: consecutive failed checkpoints (timeouts, declines, failed
-      commits) tolerated before the job fails; ``None`` tolerates any number.
+      commits) tolerated before the job fails over (through the :class:`RestartStrategy`;
+      it fails when no restart is left); ``None`` tolerates any number.
     """
 
     interval: float | None = None

@@ -13,6 +13,8 @@ __all__ = [
     "JobFailedError",
     "WorkerLostError",
     "OperatorError",
+    "StartupError",
+    "CheckpointFailedError",
     "StateError",
     "AlignmentError",
 ]
@@ -61,6 +63,33 @@ class WorkerLostError(JobFailedError):
 class OperatorError(JobFailedError):
     """A user function raised inside an operator; the message names the operator uid and
     the worker, and carries the remote traceback."""
+
+
+class StartupError(JobFailedError):
+    """A job attempt failed while it started or restarted: between launching the workers and
+    the first running state (a worker failed while connecting to its peers or restoring its
+    state, e.g. a state file it could not read). The message names the worker, what it was
+    doing, and the worker's own error; ``permanent`` says whether retrying would fail alike.
+
+    Remedy: none while restarts are left (the restart strategy retries the attempt); otherwise
+    fix the cause the message names, then run the job again with ``restore='latest'``.
+    """
+
+    def __init__(self, message: str, result: object | None = None, *, permanent: bool = False) -> None:
+        super().__init__(message, result)
+        self.permanent = permanent
+
+
+class CheckpointFailedError(JobFailedError):
+    """Checkpoints cannot complete: the job's final checkpoint failed again and again (its
+    output since the last complete checkpoint would never be committed), or more consecutive
+    checkpoints failed than ``CheckpointConfig.tolerable_failures`` allows. The message names
+    the last failure's reason.
+
+    The restart strategy fails the job over (restores the latest complete checkpoint with new
+    workers and writers) while restarts are left. Remedy otherwise: fix the cause named (storage
+    full or unreachable, a hung process), then run the job again with ``restore='latest'``.
+    """
 
 
 class StateError(AbsError, RuntimeError):

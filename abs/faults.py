@@ -14,6 +14,12 @@ Fault points (``Fault.point``):
 ``after_commit``          (driver side) the manifest is written, completion not yet notified
 ``sink_commit``           a sink is about to publish a checkpoint's transactions
 ``restore``               a worker is reading its state during a restore
+``before_connect``        a worker has its peers' addresses and opens no channel yet (its
+                          peers are connecting to it): a peer killed while workers connect
+``after_connect``         every channel of a worker is connected, its state is not restored
+
+The two connect points belong to a worker, not to a task: ``Fault.task`` ``"task<t>#<i>"``
+(any ``t``) names worker ``i``, ``"*"`` every worker.
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ import os
 import signal
 from typing import Any, Iterable
 
-__all__ = ["Fault", "FAULT_POINTS", "normalize_faults", "trip"]
+__all__ = ["Fault", "FAULT_POINTS", "WORKER_POINTS", "normalize_faults", "trip"]
 
 FAULT_POINTS = (
     "during_alignment",
@@ -36,7 +42,12 @@ FAULT_POINTS = (
     "after_commit",
     "sink_commit",
     "restore",
+    "before_connect",
+    "after_connect",
 )
+
+WORKER_POINTS = ("before_connect", "after_connect")
+"""Fault points of a worker as a whole (while it starts), not of one of its tasks."""
 
 
 @dataclasses.dataclass(frozen=True)

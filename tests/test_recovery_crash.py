@@ -4,6 +4,7 @@ failures: no record lost, none duplicated (two-phase-commit file sink)."""
 from __future__ import annotations
 
 import collections
+import os
 
 import numpy as np
 import pyarrow as pa
@@ -12,7 +13,8 @@ import pytest
 import abs
 from abs.faults import Fault
 from abs.files import FileSink, read_output
-from storage import SnapshotStore
+from storage import JobMismatchError, SnapshotStore
+from storage.testing import Fault as StorageFault
 
 pytestmark = pytest.mark.integration
 
@@ -45,13 +47,13 @@ def assert_exactly_once(out: str) -> None:
     assert {k: sorted(v) for k, v in per_key.items()} == {k: list(range(1, n + 1)) for k, n in expected.items()}
 
 
-def run_with(tmp_path, *faults: Fault, restarts: int = 2, **kwargs) -> abs.JobResult:
+def run_with(tmp_path, *faults: Fault, restarts: int = 2, storage: str | None = None, **kwargs) -> abs.JobResult:
     out = str(tmp_path / "out")
     result = abs.run(
         flow(out),
         parallelism=2,
         checkpoint=abs.CheckpointConfig(interval=0.25, retained=2),
-        storage=str(tmp_path / "snap"),
+        storage=storage or str(tmp_path / "snap"),
         restart=abs.RestartStrategy(max_restarts=restarts, delay=0.1),
         faults=faults,
         **kwargs,
@@ -100,8 +102,8 @@ def test_hung_worker_is_detected_by_heartbeat_and_replaced(tmp_path):
     assert "heartbeat" in result.restarts[0]["error"]
 
 
-def test_without_restarts_the_failure_names_the_worker(tmp_path):
-    with pytest.raises(abs.WorkerLostError, match=r"worker 1 .*signal 9"):
+def test_without_restarts_the_failure_names_the_worker_and_advises_the_restore(tmp_path):
+    with pytest.raises(abs.WorkerLostError, match=r"worker 1 .*signal 9.*gave up after 0 restart.*restore='latest'"):
         abs.run(flow(str(tmp_path / "out")), parallelism=2, checkpoint=abs.CheckpointConfig(interval=0.25),
                 storage=str(tmp_path / "snap"), faults=[Fault("process", "task1#1", nth=5)])
 
@@ -136,3 +138,127 @@ def test_storage_write_failures_fail_only_that_checkpoint_and_the_job_goes_on(tm
         t = store.read_key_group(manifest, "count", "n", kg)
         final.update(zip(t.column("key").to_pylist(), t.column("value").to_pylist()))
     assert final == dict(collections.Counter((np.arange(TOTAL) % KEYS).tolist()))
+
+
+# ----------------------------------------------------------------------------- starting and restarting
+@pytest.mark.parametrize(
+    "faults",
+    [
+        (Fault("before_connect", "task0#1"),),
+        (Fault("after_connect", "task0#0"),),
+        (Fault("after_sync_snapshot", "task1#0", nth=3), Fault("before_connect", "task0#0", attempt=1)),
+    ],
+    ids=["peer-killed-while-connecting", "killed-after-connecting", "killed-while-the-restart-connects"],
+)
+def test_a_worker_killed_while_the_workers_connect_fails_only_the_attempt(tmp_path, capfd, faults):
+    result = run_with(tmp_path, *faults, restarts=3)
+    assert len(result.restarts) == len(faults)
+    assert all("signal 9" in r["error"] for r in result.restarts), result.restarts
+    log = capfd.readouterr().err
+    assert "[abs] job 'crash': worker" in log and "job 'crash': job 'crash'" not in log
+    assert "restore='latest'" not in log  # the job restores itself: no advice to do it by hand
+
+
+class FaultsInAttempts:
+    """A ``faults`` schedule for the ``faulty://`` file system that is in force only in some
+    attempts of a job, in its driver or in its workers (and their writer processes).
+
+    The driver opens its storage root once per attempt, in this (the test's) process: each
+    iteration here is one open. A worker gets a copy of this object taken when its attempt
+    began, so its count of opens names its attempt."""
+
+    def __init__(self, faults, attempts, where):
+        self.faults, self.attempts, self.where = list(faults), frozenset(attempts), where
+        self.driver_pid, self.opens = os.getpid(), 0
+
+    def __iter__(self):
+        in_driver = os.getpid() == self.driver_pid
+        self.opens += in_driver
+        active = self.opens - 1 in self.attempts and self.where == ("driver" if in_driver else "workers")
+        return iter(self.faults if active else ())
+
+
+UNREACHABLE = [StorageFault(op="read", times=None), StorageFault(op="write", times=None)]
+
+
+@pytest.mark.parametrize(
+    "where, first_fault, match",
+    [
+        # the restart finds the root unreachable: opening it (reading _job.json) fails
+        ("driver", Fault("after_sync_snapshot", "task1#0", nth=3), "StorageUnavailableError"),
+        # the workers of the restart cannot read their state files while restoring
+        ("workers", Fault("after_sync_snapshot", "task1#0", nth=3), "failed while restoring its state: StorageUnavailableError"),
+        # ... or read them torn (a short read): the restore refuses the corrupt data
+        ("workers-torn", Fault("after_sync_snapshot", "task1#0", nth=3), "failed while restoring its state: CorruptFileError"),
+    ],
+)
+def test_a_storage_outage_during_the_restart_is_retried_until_it_clears(tmp_path, where, first_fault, match):
+    schedule = {"driver": UNREACHABLE,
+                "workers": [StorageFault(op="read", times=None, path_glob="*/state/*")],
+                "workers-torn": [StorageFault(op="read", times=None, action="tear_silent", path_glob="*/state/*")]}
+    faults = FaultsInAttempts(schedule[where], attempts={1}, where=where.split("-")[0])
+    root = tmp_path / "snap"
+    result = run_with(tmp_path, first_fault, restarts=3, storage=f"faulty://{root}",
+                      storage_options={"target_protocol": "file", "faults": faults})
+    assert [r["attempt"] for r in result.restarts] == [1, 2]
+    assert match in result.restarts[1]["error"], result.restarts
+    assert result.restarts[1]["error"].count(match.split()[-1]) == 1  # the cause once, in one line
+    assert result.restored_from is not None  # the attempt after the outage restored a checkpoint
+
+
+def test_a_full_disk_when_the_job_fingerprint_is_written_is_retried(tmp_path):
+    faults = FaultsInAttempts([StorageFault(op="write", times=None, path_glob="*_job*")], attempts={0}, where="driver")
+    result = run_with(tmp_path, restarts=1, storage=f"faulty://{tmp_path / 'snap'}",
+                      storage_options={"target_protocol": "file", "faults": faults})
+    assert len(result.restarts) == 1 and "_job.json" in result.restarts[0]["error"], result.restarts
+    assert result.restored_from is None  # nothing to restore yet: the retry starts from scratch
+
+
+def test_a_restore_failure_in_a_worker_names_the_worker_and_its_cause_when_the_job_gives_up(tmp_path):
+    faults = FaultsInAttempts([StorageFault(op="read", times=None, path_glob="*/state/*")], attempts={1, 2},
+                              where="workers")
+    with pytest.raises(abs.StartupError) as err:
+        run_with(tmp_path, Fault("after_sync_snapshot", "task1#0", nth=3), restarts=1,
+                 storage=f"faulty://{tmp_path / 'snap'}", storage_options={"target_protocol": "file", "faults": faults})
+    first = str(err.value).splitlines()[0]
+    assert "failed while restoring its state: StorageUnavailableError" in first and "injected fail" in first
+    assert "gave up after 1 restart" in str(err.value) and "restore='latest'" in str(err.value)
+    assert not err.value.permanent and len(err.value.result.restarts) == 1
+
+
+class BadOptionSource(abs.GeneratorSource):
+    """Its readers refuse their configuration: the same in every attempt."""
+
+    def create_reader(self, splits, subtask, parallelism):
+        raise abs.ConfigError("BadOptionSource: option 'speed' must be positive, got -1; pass speed=1")
+
+
+def test_a_permanent_error_while_starting_fails_at_once_and_uses_no_restart(tmp_path, capfd):
+    f = abs.Dataflow("crash")
+    f.source("src", BadOptionSource(1_000, num_keys=10)).sink("out", abs.CollectSink())
+    with pytest.raises(abs.StartupError, match=r"worker \d failed while creating its tasks: ConfigError: "
+                       r"BadOptionSource: option 'speed'") as err:
+        abs.run(f, parallelism=2, checkpoint=abs.CheckpointConfig(interval=0.25), storage=str(tmp_path / "snap"),
+                restart=abs.RestartStrategy(max_restarts=3, delay=0.1))
+    assert err.value.permanent and err.value.result.restarts == []
+    assert "restart 1 of" not in capfd.readouterr().err
+
+
+def test_a_storage_root_of_another_job_fails_at_once_and_uses_no_restart(tmp_path, capfd):
+    SnapshotStore.open(str(tmp_path / "snap")).init_job({"job_name": "another", "max_parallelism": 128})
+    with pytest.raises(JobMismatchError, match="belongs to job 'another'"):
+        abs.run(flow(str(tmp_path / "out")), parallelism=2, checkpoint=abs.CheckpointConfig(interval=0.25),
+                storage=str(tmp_path / "snap"), restart=abs.RestartStrategy(max_restarts=3, delay=0.1))
+    assert "restart 1 of" not in capfd.readouterr().err
+
+
+def test_a_final_checkpoint_that_cannot_complete_fails_the_job_over(tmp_path):
+    """Every state write of the first attempt's workers fails: no checkpoint completes, the
+    final one neither; the job fails over (it does not wait for good) and the next attempt,
+    whose storage works, finishes with exact output."""
+    faults = FaultsInAttempts([StorageFault(op="write", times=None, path_glob="*/state/*")], attempts={0},
+                              where="workers")
+    result = run_with(tmp_path, restarts=1, storage=f"faulty://{tmp_path / 'snap'}",
+                      storage_options={"target_protocol": "file", "faults": faults})
+    assert len(result.restarts) == 1 and "final checkpoint failed 5 times" in result.restarts[0]["error"]
+    assert any("upload failed" in why for _cid, why in result.failed_checkpoints)

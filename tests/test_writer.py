@@ -409,3 +409,119 @@ def test_a_job_checkpoints_to_s3_through_its_writers_and_restores(s3_server, s3_
                     checkpoint=abs.CheckpointConfig(interval=0.3, retained=3))
     assert again.status == "FINISHED"
     assert again.collected("out").num_rows == 0  # restored at the end of the input: nothing left to do
+
+
+# ----------------------------------------------------------------------------- a writer that hangs
+@pytest.mark.parametrize("size", [1, 300_000], ids=["reply-awaited", "pipe-full"])
+def test_a_writer_that_does_not_answer_in_time_is_killed_and_the_write_says_so(tmp_path, writer, size):
+    """Stopped (SIGSTOP), the writer neither reads the frame (a big one fills the pipe and
+    blocks the send) nor answers: the write kills it when its timeout is up."""
+    from abs.runtime.writer import WriterHungError
+
+    writer.open(str(tmp_path), None)
+    (kg, delta), *_ = column_deltas({k: k for k in range(size)}).items()
+    os.kill(writer.pid, signal.SIGSTOP)
+    with pytest.raises(WriterHungError, match=rf"writer process \(pid {writer.pid}\) did not answer checkpoint 1's "
+                                              r"write within 0\.5 s and was killed"):
+        writer.write(1, [("op", "v", kg, [], delta, False)], timeout=0.5)
+    assert not writer.alive and writer._process.exitcode == -signal.SIGKILL
+
+
+def test_a_writer_that_answers_in_time_is_left_alone(tmp_path, writer):
+    writer.open(str(tmp_path), None)
+    (kg, delta), *_ = column_deltas({1: 1}).items()
+    for cid in (1, 2):
+        assert len(writer.write(cid, [("op", "v", kg, [], delta, False)], timeout=60)) == 1
+    assert writer.alive
+
+
+def writer_pids(deadline: float, before: set[int]) -> list[int]:
+    """The writer processes of the job's two workers (children of this process started after
+    ``before`` was taken)."""
+    workers: list[int] = []
+    while time.time() < deadline and len(workers) < 2:
+        workers = [p for p in children(os.getpid()) if p not in before and children(p)]
+        time.sleep(0.05)
+    return [w for p in workers for w in children(p)]
+
+
+def release(pids: list[int]) -> None:
+    """After a test: no stopped process of ours stays behind (a failed test leaves its job)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+def hang_job(tmp_path, timeout: float):
+    flow = abs.Dataflow("writer-hang")
+    src = abs.GeneratorSource(40_000, num_keys=500, num_splits=4, rate=2_000)
+    flow.source("events", src).key_by("key").process("count", count, state=[abs.ValueState("n", pa.int64())]) \
+        .sink("out", abs.CollectSink())
+    return abs.submit(flow, parallelism=2, storage=str(tmp_path),
+                      checkpoint=abs.CheckpointConfig(interval=0.3, timeout=timeout, retained=2))
+
+
+def assert_counted_once(result, events: int = 40_000) -> None:
+    rows = result.collected("out").to_pylist()
+    final: dict = {}
+    for row in rows:
+        final[row["key"]] = max(final.get(row["key"], 0), row["n"])
+    assert len(rows) == events and sum(final.values()) == events  # every record once, counts exact
+
+
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task"), reason="needs /proc")
+def test_a_writer_stopped_for_good_is_killed_and_the_job_finishes_exactly(tmp_path):
+    before = set(children(os.getpid()))
+    handle = hang_job(tmp_path, timeout=2.0)
+    deadline = time.time() + 120
+    writers = writer_pids(deadline, before)
+    assert len(writers) >= 2, "every worker of a job with a file root has a writer process"
+    while time.time() < deadline and handle.metrics()["completed_checkpoints"] < 2:
+        time.sleep(0.05)
+    stopped = writers[0]
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        result = handle.wait(timeout=120)  # the old runtime waited on the stopped writer for good
+    finally:
+        release(writers)
+    assert result.status == "FINISHED" and result.restarts == [], result
+    assert_counted_once(result)
+    named = [(cid, why) for cid, why in result.failed_checkpoints if f"pid {stopped}" in why]
+    assert named, result.failed_checkpoints
+    assert "snapshot writer hung" in named[0][1] and "was killed" in named[0][1]
+    assert any(c.checkpoint_id > named[0][0] for c in result.completed_checkpoints), "checkpoints go on after it"
+    assert not os.path.exists(f"/proc/{stopped}") or open(f"/proc/{stopped}/stat").read().split()[2] == "Z"
+    store = SnapshotStore.open(str(tmp_path))  # the checkpoints written past the killed writer hold exact state
+    manifest = store.read_manifest(store.latest_checkpoint())
+    assert manifest.checkpoint_id > named[0][0] and store.verify().ok
+    counts: dict = {}
+    for kg in manifest.keyed["count"]["n"]:
+        t = store.read_key_group(manifest, "count", "n", kg)
+        counts.update(zip(t.column("key").to_pylist(), t.column("value").to_pylist()))
+    assert sum(counts.values()) == 40_000 and len(counts) == 500
+
+
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task"), reason="needs /proc")
+def test_a_writer_stopped_for_a_while_then_continued_lets_checkpoints_resume(tmp_path):
+    before = set(children(os.getpid()))
+    handle = hang_job(tmp_path, timeout=4.0)
+    deadline = time.time() + 120
+    writers = writer_pids(deadline, before)
+    assert len(writers) >= 2
+    while time.time() < deadline and handle.metrics()["completed_checkpoints"] < 2:
+        time.sleep(0.05)
+    for pid in writers:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        while time.time() < deadline and handle.metrics()["failed_checkpoints"] < 1:
+            time.sleep(0.05)  # the driver's checkpoint timeout reports the stalled checkpoint
+    finally:
+        release(writers)
+    result = handle.wait(timeout=120)
+    assert result.status == "FINISHED" and result.restarts == [], result
+    first_failed, why = result.failed_checkpoints[0]
+    assert "timeout" in why and "missing acks" in why
+    assert any(c.checkpoint_id > first_failed for c in result.completed_checkpoints), "checkpoints resume"
+    assert_counted_once(result)

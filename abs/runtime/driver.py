@@ -29,13 +29,14 @@ from ..config import CheckpointConfig, RestartStrategy
 from ..coordinator import Abort, CheckpointCoordinator, Commit, FailJob, NotifyComplete, Trigger
 from ..dataflow import Dataflow
 from ..faults import normalize_faults, trip
-from ..errors import ConfigError, JobFailedError, OperatorError, WorkerLostError
+from ..errors import CheckpointFailedError, ConfigError, JobFailedError, OperatorError, StartupError, WorkerLostError
 from ..keygroups import routing_table
 from ..sinks import CollectSink
 from storage.backend import absolute_url
 from storage.errors import StorageError
 
 from .cleanup import BackgroundGc, GcRequest
+from .failures import should_restart
 from .plan import compile_plan
 from .worker import WorkerSpec
 
@@ -43,6 +44,12 @@ from .worker import WorkerSpec
 _RESTORE_WORDS = ("latest", "latest-if-any", "fresh")
 
 __all__ = ["JobDriver", "CheckpointStats", "JobResult", "LocalExecutor"]
+
+WRITER_TIMEOUT_FACTOR = 1.5
+"""A worker's uploader waits on its snapshot writer process at most this many times the
+checkpoint timeout for one write, then kills it (see ``Worker._write``). Past the checkpoint
+timeout itself the driver has aborted the checkpoint anyway, so a writer that is merely slow
+never costs a checkpoint that could still complete; the half on top lets the abort come first."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,6 +313,7 @@ class JobDriver:
             keyed_chains=dict(manifest.keyed) if manifest is not None else None,
             sink_transactions=sink_txns or None,
             faults=tuple(f for f in self.faults if f.attempt == attempt and f.point not in ("before_commit", "after_commit")),
+            writer_timeout=WRITER_TIMEOUT_FACTOR * self.config.timeout,
         )
 
     # ------------------------------------------------------------------ run
@@ -321,23 +329,28 @@ class JobDriver:
                 first_id, restore_info = self._open_storage()
                 spec = self._spec(restore_info, attempt)
                 self._open_sources(restore_info, attempt)
-                procs, conns = self._launch(spec)
+                self._launch(spec, procs, conns)
                 self._t_started = time.monotonic()
                 self.status = "RUNNING"
                 self._loop(procs, conns, first_id)
                 self.status = "FINISHED"
                 break
-            except (WorkerLostError, OperatorError) as exc:
+            except Exception as exc:
+                # anything from opening the root to the last record fails this attempt; the
+                # restart strategy retries it unless the error is permanent (abs.runtime.failures)
+                if isinstance(exc, _Canceled) or not should_restart(exc):
+                    self.status = "CANCELED" if isinstance(exc, _Canceled) else "FAILED"
+                    self.error = exc
+                    break
                 if attempt >= self.restart.max_restarts:
-                    self.status, self.error = "FAILED", exc
+                    self.status, self.error = "FAILED", self._gave_up(exc)
                     break
                 attempt += 1
                 self._teardown(procs, conns)
                 procs, conns = [], {}
                 self._prepare_restart(attempt, exc)
             except BaseException as exc:
-                self.status = "CANCELED" if isinstance(exc, _Canceled) else "FAILED"
-                self.error = exc
+                self.status, self.error = "FAILED", exc
                 break
             finally:
                 self._teardown(procs, conns)
@@ -433,9 +446,7 @@ class JobDriver:
         complete checkpoint (or starts over without one) after the strategy's delay."""
         self._gc.drain()  # the restore reads the root as the last GC left it
         delay = self.restart.delay_before(attempt)
-        lines = [line for line in str(exc).splitlines() if line.strip()]
-        # the first line names the worker or operator, the last one the cause
-        first_line = (lines[0] + (f" {lines[-1].strip()}" if len(lines) > 1 else "")) if lines else type(exc).__name__
+        first_line = self._summary(exc)
         print(f"[abs] job {self.flow.name!r}: {first_line}; restart {attempt} of "
               f"{self.restart.max_restarts} in {delay:.1f} s from the latest complete checkpoint", file=sys.stderr)
         time.sleep(delay)
@@ -452,6 +463,32 @@ class JobDriver:
         self._bases = {}
         self._last_completed_id = 0
         self.status = "RESTARTING"
+
+    def _summary(self, exc: BaseException) -> str:
+        """One line for the restart log and ``JobResult.restarts``: the first line of the error
+        (it names the worker or operator), then its last one (the cause, e.g. the last line of
+        a remote traceback) when the first does not hold it already; without the job's own
+        ``job 'name': `` prefix, which the log line puts in front once."""
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        if not lines:
+            return type(exc).__name__
+        first = lines[0].removeprefix(f"job {self.flow.name!r}: ")
+        if not isinstance(exc, JobFailedError):
+            first = f"{type(exc).__name__}: {first}"  # e.g. a storage error while opening the root
+        if len(lines) > 1 and lines[-1].split(": ", 1)[-1] not in first:
+            first += f" {lines[-1]}"
+        return first
+
+    def _gave_up(self, exc: Exception) -> Exception:
+        """The error of a job that has no restart left: our own errors now advise the restore
+        (while restarts are left, the job restores itself and the advice would mislead)."""
+        if isinstance(exc, JobFailedError) and self.checkpointing:
+            used = len(self.restarts)
+            sep = "\n" if "\n" in str(exc) else "; "
+            exc.args = (f"{exc}{sep}the job gave up after {used} restart(s) (RestartStrategy.max_restarts="
+                        f"{self.restart.max_restarts}); run it again with restore='latest' to continue from its "
+                        "latest complete checkpoint",) + exc.args[1:]
+        return exc
 
     def _timings(self, t_start: float) -> dict:
         end = time.monotonic()
@@ -470,20 +507,23 @@ class JobDriver:
                 total[uid] = total.get(uid, 0) + n
         return total
 
-    def _launch(self, spec: WorkerSpec) -> tuple[list, dict]:
+    def _launch(self, spec: WorkerSpec, procs: list, conns: dict[int, Any]) -> None:
+        """Start the workers and take them through the start-up handshake to the running
+        state. Fills ``procs`` and ``conns`` as it goes, so that the caller tears down every
+        worker started when any step fails: a failure here is a failure of the attempt,
+        retried by the restart strategy like any other."""
         import cloudpickle
 
         secret = secrets.token_bytes(32)
         host = self.executor.driver_host() if hasattr(self.executor, "driver_host") else "127.0.0.1"
         listener = Listener((host, 0), authkey=secret)
-        procs: list = []
-        conns: dict[int, Any] = {}
         try:
             boots = [{"driver": list(listener.address), "secret": secret.hex(), "index": i} for i in range(self.P)]
             if hasattr(self.executor, "launch_all"):  # e.g. a Spark barrier stage: all workers at once
                 procs.extend(self.executor.launch_all(boots, self.flow.name))
             else:
-                procs.extend(self.executor.launch(i, boot) for i, boot in enumerate(boots))
+                for i, boot in enumerate(boots):
+                    procs.append(self.executor.launch(i, boot))
             accepted: list = []
             acceptor = threading.Thread(target=lambda: [accepted.append(listener.accept()) for _ in range(self.P)], daemon=True)
             acceptor.start()
@@ -502,11 +542,11 @@ class JobDriver:
             payload = cloudpickle.dumps(spec)
             for c in conns.values():
                 c.send(("spec", payload))
-            addresses = [self._expect(conns[i], "listening", procs) for i in range(self.P)]
+            listening = self._gather(conns, "listening", procs)
+            addresses = [listening[i] for i in range(self.P)]
             for c in conns.values():
                 c.send(("peers", addresses))
-            for i in range(self.P):
-                stats = self._expect(conns[i], "ready", procs)
+            for i, stats in self._gather(conns, "ready", procs).items():
                 self._bytes_restored[i] = stats.get("bytes_restored", 0)
                 self._restore_seconds[i] = stats.get("restore_seconds", 0.0)
             for c in conns.values():
@@ -524,28 +564,79 @@ class JobDriver:
             except StorageError as exc:  # a leftover probe is harmless (GC leaves it alone)
                 print(f"[abs] warning: could not delete the storage probe: {exc}", file=sys.stderr)
 
-    def _expect(self, conn: Any, kind: str, procs: list) -> Any:
+    def _gather(self, conns: dict[int, Any], kind: str, procs: list) -> dict[int, Any]:
+        """The ``kind`` message of every worker (in any order); a worker that reports a
+        failure, dies or closes its connection first fails the attempt with the cause."""
+        pending = dict(conns)
+        got: dict[int, Any] = {}
         deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if conn.poll(0.1):
+        while pending:
+            if time.monotonic() > deadline:
+                raise WorkerLostError(
+                    f"job {self.flow.name!r}: worker(s) {sorted(pending)} did not report {kind!r} within "
+                    f"{self.startup_timeout:.0f} s"
+                )
+            for conn in wait(list(pending.values()), timeout=0.1):
+                i = next(k for k, c in pending.items() if c is conn)
                 try:
                     msg = conn.recv()
                 except (EOFError, OSError):
-                    time.sleep(0.2)  # let the exit status arrive
-                    self._check_procs(procs, {})
+                    self._settle(procs, conns)
                     raise WorkerLostError(
-                        f"job {self.flow.name!r}: a worker closed its connection while starting (waiting for {kind!r})"
+                        f"job {self.flow.name!r}: worker {i} closed its connection while starting (waiting for {kind!r})"
                     ) from None
                 if msg[0] == kind:
-                    return msg[1]
-                if msg[0] == "failed":
-                    cause = msg[4] if len(msg) > 4 else {}
-                    if cause.get("config"):  # the job's set-up is wrong: restarting cannot help
-                        raise ConfigError(f"job {self.flow.name!r}: {msg[1]} cannot start: {cause['message']}")
-                    raise JobFailedError(f"job {self.flow.name!r}: {msg[1]} failed to start:\n{msg[3]}")
-                continue
-            self._check_procs(procs, {})
-        raise WorkerLostError(f"job {self.flow.name!r}: a worker did not report {kind!r} within {self.startup_timeout:.0f} s")
+                    got[i] = msg[1]
+                    del pending[i]
+                elif msg[0] == "failed":
+                    self._startup_failed(i, msg, procs, conns)
+            self._settle(procs, conns, wait_s=0.0)
+        return got
+
+    def _settle(self, procs: list, conns: dict, wait_s: float = 0.5) -> None:
+        """While starting: a worker that died fails the attempt, with the failure it reported
+        when it reported one (it exits after reporting), else as a lost worker. ``wait_s``
+        lets exit statuses arrive: a worker's failure is often collateral (its peer died)."""
+        until = time.monotonic() + wait_s
+        while True:
+            for i, p in enumerate(procs):
+                code = p.poll()
+                if code is None or code == 0:
+                    continue
+                conn = conns.get(i)
+                try:
+                    reported = conn.recv() if conn is not None and code > 0 and conn.poll(0.2) else None
+                except (EOFError, OSError):
+                    reported = None
+                if reported is not None and reported[0] == "failed":
+                    self._startup_failed(i, reported, procs, conns, settle=False)
+                self._check_procs(procs, conns)
+            if time.monotonic() >= until:
+                return
+            time.sleep(0.05)
+
+    def _startup_failed(self, i: int, msg: tuple, procs: list, conns: dict, settle: bool = True) -> None:
+        """Raise the :class:`StartupError` of worker ``i``'s ``("failed", ...)`` report; first,
+        a peer that was killed (the usual cause of a failure to connect) fails it instead."""
+        info = msg[4] if len(msg) > 4 else {}
+        phase = info.get("phase", "starting")
+        cause = info.get("cause") or (msg[3].strip().splitlines() or ["?"])[-1]
+        deadline = time.monotonic() + (0.5 if settle else 0.0)
+        while settle:
+            for k, p in enumerate(procs):
+                code = p.poll()
+                if k != i and code is not None and code < 0:
+                    raise WorkerLostError(
+                        f"job {self.flow.name!r}: worker {k} (pid {p.pid}) was killed by signal {-code} while the "
+                        f"workers started; worker {i} failed with it while {phase}: {cause}"
+                    )
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        raise StartupError(
+            f"job {self.flow.name!r}: worker {i} failed while {phase}: {cause}\n{msg[3]}",
+            permanent=bool(info.get("permanent", False)),
+        )
 
     def _check_procs(self, procs: list, conns: dict) -> None:
         for i, p in enumerate(procs):
@@ -554,7 +645,7 @@ class JobDriver:
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
                 raise WorkerLostError(
                     f"job {self.flow.name!r}: worker {i} (pid {p.pid}) {how}; no checkpoint after the last "
-                    "complete one is used; restart the job with restore='latest'"
+                    "complete one is used"
                 )
 
     # ------------------------------------------------------------------ main loop
@@ -590,7 +681,7 @@ class JobDriver:
                     self._bases[a.checkpoint_id] = base
                     broadcast(("trigger", a.checkpoint_id, base))
                 elif isinstance(a, FailJob):
-                    raise JobFailedError(
+                    raise CheckpointFailedError(
                         f"job {self.flow.name!r}: {a.reason}; raise CheckpointConfig.tolerable_failures or fix the cause"
                     )
                 elif isinstance(a, Abort):
@@ -629,13 +720,16 @@ class JobDriver:
                     self._check_procs(procs, conns)
                     time.sleep(0.2)
                     self._check_procs(procs, conns)
-                    raise WorkerLostError(f"job {self.flow.name!r}: lost the connection to worker {i}; restart with restore='latest'")
+                    raise WorkerLostError(f"job {self.flow.name!r}: lost the connection to worker {i}")
                 last_seen[i] = time.monotonic()
                 kind = msg[0]
                 if kind == "ack":
                     handle(coord.on_ack(msg[1], msg[2], msg[3]))
                 elif kind == "decline":
-                    handle(coord.on_decline(msg[1], msg[2], msg[3]))
+                    actions = coord.on_decline(msg[1], msg[2], msg[3])
+                    if not actions:
+                        self._late_decline(msg[1], msg[2], msg[3])
+                    handle(actions)
                 elif kind in ("collect", "collect_commit"):
                     self._on_collect(msg)
                 elif kind == "metrics":
@@ -680,13 +774,22 @@ class JobDriver:
                 if final_from is None and not coord.pending_ids():
                     finals_requested += 1
                     if finals_requested > 5:
-                        raise JobFailedError(
+                        raise CheckpointFailedError(
                             f"job {self.flow.name!r}: the final checkpoint failed 5 times "
                             f"(last: {self.failed[-1][1] if self.failed else '?'}); output since the last complete "
-                            "checkpoint is not committed; fix the cause and restart with restore='latest'"
+                            "checkpoint is not committed"
                         )
                     coord.request()
             handle(coord.tick())
+
+    def _late_decline(self, cid: int, task: str, reason: str) -> None:
+        """A decline for a checkpoint that has already failed (e.g. its timeout fired while a
+        task's snapshot writer hung): its reason joins the failure's, so that
+        ``JobResult.failed_checkpoints`` names the cause, not only the timeout."""
+        for k, (failed_id, why) in enumerate(self.failed):
+            if failed_id == cid and reason not in why:
+                self.failed[k] = (cid, f"{why}; then declined by {task}: {reason}")
+                return
 
     def _serve_requests(self, coord: Any, handle: Any, broadcast: Any) -> None:
         while True:

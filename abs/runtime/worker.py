@@ -37,9 +37,9 @@ from ..state import ColumnDelta, PickledDelta
 from .channels import InputGate, LocalSender, RemoteSender, accept_channel, connect_channel, decode
 from .operators import KeyedOp, OpSnapshot, SinkOp, build_operator
 from .plan import PhysicalPlan, compile_plan, task_key
-from ..faults import trip
+from ..faults import WORKER_POINTS, trip
 from .task import Control, ExchangeWriter, Task
-from .writer import InThreadWriter, SnapshotWriter, writes_in_process
+from .writer import InThreadWriter, SnapshotWriter, WriterHungError, writes_in_process
 
 __all__ = ["WorkerSpec", "main"]
 
@@ -62,6 +62,7 @@ class WorkerSpec:
     sink_transactions: dict | None = None  # uid -> [txn] (restore, union)
     channel_capacity: int = 8
     faults: tuple = ()  # abs.faults.Fault of this attempt
+    writer_timeout: float | None = None  # seconds the uploader waits on the writer process for one write
     storage_probe: str | None = None  # token of the driver's probe file (storage.SnapshotStore.write_probe)
 
 
@@ -118,7 +119,11 @@ class Worker:
             return
         key = getattr(task, "key", task)
         for f in self.spec.faults:
-            if f.point == point and f.task in ("*", key):
+            if f.point in WORKER_POINTS:  # "task<t>#<i>" names worker i
+                hit = f.point == point and (f.task == "*" or f.task.endswith(f"#{self.index}"))
+            else:
+                hit = f.point == point and f.task in ("*", key)
+            if hit:
                 self._fault_counts[f] = self._fault_counts.get(f, 0) + 1
                 if self._fault_counts[f] == f.nth:
                     trip(f)
@@ -143,6 +148,16 @@ class Worker:
         cpu0 = time.thread_time()
         try:
             ack = self._write(checkpoint_id, task, pieces)
+        except WriterHungError as exc:
+            # killed (see SnapshotWriter.write): this checkpoint is declined, later ones are
+            # written in this thread, as after a writer that died. Nothing the killed writer
+            # wrote is named by a manifest (the checkpoint never completes), so it is garbage
+            # for GC, and the next checkpoint's deltas are taken against the last complete one.
+            reason = (f"worker {self.index}'s snapshot writer hung: {exc}; the worker writes its snapshots in its "
+                      "own thread from now on")
+            print(f"[abs] warning: {reason}", file=sys.stderr, flush=True)
+            self.decline(task, checkpoint_id, reason)
+            return
         except Exception as exc:  # noqa: BLE001 - a failed upload declines the checkpoint
             self.decline(task, checkpoint_id, f"upload failed: {type(exc).__name__}: {exc}")
             return
@@ -198,7 +213,11 @@ class Worker:
         writer_cpu = 0.0
         new_chains: list = []
         if jobs:
-            new_chains = writer.write(checkpoint_id, [args for _, _, args in jobs])
+            args = [args for _, _, args in jobs]
+            if in_thread:
+                new_chains = writer.write(checkpoint_id, args)
+            else:
+                new_chains = writer.write(checkpoint_id, args, timeout=self.spec.writer_timeout)
             writer_cpu = writer.last_cpu
         paths: set[str] = set()
         for (target, kg, _), new_chain in zip(jobs, new_chains):
@@ -250,6 +269,7 @@ class Worker:
     def connect(self, peers: list) -> None:
         """Open one connection per outgoing remote channel, accept the incoming ones."""
         spec, P, i = self.spec, self.spec.parallelism, self.index
+        self.fault("before_connect", None)
         incoming = []  # (task, channel) expected from other workers
         for t in self.plan.tasks:
             for edge, _up, partition in t.inputs:
@@ -415,24 +435,32 @@ def main() -> None:
     assert kind == "spec"
     import cloudpickle
 
+    phase = "loading the job"
     try:
         spec: WorkerSpec = cloudpickle.loads(payload)
         worker = Worker(index, conn, spec, secret)
         worker.writer = writer
         worker.bind_host = boot.get("bind_host", "127.0.0.1")  # all interfaces on a cluster
+        phase = "opening the storage root"
         worker.build()
         host, port = worker.listener.address[:2]
         conn.send(("listening", (boot.get("advertise_host") or host, port)))
+        phase = "waiting for its peers' addresses"
         kind, peers = conn.recv()
+        phase = "connecting to its peers"
         worker.connect(peers)
+        worker.fault("after_connect", None)
+        phase = "restoring its state" if spec.keyed_chains else "creating its tasks"
         stats = worker.create_tasks()
         conn.send(("ready", stats))
-    except Exception as exc:  # noqa: BLE001
-        from storage.errors import StorageConfigError
+    except Exception as exc:  # noqa: BLE001 - reported to the driver, whose restart strategy decides
+        from .failures import describe, is_permanent
 
-        cause = {"error": type(exc).__name__, "message": str(exc),
-                 "config": isinstance(exc, (ConfigError, StorageConfigError))}
-        conn.send(("failed", f"worker{index}", "<startup>", traceback.format_exc(), cause))
+        info = {"phase": phase, "cause": describe(exc), "permanent": is_permanent(exc)}
+        try:
+            conn.send(("failed", f"worker{index}", "<startup>", traceback.format_exc(), info))
+        except (OSError, EOFError):
+            pass  # the driver is gone or gave up on this attempt
         sys.exit(1)
     msg = conn.recv()
     if msg[0] != "start":

@@ -29,6 +29,12 @@ The process exits when the pipe closes (its worker ended or was killed: the read
 and, on Linux, when its parent dies (``PR_SET_PDEATHSIG``). A worker whose writer died
 writes in its uploader thread again, through an :class:`InThreadWriter` that keeps the same
 memory (:func:`write_jobs` is the one write path of both).
+
+The writer is supervised like a worker: :meth:`SnapshotWriter.write` takes a ``timeout``,
+and a writer that has not answered by then (stopped, hung, stuck on a dead connection) is
+killed (``SIGKILL``: it is the worker's own child) and the write raises
+:class:`WriterHungError`; the worker declines that checkpoint and writes in its own thread
+from then on, as for a writer that died.
 """
 from __future__ import annotations
 
@@ -45,7 +51,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FrameReader", "SnapshotWriter", "die_with_parent", "recv_frame", "send_frame", "writes_in_process"]
+__all__ = ["FrameReader", "SnapshotWriter", "WriterHungError", "die_with_parent", "recv_frame", "send_frame",
+           "writes_in_process"]
 
 _IOV_MAX = 1024  # POSIX guarantees at least 16; Linux and macOS allow 1024
 _ALIGN = 64  # every out-of-band buffer starts at a multiple of this in the frame
@@ -185,6 +192,14 @@ def recv_frame(conn: Any) -> Any:
     return FrameReader().recv(conn)
 
 
+class WriterHungError(RuntimeError):
+    """A snapshot writer process did not answer one write within its timeout and was killed.
+
+    Remedy: none needed (the worker declines the checkpoint and writes in its own thread from
+    then on); if it recurs, look for what stops the process (a debugger, ``SIGSTOP``, swap) or
+    raise ``CheckpointConfig.timeout`` when a healthy write takes that long."""
+
+
 def writes_in_process(storage_url: str | None) -> bool:
     """Whether a worker hands its uploads to a writer process: not for ``memory://`` (a
     process of its own has a memory file system of its own)."""
@@ -219,25 +234,56 @@ class SnapshotWriter:
     def alive(self) -> bool:
         return self._conn is not None and self._process.is_alive()
 
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
     def open(self, storage_url: str, storage_options: dict | None) -> None:
         with self._lock:
             send_frame(self._conn, ("open", storage_url, storage_options))
 
-    def write(self, checkpoint_id: int, jobs: list[tuple]) -> list[list]:
+    def write(self, checkpoint_id: int, jobs: list[tuple], timeout: float | None = None) -> list[list]:
         """New chains for ``jobs`` (see the module docstring); raises ``RuntimeError`` naming
-        the first failure, or when the process died."""
+        the first failure, or when the process died, and :class:`WriterHungError` when it did
+        not answer within ``timeout`` seconds (it is then killed; see the module docstring)."""
         with self._lock:
+            if self._conn is None:
+                raise RuntimeError("the snapshot writer process is closed")
+            hung = threading.Event()
+            watchdog = None
+            if timeout is not None:
+                # the send blocks too when the pipe is full and the writer reads nothing: killing
+                # the process is what ends both waits (EPIPE / end of file)
+                watchdog = threading.Timer(timeout, self._kill_hung, args=(hung,))
+                watchdog.daemon = True
+                watchdog.start()
             try:
                 send_frame(self._conn, ("write", checkpoint_id, jobs))
                 kind, *payload = self._conn.recv()
             except (EOFError, OSError) as exc:
+                self._process.join(timeout=5)
                 code = self._process.exitcode
                 self._close()
+                if hung.is_set():
+                    raise WriterHungError(
+                        f"the snapshot writer process (pid {self._process.pid}) did not answer checkpoint "
+                        f"{checkpoint_id}'s write within {timeout:.3g} s and was killed"
+                    ) from exc
                 raise RuntimeError(f"the snapshot writer process died (exit code {code}): {exc}") from exc
+            finally:
+                if watchdog is not None:
+                    watchdog.cancel()
             if kind != "ok":
                 raise RuntimeError(payload[0])
             self.last_cpu = payload[1]
         return payload[0]
+
+    def _kill_hung(self, hung: threading.Event) -> None:
+        hung.set()
+        try:
+            self._process.kill()  # SIGKILL ends a stopped process too
+        except (OSError, ValueError, AttributeError):
+            pass
 
     def _close(self) -> None:
         if self._conn is not None:
@@ -250,9 +296,16 @@ class SnapshotWriter:
             if self._process.is_alive():
                 self._process.kill()
 
-    def close(self) -> None:
-        with self._lock:
+    def close(self, timeout: float = 10.0) -> None:
+        """Close the pipe and end the process; when a write still holds the writer after
+        ``timeout`` seconds (the process hangs), kill the process, which ends that write."""
+        if not self._lock.acquire(timeout=timeout):
+            self._kill_hung(threading.Event())
+            self._lock.acquire()
+        try:
             self._close()
+        finally:
+            self._lock.release()
 
 
 def die_with_parent() -> None:
