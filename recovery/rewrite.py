@@ -52,6 +52,7 @@ __all__ = [
     "ExecutorStorageError",
     "SparkNotInstalledError",
     "MaxParallelismError",
+    "UnpickleRefusedError",
     "KeyGroupTask",
     "RewriteContext",
     "RewriteJob",
@@ -110,6 +111,16 @@ class MaxParallelismError(RewriteInputError, ParallelismError):
     """The new ``max_parallelism`` of a re-key is not an integer in ``[1, 32768]``."""
 
 
+class UnpickleRefusedError(RewriteInputError):
+    """A re-key met a state whose keys are pickled: hashing them again means unpickling them,
+    which runs code from the snapshot, and the caller did not allow it. Nothing was written
+    that a restore could see (no manifest).
+
+    Remedy: if you trust the root, pass ``--unpickle`` (CLI) or ``unpickle=True`` (Python);
+    otherwise do not re-key it. Compaction and savepoints never unpickle.
+    """
+
+
 # ============================================================================ plan
 @dataclass(frozen=True)
 class KeyGroupTask:
@@ -137,6 +148,7 @@ class RewriteContext:
     savepoint_id: int
     old_max_parallelism: int
     new_max_parallelism: int
+    unpickle: bool = False
 
     @property
     def rekey(self) -> bool:
@@ -238,10 +250,16 @@ def plan_rewrite(
     storage_options: Mapping[str, Any] | None = None,
     dest_storage_options: Mapping[str, Any] | None = None,
     for_spark: bool = True,
+    unpickle: bool = False,
 ) -> RewriteJob:
-    """Check the inputs and plan a rewrite (no data is read or written).
+    """Check the inputs and plan a rewrite (no state file is decoded; a re-key without
+    ``unpickle`` reads the schema of one file per state).
 
     ``max_parallelism=None`` plans a compaction, an integer a re-key into that many key groups.
+    ``unpickle``: a re-key may unpickle pickled keys to hash them (runs code from the
+    snapshot); without it a state with pickled keys raises :class:`UnpickleRefusedError`
+    (here when the first file of a state has them, else in the task that meets them).
+    Compaction copies pickled bytes as they are and never needs it.
     ``dest_storage_options=None``: a destination of the same protocol as ``root`` uses
     ``storage_options``. ``for_spark`` refuses roots the executors cannot reach.
     """
@@ -264,13 +282,33 @@ def plan_rewrite(
     new = old if max_parallelism is None else max_parallelism
     context = RewriteContext(root=root, storage_options=options, dest=dest, dest_storage_options=dest_options,
                              checkpoint_id=checkpoint_id, savepoint_id=checkpoint_id,
-                             old_max_parallelism=old, new_max_parallelism=new)
+                             old_max_parallelism=old, new_max_parallelism=new, unpickle=unpickle)
     job = source.read_job() or {"job_name": manifest.job_name, "max_parallelism": old}
     tasks = [KeyGroupTask(op, st, kg, tuple(chain))
              for op, states in sorted(manifest.keyed.items()) for st, chains in sorted(states.items())
              for kg, chain in sorted(chains.items())]
+    if max_parallelism is not None and not unpickle:
+        _refuse_pickled_keys(source, context, tasks)
     return RewriteJob(kind="compact" if max_parallelism is None else "rekey", context=context, source=source,
                       dest=target, manifest=manifest, job=dict(job), tasks=tasks)
+
+
+def _pickled_keys_refusal(ctx: RewriteContext, operator: str, state: str) -> UnpickleRefusedError:
+    return UnpickleRefusedError(
+        f"checkpoint {ctx.checkpoint_id}: operator {operator!r} state {state!r} has pickled keys; re-keying must "
+        "unpickle them, which runs code from the snapshot; pass --unpickle (unpickle=True) if you trust this root"
+    )
+
+
+def _refuse_pickled_keys(source: SnapshotStore, ctx: RewriteContext, tasks: Sequence[KeyGroupTask]) -> None:
+    """Refuse early when the base of a state's first key group has pickled keys (the tasks
+    check every key group again before hashing)."""
+    first: dict[tuple[str, str], KeyGroupTask] = {}
+    for task in tasks:
+        first.setdefault((task.operator, task.state), task)
+    for (operator, state), task in first.items():
+        if is_pickled(source.read_schema(task.chain[0]), KEY_COLUMN):
+            raise _pickled_keys_refusal(ctx, operator, state)
 
 
 def group_tasks(tasks: Sequence[KeyGroupTask], key_groups_per_task: int | None = None) -> list[list[KeyGroupTask]]:
@@ -330,12 +368,18 @@ def _python_keys(table: pa.Table, where: str) -> list[Any]:
         ) from exc
 
 
-def _hashes(table: pa.Table, where: str) -> "NDArray[np.uint64]":
+def _hashes(table: pa.Table, where: str, *, unpickle: bool = False) -> "NDArray[np.uint64]":
     """The runtime's stable hash of every key: vectorized for typed keys, per unpickled key
-    for pickled ones."""
+    for pickled ones (only with ``unpickle``; :class:`UnpickleRefusedError` without)."""
     from abs.keygroups import stable_hashes
 
-    keys: Any = _python_keys(table, where) if is_pickled(table.schema, KEY_COLUMN) else table.column(KEY_COLUMN)
+    pickled = is_pickled(table.schema, KEY_COLUMN)
+    if pickled and not unpickle:
+        raise UnpickleRefusedError(
+            f"{where}: the keys are pickled; re-keying must unpickle them, which runs code from the snapshot; "
+            "pass --unpickle (unpickle=True) if you trust this root"
+        )
+    keys: Any = _python_keys(table, where) if pickled else table.column(KEY_COLUMN)
     try:
         return stable_hashes(keys)
     except (TypeError, ValueError) as exc:
@@ -388,7 +432,9 @@ def split_group(ctx: RewriteContext, group: Iterable[KeyGroupTask]) -> Iterator[
         table = source.read_chain(list(task.chain), checkpoint_id=ctx.checkpoint_id)
         if table.num_rows == 0:
             continue
-        hashes = _hashes(table, _where(ctx, task.operator, task.state, task.key_group))
+        if not ctx.unpickle and is_pickled(table.schema, KEY_COLUMN):
+            raise _pickled_keys_refusal(ctx, task.operator, task.state)
+        hashes = _hashes(table, _where(ctx, task.operator, task.state, task.key_group), unpickle=ctx.unpickle)
         _check_placement(hashes, table, ctx, task)
         new = (hashes % np.uint64(ctx.new_max_parallelism)).astype(np.int64)
         for kg, part in _split_by(table, new):
@@ -494,12 +540,15 @@ def rekey_local(
     max_parallelism: int,
     storage_options: Mapping[str, Any] | None = None,
     dest_storage_options: Mapping[str, Any] | None = None,
+    unpickle: bool = False,
 ) -> Manifest:
     """The re-key in this process, without Spark (all live rows are held in memory at once, as
     Arrow tables; use :func:`recovery.spark.rekey` for states larger than memory). Works on
-    ``memory://`` roots too. Returns the committed savepoint manifest."""
+    ``memory://`` roots too. Returns the committed savepoint manifest. ``unpickle``: allow
+    unpickling pickled keys to hash them (runs code from the snapshot; see
+    :class:`UnpickleRefusedError`)."""
     job = plan_rewrite(root, checkpoint_id, dest, max_parallelism=max_parallelism, storage_options=storage_options,
-                       dest_storage_options=dest_storage_options, for_spark=False)
+                       dest_storage_options=dest_storage_options, for_spark=False, unpickle=unpickle)
     buckets: dict[tuple[str, str, int], list[pa.Table]] = {}
     for target, part in split_group(job.context, job.tasks):
         buckets.setdefault(target, []).append(part)
