@@ -37,7 +37,8 @@ import pyarrow.compute as pc
 from storage import FileRef, Manifest, SnapshotStore, StoragePaths
 from storage.backend import protocols_of
 from storage.savepoint import copy_unkeyed
-from storage.errors import StorageConfigError
+from storage.errors import CorruptManifestError, StorageConfigError
+from storage.manifest import manifest_problems
 from storage.format import KEY_COLUMN, META_KEY_ENCODING, META_VALUE_ENCODING, is_pickled
 
 from .errors import ParallelismError, RecoveryError
@@ -277,6 +278,13 @@ def plan_rewrite(
         dest_options = dict(dest_storage_options)
     source = _open_source(root, options, for_spark=for_spark)
     manifest = source.read_manifest(checkpoint_id)  # CheckpointNotFoundError names the complete ones
+    problems = manifest_problems(manifest)
+    if problems:
+        path, message = problems[0]
+        raise CorruptManifestError(
+            f"{root}: checkpoint {checkpoint_id}: {path + ': ' if path else ''}{message} ({len(problems)} problem(s)); "
+            "the manifest is corrupt; refusing to rewrite it; pick another checkpoint ('abs-snapshot verify ROOT')"
+        )
     target = _open_empty_dest(dest, dest_options, root, for_spark=for_spark)
     old = manifest.max_parallelism
     new = old if max_parallelism is None else max_parallelism

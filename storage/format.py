@@ -226,7 +226,9 @@ def stream_schema(data: bytes, *, source: str) -> pa.Schema:
     try:
         opener = pa.ipc.open_file if data[:len(_FILE_MAGIC)] == _FILE_MAGIC else pa.ipc.open_stream
         return opener(pa.BufferReader(data)).schema
-    except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
+    except pa.ArrowMemoryError:
+        raise
+    except (pa.ArrowException, OSError) as exc:
         raise _unreadable(source, exc) from exc
 
 
@@ -402,7 +404,9 @@ def decode_table(data: bytes, *, source: str, columns: list[str] | None = None,
     try:
         opener = pa.ipc.open_file if data[:len(_FILE_MAGIC)] == _FILE_MAGIC else pa.ipc.open_stream
         return opener(pa.BufferReader(data), options=_read_options(data, source, columns)).read_all()
-    except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
+    except pa.ArrowMemoryError:
+        raise
+    except (pa.ArrowException, OSError) as exc:
         raise _unreadable(source, exc) from exc
 
 
@@ -418,7 +422,9 @@ def iter_batches(data: bytes, *, source: str, limits: DecodeLimits | None = None
         else:
             batches = iter(reader)
         yield from batches
-    except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
+    except pa.ArrowMemoryError:
+        raise
+    except (pa.ArrowException, OSError) as exc:
         raise _unreadable(source, exc) from exc
 
 

@@ -322,7 +322,11 @@ class SnapshotStore:
             return cached
         raw = self._io.get(path)
         source = f"{self.url}: checkpoint {checkpoint_id}: manifest {path}"
-        manifest = Manifest.from_json(raw, source=source)
+        try:
+            manifest = Manifest.from_json(raw, source=source)
+        except RecursionError:
+            raise CorruptManifestError(f"{source}: JSON nested too deeply to parse; the manifest is corrupt or "
+                                       "hostile; do not restore from it, use another checkpoint") from None
         if manifest.checkpoint_id != checkpoint_id:
             raise CorruptManifestError(
                 f"{source}: records checkpoint id {manifest.checkpoint_id}; the manifest is corrupt or misplaced; "
