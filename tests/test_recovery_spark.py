@@ -326,7 +326,7 @@ def test_a_corrupt_file_fails_the_rewrite_with_the_storage_error_and_commits_not
     victim = store.read_manifest(3).chains("words", "info")[key_group("w1", M)][-1]
     path = Path(root) / victim.path
     path.write_bytes(path.read_bytes()[:-3] + b"xyz")
-    for name, kwargs in (("compact", {}), ("rekey", {"max_parallelism": 32})):
+    for name, kwargs in (("compact", {}), ("rekey", {"max_parallelism": 32, "unpickle": True})):
         dest = str(tmp_path / name)
         with pytest.raises(CorruptFileError, match=f"{victim.path} fails its"):
             getattr(rspark, name)(spark, root, 3, dest, **kwargs)

@@ -215,3 +215,64 @@ def test_a_manifest_of_a_newer_format_is_listed_but_not_shown_and_blocks_gc(caps
     code, _, err = run(capsys, "gc", root, "--retain", "1")
     assert code == 1 and "GC refused" in err and "nothing was deleted" in err
     assert sorted(os.listdir(os.path.join(root, "checkpoints"))) == before
+
+
+# ---------------------------------------------------------------------- latest, show's summary
+@pytest.mark.parametrize("argv", [
+    ["show", "{root}", "{id}"],
+    ["dump", "{root}", "{id}", "--operator", "count/1", "--state", "n"],
+    ["verify", "{root}", "{id}"],
+    ["check", "{root}", "{id}"],
+    ["rescale-preview", "{root}", "{id}", "-p", "2"],
+])
+def test_latest_names_the_newest_checkpoint_wherever_an_id_is_taken(capsys, root, argv):
+    by_id = run(capsys, *[a.format(root=root, id="2") for a in argv])
+    latest = run(capsys, *[a.format(root=root, id="latest") for a in argv])
+    assert by_id[0] == 0 and latest == by_id
+
+
+def test_latest_is_taken_by_savepoint_too(capsys, root, tmp_path):
+    """(rekey ROOT latest: see tests/test_cli_hostile.py, on a root whose keys a real job placed)"""
+    code, out, err = run(capsys, "savepoint", root, "latest", str(tmp_path / "dest"))
+    assert code == 0 and "of checkpoint 2 written" in out and err == ""
+
+
+def test_latest_on_a_root_without_checkpoints_says_so(capsys, tmp_path):
+    store = SnapshotStore.open(str(tmp_path / "empty"))
+    store.init_job({"job_name": "j", "max_parallelism": 2})
+    code, out, err = run(capsys, "dump", str(tmp_path / "empty"), "latest", "--operator", "o", "--state", "s")
+    assert code == 2 and out == "" and "holds no complete checkpoint, so 'latest' names none" in err
+    code, _, err = run(capsys, "show", str(tmp_path / "empty"), "0")
+    assert code == 2 and "ids start at 1 (or use 'latest')" in err
+
+
+def test_show_summarises_per_state_and_labels_values_images(capsys, tmp_path):
+    """64 key groups: one summary per state (not a line per key group); a values image counts
+    apart from deltas and reads 'values' in the per key group view."""
+    url = str(tmp_path / "v")
+    store = SnapshotStore.open(url, policy=CompactionPolicy(max_delta_ratio=10.0))
+    store.init_job({"job_name": "counts", "max_parallelism": 64})
+
+    def image(kg: int, bump: int) -> pa.Table:
+        keys = list(range(kg * 1000, kg * 1000 + 50))
+        return pa.table({"key": pa.array(keys, pa.int64()), "value": pa.array([k + bump for k in keys], pa.int64())})
+
+    chains = {kg: store.write_key_group(1, "count", "n", kg, [], image(kg, 0), complete=True) for kg in range(64)}
+    store.commit(Manifest(checkpoint_id=1, job_name="counts", max_parallelism=64, keyed={"count": {"n": chains}},
+                          stats={"duration_s": 0.0123, "alignment_s": 5.9168e-05}))
+    chains = {kg: store.write_key_group(2, "count", "n", kg, chain, image(kg, 1), complete=True, over_base=chain[0])
+              for kg, chain in chains.items()}
+    chains[7] = store.write_key_group(3, "count", "n", 7, chains[7], pa.table({
+        "key": pa.array([7000], pa.int64()), "value": pa.array([1], pa.int64())}))
+    store.commit(Manifest(checkpoint_id=3, job_name="counts", max_parallelism=64, keyed={"count": {"n": chains}}))
+    code, out, _ = run(capsys, "show", url, "latest")
+    lines = out.splitlines()
+    assert code == 0 and len(lines) < 15, out
+    assert "    state 'n': 64 key groups, " in out
+    assert "64 bases (3,200 rows" in out and "64 values images (3,200 rows" in out and "1 deltas (1 rows" in out
+    assert "chain length min 2, median 2, max 3" in out
+    code, out, _ = run(capsys, "show", url, "latest", "--key-groups")
+    assert len(out.splitlines()) == len(lines) + 64
+    assert "kg 0007: base@1 (" in out and "<- values@2 (" in out and "<- delta@3 (" in out
+    code, out, _ = run(capsys, "show", url, "1")
+    assert "took 12.3 ms (alignment 0.06 ms)" in out and "5.9168e-05" not in out
