@@ -303,8 +303,17 @@ def _fb_ref(buf: bytes, pos: int) -> int:
 
 
 def _batch_decoded_size(buf: bytes, batch: int, body: int, body_size: int) -> int:
-    """Bytes the buffers of the RecordBatch table at ``batch`` take once decompressed; its
-    message body is ``buf[body:body + body_size]``."""
+    """Bytes the buffers of the RecordBatch table at ``batch`` take once decompressed, and at
+    least one per row (a column of the null type has rows but no buffers, and a reader still
+    walks them); its message body is ``buf[body:body + body_size]``."""
+    rows_at = _fb_field(buf, batch, 0)  # length: long
+    rows = _I64.unpack_from(buf, rows_at)[0] if rows_at is not None else 0
+    if rows < 0:
+        raise ValueError(f"a record batch states {rows} rows")
+    return max(rows, _buffers_size(buf, batch, body, body_size))
+
+
+def _buffers_size(buf: bytes, batch: int, body: int, body_size: int) -> int:
     at = _fb_field(buf, batch, 2)  # buffers: [Buffer{offset: long, length: long}]
     if at is None:
         return 0

@@ -394,3 +394,19 @@ def test_decoded_size_is_read_from_headers_exactly():
         buffers = sum(b.size for col in decoded.columns for chunk in col.chunks for b in chunk.buffers() if b is not None)
         assert decoded_size(data, source="t") == buffers
     assert decoded_size(bomb_bytes(rows=1 << 20), source="t") == 8 << 20
+
+
+def test_rows_without_buffers_count_against_the_decode_limit():
+    """A null-typed column has rows but no bytes: a file claiming 2**40 of them is refused
+    before a reader walks them."""
+    from storage.errors import CorruptFileError
+    from storage.format import DecodeLimits, decode_table, decoded_size
+
+    sink = pa.BufferOutputStream()
+    table = pa.table({"key": pa.nulls(1 << 20)})
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    data = sink.getvalue().to_pybytes()
+    assert decoded_size(data, source="t") == 1 << 20
+    with pytest.raises(CorruptFileError, match="would decode to 1048576 bytes"):
+        decode_table(data, source="t", limits=DecodeLimits.fixed(1 << 19))
