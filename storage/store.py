@@ -52,6 +52,21 @@ PACK_LIMIT = 64 << 20
 """A packed file is closed once it holds this many bytes (the last key group may cross it)."""
 
 
+_MAX_JOB_DEPTH = 64  # a job fingerprint nests ~5 levels; deeper is corruption, and would recurse later
+
+
+def _too_deep(doc: Any, limit: int) -> bool:
+    """Whether a parsed JSON value nests deeper than ``limit`` (iterative: no recursion)."""
+    stack = [(doc, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return False
+
+
 class KeyGroupWrite(NamedTuple):
     """One key group's changes for :meth:`SnapshotStore.write_key_groups` (the arguments of
     :meth:`SnapshotStore.write_key_group`)."""
@@ -212,6 +227,11 @@ class SnapshotStore:
             doc = json.loads(raw)
             if not isinstance(doc, dict):
                 raise ValueError("not a JSON object")
+            if _too_deep(doc, _MAX_JOB_DEPTH):
+                raise ValueError(f"nested deeper than {_MAX_JOB_DEPTH} levels")
+        except RecursionError:
+            raise CorruptManifestError(f"{self.url}: _job.json is nested too deeply to parse; the root's job fingerprint "
+                                       "is corrupt; restore it from a backup or use another storage root") from None
         except ValueError as exc:
             raise CorruptManifestError(
                 f"{self.url}: _job.json does not parse ({exc}); the root's job fingerprint is corrupt; "

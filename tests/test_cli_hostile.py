@@ -160,7 +160,7 @@ def manifest_mutation(rng: random.Random, doc: dict) -> tuple[str, bytes]:
         value = rng.choice([10**18, 2**63 - 1, 2**40, 10**12 + 3, -5, 7, 123456789])
         _parent(doc, path)[path[-1]] = value
         return f"{'/'.join(map(str, path))} = {value}", json.dumps(doc).encode()
-    if choice == 6:  # a key group out of range (or not a number)
+    if choice == 6 and doc.get("keyed"):  # a key group out of range (or not a number)
         op = rng.choice(sorted(doc["keyed"]))
         st = rng.choice(sorted(doc["keyed"][op]))
         chains = doc["keyed"][op][st]
@@ -200,8 +200,15 @@ def make_mutant(seed: int, source: str, target: str) -> str:
     """Copy ``source`` to ``target`` and damage it as ``seed`` says; returns what was done."""
     shutil.copytree(source, target)
     rng = random.Random(seed)
-    if rng.random() < 0.25:
+    dice = rng.random()
+    if dice < 0.25:
         return file_mutation(rng, target)
+    if dice < 0.35:
+        path = os.path.join(target, "_job.json")
+        what, text = manifest_mutation(rng, json.load(open(path)))
+        with open(path, "wb") as f:
+            f.write(text)
+        return f"_job.json: {what}"
     manifests = sorted(os.listdir(os.path.join(target, "checkpoints")))
     name = rng.choice(manifests)
     path = os.path.join(target, "checkpoints", name)
