@@ -161,11 +161,14 @@ def _open(args: argparse.Namespace) -> SnapshotStore:
         options = parse_storage_options(args.storage_option)
     except ValueError as exc:
         raise StorageConfigError(f"{exc}; use --storage-option key=value") from exc
-    limits = DEFAULT_DECODE_LIMITS if args.max_decoded_bytes is None else DecodeLimits.fixed(args.max_decoded_bytes)
-    store = SnapshotStore.open(args.root, options, decode_limits=limits)
+    store = SnapshotStore.open(args.root, options, decode_limits=_decode_limits(args))
     if not store.exists():
         raise _RootMissing(f"{args.root}: holds no snapshots (no _job.json, no manifests); check the path or URL")
     return store
+
+
+def _decode_limits(args: argparse.Namespace) -> DecodeLimits:
+    return DEFAULT_DECODE_LIMITS if args.max_decoded_bytes is None else DecodeLimits.fixed(args.max_decoded_bytes)
 
 
 def _resolve_id(store: SnapshotStore, args: argparse.Namespace, *, default_latest: bool) -> int | None:
@@ -316,7 +319,7 @@ def _rewrite_with_spark(args: argparse.Namespace, max_parallelism: int | None) -
     rspark.require_pyspark()
     job = rspark.plan(args.root, args.id, args.dest, max_parallelism=max_parallelism,
                       storage_options=_root_options(args), dest_storage_options=_dest_options(args),
-                      unpickle=getattr(args, "unpickle", False))
+                      unpickle=getattr(args, "unpickle", False), decode_limits=_decode_limits(args))
     with rspark.spark_session(args.master or "local[*]", app_name=f"abs-snapshot {args.command}") as spark:
         return rspark.execute(spark, job)
 
@@ -357,7 +360,7 @@ def _rekey(args: argparse.Namespace) -> int:
     else:
         saved = rekey_local(args.root, args.id, args.dest, max_parallelism=args.max_parallelism,
                             storage_options=_root_options(args), dest_storage_options=_dest_options(args),
-                            unpickle=args.unpickle)
+                            unpickle=args.unpickle, decode_limits=_decode_limits(args))
     old = saved.stats.get("rewrite", {}).get("max_parallelism_from")
     _out([f"re-keyed checkpoint {args.id} of {args.root} from max_parallelism {old} to {saved.max_parallelism}: "
           f"savepoint {saved.checkpoint_id} written to {args.dest} ({_rewrite_summary(saved)}); restore it into a "

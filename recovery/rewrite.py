@@ -39,7 +39,7 @@ from storage.backend import protocols_of
 from storage.savepoint import copy_unkeyed
 from storage.errors import CorruptManifestError, StorageConfigError
 from storage.manifest import manifest_problems
-from storage.format import KEY_COLUMN, META_KEY_ENCODING, META_VALUE_ENCODING, is_pickled
+from storage.format import DEFAULT_DECODE_LIMITS, KEY_COLUMN, META_KEY_ENCODING, META_VALUE_ENCODING, DecodeLimits, is_pickled
 
 from .errors import ParallelismError, RecoveryError
 
@@ -150,6 +150,7 @@ class RewriteContext:
     old_max_parallelism: int
     new_max_parallelism: int
     unpickle: bool = False
+    decode_limits: DecodeLimits = DEFAULT_DECODE_LIMITS
 
     @property
     def rekey(self) -> bool:
@@ -204,8 +205,9 @@ def _require_executor_reachable(store: SnapshotStore, what: str) -> None:
         )
 
 
-def _open_source(root: str, options: Mapping[str, Any], *, for_spark: bool) -> SnapshotStore:
-    source = SnapshotStore.open(root, options)
+def _open_source(root: str, options: Mapping[str, Any], *, for_spark: bool,
+                 decode_limits: DecodeLimits = DEFAULT_DECODE_LIMITS) -> SnapshotStore:
+    source = SnapshotStore.open(root, options, decode_limits=decode_limits)
     if for_spark:
         _require_executor_reachable(source, "ROOT")
     if not source.exists():
@@ -252,6 +254,7 @@ def plan_rewrite(
     dest_storage_options: Mapping[str, Any] | None = None,
     for_spark: bool = True,
     unpickle: bool = False,
+    decode_limits: DecodeLimits = DEFAULT_DECODE_LIMITS,
 ) -> RewriteJob:
     """Check the inputs and plan a rewrite (no state file is decoded; a re-key without
     ``unpickle`` reads the schema of one file per state).
@@ -260,7 +263,8 @@ def plan_rewrite(
     ``unpickle``: a re-key may unpickle pickled keys to hash them (runs code from the
     snapshot); without it a state with pickled keys raises :class:`UnpickleRefusedError`
     (here when the first file of a state has them, else in the task that meets them).
-    Compaction copies pickled bytes as they are and never needs it.
+    Compaction copies pickled bytes as they are and never needs it. ``decode_limits``: how far
+    one state file may expand when read (:class:`storage.format.DecodeLimits`).
     ``dest_storage_options=None``: a destination of the same protocol as ``root`` uses
     ``storage_options``. ``for_spark`` refuses roots the executors cannot reach.
     """
@@ -276,7 +280,7 @@ def plan_rewrite(
         dest_options = dict(options) if same else {}
     else:
         dest_options = dict(dest_storage_options)
-    source = _open_source(root, options, for_spark=for_spark)
+    source = _open_source(root, options, for_spark=for_spark, decode_limits=decode_limits)
     manifest = source.read_manifest(checkpoint_id)  # CheckpointNotFoundError names the complete ones
     problems = manifest_problems(manifest)
     if problems:
@@ -290,7 +294,8 @@ def plan_rewrite(
     new = old if max_parallelism is None else max_parallelism
     context = RewriteContext(root=root, storage_options=options, dest=dest, dest_storage_options=dest_options,
                              checkpoint_id=checkpoint_id, savepoint_id=checkpoint_id,
-                             old_max_parallelism=old, new_max_parallelism=new, unpickle=unpickle)
+                             old_max_parallelism=old, new_max_parallelism=new, unpickle=unpickle,
+                             decode_limits=decode_limits)
     job = source.read_job() or {"job_name": manifest.job_name, "max_parallelism": old}
     tasks = [KeyGroupTask(op, st, kg, tuple(chain))
              for op, states in sorted(manifest.keyed.items()) for st, chains in sorted(states.items())
@@ -337,7 +342,10 @@ def group_tasks(tasks: Sequence[KeyGroupTask], key_groups_per_task: int | None =
 def _source_store(ctx: RewriteContext) -> SnapshotStore:
     from storage.spark import _open_store  # one cached store per Python worker (read only)
 
-    return _open_store(ctx.root, ctx.storage_options, cached=True)
+    store = _open_store(ctx.root, ctx.storage_options, cached=True)
+    if store.decode_limits != ctx.decode_limits:  # the cached store's file system, this rewrite's limits
+        store = SnapshotStore(store._io, policy=store.policy, decode_limits=ctx.decode_limits)
+    return store
 
 
 def _dest_store(ctx: RewriteContext) -> SnapshotStore:
@@ -549,6 +557,7 @@ def rekey_local(
     storage_options: Mapping[str, Any] | None = None,
     dest_storage_options: Mapping[str, Any] | None = None,
     unpickle: bool = False,
+    decode_limits: DecodeLimits = DEFAULT_DECODE_LIMITS,
 ) -> Manifest:
     """The re-key in this process, without Spark (all live rows are held in memory at once, as
     Arrow tables; use :func:`recovery.spark.rekey` for states larger than memory). Works on
@@ -556,7 +565,8 @@ def rekey_local(
     unpickling pickled keys to hash them (runs code from the snapshot; see
     :class:`UnpickleRefusedError`)."""
     job = plan_rewrite(root, checkpoint_id, dest, max_parallelism=max_parallelism, storage_options=storage_options,
-                       dest_storage_options=dest_storage_options, for_spark=False, unpickle=unpickle)
+                       dest_storage_options=dest_storage_options, for_spark=False, unpickle=unpickle,
+                       decode_limits=decode_limits)
     buckets: dict[tuple[str, str, int], list[pa.Table]] = {}
     for target, part in split_group(job.context, job.tasks):
         buckets.setdefault(target, []).append(part)

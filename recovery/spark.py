@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, TypeVar
 from storage import Manifest
 from storage import errors as storage_errors
 from storage.errors import StorageError
+from storage.format import DEFAULT_DECODE_LIMITS, DecodeLimits
 
 from . import errors as recovery_errors
 from . import rewrite
@@ -165,14 +166,16 @@ def plan(
     storage_options: Mapping[str, Any] | None = None,
     dest_storage_options: Mapping[str, Any] | None = None,
     unpickle: bool = False,
+    decode_limits: DecodeLimits = DEFAULT_DECODE_LIMITS,
 ) -> RewriteJob:
     """Check the inputs of a Spark rewrite and plan it, before any Spark session is needed
-    (``max_parallelism=None``: compact; ``unpickle``: see :func:`rekey`). Raises
+    (``max_parallelism=None``: compact; ``unpickle``: see :func:`rekey`; ``decode_limits``:
+    see :class:`storage.format.DecodeLimits`). Raises
     :class:`RewriteInputError` subclasses, :class:`storage.errors.CheckpointNotFoundError`
     and storage errors."""
     return plan_rewrite(root, checkpoint_id, dest, max_parallelism=max_parallelism,
                         storage_options=storage_options, dest_storage_options=dest_storage_options, for_spark=True,
-                        unpickle=unpickle)
+                        unpickle=unpickle, decode_limits=decode_limits)
 
 
 def execute(

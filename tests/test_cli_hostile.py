@@ -417,3 +417,14 @@ def test_rows_without_buffers_count_against_the_decode_limit():
     assert decoded_size(data, source="t") == 1 << 20
     with pytest.raises(CorruptFileError, match="would decode to 1048576 bytes"):
         decode_table(data, source="t", limits=DecodeLimits.fixed(1 << 19))
+
+
+@pytest.mark.parametrize("command", ["dump", "savepoint", "rekey"])
+def test_max_decoded_bytes_reaches_every_reader(capsys, job_root, tmp_path, command):
+    """A limit below the real files' size refuses them: the option reaches the store each
+    command decodes with (the re-key's tasks open their own)."""
+    argv = {"dump": ["dump", job_root, "latest", "--operator", "count", "--state", "n"],
+            "savepoint": ["savepoint", job_root, "latest", str(tmp_path / "sp")],
+            "rekey": ["rekey", job_root, "latest", str(tmp_path / "rk"), "--max-parallelism", "4", "--unpickle"]}[command]
+    code, _, err = run_cli(capsys, argv + ["--max-decoded-bytes", "100"])
+    assert code == 1 and "beyond the decode limit of 100 bytes" in err and err.count("\n") == 1, err
