@@ -2,8 +2,9 @@
 
 Commands dispatch to :mod:`storage` and :mod:`recovery`. Exit codes: 0 success,
 1 problems found in the data (verify, corrupt files, GC refused), 2 usage errors and
-unreadable / unknown roots or ids. Errors print one line to stderr, no traceback (an
-unexpected error too: ``--traceback`` shows it). Every ID argument also takes ``latest``.
+unreadable / unknown roots or ids, 3 a bug (an unexpected exception). Errors print one
+line to stderr, no traceback (``abs-snapshot --traceback COMMAND ...`` shows it for a bug).
+Every ID argument also takes ``latest``.
 """
 from __future__ import annotations
 
@@ -86,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("ls", parents=[common], help="list complete checkpoints")
 
     p = sub.add_parser("show", parents=[common], help="summarise a checkpoint (default: the latest) per state")
-    p.add_argument("id", nargs="?", type=_checkpoint_id, metavar="ID")
+    p.add_argument("id", nargs="?", type=_checkpoint_id, metavar="ID", help="a checkpoint id or 'latest' (default)")
     p.add_argument("--key-groups", action="store_true", help="also print every key group's chain")
     p.add_argument("--files", action="store_true", help="also print every key group's chain with its files")
 
@@ -112,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("check", parents=[common],
                        help="can a job restore this checkpoint (default: the latest) at a parallelism?")
-    p.add_argument("id", nargs="?", type=_checkpoint_id, metavar="ID")
+    p.add_argument("id", nargs="?", type=_checkpoint_id, metavar="ID", help="a checkpoint id or 'latest' (default)")
     p.add_argument("--parallelism", "-p", type=int, metavar="P", help="the parallelism to restore at")
     p.add_argument("--job", metavar="FINGERPRINT.json",
                    help="the job's fingerprint (json.dump of Dataflow.fingerprint()); default: check the snapshot "
@@ -123,13 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("rescale-preview", parents=[common],
                        help="what each subtask would read when restoring at a new parallelism")
-    p.add_argument("id", nargs="?", type=_checkpoint_id, metavar="ID")
+    p.add_argument("id", nargs="?", type=_checkpoint_id, metavar="ID", help="a checkpoint id or 'latest' (default)")
     p.add_argument("--parallelism", "-p", type=int, required=True, metavar="P", help="the new parallelism")
     p.add_argument("--job", metavar="FINGERPRINT.json", help="plan only the state this job declares")
     p.add_argument("--allow-non-restored-state", action="store_true", help="with --job: drop state the job lost")
 
     p = sub.add_parser("savepoint", parents=[common], help="copy a checkpoint into a self-contained, pinned savepoint")
-    p.add_argument("id", type=_checkpoint_id, metavar="ID")
+    p.add_argument("id", type=_checkpoint_id, metavar="ID", help="a checkpoint id or 'latest'")
     p.add_argument("dest", metavar="DEST", help="destination root (may be ROOT itself)")
     p.add_argument("--dest-storage-option", action="append", default=[], metavar="KEY=VALUE",
                    help="fsspec storage option of DEST (default: DEST of the same protocol reuses ROOT's file system)")
@@ -137,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("rekey", parents=[common],
                        help="rewrite a checkpoint into a savepoint with another max_parallelism (number of key groups)")
-    p.add_argument("id", type=_checkpoint_id, metavar="ID")
+    p.add_argument("id", type=_checkpoint_id, metavar="ID", help="a checkpoint id or 'latest'")
     p.add_argument("dest", metavar="DEST", help="destination root: a new, empty directory or prefix")
     p.add_argument("--max-parallelism", type=int, required=True, metavar="N",
                    help="the new number of key groups (1..32768); restore with Dataflow(..., max_parallelism=N)")
