@@ -276,3 +276,17 @@ def test_show_summarises_per_state_and_labels_values_images(capsys, tmp_path):
     assert "kg 0007: base@1 (" in out and "<- values@2 (" in out and "<- delta@3 (" in out
     code, out, _ = run(capsys, "show", url, "1")
     assert "took 12.3 ms (alignment 0.06 ms)" in out and "5.9168e-05" not in out
+
+
+def test_an_unexpected_error_is_one_line_naming_a_bug_and_traceback_shows_it(capsys, root, monkeypatch):
+    import abs.cli
+
+    def broken(args):
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setitem(abs.cli._COMMANDS, "ls", broken)
+    code, out, err = run(capsys, "ls", root)
+    assert code == 3 and out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert "ls failed unexpectedly (ZeroDivisionError: division by zero); this is a bug" in err
+    code, _, err = run(capsys, "--traceback", "ls", root)
+    assert code == 3 and "Traceback (most recent call last)" in err and "ZeroDivisionError" in err
