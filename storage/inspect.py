@@ -174,10 +174,16 @@ def _ref(ref: FileRef, images: set[str]) -> str:
     return f"{kind}@{ref.checkpoint_id} ({human_bytes(ref.bytes)}, {human_count(ref.rows)} rows)"
 
 
+def _plural(n: int, noun: str) -> str:
+    """``1 delta``, ``2 deltas`` (``noun`` is the plural)."""
+    return f"{human_count(n)} {noun[:-1] if n == 1 else noun}"
+
+
 def _kind_summary(name: str, refs: list[FileRef]) -> str:
     if not refs:
         return f"0 {name}"
-    return f"{human_count(len(refs))} {name} ({human_count(sum(r.rows for r in refs))} rows, {human_bytes(sum(r.bytes for r in refs))})"
+    rows = sum(r.rows for r in refs)
+    return f"{_plural(len(refs), name)} ({_plural(rows, 'rows')}, {human_bytes(sum(r.bytes for r in refs))})"
 
 
 def _median(values: list[int]) -> float:

@@ -82,7 +82,7 @@ def test_show_defaults_to_the_latest_checkpoint(capsys, root):
     assert code == 0
     assert out.startswith("checkpoint 2 (checkpoint) of job 'clicks', max_parallelism 4")
     assert "operator 'count/1'" in out and "state 'n': 2 key groups, 3 file(s), 1.7 KiB" in out
-    assert "2 bases (10 rows, 1.0 KiB), 0 values images, 1 deltas (2 rows, 648 B)" in out
+    assert "2 bases (10 rows, 1.0 KiB), 0 values images, 1 delta (2 rows, 648 B)" in out
     assert "chain length min 1, median 1.5, max 2" in out
     assert "kg 0000" not in out  # key groups only on request
     assert "operator 'source' (rule split)" in out and '"s0": 9' in out
@@ -269,7 +269,7 @@ def test_show_summarises_per_state_and_labels_values_images(capsys, tmp_path):
     lines = out.splitlines()
     assert code == 0 and len(lines) < 15, out
     assert "    state 'n': 64 key groups, " in out
-    assert "64 bases (3,200 rows" in out and "64 values images (3,200 rows" in out and "1 deltas (1 rows" in out
+    assert "64 bases (3,200 rows" in out and "64 values images (3,200 rows" in out and "1 delta (1 row," in out
     assert "chain length min 2, median 2, max 3" in out
     code, out, _ = run(capsys, "show", url, "latest", "--key-groups")
     assert len(out.splitlines()) == len(lines) + 64
