@@ -201,7 +201,9 @@ def _show(args: argparse.Namespace) -> int:
     cid = _resolve_id(store, args, default_latest=True)
     assert cid is not None
     manifest = store.read_manifest(cid)
-    _out(show_lines(manifest, files=args.files, key_groups=args.key_groups, values_images=store.values_images(manifest)))
+    unreadable: list[str] = []
+    images = store.values_images(manifest, unreadable)
+    _out(show_lines(manifest, files=args.files, key_groups=args.key_groups, values_images=images, unreadable=unreadable))
     return 0
 
 

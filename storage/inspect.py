@@ -216,11 +216,11 @@ def _state_lines(st: str, chains: dict[int, list[FileRef]], images: set[str], *,
 
 
 def show_lines(manifest: Manifest, *, files: bool = False, key_groups: bool = False,
-               values_images: set[str] | None = None) -> list[str]:
+               values_images: set[str] | None = None, unreadable: Sequence[str] = ()) -> list[str]:
     """A checkpoint summarised per operator and state (human units); ``key_groups`` adds a
     line per key group, ``files`` also the file of every chain member. ``values_images``: the
     :attr:`FileRef.id` of the values images (:meth:`SnapshotStore.values_images`); without it
-    they count as deltas."""
+    they count as deltas. ``unreadable``: files whose kind could not be told (named in a note)."""
     m = manifest
     images = values_images or set()
     out = [
@@ -255,6 +255,9 @@ def show_lines(manifest: Manifest, *, files: bool = False, key_groups: bool = Fa
     out.append("sink transactions:" if m.sink_transactions else "sink transactions: none")
     for op, txn in sorted(m.sink_transactions.items()):
         out.append(f"  {op}: " + _cut(json.dumps(txn, sort_keys=True, default=str)))
+    if unreadable:
+        out.append(f"note: {len(unreadable)} file(s) could not be read to tell a values image from a delta (counted as "
+                   f"deltas), e.g. {unreadable[0]}; run 'abs-snapshot verify' on this root")
     return out
 
 

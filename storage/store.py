@@ -644,21 +644,30 @@ class SnapshotStore:
                 raise
         return stream_schema(self.read_bytes(ref), source=source)  # a schema message longer than the prefix
 
-    def values_images(self, manifest: Manifest) -> set[str]:
+    def values_images(self, manifest: Manifest, unreadable: list[str] | None = None) -> set[str]:
         """:attr:`FileRef.id` of every values image of ``manifest`` (format 4: the delta right
         after a chain's base that holds the values of the base's rows, without keys). The
-        manifest does not record it: the schema of each chain's second file is read."""
+        manifest does not record it: the schema of each chain's second file is read. With
+        ``unreadable``, a file whose schema cannot be read is appended to it (and counted as
+        no values image) instead of raising."""
         seconds = list({chain[1].id: chain[1] for states in manifest.keyed.values() for chains in states.values()
                         for chain in chains.values() if len(chain) > 1 and chain[1].kind == "delta"}.values())
 
-        def is_image(ref: FileRef) -> bool:
-            return KEY_COLUMN not in self.read_schema(ref).names
+        def is_image(ref: FileRef) -> bool | None:
+            try:
+                return KEY_COLUMN not in self.read_schema(ref).names
+            except StorageError:
+                if unreadable is None:
+                    raise
+                return None
 
         if self._io.object_store and len(seconds) > 1:
             with ThreadPoolExecutor(max_workers=_REMOTE_READERS, thread_name_prefix="abs-read") as pool:
                 flags = list(pool.map(is_image, seconds))
         else:
             flags = [is_image(ref) for ref in seconds]
+        if unreadable is not None:
+            unreadable.extend(ref.id for ref, flag in zip(seconds, flags) if flag is None)
         return {ref.id for ref, flag in zip(seconds, flags) if flag}
 
     def _whose(self, ref: FileRef, checkpoint_id: int | None) -> str:

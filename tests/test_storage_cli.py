@@ -290,3 +290,13 @@ def test_an_unexpected_error_is_one_line_naming_a_bug_and_traceback_shows_it(cap
     assert "ls failed unexpectedly (ZeroDivisionError: division by zero); this is a bug" in err
     code, _, err = run(capsys, "--traceback", "ls", root)
     assert code == 3 and "Traceback (most recent call last)" in err and "ZeroDivisionError" in err
+
+
+def test_show_still_summarises_when_a_file_it_peeks_at_is_missing(capsys, root):
+    store = SnapshotStore.open(root)
+    victim = store.read_manifest(2).keyed["count/1"]["n"][0][1]  # the delta of key group 0
+    os.remove(os.path.join(root, victim.path))
+    code, out, err = run(capsys, "show", root, "2")
+    assert code == 0 and err == "" and "1 delta (2 rows, 648 B)" in out
+    assert f"note: 1 file(s) could not be read to tell a values image from a delta (counted as deltas), " \
+           f"e.g. {victim.path}; run 'abs-snapshot verify'" in out
