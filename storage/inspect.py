@@ -267,7 +267,13 @@ def _cell(value: Any, pickled: bool, unpickle: bool, *, jsonl: bool) -> Any:
         return None
     if pickled:
         if unpickle:
-            obj = pickle.loads(value)  # only with --unpickle: the user trusts this snapshot
+            try:
+                obj = pickle.loads(value)  # only with --unpickle: the user trusts this snapshot
+            except Exception as exc:  # noqa: BLE001 - whatever unpickling raises means the same
+                raise StorageError(
+                    f"a pickled {len(value)}-byte value does not unpickle here ({type(exc).__name__}: {exc}); "
+                    "dump without --unpickle shows its bytes, or run where its classes import"
+                ) from exc
             if not jsonl:
                 return repr(obj)
             try:

@@ -24,7 +24,7 @@ import pytest
 
 import abs
 from abs.cli import main
-from storage import Manifest, SnapshotStore, StoragePaths
+from storage import SnapshotStore, StoragePaths
 from storage.format import WRITE_CHECKSUM_ALGORITHM, EncodedFile, checksum_hex
 
 SEED_COUNT = 240  # mutants per run: each runs every command (~25 s in all on a quiet machine)

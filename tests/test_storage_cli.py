@@ -300,3 +300,8 @@ def test_show_still_summarises_when_a_file_it_peeks_at_is_missing(capsys, root):
     assert code == 0 and err == "" and "1 delta (2 rows, 648 B)" in out
     assert f"note: 1 file(s) could not be read to tell a values image from a delta (counted as deltas), " \
            f"e.g. {victim.path}; run 'abs-snapshot verify'" in out
+
+
+def test_dump_unpickle_of_a_value_that_fails_to_unpickle_is_one_line(capsys, root):
+    code, out, err = run(capsys, "dump", root, "2", "--operator", "count/1", "--state", "blobs", "--unpickle")
+    assert code == 1 and err.count("\n") == 1 and "does not unpickle here (AssertionError: the CLI unpickled" in err
