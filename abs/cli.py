@@ -2,13 +2,17 @@
 
 Commands dispatch to :mod:`storage` and :mod:`recovery`. Exit codes: 0 success,
 1 problems found in the data (verify, corrupt files, GC refused), 2 usage errors and
-unreadable / unknown roots or ids. Errors print one line to stderr, no traceback.
+unreadable / unknown roots or ids, 3 a bug (an unexpected exception). Errors print one
+line to stderr, no traceback (``abs-snapshot --traceback COMMAND ...`` shows it for a bug).
+Every ID argument also takes ``latest``.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+import traceback
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from storage import (
@@ -19,6 +23,7 @@ from storage import (
     StorageError,
     StorageUnavailableError,
 )
+from storage.format import DEFAULT_DECODE_LIMITS, DecodeLimits
 from storage.inspect import dump_lines, list_lines, parse_storage_options, show_lines
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -33,23 +38,61 @@ class _RootMissing(StorageError):
     """The path given as ROOT holds no snapshots. Remedy: check the path / URL."""
 
 
+LATEST = "latest"
+
+
+def _checkpoint_id(text: str) -> int | str:
+    """An ID argument: a checkpoint id >= 1, or ``latest``."""
+    if text.strip().lower() == LATEST:
+        return LATEST
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a checkpoint id; use a number from 'abs-snapshot ls ROOT' "
+                                         "or 'latest'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a checkpoint id; ids start at 1 (or use 'latest')")
+    return value
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30,
+               "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
+
+
+def _size(text: str) -> int:
+    """A byte count: ``1073741824``, ``512MiB``, ``4GiB``."""
+    match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
+    unit = _SIZE_UNITS.get(match.group(2).lower()) if match else None
+    if match is None or unit is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; use bytes or a number with KiB, MiB, GiB or TiB")
+    return int(match.group(1)) * unit
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="abs-snapshot", description="Inspect and maintain ABS snapshot roots.")
+    parser.add_argument("--traceback", action="store_true",
+                        help="on an unexpected error, print the Python traceback (for bug reports)")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("root", metavar="ROOT", help="snapshot root: path, file://, memory://, s3://bucket/prefix")
     common.add_argument("--storage-option", "-o", action="append", default=[], metavar="KEY=VALUE",
                         help="fsspec storage option (repeatable; JSON values; dotted keys nest), "
                              "e.g. endpoint_url=http://127.0.0.1:9000")
+    limits = DEFAULT_DECODE_LIMITS
+    common.add_argument("--max-decoded-bytes", type=_size, metavar="SIZE",
+                        help=f"how far one state file may expand when decoded (default: {limits.max_ratio:g} times "
+                             f"its size, at least {limits.min_bytes >> 20} MiB, at most {limits.max_bytes >> 30} GiB); "
+                             "files beyond it are refused as corrupt (e.g. compression bombs); e.g. 32GiB")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     sub.add_parser("ls", parents=[common], help="list complete checkpoints")
 
-    p = sub.add_parser("show", parents=[common], help="show a checkpoint (default: the latest)")
-    p.add_argument("id", nargs="?", type=int, metavar="ID")
-    p.add_argument("--files", action="store_true", help="also print file paths")
+    p = sub.add_parser("show", parents=[common], help="summarise a checkpoint (default: the latest) per state")
+    p.add_argument("id", nargs="?", type=_checkpoint_id, metavar="ID", help="a checkpoint id or 'latest' (default)")
+    p.add_argument("--key-groups", action="store_true", help="also print every key group's chain")
+    p.add_argument("--files", action="store_true", help="also print every key group's chain with its files")
 
     p = sub.add_parser("dump", parents=[common], help="print the resolved rows of a keyed state")
-    p.add_argument("id", type=int, metavar="ID")
+    p.add_argument("id", type=_checkpoint_id, metavar="ID", help="a checkpoint id or 'latest'")
     p.add_argument("--operator", required=True, metavar="UID")
     p.add_argument("--state", required=True, metavar="NAME")
     p.add_argument("--key-group", type=int, metavar="G", help="one key group (default: all)")
@@ -59,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="unpickle pickled keys/values (runs code from the snapshot: only for snapshots you trust)")
 
     p = sub.add_parser("verify", parents=[common], help="check manifests, chains, sizes and checksums")
-    p.add_argument("id", nargs="?", type=int, metavar="ID", help="one checkpoint (default: all)")
+    p.add_argument("id", nargs="?", type=_checkpoint_id, metavar="ID", help="one checkpoint or 'latest' (default: all)")
 
     p = sub.add_parser("gc", parents=[common], help="delete checkpoints beyond retention and unreferenced files")
     p.add_argument("--retain", type=int, required=True, metavar="K", help="keep the K newest checkpoints (+ savepoints)")
@@ -70,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("check", parents=[common],
                        help="can a job restore this checkpoint (default: the latest) at a parallelism?")
-    p.add_argument("id", nargs="?", type=int, metavar="ID")
+    p.add_argument("id", nargs="?", type=_checkpoint_id, metavar="ID", help="a checkpoint id or 'latest' (default)")
     p.add_argument("--parallelism", "-p", type=int, metavar="P", help="the parallelism to restore at")
     p.add_argument("--job", metavar="FINGERPRINT.json",
                    help="the job's fingerprint (json.dump of Dataflow.fingerprint()); default: check the snapshot "
@@ -81,13 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("rescale-preview", parents=[common],
                        help="what each subtask would read when restoring at a new parallelism")
-    p.add_argument("id", nargs="?", type=int, metavar="ID")
+    p.add_argument("id", nargs="?", type=_checkpoint_id, metavar="ID", help="a checkpoint id or 'latest' (default)")
     p.add_argument("--parallelism", "-p", type=int, required=True, metavar="P", help="the new parallelism")
     p.add_argument("--job", metavar="FINGERPRINT.json", help="plan only the state this job declares")
     p.add_argument("--allow-non-restored-state", action="store_true", help="with --job: drop state the job lost")
 
     p = sub.add_parser("savepoint", parents=[common], help="copy a checkpoint into a self-contained, pinned savepoint")
-    p.add_argument("id", type=int, metavar="ID")
+    p.add_argument("id", type=_checkpoint_id, metavar="ID", help="a checkpoint id or 'latest'")
     p.add_argument("dest", metavar="DEST", help="destination root (may be ROOT itself)")
     p.add_argument("--dest-storage-option", action="append", default=[], metavar="KEY=VALUE",
                    help="fsspec storage option of DEST (default: DEST of the same protocol reuses ROOT's file system)")
@@ -95,13 +138,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("rekey", parents=[common],
                        help="rewrite a checkpoint into a savepoint with another max_parallelism (number of key groups)")
-    p.add_argument("id", type=int, metavar="ID")
+    p.add_argument("id", type=_checkpoint_id, metavar="ID", help="a checkpoint id or 'latest'")
     p.add_argument("dest", metavar="DEST", help="destination root: a new, empty directory or prefix")
     p.add_argument("--max-parallelism", type=int, required=True, metavar="N",
                    help="the new number of key groups (1..32768); restore with Dataflow(..., max_parallelism=N)")
     p.add_argument("--dest-storage-option", action="append", default=[], metavar="KEY=VALUE",
                    help="fsspec storage option of DEST (default: DEST of the same protocol uses ROOT's options)")
     _spark_arguments(p, "re-key on Spark executors (default: in this process; every live row passes through memory)")
+    p.add_argument("--unpickle", action="store_true",
+                   help="allow unpickling pickled keys to hash them again (runs code from the snapshot: only for "
+                        "roots you trust); without it a state with pickled keys is refused")
     return parser
 
 
@@ -116,10 +162,28 @@ def _open(args: argparse.Namespace) -> SnapshotStore:
         options = parse_storage_options(args.storage_option)
     except ValueError as exc:
         raise StorageConfigError(f"{exc}; use --storage-option key=value") from exc
-    store = SnapshotStore.open(args.root, options)
+    store = SnapshotStore.open(args.root, options, decode_limits=_decode_limits(args))
     if not store.exists():
         raise _RootMissing(f"{args.root}: holds no snapshots (no _job.json, no manifests); check the path or URL")
     return store
+
+
+def _decode_limits(args: argparse.Namespace) -> DecodeLimits:
+    return DEFAULT_DECODE_LIMITS if args.max_decoded_bytes is None else DecodeLimits.fixed(args.max_decoded_bytes)
+
+
+def _resolve_id(store: SnapshotStore, args: argparse.Namespace, *, default_latest: bool) -> int | None:
+    """``args.id`` as a checkpoint id: ``latest`` (or no ID with ``default_latest``) is the
+    newest complete checkpoint."""
+    if args.id is None and not default_latest:
+        return None
+    if args.id is None or args.id == LATEST:
+        cid = store.latest_checkpoint()
+        if cid is None:
+            raise CheckpointNotFoundError(f"{args.root}: holds no complete checkpoint, so 'latest' names none; "
+                                          "take a checkpoint first")
+        return cid
+    return int(args.id)
 
 
 def _out(lines: Sequence[str]) -> None:
@@ -134,10 +198,12 @@ def _ls(args: argparse.Namespace) -> int:
 
 def _show(args: argparse.Namespace) -> int:
     store = _open(args)
-    cid = args.id if args.id is not None else store.latest_checkpoint()
-    if cid is None:
-        raise CheckpointNotFoundError(f"{args.root}: no complete checkpoint to show; take one first")
-    _out(show_lines(store.read_manifest(cid), files=args.files))
+    cid = _resolve_id(store, args, default_latest=True)
+    assert cid is not None
+    manifest = store.read_manifest(cid)
+    unreadable: list[str] = []
+    images = store.values_images(manifest, unreadable)
+    _out(show_lines(manifest, files=args.files, key_groups=args.key_groups, values_images=images, unreadable=unreadable))
     return 0
 
 
@@ -145,14 +211,15 @@ def _dump(args: argparse.Namespace) -> int:
     if args.limit < 0:
         raise StorageConfigError(f"--limit {args.limit}: use N >= 0 (0 = all rows)")
     store = _open(args)
-    manifest = store.read_manifest(args.id)
+    manifest = store.read_manifest(_resolve_id(store, args, default_latest=True))  # type: ignore[arg-type]
     _out(dump_lines(store, manifest, args.operator, args.state, key_group=args.key_group, fmt=args.format,
                     limit=args.limit or None, unpickle=args.unpickle))
     return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
-    report = _open(args).verify(args.id)
+    store = _open(args)
+    report = store.verify(_resolve_id(store, args, default_latest=False))
     _out(report.lines())
     return 0 if report.ok else 1
 
@@ -199,7 +266,9 @@ def _check(args: argparse.Namespace) -> int:
 
     _check_parallelism_arg(args.parallelism)
     job = _read_job_file(args.job)
-    report = recovery.check(job, _open(args), checkpoint_id=args.id, parallelism=args.parallelism,
+    store = _open(args)
+    report = recovery.check(job, store, checkpoint_id=_resolve_id(store, args, default_latest=False),
+                            parallelism=args.parallelism,
                             allow_non_restored_state=args.allow_non_restored_state, verify_files=not args.no_verify)
     _out(report.lines())
     return 0 if report.ok else 1
@@ -211,9 +280,8 @@ def _rescale_preview(args: argparse.Namespace) -> int:
     _check_parallelism_arg(args.parallelism)
     job = _read_job_file(args.job)
     store = _open(args)
-    cid = args.id if args.id is not None else store.latest_checkpoint()
-    if cid is None:
-        raise CheckpointNotFoundError(f"{args.root}: no complete checkpoint to preview; take one first")
+    cid = _resolve_id(store, args, default_latest=True)
+    assert cid is not None
     plan = recovery.plan_restore(store.read_manifest(cid), job, args.parallelism,
                                  allow_non_restored_state=args.allow_non_restored_state)
     _out(plan.describe().splitlines())
@@ -241,13 +309,20 @@ def _check_master_arg(args: argparse.Namespace) -> None:
         raise StorageConfigError(f"--master {args.master}: only used with --spark; add --spark or drop --master")
 
 
+def _resolve_latest(args: argparse.Namespace) -> None:
+    """Replace ``args.id == 'latest'`` by the newest complete checkpoint's id."""
+    if args.id == LATEST:
+        args.id = _resolve_id(_open(args), args, default_latest=True)
+
+
 def _rewrite_with_spark(args: argparse.Namespace, max_parallelism: int | None) -> "Manifest":
     """Check everything that does not need Spark first, then start (or reuse) a session."""
     import recovery.spark as rspark
 
     rspark.require_pyspark()
     job = rspark.plan(args.root, args.id, args.dest, max_parallelism=max_parallelism,
-                      storage_options=_root_options(args), dest_storage_options=_dest_options(args))
+                      storage_options=_root_options(args), dest_storage_options=_dest_options(args),
+                      unpickle=getattr(args, "unpickle", False), decode_limits=_decode_limits(args))
     with rspark.spark_session(args.master or "local[*]", app_name=f"abs-snapshot {args.command}") as spark:
         return rspark.execute(spark, job)
 
@@ -261,6 +336,7 @@ def _rewrite_summary(saved: "Manifest") -> str:
 
 def _savepoint(args: argparse.Namespace) -> int:
     _check_master_arg(args)
+    _resolve_latest(args)
     if args.spark:
         saved = _rewrite_with_spark(args, None)
         _out([f"savepoint {saved.checkpoint_id} of checkpoint {args.id} written to {args.dest} "
@@ -281,11 +357,13 @@ def _rekey(args: argparse.Namespace) -> int:
     from recovery.rewrite import check_new_max_parallelism, rekey_local
 
     check_new_max_parallelism(args.max_parallelism)
+    _resolve_latest(args)
     if args.spark:
         saved = _rewrite_with_spark(args, args.max_parallelism)
     else:
         saved = rekey_local(args.root, args.id, args.dest, max_parallelism=args.max_parallelism,
-                            storage_options=_root_options(args), dest_storage_options=_dest_options(args))
+                            storage_options=_root_options(args), dest_storage_options=_dest_options(args),
+                            unpickle=args.unpickle, decode_limits=_decode_limits(args))
     old = saved.stats.get("rewrite", {}).get("max_parallelism_from")
     _out([f"re-keyed checkpoint {args.id} of {args.root} from max_parallelism {old} to {saved.max_parallelism}: "
           f"savepoint {saved.checkpoint_id} written to {args.dest} ({_rewrite_summary(saved)}); restore it into a "
@@ -299,7 +377,17 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+def _error(message: object) -> None:
+    """One line on stderr (a message spanning lines, e.g. a Spark error, keeps its first
+    lines only: the cause comes first)."""
+    lines = str(message).strip().splitlines() or ["(no message)"]
+    text = " ".join(line.strip() for line in lines[:3]) + (" ..." if len(lines) > 3 else "")
+    print(f"abs-snapshot: error: {text}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    from abs.errors import AbsError
+
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -307,17 +395,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code or 0)
     try:
         return _COMMANDS[args.command](args)
-    except _RootMissing as exc:
-        print(f"abs-snapshot: error: {exc}", file=sys.stderr)
+    except (_RootMissing, *_USAGE_ERRORS) as exc:
+        _error(exc)
         return 2
-    except _USAGE_ERRORS as exc:
-        print(f"abs-snapshot: error: {exc}", file=sys.stderr)
-        return 2
-    except (StorageError, ValueError) as exc:
-        print(f"abs-snapshot: error: {exc}", file=sys.stderr)
+    except (StorageError, AbsError, ValueError) as exc:
+        _error(exc)
         return 1
     except BrokenPipeError:
         return 0
+    except MemoryError:
+        _error(f"{args.root}: ran out of memory; the snapshot holds more state than fits, or a corrupt file "
+               "expands beyond what this machine holds; lower --max-decoded-bytes or run with more memory")
+        return 1
+    except RecursionError:
+        _error(f"{args.root}: a manifest or file is nested too deeply to read; it is corrupt; use another checkpoint")
+        return 1
+    except Exception as exc:  # noqa: BLE001 - never a traceback to a CLI user, unless asked
+        if args.traceback:
+            traceback.print_exc()
+        _error(f"{args.command} failed unexpectedly ({type(exc).__name__}: {exc}); this is a bug in abs-snapshot: "
+               "please report it with the output of --traceback")
+        return 3
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -33,6 +33,7 @@ from storage import FileRef, Manifest
 from ._content import select, sink_transactions_in_order, source_offsets_of
 from .check import check_manifest
 from .fingerprint import JobFingerprint
+from .errors import IncompatibleSnapshotError
 from .keygroups import KeyGroupRange, check_parallelism, key_group_range, routing_table
 
 __all__ = ["RestorePlan", "SubtaskPlan", "plan_restore"]
@@ -245,6 +246,11 @@ def plan_restore(
     for uid, states in selection.keyed.items():
         for state in states:
             for kg, chain in sorted(manifest.keyed[uid][state].items()):
+                if not 0 <= kg < m:
+                    raise IncompatibleSnapshotError(
+                        f"checkpoint {manifest.checkpoint_id}: {uid}/{state} has a chain for key group {kg}, outside "
+                        f"[0, {m}) of its max_parallelism {m}; the manifest is corrupt; restore from another checkpoint"
+                    )
                 owner = subs[kg * p // m]
                 assert kg in owner.key_groups
                 owner.keyed.setdefault(uid, {}).setdefault(state, {})[kg] = list(chain)

@@ -37,8 +37,9 @@ import pyarrow.compute as pc
 from storage import FileRef, Manifest, SnapshotStore, StoragePaths
 from storage.backend import protocols_of
 from storage.savepoint import copy_unkeyed
-from storage.errors import StorageConfigError
-from storage.format import KEY_COLUMN, META_KEY_ENCODING, META_VALUE_ENCODING, is_pickled
+from storage.errors import CorruptManifestError, StorageConfigError
+from storage.manifest import manifest_problems
+from storage.format import DEFAULT_DECODE_LIMITS, KEY_COLUMN, META_KEY_ENCODING, META_VALUE_ENCODING, DecodeLimits, is_pickled
 
 from .errors import ParallelismError, RecoveryError
 
@@ -52,6 +53,7 @@ __all__ = [
     "ExecutorStorageError",
     "SparkNotInstalledError",
     "MaxParallelismError",
+    "UnpickleRefusedError",
     "KeyGroupTask",
     "RewriteContext",
     "RewriteJob",
@@ -110,6 +112,16 @@ class MaxParallelismError(RewriteInputError, ParallelismError):
     """The new ``max_parallelism`` of a re-key is not an integer in ``[1, 32768]``."""
 
 
+class UnpickleRefusedError(RewriteInputError):
+    """A re-key met a state whose keys are pickled: hashing them again means unpickling them,
+    which runs code from the snapshot, and the caller did not allow it. Nothing was written
+    that a restore could see (no manifest).
+
+    Remedy: if you trust the root, pass ``--unpickle`` (CLI) or ``unpickle=True`` (Python);
+    otherwise do not re-key it. Compaction and savepoints never unpickle.
+    """
+
+
 # ============================================================================ plan
 @dataclass(frozen=True)
 class KeyGroupTask:
@@ -137,6 +149,8 @@ class RewriteContext:
     savepoint_id: int
     old_max_parallelism: int
     new_max_parallelism: int
+    unpickle: bool = False
+    decode_limits: DecodeLimits = DEFAULT_DECODE_LIMITS
 
     @property
     def rekey(self) -> bool:
@@ -191,8 +205,9 @@ def _require_executor_reachable(store: SnapshotStore, what: str) -> None:
         )
 
 
-def _open_source(root: str, options: Mapping[str, Any], *, for_spark: bool) -> SnapshotStore:
-    source = SnapshotStore.open(root, options)
+def _open_source(root: str, options: Mapping[str, Any], *, for_spark: bool,
+                 decode_limits: DecodeLimits = DEFAULT_DECODE_LIMITS) -> SnapshotStore:
+    source = SnapshotStore.open(root, options, decode_limits=decode_limits)
     if for_spark:
         _require_executor_reachable(source, "ROOT")
     if not source.exists():
@@ -238,10 +253,18 @@ def plan_rewrite(
     storage_options: Mapping[str, Any] | None = None,
     dest_storage_options: Mapping[str, Any] | None = None,
     for_spark: bool = True,
+    unpickle: bool = False,
+    decode_limits: DecodeLimits = DEFAULT_DECODE_LIMITS,
 ) -> RewriteJob:
-    """Check the inputs and plan a rewrite (no data is read or written).
+    """Check the inputs and plan a rewrite (no state file is decoded; a re-key without
+    ``unpickle`` reads the schema of one file per state).
 
     ``max_parallelism=None`` plans a compaction, an integer a re-key into that many key groups.
+    ``unpickle``: a re-key may unpickle pickled keys to hash them (runs code from the
+    snapshot); without it a state with pickled keys raises :class:`UnpickleRefusedError`
+    (here when the first file of a state has them, else in the task that meets them).
+    Compaction copies pickled bytes as they are and never needs it. ``decode_limits``: how far
+    one state file may expand when read (:class:`storage.format.DecodeLimits`).
     ``dest_storage_options=None``: a destination of the same protocol as ``root`` uses
     ``storage_options``. ``for_spark`` refuses roots the executors cannot reach.
     """
@@ -257,20 +280,48 @@ def plan_rewrite(
         dest_options = dict(options) if same else {}
     else:
         dest_options = dict(dest_storage_options)
-    source = _open_source(root, options, for_spark=for_spark)
+    source = _open_source(root, options, for_spark=for_spark, decode_limits=decode_limits)
     manifest = source.read_manifest(checkpoint_id)  # CheckpointNotFoundError names the complete ones
+    problems = manifest_problems(manifest)
+    if problems:
+        path, message = problems[0]
+        raise CorruptManifestError(
+            f"{root}: checkpoint {checkpoint_id}: {path + ': ' if path else ''}{message} ({len(problems)} problem(s)); "
+            "the manifest is corrupt; refusing to rewrite it; pick another checkpoint ('abs-snapshot verify ROOT')"
+        )
     target = _open_empty_dest(dest, dest_options, root, for_spark=for_spark)
     old = manifest.max_parallelism
     new = old if max_parallelism is None else max_parallelism
     context = RewriteContext(root=root, storage_options=options, dest=dest, dest_storage_options=dest_options,
                              checkpoint_id=checkpoint_id, savepoint_id=checkpoint_id,
-                             old_max_parallelism=old, new_max_parallelism=new)
+                             old_max_parallelism=old, new_max_parallelism=new, unpickle=unpickle,
+                             decode_limits=decode_limits)
     job = source.read_job() or {"job_name": manifest.job_name, "max_parallelism": old}
     tasks = [KeyGroupTask(op, st, kg, tuple(chain))
              for op, states in sorted(manifest.keyed.items()) for st, chains in sorted(states.items())
              for kg, chain in sorted(chains.items())]
+    if max_parallelism is not None and not unpickle:
+        _refuse_pickled_keys(source, context, tasks)
     return RewriteJob(kind="compact" if max_parallelism is None else "rekey", context=context, source=source,
                       dest=target, manifest=manifest, job=dict(job), tasks=tasks)
+
+
+def _pickled_keys_refusal(ctx: RewriteContext, operator: str, state: str) -> UnpickleRefusedError:
+    return UnpickleRefusedError(
+        f"checkpoint {ctx.checkpoint_id}: operator {operator!r} state {state!r} has pickled keys; re-keying must "
+        "unpickle them, which runs code from the snapshot; pass --unpickle (unpickle=True) if you trust this root"
+    )
+
+
+def _refuse_pickled_keys(source: SnapshotStore, ctx: RewriteContext, tasks: Sequence[KeyGroupTask]) -> None:
+    """Refuse early when the base of a state's first key group has pickled keys (the tasks
+    check every key group again before hashing)."""
+    first: dict[tuple[str, str], KeyGroupTask] = {}
+    for task in tasks:
+        first.setdefault((task.operator, task.state), task)
+    for (operator, state), task in first.items():
+        if is_pickled(source.read_schema(task.chain[0]), KEY_COLUMN):
+            raise _pickled_keys_refusal(ctx, operator, state)
 
 
 def group_tasks(tasks: Sequence[KeyGroupTask], key_groups_per_task: int | None = None) -> list[list[KeyGroupTask]]:
@@ -291,7 +342,10 @@ def group_tasks(tasks: Sequence[KeyGroupTask], key_groups_per_task: int | None =
 def _source_store(ctx: RewriteContext) -> SnapshotStore:
     from storage.spark import _open_store  # one cached store per Python worker (read only)
 
-    return _open_store(ctx.root, ctx.storage_options, cached=True)
+    store = _open_store(ctx.root, ctx.storage_options, cached=True)
+    if store.decode_limits != ctx.decode_limits:  # the cached store's file system, this rewrite's limits
+        store = SnapshotStore(store._io, policy=store.policy, decode_limits=ctx.decode_limits)
+    return store
 
 
 def _dest_store(ctx: RewriteContext) -> SnapshotStore:
@@ -330,12 +384,18 @@ def _python_keys(table: pa.Table, where: str) -> list[Any]:
         ) from exc
 
 
-def _hashes(table: pa.Table, where: str) -> "NDArray[np.uint64]":
+def _hashes(table: pa.Table, where: str, *, unpickle: bool = False) -> "NDArray[np.uint64]":
     """The runtime's stable hash of every key: vectorized for typed keys, per unpickled key
-    for pickled ones."""
+    for pickled ones (only with ``unpickle``; :class:`UnpickleRefusedError` without)."""
     from abs.keygroups import stable_hashes
 
-    keys: Any = _python_keys(table, where) if is_pickled(table.schema, KEY_COLUMN) else table.column(KEY_COLUMN)
+    pickled = is_pickled(table.schema, KEY_COLUMN)
+    if pickled and not unpickle:
+        raise UnpickleRefusedError(
+            f"{where}: the keys are pickled; re-keying must unpickle them, which runs code from the snapshot; "
+            "pass --unpickle (unpickle=True) if you trust this root"
+        )
+    keys: Any = _python_keys(table, where) if pickled else table.column(KEY_COLUMN)
     try:
         return stable_hashes(keys)
     except (TypeError, ValueError) as exc:
@@ -388,7 +448,9 @@ def split_group(ctx: RewriteContext, group: Iterable[KeyGroupTask]) -> Iterator[
         table = source.read_chain(list(task.chain), checkpoint_id=ctx.checkpoint_id)
         if table.num_rows == 0:
             continue
-        hashes = _hashes(table, _where(ctx, task.operator, task.state, task.key_group))
+        if not ctx.unpickle and is_pickled(table.schema, KEY_COLUMN):
+            raise _pickled_keys_refusal(ctx, task.operator, task.state)
+        hashes = _hashes(table, _where(ctx, task.operator, task.state, task.key_group), unpickle=ctx.unpickle)
         _check_placement(hashes, table, ctx, task)
         new = (hashes % np.uint64(ctx.new_max_parallelism)).astype(np.int64)
         for kg, part in _split_by(table, new):
@@ -494,12 +556,17 @@ def rekey_local(
     max_parallelism: int,
     storage_options: Mapping[str, Any] | None = None,
     dest_storage_options: Mapping[str, Any] | None = None,
+    unpickle: bool = False,
+    decode_limits: DecodeLimits = DEFAULT_DECODE_LIMITS,
 ) -> Manifest:
     """The re-key in this process, without Spark (all live rows are held in memory at once, as
     Arrow tables; use :func:`recovery.spark.rekey` for states larger than memory). Works on
-    ``memory://`` roots too. Returns the committed savepoint manifest."""
+    ``memory://`` roots too. Returns the committed savepoint manifest. ``unpickle``: allow
+    unpickling pickled keys to hash them (runs code from the snapshot; see
+    :class:`UnpickleRefusedError`)."""
     job = plan_rewrite(root, checkpoint_id, dest, max_parallelism=max_parallelism, storage_options=storage_options,
-                       dest_storage_options=dest_storage_options, for_spark=False)
+                       dest_storage_options=dest_storage_options, for_spark=False, unpickle=unpickle,
+                       decode_limits=decode_limits)
     buckets: dict[tuple[str, str, int], list[pa.Table]] = {}
     for target, part in split_group(job.context, job.tasks):
         buckets.setdefault(target, []).append(part)

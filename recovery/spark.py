@@ -28,7 +28,8 @@ those of :func:`storage.savepoint.take_savepoint`.
 
 **rekey.** Stage 1 (one task per input partition): resolve the chain, hash every live key with
 :func:`abs.keygroups.stable_hashes` (vectorized for typed int / string / binary keys; pickled
-keys are unpickled inside the task only), check that it hashes to its old key group under the
+keys are unpickled inside the task only, and only with ``unpickle=True`` / ``--unpickle``:
+unpickling runs code from the snapshot), check that it hashes to its old key group under the
 old ``max_parallelism`` (else the snapshot is refused as corrupt), and emit one record per
 (operator, state, new key group) holding those rows as an Arrow IPC stream. The records are
 shuffled with ``repartitionAndSortWithinPartitions``: a partitioner sends contiguous ranges of
@@ -64,6 +65,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, TypeVar
 from storage import Manifest
 from storage import errors as storage_errors
 from storage.errors import StorageError
+from storage.format import DEFAULT_DECODE_LIMITS, DecodeLimits
 
 from . import errors as recovery_errors
 from . import rewrite
@@ -77,6 +79,7 @@ from .rewrite import (
     RewriteInputError,
     RewriteJob,
     SparkNotInstalledError,
+    UnpickleRefusedError,
     plan_rewrite,
 )
 
@@ -96,6 +99,7 @@ __all__ = [
     "ExecutorStorageError",
     "SparkNotInstalledError",
     "MaxParallelismError",
+    "UnpickleRefusedError",
 ]
 
 T = TypeVar("T")
@@ -135,16 +139,21 @@ def rekey(
     dest_storage_options: Mapping[str, Any] | None = None,
     key_groups_per_task: int | None = None,
     output_partitions: int | None = None,
+    unpickle: bool = False,
 ) -> Manifest:
     """Write checkpoint ``checkpoint_id`` of ``root`` into the empty root ``dest`` as a
     savepoint whose keys are re-hashed into ``max_parallelism`` key groups (1..32768).
+
+    ``unpickle``: pickled keys must be unpickled to be hashed again, which runs code from the
+    snapshot; without ``unpickle=True`` a state with pickled keys raises
+    :class:`UnpickleRefusedError` and nothing is committed.
 
     ``output_partitions``: Spark partitions of the shuffle (default: as many as input
     partitions). Returns the committed savepoint manifest; ``_job.json`` and the manifest
     carry the new ``max_parallelism``.
     """
     job = plan(root, checkpoint_id, dest, max_parallelism=max_parallelism, storage_options=storage_options,
-               dest_storage_options=dest_storage_options)
+               dest_storage_options=dest_storage_options, unpickle=unpickle)
     return execute(spark, job, key_groups_per_task=key_groups_per_task, output_partitions=output_partitions)
 
 
@@ -156,12 +165,17 @@ def plan(
     max_parallelism: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
     dest_storage_options: Mapping[str, Any] | None = None,
+    unpickle: bool = False,
+    decode_limits: DecodeLimits = DEFAULT_DECODE_LIMITS,
 ) -> RewriteJob:
     """Check the inputs of a Spark rewrite and plan it, before any Spark session is needed
-    (``max_parallelism=None``: compact). Raises :class:`RewriteInputError` subclasses,
-    :class:`storage.errors.CheckpointNotFoundError` and storage errors."""
+    (``max_parallelism=None``: compact; ``unpickle``: see :func:`rekey`; ``decode_limits``:
+    see :class:`storage.format.DecodeLimits`). Raises
+    :class:`RewriteInputError` subclasses, :class:`storage.errors.CheckpointNotFoundError`
+    and storage errors."""
     return plan_rewrite(root, checkpoint_id, dest, max_parallelism=max_parallelism,
-                        storage_options=storage_options, dest_storage_options=dest_storage_options, for_spark=True)
+                        storage_options=storage_options, dest_storage_options=dest_storage_options, for_spark=True,
+                        unpickle=unpickle, decode_limits=decode_limits)
 
 
 def execute(

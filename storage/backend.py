@@ -180,6 +180,9 @@ class RootIO:
         with self.errors(f"reading {rel}"):
             if self.local:
                 with open(full, "rb") as f:
+                    # clamp to the file's real size first: pread allocates the length it is asked
+                    # for, and a corrupt or hostile reference may ask for petabytes
+                    length = max(0, min(length, os.fstat(f.fileno()).st_size - offset))
                     return os.pread(f.fileno(), length, offset) if length else b""
             try:
                 return bytes(self.fs.cat_file(full, start=offset, end=offset + length))
@@ -189,6 +192,14 @@ class RootIO:
                 if exc.errno == errno.EINVAL and "range" in str(exc).lower():
                     return b""
                 raise
+
+    def size(self, rel: str) -> int:
+        """The size of a file in bytes (``FileNotFoundError`` if it does not exist)."""
+        full = self.full(rel)
+        with self.errors(f"checking the size of {rel}"):
+            if self.local:
+                return os.stat(full).st_size
+            return int(self.fs.size(full))
 
     def exists(self, rel: str) -> bool:
         full = self.full(rel)

@@ -22,6 +22,8 @@ __all__ = [
     "show_lines",
     "dump_lines",
     "human_bytes",
+    "human_count",
+    "human_seconds",
     "parse_storage_options",
 ]
 
@@ -100,42 +102,162 @@ def list_lines(store: SnapshotStore) -> list[str]:
 
 
 # ---------------------------------------------------------------------- show
-def _ref(ref: FileRef) -> str:
-    return f"{ref.kind}@{ref.checkpoint_id} ({human_bytes(ref.bytes)}, {ref.rows} rows)"
+def human_count(n: int) -> str:
+    """``12,345``."""
+    return f"{n:,}"
 
 
-def show_lines(manifest: Manifest, *, files: bool = False) -> list[str]:
+def human_seconds(s: Any) -> str:
+    """Seconds in the unit that reads best: ``0.06 ms``, ``29.5 ms``, ``1.25 s``."""
+    if not isinstance(s, (int, float)) or isinstance(s, bool):
+        return str(s)
+    ms = s * 1000
+    if abs(ms) < 1:
+        return f"{ms:.2f} ms"
+    if abs(ms) < 1000:
+        return f"{ms:.1f} ms" if abs(ms) < 100 else f"{ms:.0f} ms"
+    return f"{s:.2f} s"
+
+
+def _stat_value(key: str, value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return _cut(json.dumps(value, sort_keys=True, default=str))
+    if key.endswith("_s"):
+        return human_seconds(value)
+    if key.endswith("bytes") or key in ("full_size",):
+        return human_bytes(value)
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return human_count(value)
+
+
+_TIMING_KEYS = ("duration_s", "alignment_s", "sync_s", "async_s", "async_cpu_s")
+_STORAGE_KEYS = ("bytes_written", "files_written", "full_size", "files", "key_groups", "base_bytes", "delta_bytes",
+                 "max_chain_length", "mean_chain_length", "space_amplification", "restore_files", "restore_bytes")
+
+
+def _num(stats: dict[str, Any], key: str) -> bool:
+    value = stats.get(key)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _stats_lines(stats: dict[str, Any]) -> list[str]:
+    out = []
+    s = stats
+    if _num(s, "duration_s"):
+        parts = [f"{name} {human_seconds(s[key])}" for key, name in
+                 (("alignment_s", "alignment"), ("sync_s", "sync"), ("async_s", "async"), ("async_cpu_s", "async CPU"))
+                 if _num(s, key)]
+        extra = [f"parallelism {s['parallelism']}" if _num(s, "parallelism") else "",
+                 f"mode {s['mode']}" if isinstance(s.get("mode"), str) else ""]
+        out.append(f"took {human_seconds(s['duration_s'])}" + (f" ({', '.join(parts)})" if parts else "")
+                   + "".join(f"; {e}" for e in extra if e))
+    if all(_num(s, k) for k in ("bytes_written", "files_written", "full_size", "files")):
+        line = (f"storage: wrote {human_bytes(s['bytes_written'])} in {human_count(s['files_written'])} file(s); "
+                f"full size {human_bytes(s['full_size'])} in {human_count(s['files'])} file(s)")
+        if _num(s, "restore_files") and _num(s, "restore_bytes"):
+            line += f"; a restore reads {human_count(s['restore_files'])} file(s) or range(s), {human_bytes(s['restore_bytes'])}"
+        if _num(s, "space_amplification"):
+            line += f"; space amplification {s['space_amplification']:.2f}"
+        out.append(line)
+    shown = set(_TIMING_KEYS) | set(_STORAGE_KEYS) | {"parallelism", "mode"}
+    if not out:
+        shown = set()
+    rest = [f"{k} {_stat_value(k, v)}" for k, v in sorted(s.items()) if k not in shown]
+    if rest:
+        out.append("other stats: " + ", ".join(rest))
+    return out
+
+
+def _ref(ref: FileRef, images: set[str]) -> str:
+    kind = "values" if ref.id in images else ref.kind
+    return f"{kind}@{ref.checkpoint_id} ({human_bytes(ref.bytes)}, {human_count(ref.rows)} rows)"
+
+
+def _plural(n: int, noun: str) -> str:
+    """``1 delta``, ``2 deltas`` (``noun`` is the plural)."""
+    return f"{human_count(n)} {noun[:-1] if n == 1 else noun}"
+
+
+def _kind_summary(name: str, refs: list[FileRef]) -> str:
+    if not refs:
+        return f"0 {name}"
+    rows = sum(r.rows for r in refs)
+    return f"{_plural(len(refs), name)} ({_plural(rows, 'rows')}, {human_bytes(sum(r.bytes for r in refs))})"
+
+
+def _median(values: list[int]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return float(ordered[mid]) if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _state_lines(st: str, chains: dict[int, list[FileRef]], images: set[str], *, key_groups: bool,
+                 files: bool) -> list[str]:
+    refs = list({r.id: r for chain in chains.values() for r in chain}.values())
+    bases = [r for r in refs if r.kind == "base"]
+    values = [r for r in refs if r.id in images]
+    deltas = [r for r in refs if r.kind == "delta" and r.id not in images]
+    lengths = [len(c) for c in chains.values()]
+    median = _median(lengths) if lengths else 0
+    out = [
+        f"    state {st!r}: {human_count(len(chains))} key groups, {human_count(len({r.path for r in refs}))} file(s), "
+        f"{human_bytes(sum(r.bytes for r in refs))}",
+        f"      {_kind_summary('bases', bases)}, {_kind_summary('values images', values)}, "
+        f"{_kind_summary('deltas', deltas)}",
+        f"      chain length min {min(lengths, default=0)}, median {median:g}, max {max(lengths, default=0)}",
+    ]
+    if key_groups or files:
+        for kg, chain in sorted(chains.items()):
+            out.append(f"      kg {kg:04d}: " + " <- ".join(_ref(r, images) for r in chain))
+            if files:
+                out.extend(f"        {r.where}" for r in chain)
+    return out
+
+
+def show_lines(manifest: Manifest, *, files: bool = False, key_groups: bool = False,
+               values_images: set[str] | None = None, unreadable: Sequence[str] = ()) -> list[str]:
+    """A checkpoint summarised per operator and state (human units); ``key_groups`` adds a
+    line per key group, ``files`` also the file of every chain member. ``values_images``: the
+    :attr:`FileRef.id` of the values images (:meth:`SnapshotStore.values_images`); without it
+    they count as deltas. ``unreadable``: files whose kind could not be told (named in a note)."""
     m = manifest
+    images = values_images or set()
     out = [
         f"checkpoint {m.checkpoint_id} ({m.kind}{', pinned' if m.pinned else ''}) of job {m.job_name!r}, "
         f"max_parallelism {m.max_parallelism}, created {_iso(m.created_at)}, format {m.format_version}",
-        "stats: " + json.dumps(m.stats, sort_keys=True, default=str),
-        "keyed state:" if m.keyed else "keyed state: none",
+        *_stats_lines(m.stats),
     ]
+    n_states = sum(len(states) for states in m.keyed.values())
+    out.append(f"keyed state: {len(m.keyed)} operator(s), {n_states} state(s)" if m.keyed else "keyed state: none")
     for op, states in sorted(m.keyed.items()):
         out.append(f"  operator {op!r}")
         for st, chains in sorted(states.items()):
-            refs = {r.id: r for chain in chains.values() for r in chain}
-            longest = max((len(c) for c in chains.values()), default=0)
-            n_files = len({r.path for r in refs.values()})
-            out.append(
-                f"    state {st!r}: {len(chains)} key groups, {n_files} files, "
-                f"{human_bytes(sum(r.bytes for r in refs.values()))}, max chain {longest}"
-            )
-            for kg, chain in sorted(chains.items()):
-                out.append(f"      kg {kg:04d}: " + " <- ".join(_ref(r) for r in chain))
-                if files:
-                    out.extend(f"        {r.where}" for r in chain)
-    out.append("operator state:" if m.operator_state else "operator state: none")
+            out.extend(_state_lines(st, chains, images, key_groups=key_groups, files=files))
+    out.append(f"operator state: {len(m.operator_state)} operator(s)" if m.operator_state else "operator state: none")
     for op, subtasks in sorted(m.operator_state.items()):
-        out.append(f"  operator {op!r} (rule {m.operator_state_rules.get(op, '?')})")
-        for i, ref in sorted(subtasks.items()):
-            out.append(f"    subtask {i}: {_ref(ref)}" + (f" {ref.path}" if files else ""))
-    out.append(f"channel logs: {len(m.channel_logs)}")
-    for ref in m.channel_logs:
-        out.append(f"  {ref.location().task}: {_ref(ref)}" + (f" {ref.path}" if files else ""))
-    out.append("source offsets: " + json.dumps(m.source_offsets, sort_keys=True, default=str))
-    out.append("sink transactions: " + json.dumps(m.sink_transactions, sort_keys=True, default=str))
+        refs = list(subtasks.values())
+        out.append(f"  operator {op!r} (rule {m.operator_state_rules.get(op, '?')}): {len(refs)} subtask(s), "
+                   f"{human_count(sum(r.rows for r in refs))} rows, {human_bytes(sum(r.bytes for r in refs))}")
+        if key_groups or files:
+            for i, ref in sorted(subtasks.items()):
+                out.append(f"    subtask {i}: {_ref(ref, images)}" + (f" {ref.path}" if files else ""))
+    logs = m.channel_logs
+    out.append(f"channel logs: {len(logs)} file(s), {human_bytes(sum(r.bytes for r in logs))}" if logs
+               else "channel logs: none")
+    if key_groups or files:
+        for ref in logs:
+            out.append(f"  {ref.location().task}: {_ref(ref, images)}" + (f" {ref.path}" if files else ""))
+    out.append("source offsets:" if m.source_offsets else "source offsets: none")
+    for op, splits in sorted(m.source_offsets.items()):
+        count = f"{len(splits)} split(s)" if isinstance(splits, dict) else "1 value"
+        out.append(f"  {op}: {count} " + _cut(json.dumps(splits, sort_keys=True, default=str)))
+    out.append("sink transactions:" if m.sink_transactions else "sink transactions: none")
+    for op, txn in sorted(m.sink_transactions.items()):
+        out.append(f"  {op}: " + _cut(json.dumps(txn, sort_keys=True, default=str)))
+    if unreadable:
+        out.append(f"note: {len(unreadable)} file(s) could not be read to tell a values image from a delta (counted as "
+                   f"deltas), e.g. {unreadable[0]}; run 'abs-snapshot verify' on this root")
     return out
 
 
@@ -145,7 +267,13 @@ def _cell(value: Any, pickled: bool, unpickle: bool, *, jsonl: bool) -> Any:
         return None
     if pickled:
         if unpickle:
-            obj = pickle.loads(value)  # only with --unpickle: the user trusts this snapshot
+            try:
+                obj = pickle.loads(value)  # only with --unpickle: the user trusts this snapshot
+            except Exception as exc:  # noqa: BLE001 - whatever unpickling raises means the same
+                raise StorageError(
+                    f"a pickled {len(value)}-byte value does not unpickle here ({type(exc).__name__}: {exc}); "
+                    "dump without --unpickle shows its bytes, or run where its classes import"
+                ) from exc
             if not jsonl:
                 return repr(obj)
             try:
@@ -159,9 +287,9 @@ def _cell(value: Any, pickled: bool, unpickle: bool, *, jsonl: bool) -> Any:
     return value
 
 
-def _rows(table: pa.Table, unpickle: bool, jsonl: bool, extra: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    flags = {name: is_pickled(table.schema, name) for name in table.schema.names}
-    for row in table.to_pylist():
+def _rows(batch: pa.RecordBatch, unpickle: bool, jsonl: bool, extra: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    flags = {name: is_pickled(batch.schema, name) for name in batch.schema.names}
+    for row in batch.to_pylist():
         out = dict(extra)
         for name, value in row.items():
             out[name] = _cell(value, flags[name], unpickle, jsonl=jsonl)
@@ -179,22 +307,23 @@ def dump_lines(
     limit: int | None = 100,
     unpickle: bool = False,
 ) -> list[str]:
-    """Resolved rows of a state (one key group or all), as a text table or JSON lines."""
+    """Resolved rows of a state (one key group or all), as a text table or JSON lines. Files
+    are decoded batch by batch where the chain allows it, and reading stops at ``limit``."""
     jsonl = fmt == "jsonl"
     groups = sorted(manifest.chains(operator, state)) if key_group is None else [key_group]
     rows: list[dict[str, Any]] = []
     for kg in groups:
-        remaining = None if limit is None else limit - len(rows)
-        if remaining is not None and remaining <= 0:
+        if limit is not None and len(rows) >= limit:
             break
-        table = store.read_key_group(manifest, operator, state, kg)
-        if remaining is not None:
-            table = table.slice(0, remaining)
-        rows.extend(_rows(table, unpickle, jsonl, {"key_group": kg}))
+        for batch in store.iter_key_group(manifest, operator, state, kg):
+            if limit is not None:
+                batch = batch.slice(0, limit - len(rows))
+            rows.extend(_rows(batch, unpickle, jsonl, {"key_group": kg}))
+            if limit is not None and len(rows) >= limit:
+                break  # the rest of the file is not decoded
     if jsonl:
         return [json.dumps(r, default=str) for r in rows]
     if not rows:
         return ["(no rows)"]
     headers = list(rows[0])
     return format_table(headers, [[r.get(h) for h in headers] for r in rows])
-

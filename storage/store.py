@@ -7,7 +7,7 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Literal, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, NamedTuple, Sequence
 
 import fsspec
 import fsspec.core
@@ -33,8 +33,9 @@ from .errors import (
     StorageError,
     UnsupportedFormatError,
 )
-from .format import (KEY_COLUMN, EncodedFile, checksum_hex, decode_table, delta_for_file, encode_table, is_values_image,
-                     normalize_delta, sort_by_key, stream_schema, values_image)
+from .format import (DEFAULT_DECODE_LIMITS, KEY_COLUMN, OP_COLUMN, DecodeLimits, EncodedFile, checksum_hex, decode_table,
+                     delta_for_file, encode_table, is_values_image, iter_batches, normalize_delta, sort_by_key,
+                     stream_schema, values_image)
 from .gc import GcPlan, plan_gc
 from .ids import CheckpointId, SubtaskIndex
 from .manifest import FORMAT_VERSION, FileRef, Manifest, chain_problems, manifest_problems
@@ -46,9 +47,25 @@ __all__ = ["KeyGroupWrite", "SnapshotStore"]
 
 _RESTORE_HINT = "restore from an earlier checkpoint or a savepoint ('abs-snapshot verify ROOT' lists intact ones)"
 _REMOTE_READERS = 8  # files of one chain fetched at once from an object store
+_SCHEMA_PREFIX = 16 << 10  # bytes read to find a file's schema (its first IPC message)
 _REMOTE_ENCODERS = 8  # key groups encoded at once for an object store (zstd and Arrow release the GIL)
 PACK_LIMIT = 64 << 20
 """A packed file is closed once it holds this many bytes (the last key group may cross it)."""
+
+
+_MAX_JOB_DEPTH = 64  # a job fingerprint nests ~5 levels; deeper is corruption, and would recurse later
+
+
+def _too_deep(doc: Any, limit: int) -> bool:
+    """Whether a parsed JSON value nests deeper than ``limit`` (iterative: no recursion)."""
+    stack = [(doc, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return False
 
 
 class KeyGroupWrite(NamedTuple):
@@ -81,9 +98,11 @@ class SnapshotStore:
     groups from several threads at once.
     """
 
-    def __init__(self, io: RootIO, *, policy: CompactionPolicy, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, io: RootIO, *, policy: CompactionPolicy, clock: Callable[[], float] = time.time,
+                 decode_limits: DecodeLimits = DEFAULT_DECODE_LIMITS) -> None:
         self._io = io
         self.policy = policy
+        self.decode_limits = decode_limits
         self.pack_limit = PACK_LIMIT
         self._clock = clock
         self._lock = threading.Lock()
@@ -102,6 +121,7 @@ class SnapshotStore:
         clock: Callable[[], float] = time.time,
         fsync: bool = True,
         check: bool = True,
+        decode_limits: DecodeLimits = DEFAULT_DECODE_LIMITS,
     ) -> "SnapshotStore":
         """Open the root at ``url`` (plain path, ``file://``, ``memory://``, ``s3://bucket/prefix``).
 
@@ -110,6 +130,8 @@ class SnapshotStore:
         ``url`` (e.g. :class:`storage.testing.FaultyFileSystem`); ``url`` then only names the root.
         ``fsync`` makes local-disk writes durable before the manifest is written. ``check``
         lists the root once, so an unreachable endpoint or missing bucket fails here.
+        ``decode_limits``: how far one state file may expand when read (see
+        :class:`storage.format.DecodeLimits`).
         """
         if not isinstance(url, str) or not url:
             raise StorageConfigError(f"snapshot root {url!r} is not a URL or path; pass e.g. /data/ckpt or s3://bucket/prefix")
@@ -126,7 +148,7 @@ class SnapshotStore:
             ) from exc
         if isinstance(root, list):
             raise StorageConfigError(f"{url}: names several paths; a snapshot root is one directory or prefix")
-        store = cls(RootIO(fs, root, url, fsync=fsync), policy=policy, clock=clock)
+        store = cls(RootIO(fs, root, url, fsync=fsync), policy=policy, clock=clock, decode_limits=decode_limits)
         if check:
             try:
                 store._io.list(StoragePaths.CHECKPOINTS_DIR)
@@ -236,6 +258,11 @@ class SnapshotStore:
             doc = json.loads(raw)
             if not isinstance(doc, dict):
                 raise ValueError("not a JSON object")
+            if _too_deep(doc, _MAX_JOB_DEPTH):
+                raise ValueError(f"nested deeper than {_MAX_JOB_DEPTH} levels")
+        except RecursionError:
+            raise CorruptManifestError(f"{self.url}: _job.json is nested too deeply to parse; the root's job fingerprint "
+                                       "is corrupt; restore it from a backup or use another storage root") from None
         except ValueError as exc:
             raise CorruptManifestError(
                 f"{self.url}: _job.json does not parse ({exc}); the root's job fingerprint is corrupt; "
@@ -346,7 +373,11 @@ class SnapshotStore:
             return cached
         raw = self._io.get(path)
         source = f"{self.url}: checkpoint {checkpoint_id}: manifest {path}"
-        manifest = Manifest.from_json(raw, source=source)
+        try:
+            manifest = Manifest.from_json(raw, source=source)
+        except RecursionError:
+            raise CorruptManifestError(f"{source}: JSON nested too deeply to parse; the manifest is corrupt or "
+                                       "hostile; do not restore from it, use another checkpoint") from None
         if manifest.checkpoint_id != checkpoint_id:
             raise CorruptManifestError(
                 f"{source}: records checkpoint id {manifest.checkpoint_id}; the manifest is corrupt or misplaced; "
@@ -606,10 +637,14 @@ class SnapshotStore:
             ) from None
         if len(data) != ref.bytes:
             if ref.offset is not None:
+                try:
+                    real = f"{self._io.size(ref.path)} bytes"
+                except (FileNotFoundError, StorageError):
+                    real = "fewer bytes"
                 raise CorruptFileError(
-                    f"{self._whose(ref, checkpoint_id)} ends {ref.bytes - len(data)} bytes before the end of key group "
-                    f"{ref.key_group}'s range [{ref.offset}, {ref.offset + ref.bytes}) (torn or truncated write); "
-                    f"the checkpoint cannot be restored; {_RESTORE_HINT}"
+                    f"{self._whose(ref, checkpoint_id)} has {real}, but the manifest's range of key group "
+                    f"{ref.key_group} [{ref.offset}, {ref.offset + ref.bytes}) points past its end (torn or truncated "
+                    f"write, or a corrupt manifest); the checkpoint cannot be restored; {_RESTORE_HINT}"
                 )
             raise CorruptFileError(
                 f"{self._whose(ref, checkpoint_id)} has {len(data)} bytes, the manifest says {ref.bytes} "
@@ -624,6 +659,48 @@ class SnapshotStore:
             )
         return data
 
+    def read_schema(self, ref: FileRef) -> pa.Schema:
+        """The Arrow schema of a referenced file, from its first bytes (no checksum check, no
+        decoding): cheap enough to tell a values image (no ``key`` column) from a delta."""
+        head = min(ref.bytes, _SCHEMA_PREFIX)
+        source = f"{self.url}: file {ref.where}"
+        try:
+            data = self._io.get_range(ref.path, ref.offset or 0, head)
+        except FileNotFoundError:
+            raise MissingFileError(f"{self._whose(ref, None)} is missing; {_RESTORE_HINT}") from None
+        try:
+            return stream_schema(data, source=source)
+        except CorruptFileError:
+            if head == ref.bytes:
+                raise
+        return stream_schema(self.read_bytes(ref), source=source)  # a schema message longer than the prefix
+
+    def values_images(self, manifest: Manifest, unreadable: list[str] | None = None) -> set[str]:
+        """:attr:`FileRef.id` of every values image of ``manifest`` (format 4: the delta right
+        after a chain's base that holds the values of the base's rows, without keys). The
+        manifest does not record it: the schema of each chain's second file is read. With
+        ``unreadable``, a file whose schema cannot be read is appended to it (and counted as
+        no values image) instead of raising."""
+        seconds = list({chain[1].id: chain[1] for states in manifest.keyed.values() for chains in states.values()
+                        for chain in chains.values() if len(chain) > 1 and chain[1].kind == "delta"}.values())
+
+        def is_image(ref: FileRef) -> bool | None:
+            try:
+                return KEY_COLUMN not in self.read_schema(ref).names
+            except StorageError:
+                if unreadable is None:
+                    raise
+                return None
+
+        if self._io.object_store and len(seconds) > 1:
+            with ThreadPoolExecutor(max_workers=_REMOTE_READERS, thread_name_prefix="abs-read") as pool:
+                flags = list(pool.map(is_image, seconds))
+        else:
+            flags = [is_image(ref) for ref in seconds]
+        if unreadable is not None:
+            unreadable.extend(ref.id for ref, flag in zip(seconds, flags) if flag is None)
+        return {ref.id for ref, flag in zip(seconds, flags) if flag}
+
     def _whose(self, ref: FileRef, checkpoint_id: int | None) -> str:
         """``<root>: checkpoint N: file P (written by checkpoint M)`` for error messages."""
         who = f"checkpoint {checkpoint_id if checkpoint_id is not None else ref.checkpoint_id}"
@@ -636,7 +713,7 @@ class SnapshotStore:
         return self._decode(ref, self.read_bytes(ref, checkpoint_id=checkpoint_id))
 
     def _decode(self, ref: FileRef, data: bytes, columns: list[str] | None = None) -> pa.Table:
-        table = decode_table(data, source=f"{self.url}: file {ref.path}", columns=columns)
+        table = decode_table(data, source=f"{self.url}: file {ref.where}", columns=columns, limits=self.decode_limits)
         if table.num_rows != ref.rows:
             raise CorruptFileError(
                 f"{self.url}: file {ref.path} has {table.num_rows} rows, the manifest says {ref.rows}; "
@@ -689,6 +766,44 @@ class SnapshotStore:
                 "the key group held no state at this checkpoint"
             )
         return self.read_chain(chains[key_group], checkpoint_id=cid)
+
+    def iter_key_group(self, manifest: Manifest, operator: str, state: str, key_group: int) -> Iterator[pa.RecordBatch]:
+        """:meth:`read_key_group` as record batches, decoded lazily where the chain allows it
+        (a base alone: one batch at a time, so a reader that stops early decodes no more);
+        a longer chain is resolved as a whole first."""
+        cid = manifest.checkpoint_id
+        chain = self.read_key_group_chain(manifest, operator, state, key_group)
+        if len(chain) > 1:
+            yield from self.read_chain(chain, checkpoint_id=cid).to_batches()
+            return
+        ref = chain[0]
+        problems = chain_problems(chain, operator=operator, state=state, key_group=key_group)
+        if problems:
+            raise InvalidChainError(f"checkpoint {cid}: malformed chain ({problems[0][1]}); {_RESTORE_HINT}")
+        data = self.read_bytes(ref, checkpoint_id=cid)
+        source = f"{self.url}: file {ref.where}"
+        if OP_COLUMN in stream_schema(data, source=source).names:  # a base of an old writer: resolve it
+            yield from self.read_chain(chain, checkpoint_id=cid).to_batches()
+            return
+        rows = 0
+        for batch in iter_batches(data, source=source, limits=self.decode_limits):
+            rows += batch.num_rows
+            if rows > ref.rows:
+                break
+            yield batch
+        if rows != ref.rows:
+            raise CorruptFileError(f"{self.url}: file {ref.where} has {'more than ' if rows > ref.rows else ''}{rows} "
+                                   f"rows, the manifest says {ref.rows}; the file or manifest is corrupt; {_RESTORE_HINT}")
+
+    def read_key_group_chain(self, manifest: Manifest, operator: str, state: str, key_group: int) -> list[FileRef]:
+        """The chain of one key group; :class:`StateNotFoundError` names what exists."""
+        chains = manifest.chains(operator, state)
+        if key_group not in chains:
+            raise StateNotFoundError(
+                f"checkpoint {manifest.checkpoint_id}: {operator}/{state} has no chain for key group {key_group}; "
+                "the key group held no state at this checkpoint"
+            )
+        return list(chains[key_group])
 
     # ================================================================== verify
     def verify(self, checkpoint_id: int | None = None) -> VerifyReport:

@@ -264,7 +264,7 @@ def test_compact_respects_deletes_in_deltas(spark, synthetic, tmp_path):
 def test_rekey_puts_every_key_where_the_runtime_would(spark, synthetic, tmp_path, new_m):
     root, model = synthetic
     source = SnapshotStore.open(root)
-    saved = rspark.rekey(spark, root, 3, str(tmp_path / "sp"), max_parallelism=new_m, key_groups_per_task=6,
+    saved = rspark.rekey(spark, root, 3, str(tmp_path / "sp"), max_parallelism=new_m, unpickle=True, key_groups_per_task=6,
                          output_partitions=3)
     dest = SnapshotStore.open(str(tmp_path / "sp"))
     assert (saved.checkpoint_id, saved.max_parallelism) == (3, new_m)
@@ -293,7 +293,7 @@ def test_rekey_puts_every_key_where_the_runtime_would(spark, synthetic, tmp_path
     if new_m == 4:
         assert list(saved.chains("mixed", "v")) == [1]  # old key groups 1, 5 and 9 merged
     # the in-process re-key writes the very same bases
-    local = rekey_local(root, 3, str(tmp_path / "local"), max_parallelism=new_m)
+    local = rekey_local(root, 3, str(tmp_path / "local"), max_parallelism=new_m, unpickle=True)
     assert local.stats["rewrite"]["engine"] == "local"
     assert {(op, st, kg): c[0].checksum for op, s in local.keyed.items() for st, ch in s.items() for kg, c in ch.items()} \
         == {(op, st, kg): c[0].checksum for op, s in saved.keyed.items() for st, ch in s.items() for kg, c in ch.items()}
@@ -326,7 +326,7 @@ def test_a_corrupt_file_fails_the_rewrite_with_the_storage_error_and_commits_not
     victim = store.read_manifest(3).chains("words", "info")[key_group("w1", M)][-1]
     path = Path(root) / victim.path
     path.write_bytes(path.read_bytes()[:-3] + b"xyz")
-    for name, kwargs in (("compact", {}), ("rekey", {"max_parallelism": 32})):
+    for name, kwargs in (("compact", {}), ("rekey", {"max_parallelism": 32, "unpickle": True})):
         dest = str(tmp_path / name)
         with pytest.raises(CorruptFileError, match=f"{victim.path} fails its"):
             getattr(rspark, name)(spark, root, 3, dest, **kwargs)
@@ -363,7 +363,7 @@ def test_bad_input_is_refused_before_anything_is_written(spark, synthetic, tmp_p
 def test_in_process_rekey_works_on_memory_roots(memory_root, synthetic):
     root, model = synthetic
     SnapshotStore.open(root).savepoint(3, memory_root + "/src")  # a memory:// copy of checkpoint 3
-    saved = rekey_local(memory_root + "/src", 3, memory_root + "/dest", max_parallelism=7)
+    saved = rekey_local(memory_root + "/src", 3, memory_root + "/dest", max_parallelism=7, unpickle=True)
     state = resolved_state(SnapshotStore.open(memory_root + "/dest"), saved.checkpoint_id)
     assert state[("count", "n")] == model[("count", "n")]
     assert state[("mixed", "v")] == model[("mixed", "v")]
@@ -515,7 +515,7 @@ def test_job_checkpoint_has_deltas_with_deletes_and_compacts_to_its_resolved_sta
 def test_rekey_128_to_256_then_restore_gives_the_uninterrupted_final_state(spark, job_root, tmp_path):
     root, cid = job_root["root"], job_root["checkpoint"]
     dest = str(tmp_path / "sp256")
-    saved = rspark.rekey(spark, root, cid, dest, max_parallelism=256, key_groups_per_task=64, output_partitions=4)
+    saved = rspark.rekey(spark, root, cid, dest, max_parallelism=256, unpickle=True, key_groups_per_task=64, output_partitions=4)
     assert saved.max_parallelism == 256 and SnapshotStore.open(dest).verify().ok
     rekeyed = resolved_state(SnapshotStore.open(dest), saved.checkpoint_id)  # every key where the runtime puts it
     at_checkpoint = resolved_state(SnapshotStore.open(root), cid)
@@ -565,11 +565,11 @@ def test_cli_savepoint_with_spark_and_rekey_with_and_without_spark(spark, synthe
     code, out, _ = run_cli(capsys, "savepoint", root, "3", plain)
     assert code == 0 and "rewrite" not in SnapshotStore.open(plain).read_manifest(3).stats
     spark_dest, local_dest = str(tmp_path / "rk-spark"), str(tmp_path / "rk-local")
-    code, out, err = run_cli(capsys, "rekey", root, "3", spark_dest, "--max-parallelism", "32", "--spark")
+    code, out, err = run_cli(capsys, "rekey", root, "3", spark_dest, "--max-parallelism", "32", "--spark", "--unpickle")
     assert code == 0, err
     assert out.startswith(f"re-keyed checkpoint 3 of {root} from max_parallelism 16 to 32: savepoint 3 written to "
                           f"{spark_dest} (") and "max_parallelism=32" in out
-    code, out, err = run_cli(capsys, "rekey", root, "3", local_dest, "--max-parallelism", "32")
+    code, out, err = run_cli(capsys, "rekey", root, "3", local_dest, "--max-parallelism", "32", "--unpickle")
     assert code == 0 and "with Spark" not in out
     checksums = [{(op, st, kg): c[0].checksum for op, s in SnapshotStore.open(d).read_manifest(3).keyed.items()
                   for st, ch in s.items() for kg, c in ch.items()} for d in (spark_dest, local_dest)]

@@ -81,12 +81,16 @@ def test_show_defaults_to_the_latest_checkpoint(capsys, root):
     code, out, _ = run(capsys, "show", root)
     assert code == 0
     assert out.startswith("checkpoint 2 (checkpoint) of job 'clicks', max_parallelism 4")
-    assert "operator 'count/1'" in out and "state 'n': 2 key groups, 3 files" in out
-    assert "kg 0000: base@1" in out and "<- delta@2" in out
+    assert "operator 'count/1'" in out and "state 'n': 2 key groups, 3 file(s), 1.7 KiB" in out
+    assert "2 bases (10 rows, 1.0 KiB), 0 values images, 1 delta (2 rows, 648 B)" in out
+    assert "chain length min 1, median 1.5, max 2" in out
+    assert "kg 0000" not in out  # key groups only on request
     assert "operator 'source' (rule split)" in out and '"s0": 9' in out
+    code, out, _ = run(capsys, "show", root, "latest", "--key-groups")
+    assert code == 0 and "kg 0000: base@1" in out and "<- delta@2" in out and "/kg-0000/" not in out
     code, out, _ = run(capsys, "show", root, "1", "--files")
     assert code == 0 and out.startswith("checkpoint 1 ") and "state/count%2F1/n/kg-0000/00000001-base-" in out
-    assert '"duration_s": 0.25' in out
+    assert "\ntook 250 ms\n" in out
 
 
 def test_dump_prints_resolved_rows_as_a_table_or_json_lines(capsys, root):
@@ -211,3 +215,93 @@ def test_a_manifest_of_a_newer_format_is_listed_but_not_shown_and_blocks_gc(caps
     code, _, err = run(capsys, "gc", root, "--retain", "1")
     assert code == 1 and "GC refused" in err and "nothing was deleted" in err
     assert sorted(os.listdir(os.path.join(root, "checkpoints"))) == before
+
+
+# ---------------------------------------------------------------------- latest, show's summary
+@pytest.mark.parametrize("argv", [
+    ["show", "{root}", "{id}"],
+    ["dump", "{root}", "{id}", "--operator", "count/1", "--state", "n"],
+    ["verify", "{root}", "{id}"],
+    ["check", "{root}", "{id}"],
+    ["rescale-preview", "{root}", "{id}", "-p", "2"],
+])
+def test_latest_names_the_newest_checkpoint_wherever_an_id_is_taken(capsys, root, argv):
+    by_id = run(capsys, *[a.format(root=root, id="2") for a in argv])
+    latest = run(capsys, *[a.format(root=root, id="latest") for a in argv])
+    assert by_id[0] == 0 and latest == by_id
+
+
+def test_latest_is_taken_by_savepoint_too(capsys, root, tmp_path):
+    """(rekey ROOT latest: see tests/test_cli_hostile.py, on a root whose keys a real job placed)"""
+    code, out, err = run(capsys, "savepoint", root, "latest", str(tmp_path / "dest"))
+    assert code == 0 and "of checkpoint 2 written" in out and err == ""
+
+
+def test_latest_on_a_root_without_checkpoints_says_so(capsys, tmp_path):
+    store = SnapshotStore.open(str(tmp_path / "empty"))
+    store.init_job({"job_name": "j", "max_parallelism": 2})
+    code, out, err = run(capsys, "dump", str(tmp_path / "empty"), "latest", "--operator", "o", "--state", "s")
+    assert code == 2 and out == "" and "holds no complete checkpoint, so 'latest' names none" in err
+    code, _, err = run(capsys, "show", str(tmp_path / "empty"), "0")
+    assert code == 2 and "ids start at 1 (or use 'latest')" in err
+
+
+def test_show_summarises_per_state_and_labels_values_images(capsys, tmp_path):
+    """64 key groups: one summary per state (not a line per key group); a values image counts
+    apart from deltas and reads 'values' in the per key group view."""
+    url = str(tmp_path / "v")
+    store = SnapshotStore.open(url, policy=CompactionPolicy(max_delta_ratio=10.0))
+    store.init_job({"job_name": "counts", "max_parallelism": 64})
+
+    def image(kg: int, bump: int) -> pa.Table:
+        keys = list(range(kg * 1000, kg * 1000 + 50))
+        return pa.table({"key": pa.array(keys, pa.int64()), "value": pa.array([k + bump for k in keys], pa.int64())})
+
+    chains = {kg: store.write_key_group(1, "count", "n", kg, [], image(kg, 0), complete=True) for kg in range(64)}
+    store.commit(Manifest(checkpoint_id=1, job_name="counts", max_parallelism=64, keyed={"count": {"n": chains}},
+                          stats={"duration_s": 0.0123, "alignment_s": 5.9168e-05}))
+    chains = {kg: store.write_key_group(2, "count", "n", kg, chain, image(kg, 1), complete=True, over_base=chain[0])
+              for kg, chain in chains.items()}
+    chains[7] = store.write_key_group(3, "count", "n", 7, chains[7], pa.table({
+        "key": pa.array([7000], pa.int64()), "value": pa.array([1], pa.int64())}))
+    store.commit(Manifest(checkpoint_id=3, job_name="counts", max_parallelism=64, keyed={"count": {"n": chains}}))
+    code, out, _ = run(capsys, "show", url, "latest")
+    lines = out.splitlines()
+    assert code == 0 and len(lines) < 15, out
+    assert "    state 'n': 64 key groups, " in out
+    assert "64 bases (3,200 rows" in out and "64 values images (3,200 rows" in out and "1 delta (1 row," in out
+    assert "chain length min 2, median 2, max 3" in out
+    code, out, _ = run(capsys, "show", url, "latest", "--key-groups")
+    assert len(out.splitlines()) == len(lines) + 64
+    assert "kg 0007: base@1 (" in out and "<- values@2 (" in out and "<- delta@3 (" in out
+    code, out, _ = run(capsys, "show", url, "1")
+    assert "took 12.3 ms (alignment 0.06 ms)" in out and "5.9168e-05" not in out
+
+
+def test_an_unexpected_error_is_one_line_naming_a_bug_and_traceback_shows_it(capsys, root, monkeypatch):
+    import abs.cli
+
+    def broken(args):
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setitem(abs.cli._COMMANDS, "ls", broken)
+    code, out, err = run(capsys, "ls", root)
+    assert code == 3 and out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert "ls failed unexpectedly (ZeroDivisionError: division by zero); this is a bug" in err
+    code, _, err = run(capsys, "--traceback", "ls", root)
+    assert code == 3 and "Traceback (most recent call last)" in err and "ZeroDivisionError" in err
+
+
+def test_show_still_summarises_when_a_file_it_peeks_at_is_missing(capsys, root):
+    store = SnapshotStore.open(root)
+    victim = store.read_manifest(2).keyed["count/1"]["n"][0][1]  # the delta of key group 0
+    os.remove(os.path.join(root, victim.path))
+    code, out, err = run(capsys, "show", root, "2")
+    assert code == 0 and err == "" and "1 delta (2 rows, 648 B)" in out
+    assert f"note: 1 file(s) could not be read to tell a values image from a delta (counted as deltas), " \
+           f"e.g. {victim.path}; run 'abs-snapshot verify'" in out
+
+
+def test_dump_unpickle_of_a_value_that_fails_to_unpickle_is_one_line(capsys, root):
+    code, out, err = run(capsys, "dump", root, "2", "--operator", "count/1", "--state", "blobs", "--unpickle")
+    assert code == 1 and err.count("\n") == 1 and "does not unpickle here (AssertionError: the CLI unpickled" in err
