@@ -17,11 +17,14 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   echo "[setup] (first time: 1-3 minutes, most of it downloading pyspark, ~320 MB; later runs skip this)"
   LOG=.venv/install.log
   SECONDS=0
-  # the full output goes to the log; each package pip starts on is named as it goes
+  # the full output goes to the log; the packages pip fetches are named as it goes, each once
   set +o pipefail
-  { "$VPY" -m pip install --upgrade pip && "$VPY" -m pip install -e ".[test]"; } 2>&1 | tee "$LOG" \
-    | grep --line-buffered -E '^(Collecting|Installing collected)' \
-    | sed -u -E 's/^Collecting ([^ ]+).*/[setup]   fetching \1/; s/^Installing collected packages:.*/[setup]   installing the packages/'
+  { "$VPY" -m pip install --upgrade pip && "$VPY" -m pip install -e ".[test]"; } 2>&1 | tee "$LOG" | awk '
+    function flush() { if (line != "") { print "[setup]   fetched " line; line = ""; k = 0 } fflush() }
+    /^Collecting / { name = $2; sub(/[<>=!~;\[].*/, "", name)
+                     if (!seen[tolower(name)]++) { line = line (k++ ? ", " : "") name; n++; if (k == 8) flush() } }
+    /^Installing collected packages/ { flush(); print "[setup]   installing " n " packages"; n = 0; fflush() }
+    END { flush() }'
   STATUS=${PIPESTATUS[0]}
   set -o pipefail
   if [ "$STATUS" -ne 0 ]; then
