@@ -143,9 +143,9 @@ def test_a_newer_savepoint_does_not_prove_an_attempt_dead():
     assert plan.protect_newer_than == 1 and attempt in plan.protected and plan.empty
 
 
-def test_plan_refuses_with_an_unreadable_manifest_and_a_bad_retain():
-    with pytest.raises(GcRefusedError, match="checkpoint 4: manifest checkpoints/chk-00000004.json cannot be read"):
-        plan_gc({}, {}, retain=1, unreadable={4: "does not parse"})
+def test_plan_refuses_with_a_manifest_of_a_newer_format_and_a_bad_retain():
+    with pytest.raises(GcRefusedError, match="checkpoint 4: manifest checkpoints/chk-00000004.json is of a newer format"):
+        plan_gc({}, {}, retain=1, newer_format={4: "format version 99"})
     with pytest.raises(ValueError, match="retain >= 1"):
         plan_gc({}, {}, retain=0)
 
