@@ -19,7 +19,7 @@ from storage import (
     StorageError,
     StorageUnavailableError,
 )
-from storage.inspect import dump_lines, list_lines, parse_storage_options, show_lines
+from storage.inspect import corrupt_lines, dump_lines, list_lines, parse_storage_options, show_lines
 
 if TYPE_CHECKING:  # pragma: no cover
     from storage import Manifest
@@ -135,6 +135,9 @@ def _ls(args: argparse.Namespace) -> int:
 def _show(args: argparse.Namespace) -> int:
     store = _open(args)
     cid = args.id if args.id is not None else store.latest_checkpoint()
+    if args.id is None:  # say so when newer manifests are corrupt (show ID of one names its problem)
+        for line in corrupt_lines(store, newer_than=cid or 0):
+            print(line, file=sys.stderr)
     if cid is None:
         raise CheckpointNotFoundError(f"{args.root}: no complete checkpoint to show; take one first")
     _out(show_lines(store.read_manifest(cid), files=args.files))

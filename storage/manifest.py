@@ -407,12 +407,13 @@ class Manifest:
     def from_json(cls, text: str | bytes, *, source: str = "manifest") -> "Manifest":
         """Parse a manifest and check its checksum; ``source`` names it in error messages.
         Size, nesting and numbers are bounded (see :func:`parse_json_document`)."""
-        return cls.from_dict(parse_json_document(text, source=source), source=source)
+        return cls.from_dict(parse_json_document(text, source=source), source=source, stored=True)
 
     @classmethod
-    def from_dict(cls, data: Any, *, source: str = "manifest") -> "Manifest":
-        """Build a manifest from its parsed JSON document. The checksum is checked when the
-        document has one, and a format 5 (or later) document must have one."""
+    def from_dict(cls, data: Any, *, source: str = "manifest", stored: bool = False) -> "Manifest":
+        """Build a manifest from its JSON document. The checksum is checked when the document
+        has one; a ``stored`` document (read from a root) of format 5 or later must have one
+        (:meth:`to_dict` of a manifest in memory has none)."""
         if not isinstance(data, dict):
             raise CorruptManifestError(f"{source}: is not a JSON object; the checkpoint is corrupt; restore from "
                                        "another checkpoint", reason="not a JSON object")
@@ -439,7 +440,7 @@ class Manifest:
                 "do not restore from it, use another checkpoint", reason=what[:120]
             ) from None
         # after the structure: a malformed manifest is named by what is wrong with it
-        manifest.checksum, manifest.checksum_algorithm = cls._check_checksum(data, version, source)
+        manifest.checksum, manifest.checksum_algorithm = cls._check_checksum(data, version if stored else 0, source)
         return manifest
 
     @staticmethod
