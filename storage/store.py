@@ -352,7 +352,12 @@ class SnapshotStore:
         larger file is read only to ``limit + 1`` bytes (the parser then refuses it)."""
         if self._io.local:
             with self._io.errors(f"reading {rel}"), open(self._io.full(rel), "rb") as f:
-                return f.read(min(os.fstat(f.fileno()).st_size, limit) + 1)
+                size = os.fstat(f.fileno()).st_size
+                if size > limit:
+                    raise CorruptManifestError(
+                        f"{self.url}: {rel}: {size} bytes, more than the {limit} it may have; refusing to read it; "
+                        "it is corrupt; restore from another checkpoint", reason=f"larger than {limit} bytes")
+                return f.read(size + 1)
         return self._io.get_range(rel, 0, limit + 1)
 
     # ================================================================== writing
