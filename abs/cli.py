@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from storage import (
     CheckpointNotFoundError,
@@ -262,10 +262,16 @@ def _rewrite_summary(saved: "Manifest") -> str:
     return f"{len(saved.paths())} file(s), {sum(r.bytes for r in files.values())} bytes{how}"
 
 
+def _pinned(args: argparse.Namespace) -> Any:
+    """Hold checkpoint ``args.id`` of ROOT against every GC (a job may run on it) while it is copied."""
+    return _open(args).pin(args.id, args.id, holder=f"abs-snapshot {args.command}")
+
+
 def _savepoint(args: argparse.Namespace) -> int:
     _check_master_arg(args)
     if args.spark:
-        saved = _rewrite_with_spark(args, None)
+        with _pinned(args):
+            saved = _rewrite_with_spark(args, None)
         _out([f"savepoint {saved.checkpoint_id} of checkpoint {args.id} written to {args.dest} "
               f"({_rewrite_summary(saved)}); pinned until deleted; restore with restore={args.dest!r}"])
         return 0
@@ -284,11 +290,12 @@ def _rekey(args: argparse.Namespace) -> int:
     from recovery.rewrite import check_new_max_parallelism, rekey_local
 
     check_new_max_parallelism(args.max_parallelism)
-    if args.spark:
-        saved = _rewrite_with_spark(args, args.max_parallelism)
-    else:
-        saved = rekey_local(args.root, args.id, args.dest, max_parallelism=args.max_parallelism,
-                            storage_options=_root_options(args), dest_storage_options=_dest_options(args))
+    with _pinned(args):
+        if args.spark:
+            saved = _rewrite_with_spark(args, args.max_parallelism)
+        else:
+            saved = rekey_local(args.root, args.id, args.dest, max_parallelism=args.max_parallelism,
+                                storage_options=_root_options(args), dest_storage_options=_dest_options(args))
     old = saved.stats.get("rewrite", {}).get("max_parallelism_from")
     _out([f"re-keyed checkpoint {args.id} of {args.root} from max_parallelism {old} to {saved.max_parallelism}: "
           f"savepoint {saved.checkpoint_id} written to {args.dest} ({_rewrite_summary(saved)}); restore it into a "
