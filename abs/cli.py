@@ -263,8 +263,17 @@ def _rewrite_summary(saved: "Manifest") -> str:
 
 
 def _pinned(args: argparse.Namespace) -> Any:
-    """Hold checkpoint ``args.id`` of ROOT against every GC (a job may run on it) while it is copied."""
-    return _open(args).pin(args.id, args.id, holder=f"abs-snapshot {args.command}")
+    """Hold checkpoint ``args.id`` of ROOT against every GC (a job may run on it) while it is
+    copied; a root that cannot be pinned is left to the rewrite to report."""
+    import contextlib
+
+    try:
+        store = SnapshotStore.open(args.root, _root_options(args))
+        if store.exists():
+            return store.pin(args.id, args.id, holder=f"abs-snapshot {args.command}")
+    except (StorageError, ValueError):
+        pass
+    return contextlib.nullcontext()
 
 
 def _savepoint(args: argparse.Namespace) -> int:

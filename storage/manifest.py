@@ -236,10 +236,10 @@ def manifest_checksum(data: Mapping[str, Any], algorithm: str = WRITE_CHECKSUM_A
 
 @dataclass(frozen=True)
 class Lineage:
-    """Where a manifest comes from: ``run_id`` of the driver run (or offline tool run) that
-    wrote it, and the checkpoint of the same root it follows (``previous_id`` and that
-    manifest's checksum ``previous_checksum``; both ``None`` for a fresh start, a restore
-    from another root, and savepoints)."""
+    """Where a checkpoint's manifest comes from: ``run_id`` of the driver run that wrote it,
+    and the checkpoint of the same root it follows (``previous_id`` and that manifest's
+    checksum ``previous_checksum``; both ``None`` for a fresh start and a restore from another
+    root). Savepoints have no lineage."""
 
     run_id: str
     previous_id: int | None = None

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 
 from .errors import CheckpointNotFoundError, MissingFileError, StorageError
 from .ids import CheckpointId
-from .manifest import FileRef, Lineage, Manifest
-from .paths import StoragePaths, new_token
+from .manifest import FileRef, Manifest
+from .paths import StoragePaths
 
 if TYPE_CHECKING:
     from .pins import PinLease
@@ -101,7 +101,7 @@ def _copy(source: "SnapshotStore", manifest: Manifest, dest: "SnapshotStore", le
                 operator_state=operator_state,
                 channel_logs=channel_logs,
                 stats={"savepoint_of": {"root": source.url, "checkpoint_id": checkpoint_id, "stats": manifest.stats}},
-                lineage=Lineage(new_token()),
+                lineage=None,  # a savepoint follows no checkpoint of its root
             )
             stored = dest.commit(savepoint)
         except BaseException:

@@ -33,8 +33,8 @@ from .errors import (
     StorageError,
     UnsupportedFormatError,
 )
-from .format import (KEY_COLUMN, WRITE_CHECKSUM_ALGORITHM, EncodedFile, checksum_hex, decode_table, delta_for_file, encode_table, is_values_image,
-                     normalize_delta, sort_by_key, stream_schema, values_image)
+from .format import (KEY_COLUMN, WRITE_CHECKSUM_ALGORITHM, EncodedFile, checksum_hex, decode_table, delta_for_file,
+                     encode_table, is_values_image, normalize_delta, sort_by_key, stream_schema, values_image)
 from .gc import GcPlan, plan_gc
 from .pins import DEFAULT_PIN_TTL, PinLease, PinRecord, parse_pin
 from .ids import CheckpointId, SubtaskIndex
@@ -335,8 +335,8 @@ class SnapshotStore:
             cached = self._manifests.get(path)
         if cached is not None:
             return cached
-        raw = self._get_small(path)
         source = f"{self.url}: checkpoint {checkpoint_id}: manifest {path}"
+        raw = self._get_small(path, source=source)
         manifest = Manifest.from_json(raw, source=source)
         if manifest.checkpoint_id != checkpoint_id:
             raise CorruptManifestError(
@@ -347,15 +347,16 @@ class SnapshotStore:
             self._manifests[path] = manifest
         return manifest
 
-    def _get_small(self, rel: str, limit: int = MAX_MANIFEST_BYTES) -> bytes:
+    def _get_small(self, rel: str, limit: int = MAX_MANIFEST_BYTES, *, source: str | None = None) -> bytes:
         """A whole JSON document (manifest, ``_job.json``, pin) of at most ``limit`` bytes; a
-        larger file is read only to ``limit + 1`` bytes (the parser then refuses it)."""
+        larger file is read only to ``limit + 1`` bytes (the parser then refuses it).
+        ``source`` names it in the error."""
         if self._io.local:
             with self._io.errors(f"reading {rel}"), open(self._io.full(rel), "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 if size > limit:
                     raise CorruptManifestError(
-                        f"{self.url}: {rel}: {size} bytes, more than the {limit} it may have; refusing to read it; "
+                        f"{source or f'{self.url}: {rel}'}: {size} bytes, more than the {limit} it may have; refusing to read it; "
                         "it is corrupt; restore from another checkpoint", reason=f"larger than {limit} bytes")
                 return f.read(size + 1)
         return self._io.get_range(rel, 0, limit + 1)
