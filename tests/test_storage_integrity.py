@@ -265,3 +265,47 @@ def test_background_gc_goes_on_past_a_corrupt_manifest_and_reports_it_once(tmp_p
     # storage does not grow: only the newest checkpoint's manifest and chain are left
     assert sorted(p for p in files if p.startswith("checkpoints/")) == [StoragePaths.manifest(9)]
     assert {p for p in files if p.startswith("state/")} == store.read_manifest(9).paths()
+
+
+# ====================================================================== the checksum, for any content
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+JSON_LEAF = st.none() | st.booleans() | st.integers(-(2 ** 70), 2 ** 70) | st.floats(allow_nan=False, allow_infinity=False) \
+    | st.text(max_size=8)
+JSON = st.recursive(JSON_LEAF, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                                              max_size=3), max_leaves=12)
+
+
+def leaves(doc, path=()):
+    """Paths to every leaf value of a JSON document."""
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            yield from leaves(v, path + (k,))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            yield from leaves(v, path + (i,))
+    else:
+        yield path
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(offsets=st.dictionaries(st.text(min_size=1, max_size=6), JSON, max_size=3), stats=st.dictionaries(
+    st.text(max_size=6), JSON, max_size=3), created=st.floats(0, 4e9), pick=st.integers(0, 10 ** 6))
+def test_any_manifest_round_trips_its_checksum_and_any_changed_value_is_detected(offsets, stats, created, pick):
+    m = Manifest(checkpoint_id=7, job_name="j\u00e9", max_parallelism=8, created_at=created,
+                 source_offsets={"src": offsets}, sink_transactions={"sink": stats}, stats=stats,
+                 lineage=Lineage("a" * 32, 6, "b" * 32))
+    text = m.to_json()
+    back = Manifest.from_json(text)
+    assert back == m and back.checksum == json.loads(text)["checksum"]
+    doc = json.loads(text)
+    paths = [p for p in leaves(doc) if p[0] not in ("checksum", "checksum_algorithm", "format_version")]
+    path = paths[pick % len(paths)]
+    target = doc
+    for part in path[:-1]:
+        target = target[part]
+    old = target[path[-1]]
+    target[path[-1]] = "changed" if old != "changed" else "changed again"
+    with pytest.raises(CorruptManifestError, match="checksum|lineage|is not|invalid|refus|kind|created_at"):
+        Manifest.from_json(json.dumps(doc))

@@ -247,3 +247,29 @@ def test_savepoints_of_a_job_checkpointing_every_100ms_with_retained_1_restore_e
             assert sorted(per_key.get(k, [])) == list(range(at_savepoint.get(k, 0) + 1, n + 1)), f"key {k} of {path}"
     assert seen == sorted(seen)  # later savepoints hold more of the stream
     assert not [p for p in SnapshotStore.open(str(tmp_path / "root")).list_files() if p.startswith("pins/")]
+
+
+# ====================================================================== every backend
+@pytest.fixture(params=["memory", "local", "s3"])
+def any_root(request, tmp_path):
+    if request.param == "memory":
+        return request.getfixturevalue("memory_root"), None
+    if request.param == "local":
+        return str(tmp_path / "root"), None
+    server = request.getfixturevalue("s3_server")
+    return request.getfixturevalue("s3_root"), server.storage_options
+
+
+def test_a_pin_through_one_store_is_honoured_by_the_gc_of_another_on_every_backend(any_root):
+    url, options = any_root
+    writer = SnapshotStore.open(url, options)
+    writer.init_job(JOB)
+    commit_chain(writer, 1, [])
+    with SnapshotStore.open(url, options).pin(1, 1, holder="backend test") as lease:
+        commit_chain(writer, 2, [])
+        other = SnapshotStore.open(url, options)
+        plan = other.gc(retain=1)
+        assert plan.retained == (1, 2) and plan.pins == (lease.record.path,) and other.verify(1).ok
+    plan = SnapshotStore.open(url, options).gc(retain=1)
+    assert plan.dropped == (1,) and SnapshotStore.open(url, options).list_checkpoints() == [2]
+    assert not [p for p in SnapshotStore.open(url, options).list_files() if p.startswith("pins/")]
