@@ -18,9 +18,10 @@ that reads as a savepoint); the next savepoint into that destination removes wha
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import TYPE_CHECKING
 
-from .errors import CheckpointNotFoundError, MissingFileError, StorageError
+from .errors import CheckpointNotFoundError, MissingFileError, StorageError, StorageUnavailableError
 from .ids import CheckpointId
 from .manifest import FileRef, Manifest
 from .paths import StoragePaths
@@ -45,8 +46,14 @@ def take_savepoint(source: "SnapshotStore", checkpoint_id: int, dest: "SnapshotS
     :class:`CheckpointNotFoundError` (or :class:`MissingFileError`) and leaves nothing in ``dest``.
     """
     own = source_pin is None
-    lease = source.pin(checkpoint_id, checkpoint_id, holder=f"savepoint of checkpoint {checkpoint_id}") \
-        if own else source_pin
+    lease = source_pin
+    if own:
+        try:
+            lease = source.pin(checkpoint_id, checkpoint_id, holder=f"savepoint of checkpoint {checkpoint_id}")
+        except StorageUnavailableError as exc:  # e.g. read-only credentials for the source
+            warnings.warn(f"{source.url}: cannot pin checkpoint {checkpoint_id} while copying it ({exc}); copying it "
+                          "unpinned: a GC running on that root may remove it meanwhile (the savepoint then fails and "
+                          "leaves nothing)", RuntimeWarning, stacklevel=3)
     try:
         manifest = source.read_manifest(checkpoint_id)
         try:
@@ -60,11 +67,11 @@ def take_savepoint(source: "SnapshotStore", checkpoint_id: int, dest: "SnapshotS
                 f"{dest.url}; take the savepoint again from a newer checkpoint"
             ) from exc
     finally:
-        if own:
+        if own and lease is not None:
             lease.release()
 
 
-def _copy(source: "SnapshotStore", manifest: Manifest, dest: "SnapshotStore", lease: "PinLease") -> Manifest:
+def _copy(source: "SnapshotStore", manifest: Manifest, dest: "SnapshotStore", lease: "PinLease | None") -> Manifest:
     checkpoint_id = manifest.checkpoint_id
     job = source.read_job() or {"job_name": manifest.job_name, "max_parallelism": manifest.max_parallelism}
     dest.init_job(job)
@@ -80,14 +87,16 @@ def _copy(source: "SnapshotStore", manifest: Manifest, dest: "SnapshotStore", le
                 for st, chains in states.items():
                     out = keyed.setdefault(op, {}).setdefault(st, {})
                     for kg, chain in sorted(chains.items()):
-                        lease.renew()
+                        if lease is not None:
+                            lease.renew()
                         dest_lease.renew()
                         table = source.read_chain(chain, checkpoint_id=checkpoint_id)
                         path = StoragePaths.state_file(sp_id, op, st, kg, "base")
                         written.append(path)
                         out[kg] = [dest._write_table(path, table, "base", sp_id)]
 
-            lease.renew()
+            if lease is not None:
+                lease.renew()
             operator_state, channel_logs = copy_unkeyed(source, manifest, dest, sp_id)
             written.extend(ref.path for refs in operator_state.values() for ref in refs.values())
             written.extend(ref.path for ref in channel_logs)

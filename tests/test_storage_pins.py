@@ -273,3 +273,41 @@ def test_a_pin_through_one_store_is_honoured_by_the_gc_of_another_on_every_backe
     plan = SnapshotStore.open(url, options).gc(retain=1)
     assert plan.dropped == (1,) and SnapshotStore.open(url, options).list_checkpoints() == [2]
     assert not [p for p in SnapshotStore.open(url, options).list_files() if p.startswith("pins/")]
+
+
+def test_a_source_that_cannot_be_pinned_is_copied_with_a_warning(memory_root):
+    import fsspec
+
+    from storage.testing import Fault, FaultyFileSystem
+
+    fs = FaultyFileSystem(fsspec.filesystem("memory"), [Fault(op="write", path_glob="*/pins/*", times=None)])
+    src = SnapshotStore.open(memory_root + "/src", fs=fs)  # e.g. read-only credentials
+    src.init_job(JOB)
+    commit_chain(src, 1, [])
+    with pytest.warns(RuntimeWarning, match="cannot pin checkpoint 1 while copying it"):
+        sp = src.savepoint(1, memory_root + "/dest", fs=fsspec.filesystem("memory"))
+    assert SnapshotStore.open(memory_root + "/dest").list_checkpoints() == [sp.checkpoint_id]
+
+
+def test_a_write_failing_in_the_middle_of_a_copy_leaves_no_partial_savepoint(memory_root):
+    import fsspec
+
+    from storage import StorageUnavailableError
+    from storage.testing import Fault, FaultyFileSystem
+
+    src = SnapshotStore.open(memory_root + "/src")
+    src.init_job(JOB)
+    chains = []
+    for kg in range(4):
+        table = pa.table({"key": pa.array([kg], pa.int64()), "value": pa.array([kg], pa.int64())})
+        chains.append(src.write_key_group(1, "count", "n", kg, [], table))
+    src.commit(Manifest(checkpoint_id=1, job_name="wc", max_parallelism=8,
+                        keyed={"count": {"n": {kg: list(c) for kg, c in enumerate(chains)}}}))
+    dest_url = memory_root + "/dest"
+    broken = FaultyFileSystem(fsspec.filesystem("memory"), [Fault(op="write", nth=3, path_glob="*/state/*")])
+    with pytest.raises(StorageUnavailableError):
+        src.savepoint(1, dest_url, fs=broken)
+    assert broken.injected and set(SnapshotStore.open(dest_url).list_files()) == {"_job.json"}
+    sp = src.savepoint(1, dest_url)  # again, into the same destination
+    dest = SnapshotStore.open(dest_url)
+    assert dest.list_checkpoints() == [sp.checkpoint_id] and dest.verify().ok and dest.pins() == []
