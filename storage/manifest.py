@@ -456,7 +456,12 @@ class Manifest:
             raise CorruptManifestError(
                 f"{source}: checksum {_short(checksum)} is not a {_short(algorithm)} hex digest; the manifest is "
                 "corrupt; do not restore from it, use another checkpoint", reason="malformed checksum")
-        actual = manifest_checksum(data, algorithm)
+        try:
+            actual = manifest_checksum(data, algorithm)
+        except ValueError as exc:  # NaN or an infinite number (which json.loads accepts)
+            raise CorruptManifestError(
+                f"{source}: holds a number JSON does not allow ({str(exc)[:100]}); the manifest is corrupt; do not "
+                "restore from it, use another checkpoint", reason="NaN or infinite number") from None
         if actual != checksum:
             raise CorruptManifestError(
                 f"{source}: content does not match its {algorithm} checksum (recorded {checksum[:12]}..., content "

@@ -217,6 +217,15 @@ def test_huge_integers_in_a_manifest_are_refused(tmp_path, field, value):
     assert len(str(err.value)) < 600 and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "1e400"])
+def test_a_number_json_does_not_allow_is_refused(tmp_path, number):
+    build(tmp_path, 1)
+    path = manifest_file(tmp_path, 1)
+    path.write_text(path.read_text().replace('"stats": {', f'"stats": {{"x": {number}, ', 1))
+    with pytest.raises(CorruptManifestError, match="checkpoint 1: .*holds a number JSON does not allow"):
+        SnapshotStore.open(str(tmp_path)).read_manifest(1)
+
+
 def test_huge_max_parallelism_in_job_json_is_refused(tmp_path):
     build(tmp_path, 1)
     (tmp_path / "_job.json").write_text(json.dumps({"job_name": "wc", "max_parallelism": 10 ** 30, "format_version": 5}))
