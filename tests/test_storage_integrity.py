@@ -282,8 +282,11 @@ from hypothesis import strategies as st  # noqa: E402
 
 JSON_LEAF = st.none() | st.booleans() | st.integers(-(2 ** 70), 2 ** 70) | st.floats(allow_nan=False, allow_infinity=False) \
     | st.text(max_size=8)
-JSON = st.recursive(JSON_LEAF, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
-                                                                                              max_size=3), max_leaves=12)
+def _json_containers(inner):
+    return st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+
+
+JSON = st.recursive(JSON_LEAF, _json_containers, max_leaves=12)
 
 
 def leaves(doc, path=()):
