@@ -311,3 +311,25 @@ def test_a_write_failing_in_the_middle_of_a_copy_leaves_no_partial_savepoint(mem
     sp = src.savepoint(1, dest_url)  # again, into the same destination
     dest = SnapshotStore.open(dest_url)
     assert dest.list_checkpoints() == [sp.checkpoint_id] and dest.verify().ok and dest.pins() == []
+
+
+def test_a_pin_taken_while_gc_plans_is_honoured_before_anything_is_deleted(tmp_path):
+    root = str(tmp_path)
+    store = SnapshotStore.open(root)
+    store.init_job(JOB)
+    commit_chain(store, 1, [])
+    commit_chain(store, 2, [])
+    files_of_1 = store.read_manifest(1).paths()
+    plan_once = store.plan_gc
+    leases = []
+
+    def plan_then_pin(*args, **kwargs):
+        plan = plan_once(*args, **kwargs)
+        if not leases:  # another process pins checkpoint 1 right after this plan was made
+            leases.append(SnapshotStore.open(root).pin(1, 1, holder="late pin"))
+        return plan
+
+    store.plan_gc = plan_then_pin  # type: ignore[method-assign]
+    plan = store.gc(retain=1)
+    assert plan.held == (1,) and files_of_1 <= set(store.list_files()) and store.verify(1).ok
+    leases[0].release()
