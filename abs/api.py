@@ -116,12 +116,24 @@ class JobHandle:
 
     def savepoint(self, path: str | None = None, timeout: float = 300.0, storage_options: dict | None = None) -> str:
         """Take a checkpoint and write it as a self-contained savepoint at ``path`` (default:
-        ``<storage>/savepoints/sp-<id>``); returns the savepoint's location."""
-        cid = self._request("checkpoint", timeout)
-        store = self._driver.store
-        assert store is not None
-        dest = path or f"{self._driver.storage_url.rstrip('/')}/savepoints/sp-{cid:08d}"
-        store.savepoint(cid, dest, storage_options)
+        ``<storage>/savepoints/sp-<id>``); returns the savepoint's location.
+
+        The checkpoint is pinned against the job's garbage collection from before it is
+        taken until the copy ends (a pin on every id from the next one, narrowed to the
+        checkpoint once it is known; see ``storage/pins.py``). A copy that fails leaves no
+        savepoint at ``path``."""
+        from storage import SnapshotStore
+
+        d = self._driver
+        if d.storage_url is None:
+            raise ConfigError(f"job {d.flow.name!r} runs without storage; pass storage=... to take savepoints")
+        store = d.store or SnapshotStore.open(d.storage_url, d.storage_options)
+        with store.pin(d._last_completed_id + 1, None, ttl=max(600.0, 2 * timeout),
+                       holder=f"savepoint of job {d.flow.name!r}") as lease:
+            cid = self._request("checkpoint", timeout)
+            lease.retarget(cid, cid)
+            dest = path or f"{d.storage_url.rstrip('/')}/savepoints/sp-{cid:08d}"
+            store.savepoint(cid, dest, storage_options, source_pin=lease)
         return dest
 
     def _request(self, kind: str, timeout: float) -> int:

@@ -13,7 +13,7 @@ import json
 import re
 import sys
 import traceback
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from storage import (
     CheckpointNotFoundError,
@@ -24,7 +24,7 @@ from storage import (
     StorageUnavailableError,
 )
 from storage.format import DEFAULT_DECODE_LIMITS, DecodeLimits
-from storage.inspect import dump_lines, list_lines, parse_storage_options, show_lines
+from storage.inspect import corrupt_lines, dump_lines, list_lines, parse_storage_options, show_lines
 
 if TYPE_CHECKING:  # pragma: no cover
     from storage import Manifest
@@ -200,6 +200,9 @@ def _show(args: argparse.Namespace) -> int:
     store = _open(args)
     cid = _resolve_id(store, args, default_latest=True)
     assert cid is not None
+    if args.id is None or args.id == "latest":  # say so when newer manifests are corrupt (show ID of one names its problem)
+        for line in corrupt_lines(store, newer_than=cid):
+            print(line, file=sys.stderr)
     manifest = store.read_manifest(cid)
     unreadable: list[str] = []
     images = store.values_images(manifest, unreadable)
@@ -334,11 +337,26 @@ def _rewrite_summary(saved: "Manifest") -> str:
     return f"{len(saved.paths())} file(s), {sum(r.bytes for r in files.values())} bytes{how}"
 
 
+def _pinned(args: argparse.Namespace) -> Any:
+    """Hold checkpoint ``args.id`` of ROOT against every GC (a job may run on it) while it is
+    copied; a root that cannot be pinned is left to the rewrite to report."""
+    import contextlib
+
+    try:
+        store = SnapshotStore.open(args.root, _root_options(args))
+        if store.exists():
+            return store.pin(args.id, args.id, holder=f"abs-snapshot {args.command}")
+    except (StorageError, ValueError):
+        pass
+    return contextlib.nullcontext()
+
+
 def _savepoint(args: argparse.Namespace) -> int:
     _check_master_arg(args)
     _resolve_latest(args)
     if args.spark:
-        saved = _rewrite_with_spark(args, None)
+        with _pinned(args):
+            saved = _rewrite_with_spark(args, None)
         _out([f"savepoint {saved.checkpoint_id} of checkpoint {args.id} written to {args.dest} "
               f"({_rewrite_summary(saved)}); pinned until deleted; restore with restore={args.dest!r}"])
         return 0
@@ -358,12 +376,13 @@ def _rekey(args: argparse.Namespace) -> int:
 
     check_new_max_parallelism(args.max_parallelism)
     _resolve_latest(args)
-    if args.spark:
-        saved = _rewrite_with_spark(args, args.max_parallelism)
-    else:
-        saved = rekey_local(args.root, args.id, args.dest, max_parallelism=args.max_parallelism,
-                            storage_options=_root_options(args), dest_storage_options=_dest_options(args),
-                            unpickle=args.unpickle, decode_limits=_decode_limits(args))
+    with _pinned(args):
+        if args.spark:
+            saved = _rewrite_with_spark(args, args.max_parallelism)
+        else:
+            saved = rekey_local(args.root, args.id, args.dest, max_parallelism=args.max_parallelism,
+                                storage_options=_root_options(args), dest_storage_options=_dest_options(args),
+                                unpickle=args.unpickle, decode_limits=_decode_limits(args))
     old = saved.stats.get("rewrite", {}).get("max_parallelism_from")
     _out([f"re-keyed checkpoint {args.id} of {args.root} from max_parallelism {old} to {saved.max_parallelism}: "
           f"savepoint {saved.checkpoint_id} written to {args.dest} ({_rewrite_summary(saved)}); restore it into a "

@@ -311,6 +311,12 @@ def check(
         except CorruptManifestError as exc:
             early.append(Problem("manifest", "_job.json", str(exc), True))
     cid = checkpoint_id if checkpoint_id is not None else store.latest_checkpoint()
+    if checkpoint_id is None:  # corrupt manifests newer than the latest checkpoint are not silently passed over
+        for bad, err in store.list_manifests().items():
+            if isinstance(err, CorruptManifestError) and (cid is None or bad > cid):
+                early.append(Problem("manifest", f"checkpoint {bad}", f"{err}; checkpoint {bad} is skipped (a corrupt "
+                                     "manifest is not a checkpoint)" + (f"; checking checkpoint {cid}" if cid else ""),
+                                     False))
     if cid is None:
         early.append(Problem(
             "manifest", store.url,

@@ -543,6 +543,7 @@ def finish(job: RewriteJob, refs: Iterable[tuple[str, str, int, FileRef]], *, en
         channel_logs=channel_logs,
         stats={"savepoint_of": {"root": job.source.url, "checkpoint_id": ctx.checkpoint_id,
                                 "stats": job.manifest.stats}, "rewrite": rewrite},
+        lineage=None,  # a savepoint follows no checkpoint of its root
     )
     job.dest.init_job(fingerprint)
     return job.dest.commit(savepoint)

@@ -39,7 +39,8 @@ from .format import (
 )
 from .gc import GcPlan, plan_gc
 from .ids import CheckpointId, KeyGroup, OperatorUid, StateName, SubtaskIndex
-from .manifest import FORMAT_VERSION, FileRef, Manifest
+from .manifest import FORMAT_VERSION, FileRef, Lineage, Manifest
+from .pins import PinLease, PinRecord
 from .paths import StoragePaths, decode_name, encode_name
 from .store import SnapshotStore
 
@@ -54,6 +55,9 @@ __all__ = [
     "SnapshotStore",
     "FileRef",
     "Manifest",
+    "Lineage",
+    "PinLease",
+    "PinRecord",
     "CompactionPolicy",
     "VerifyReport",
     "Problem",

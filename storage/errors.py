@@ -108,12 +108,18 @@ class MissingFileError(CorruptFileError, FileNotFoundError):
 
 
 class CorruptManifestError(StorageError, ValueError):
-    """A manifest (``checkpoints/chk-*.json``) or ``_job.json`` does not parse, misses fields,
-    or names files outside the root / of the wrong kind.
+    """A manifest (``checkpoints/chk-*.json``) or ``_job.json`` does not parse, is too large or
+    too deeply nested, misses fields, holds out-of-range numbers, fails its own checksum
+    (edited or damaged), or names files outside the root / of the wrong kind.
 
     Remedy: the checkpoint is unusable; restore from another checkpoint. If the manifest is
-    garbage (e.g. written by hand), delete it, then run GC again.
+    garbage (e.g. written by hand), delete it. ``reason`` is a short form of the problem (for
+    listings).
     """
+
+    def __init__(self, message: str = "", *, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason or "corrupt manifest"
 
 
 class UnsupportedFormatError(StorageError):
@@ -169,7 +175,7 @@ class InvalidChainError(StorageError, ValueError):
 
 class GcRefusedError(StorageError):
     """Garbage collection refused to run because it could not prove which files are
-    referenced (e.g. a manifest does not parse or is of a newer format).
+    referenced (a manifest of a newer format).
 
     Remedy: inspect the named manifest (``abs-snapshot verify``); delete it if it is garbage,
     or upgrade the toolkit; then run GC again. Nothing was deleted.

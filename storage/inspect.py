@@ -11,7 +11,7 @@ from typing import Any, Iterator, Sequence
 
 import pyarrow as pa
 
-from .errors import StorageError, UnsupportedFormatError
+from .errors import CorruptManifestError, StorageError, UnsupportedFormatError
 from .format import is_pickled
 from .manifest import FileRef, Manifest
 from .store import SnapshotStore
@@ -19,6 +19,7 @@ from .store import SnapshotStore
 __all__ = [
     "format_table",
     "list_lines",
+    "corrupt_lines",
     "show_lines",
     "dump_lines",
     "human_bytes",
@@ -81,24 +82,32 @@ def parse_storage_options(pairs: Sequence[str]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- ls
 def list_lines(store: SnapshotStore) -> list[str]:
+    """One row per manifest, corrupt ones included (status ``corrupt: <reason>``: not a
+    checkpoint, never restored, not trusted by GC)."""
     rows: list[list[Any]] = []
-    for cid in store.list_checkpoints():
-        try:
-            m = store.read_manifest(cid)
-        except UnsupportedFormatError:
-            rows.append([cid, "?", "-", "-", "-", "-", "newer format: upgrade to read it"])
+    for cid, m in store.list_manifests().items():
+        if isinstance(m, UnsupportedFormatError):
+            rows.append([cid, "?", "newer format: upgrade to read it", "-", "-", "-", "-", "-"])
             continue
-        except StorageError:
-            rows.append([cid, "?", "-", "-", "-", "-", f"unreadable: see 'show {cid}'"])
+        if isinstance(m, StorageError):
+            rows.append([cid, "?", f"corrupt: {getattr(m, 'reason', 'unreadable')}", "-", "-", "-", "-", "-"])
             continue
         s = m.stats
         rows.append([
-            cid, m.kind, _iso(m.created_at), human_bytes(s.get("bytes_written")), human_bytes(s.get("full_size")),
+            cid, m.kind, "ok", _iso(m.created_at), human_bytes(s.get("bytes_written")), human_bytes(s.get("full_size")),
             s.get("files", "-"), s.get("max_chain_length", "-"),
         ])
     if not rows:
         return [f"{store.url}: no complete checkpoints"]
-    return format_table(["id", "kind", "created", "written", "full size", "files", "max chain"], rows)
+    return format_table(["id", "kind", "status", "created", "written", "full size", "files", "max chain"], rows)
+
+
+def corrupt_lines(store: SnapshotStore, *, newer_than: int = 0) -> list[str]:
+    """A note per corrupt manifest with an id above ``newer_than``."""
+    return [f"note: checkpoint {cid}: manifest is corrupt ({err.reason}); it is not a checkpoint and is skipped; "
+            f"'abs-snapshot show ROOT {cid}' or 'verify' says more"
+            for cid, err in store.list_manifests().items()
+            if isinstance(err, CorruptManifestError) and cid > newer_than]
 
 
 # ---------------------------------------------------------------------- show

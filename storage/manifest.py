@@ -1,4 +1,4 @@
-"""File references and checkpoint manifests, with their JSON form (format versions 1 to 3)."""
+"""File references and checkpoint manifests, with their JSON form (format versions 1 to 5)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,26 +9,48 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Literal, Mapping
 
 from .errors import CorruptManifestError, InvalidPathError, StateNotFoundError, UnsupportedFormatError
-from .format import CHECKSUM_ALGORITHMS, is_checksum
+from .format import CHECKSUM_ALGORITHMS, WRITE_CHECKSUM_ALGORITHM, checksum_hex, is_checksum
 from .ids import CheckpointId, KeyGroup
 from .paths import FileKind, ParsedPath, StoragePaths, validate_relative_path
 
 __all__ = [
     "FORMAT_VERSION",
     "FileRef",
+    "Lineage",
     "Manifest",
+    "MAX_MANIFEST_BYTES",
+    "MAX_JSON_DEPTH",
+    "manifest_checksum",
+    "parse_json_document",
     "ManifestKind",
     "KEYED_KINDS",
     "chain_problems",
     "manifest_problems",
 ]
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 """Version of the on-disk format (manifests, ``_job.json``, file layout) this code writes; it
 reads every version from 1 up to this one. Version 2: file references name their checksum
 algorithm, data files are Arrow IPC streams. Version 3: a reference may be a range of a packed
 file (``offset``, ``key_group``). Version 4: the delta right after a chain's base may be a
-*values image* (no ``key`` column; the values of the base's rows). See ``storage/FORMAT.md``."""
+*values image* (no ``key`` column; the values of the base's rows). Version 5: a manifest
+carries a checksum of its own content and a lineage; pins (``pins/``) hold checkpoints
+against GC. See ``storage/FORMAT.md``."""
+
+MAX_MANIFEST_BYTES = 256 << 20
+"""A manifest or ``_job.json`` larger than this is refused before it is parsed (bounded memory).
+A manifest of 32,768 key groups with chains of 10 files per state is about 80 MiB per state."""
+
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays and objects a manifest or ``_job.json`` may have (a manifest's own
+structure is 7 deep; source offsets, sink transactions and stats are the runtime's small JSON
+values)."""
+
+MAX_INT = (1 << 63) - 1
+"""Largest id, size, offset or row count a manifest may hold (a signed 64-bit integer)."""
+
+_MAX_MAX_PARALLELISM = 32768
+_CHECKSUM_KEYS = ("checksum", "checksum_algorithm")
 
 ManifestKind = Literal["checkpoint", "savepoint"]
 KEYED_KINDS = ("base", "delta")
@@ -66,8 +88,8 @@ class FileRef:
             raise InvalidPathError(f"file {self.path}: kind {self.kind!r} is not one of {_FILE_KINDS}")
         for name in ("checkpoint_id", "rows", "bytes"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise InvalidPathError(f"file {self.path}: {name}={value!r} is not a non-negative integer")
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_INT:
+                raise InvalidPathError(f"file {self.path}: {name}={_short(value)} is not an integer in [0, 2**63)")
         if self.checksum_algorithm not in CHECKSUM_ALGORITHMS:
             raise InvalidPathError(
                 f"file {self.path}: checksum algorithm {self.checksum_algorithm!r} is not one of {sorted(CHECKSUM_ALGORITHMS)}"
@@ -80,10 +102,10 @@ class FileRef:
                 "has both, a file of its own neither; refusing the reference"
             )
         if self.offset is not None:
-            for name in ("offset", "key_group"):
+            for name, top in (("offset", MAX_INT - self.bytes), ("key_group", _MAX_MAX_PARALLELISM - 1)):
                 value = getattr(self, name)
-                if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                    raise InvalidPathError(f"file {self.path}: {name}={value!r} is not a non-negative integer")
+                if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= top:
+                    raise InvalidPathError(f"file {self.path}: {name}={_short(value)} is not an integer in [0, {top}]")
         parsed = StoragePaths.parse(self.path)
         category = "packed" if self.packed else self.kind
         if (parsed is None or parsed.category != category or parsed.checkpoint_id != self.checkpoint_id
@@ -150,6 +172,112 @@ def _now() -> float:
     return time.time()
 
 
+def _short(value: Any) -> str:
+    """``repr`` of a value for a message, cut (a hostile manifest may hold huge values)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
+
+
+def json_depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether arrays/objects nest deeper than ``limit`` in ``value`` (iterative: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
+def parse_json_document(raw: str | bytes, *, source: str, what: str = "manifest",
+                        max_bytes: int = MAX_MANIFEST_BYTES) -> Any:
+    """Parse a manifest or ``_job.json`` with bounded cost: refuse more than ``max_bytes``
+    bytes, nesting deeper than :data:`MAX_JSON_DEPTH`, and what does not parse, with one
+    :class:`CorruptManifestError` naming ``source``."""
+    verdict = ("the checkpoint is incomplete or corrupt; restore from another checkpoint" if what == "manifest"
+               else "the root's job fingerprint is corrupt; restore it from a backup or use another storage root")
+    if len(raw) > max_bytes:
+        raise CorruptManifestError(
+            f"{source}: {len(raw)} bytes, more than the {max_bytes} a {what} may have; refusing to parse it; {verdict}",
+            reason=f"larger than {max_bytes} bytes")
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        data = None
+        deep = True
+    except (ValueError, UnicodeDecodeError) as exc:
+        reason = str(exc)[:200]
+        raise CorruptManifestError(f"{source}: does not parse as JSON ({reason}); {verdict}",
+                                   reason="does not parse as JSON") from None
+    else:
+        deep = json_depth_exceeds(data, MAX_JSON_DEPTH)
+    if deep:
+        raise CorruptManifestError(
+            f"{source}: arrays or objects nest deeper than {MAX_JSON_DEPTH} levels; refusing to read it; {verdict}",
+            reason=f"nested deeper than {MAX_JSON_DEPTH} levels")
+    return data
+
+
+def manifest_checksum(data: Mapping[str, Any], algorithm: str = WRITE_CHECKSUM_ALGORITHM) -> str:
+    """The checksum of a manifest: ``algorithm`` over its canonical encoding (UTF-8 of
+    ``json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+    allow_nan=False)`` of the parsed document without its ``checksum`` and
+    ``checksum_algorithm`` keys)."""
+    body = {k: v for k, v in data.items() if k not in _CHECKSUM_KEYS}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return checksum_hex(text.encode("ascii"), algorithm)
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """Where a checkpoint's manifest comes from: ``run_id`` of the driver run that wrote it,
+    and the checkpoint of the same root it follows (``previous_id`` and that manifest's
+    checksum ``previous_checksum``; both ``None`` for a fresh start and a restore from another
+    root). Savepoints have no lineage."""
+
+    run_id: str
+    previous_id: int | None = None
+    previous_checksum: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.run_id, str) or not 1 <= len(self.run_id) <= 64:
+            raise ValueError(f"lineage run_id {_short(self.run_id)} is not a string of 1 to 64 characters")
+        if (self.previous_id is None) != (self.previous_checksum is None):
+            raise ValueError("lineage previous: checkpoint_id and checksum go together")
+        if self.previous_id is not None:
+            if not isinstance(self.previous_id, int) or isinstance(self.previous_id, bool) \
+                    or not 1 <= self.previous_id <= MAX_INT:
+                raise ValueError(f"lineage previous checkpoint_id {_short(self.previous_id)} is invalid")
+            if not isinstance(self.previous_checksum, str) or len(self.previous_checksum) > 128:
+                raise ValueError(f"lineage previous checksum {_short(self.previous_checksum)} is invalid")
+
+    @classmethod
+    def following(cls, run_id: str, previous: "Manifest | None") -> "Lineage":
+        """The lineage of a checkpoint written by run ``run_id`` after ``previous`` (a manifest
+        as stored, i.e. with its checksum; ``None``: follows nothing)."""
+        if previous is None or previous.checksum is None:
+            return cls(run_id)
+        return cls(run_id, previous.checkpoint_id, previous.checksum)
+
+    def to_dict(self) -> dict[str, Any]:
+        prev = None if self.previous_id is None else {"checkpoint_id": self.previous_id,
+                                                       "checksum": self.previous_checksum}
+        return {"run_id": self.run_id, "previous": prev}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Lineage":
+        if not isinstance(data, dict) or not isinstance(data.get("previous"), (dict, type(None))):
+            raise ValueError("lineage is not an object with run_id and previous")
+        prev = data.get("previous") or {}
+        return cls(data.get("run_id"), prev.get("checkpoint_id"), prev.get("checksum"))  # type: ignore[arg-type]
+
+
 @dataclass(kw_only=True)
 class Manifest:
     """Everything needed to restore checkpoint ``checkpoint_id``; its existence in storage
@@ -177,6 +305,11 @@ class Manifest:
     source_offsets: dict[str, dict[str, Any]] = field(default_factory=dict)
     sink_transactions: dict[str, Any] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict)
+    lineage: Lineage | None = None
+    checksum: str | None = field(default=None, compare=False)
+    """The manifest's own checksum as stored (set when read or committed; ``None`` for a
+    manifest not yet committed and for manifests of format 4 and older)."""
+    checksum_algorithm: str | None = field(default=None, compare=False)
 
     # ------------------------------------------------------------------ access
     def iter_refs(self) -> Iterator[FileRef]:
@@ -219,7 +352,8 @@ class Manifest:
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
-        return {
+        """The manifest's JSON document without its checksum (see :meth:`to_json`)."""
+        out = {
             "format_version": self.format_version,
             "checkpoint_id": self.checkpoint_id,
             "kind": self.kind,
@@ -243,35 +377,50 @@ class Manifest:
             "sink_transactions": self.sink_transactions,
             "stats": self.stats,
         }
+        if self.lineage is not None:
+            out["lineage"] = self.lineage.to_dict()
+        return out
 
-    def to_json(self) -> str:
+    def to_json(self, algorithm: str = WRITE_CHECKSUM_ALGORITHM) -> str:
+        """The manifest as stored: :meth:`to_dict` plus ``checksum_algorithm`` and ``checksum``
+        (of the document as a reader parses it back, see :func:`manifest_checksum`)."""
+        return self._encode(algorithm)[0]
+
+    def _encode(self, algorithm: str = WRITE_CHECKSUM_ALGORITHM) -> tuple[str, str]:
+        """(JSON text, checksum)."""
+        doc = self.to_dict()
         try:
-            return json.dumps(self.to_dict(), indent=1, sort_keys=False, allow_nan=False)
-        except (TypeError, ValueError) as exc:
+            body = json.dumps(doc, allow_nan=False)
+            if json_depth_exceeds(doc, MAX_JSON_DEPTH):
+                raise ValueError(f"arrays or objects nest deeper than {MAX_JSON_DEPTH} levels")
+            digest = manifest_checksum(json.loads(body), algorithm)  # exactly what a reader will hash
+            stored = {"format_version": doc.pop("format_version"), "checksum_algorithm": algorithm,
+                      "checksum": digest, **doc}
+            return json.dumps(stored, indent=1, sort_keys=False, allow_nan=False), digest
+        except (TypeError, ValueError, RecursionError) as exc:
             raise CorruptManifestError(
-                f"checkpoint {self.checkpoint_id}: the manifest is not JSON-serialisable ({exc}); "
+                f"checkpoint {self.checkpoint_id}: the manifest is not JSON-serialisable ({str(exc)[:200]}); "
                 "refusing to commit it; make source offsets, sink transactions and stats plain JSON values"
-            ) from exc
+            ) from None
 
     @classmethod
     def from_json(cls, text: str | bytes, *, source: str = "manifest") -> "Manifest":
-        """Parse a manifest; ``source`` names it in error messages."""
-        try:
-            data = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise CorruptManifestError(
-                f"{source}: does not parse as JSON ({exc}); the checkpoint is incomplete or corrupt; "
-                "restore from another checkpoint"
-            ) from exc
-        return cls.from_dict(data, source=source)
+        """Parse a manifest and check its checksum; ``source`` names it in error messages.
+        Size, nesting and numbers are bounded (see :func:`parse_json_document`)."""
+        return cls.from_dict(parse_json_document(text, source=source), source=source, stored=True)
 
     @classmethod
-    def from_dict(cls, data: Any, *, source: str = "manifest") -> "Manifest":
+    def from_dict(cls, data: Any, *, source: str = "manifest", stored: bool = False) -> "Manifest":
+        """Build a manifest from its JSON document. The checksum is checked when the document
+        has one; a ``stored`` document (read from a root) of format 5 or later must have one
+        (:meth:`to_dict` of a manifest in memory has none)."""
         if not isinstance(data, dict):
-            raise CorruptManifestError(f"{source}: is not a JSON object; the checkpoint is corrupt; restore from another checkpoint")
+            raise CorruptManifestError(f"{source}: is not a JSON object; the checkpoint is corrupt; restore from "
+                                       "another checkpoint", reason="not a JSON object")
         version = data.get("format_version")
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-            raise CorruptManifestError(f"{source}: format_version {version!r} is invalid; the manifest is corrupt")
+            raise CorruptManifestError(f"{source}: format_version {_short(version)} is invalid; the manifest is corrupt; "
+                                       "restore from another checkpoint", reason="invalid format_version")
         if version > FORMAT_VERSION:
             raise UnsupportedFormatError(
                 f"{source}: written with storage format version {version}, this toolkit reads up to "
@@ -284,12 +433,41 @@ class Manifest:
                 raise ValueError(f"a format {version} manifest references a range of a packed file (format 3 and later)")
         except CorruptManifestError:
             raise
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+            what = f"lacks field {exc}" if isinstance(exc, KeyError) else str(exc)[:300]
             raise CorruptManifestError(
-                f"{source}: {exc}; the manifest is corrupt or names files outside the root; "
-                "do not restore from it, use another checkpoint"
-            ) from exc
+                f"{source}: {what}; the manifest is corrupt or names files outside the root; "
+                "do not restore from it, use another checkpoint", reason=what[:120]
+            ) from None
+        # after the structure: a malformed manifest is named by what is wrong with it
+        manifest.checksum, manifest.checksum_algorithm = cls._check_checksum(data, version if stored else 0, source)
         return manifest
+
+    @staticmethod
+    def _check_checksum(data: dict[str, Any], version: int, source: str) -> tuple[str | None, str | None]:
+        checksum, algorithm = data.get("checksum"), data.get("checksum_algorithm")
+        if checksum is None and algorithm is None:
+            if version >= 5:
+                raise CorruptManifestError(
+                    f"{source}: a format {version} manifest without its checksum (removed by hand?); the manifest "
+                    "cannot be trusted; do not restore from it, use another checkpoint", reason="checksum missing")
+            return None, None
+        if not is_checksum(checksum, algorithm):
+            raise CorruptManifestError(
+                f"{source}: checksum {_short(checksum)} is not a {_short(algorithm)} hex digest; the manifest is "
+                "corrupt; do not restore from it, use another checkpoint", reason="malformed checksum")
+        try:
+            actual = manifest_checksum(data, algorithm)
+        except ValueError as exc:  # NaN or an infinite number (which json.loads accepts)
+            raise CorruptManifestError(
+                f"{source}: holds a number JSON does not allow ({str(exc)[:100]}); the manifest is corrupt; do not "
+                "restore from it, use another checkpoint", reason="NaN or infinite number") from None
+        if actual != checksum:
+            raise CorruptManifestError(
+                f"{source}: content does not match its {algorithm} checksum (recorded {checksum[:12]}..., content "
+                f"{actual[:12]}...): the manifest was edited or damaged after it was written; do not restore from "
+                "it, use another checkpoint", reason="checksum mismatch (edited or damaged)")
+        return checksum, algorithm
 
     @classmethod
     def _from_dict_v1(cls, data: dict[str, Any]) -> "Manifest":
@@ -303,22 +481,22 @@ class Manifest:
             return out
 
         def int_key(key: str, what: str) -> int:
-            if not isinstance(key, str) or not key.isdigit():
-                raise ValueError(f"{what} {key!r} is not a non-negative integer")
+            if not isinstance(key, str) or not key.isdigit() or len(key) > 18:
+                raise ValueError(f"{what} {_short(key)} is not a non-negative integer")
             return int(key)
 
         cid = data["checkpoint_id"]
-        if not isinstance(cid, int) or isinstance(cid, bool) or cid < 1:
-            raise ValueError(f"checkpoint_id {cid!r} is invalid")
+        if not isinstance(cid, int) or isinstance(cid, bool) or not 1 <= cid <= MAX_INT:
+            raise ValueError(f"checkpoint_id {_short(cid)} is invalid")
         kind = data.get("kind", "checkpoint")
         if kind not in ("checkpoint", "savepoint"):
-            raise ValueError(f"kind {kind!r} is not 'checkpoint' or 'savepoint'")
+            raise ValueError(f"kind {_short(kind)} is not 'checkpoint' or 'savepoint'")
         max_par = data["max_parallelism"]
-        if not isinstance(max_par, int) or max_par < 1:
-            raise ValueError(f"max_parallelism {max_par!r} is invalid")
+        if not isinstance(max_par, int) or isinstance(max_par, bool) or not 1 <= max_par <= _MAX_MAX_PARALLELISM:
+            raise ValueError(f"max_parallelism {_short(max_par)} is not in 1..{_MAX_MAX_PARALLELISM}")
         created = data.get("created_at", 0.0)
         if not isinstance(created, (int, float)) or not math.isfinite(created):
-            raise ValueError(f"created_at {created!r} is invalid")
+            raise ValueError(f"created_at {_short(created)} is invalid")
         keyed = {
             str(op): {
                 str(st): {
@@ -344,7 +522,8 @@ class Manifest:
                 raise ValueError(f"{name} is not an object")
         job_name = data["job_name"]
         if not isinstance(job_name, str):
-            raise ValueError(f"job_name {job_name!r} is not a string")
+            raise ValueError(f"job_name {_short(job_name)} is not a string")
+        lineage = None if data.get("lineage") is None else Lineage.from_dict(data["lineage"])
         return cls(
             format_version=data["format_version"],
             checkpoint_id=CheckpointId(cid),
@@ -359,6 +538,7 @@ class Manifest:
             source_offsets=data.get("source_offsets", {}),
             sink_transactions=data.get("sink_transactions", {}),
             stats=data.get("stats", {}),
+            lineage=lineage,
         )
 
 

@@ -11,6 +11,8 @@ Layout (see ``storage/FORMAT.md``)::
     opstate/<operator>/00000042-<subtask>-<token>.arrow
     channels/00000042/<task>-<token>.arrow
     ._probe.<token>                                             a driver's "can every worker see this root" probe
+    pins/pin-<token>.json                                       a pin: checkpoints GC must keep
+    checkpoints/.sp-00000042.incomplete                          a savepoint being copied
 
 Checkpoint ids are zero-padded to 8 digits, key groups to 4 (wider numbers simply use more
 digits). ``<token>`` is 32 lower-case hex digits (a uuid4), so two attempts never collide.
@@ -43,7 +45,8 @@ __all__ = [
 ]
 
 FileKind = Literal["base", "delta", "opstate", "channel"]
-PathCategory = Literal["job", "job_tmp", "probe", "manifest", "manifest_tmp", "base", "delta", "packed", "opstate", "channel"]
+PathCategory = Literal["job", "job_tmp", "probe", "manifest", "manifest_tmp", "base", "delta", "packed", "opstate",
+                       "channel", "pin", "pin_tmp", "savepoint_incomplete"]
 
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
 _MAX_SEGMENT = 255
@@ -129,6 +132,9 @@ _STATE_RE = re.compile(rf"^state/([^/]+)/([^/]+)/kg-(\d{{4,}})/({_ID})-(base|del
 _PACKED_RE = re.compile(rf"^state/([^/]+)/([^/]+)/packed/({_ID})-{_TOKEN}\.arrow$")
 _OPSTATE_RE = re.compile(rf"^opstate/([^/]+)/({_ID})-(\d+)-{_TOKEN}\.arrow$")
 _CHANNEL_RE = re.compile(rf"^channels/({_ID})/([^/]+)-{_TOKEN}\.arrow$")
+_PIN_RE = re.compile(rf"^pins/pin-{_TOKEN}\.json$")
+_PIN_TMP_RE = re.compile(rf"^pins/\.pin-{_TOKEN}\.json\.{_TOKEN}\.tmp$")
+_INCOMPLETE_RE = re.compile(rf"^checkpoints/\.sp-({_ID})\.incomplete$")
 
 
 class StoragePaths:
@@ -139,6 +145,7 @@ class StoragePaths:
     STATE_DIR = "state"
     OPSTATE_DIR = "opstate"
     CHANNELS_DIR = "channels"
+    PINS_DIR = "pins"
 
     @staticmethod
     def _cid(checkpoint_id: int) -> str:
@@ -202,6 +209,21 @@ class StoragePaths:
     def channel_file(cls, checkpoint_id: int, task: str, token: str | None = None) -> str:
         return f"{cls.CHANNELS_DIR}/{cls._cid(checkpoint_id)}/{encode_name(task)}-{token or new_token()}.arrow"
 
+    @classmethod
+    def pin(cls, token: str) -> str:
+        """A pin (see ``storage/pins.py``); ``token`` names it."""
+        return f"{cls.PINS_DIR}/pin-{token}.json"
+
+    @classmethod
+    def pin_temp(cls, token: str) -> str:
+        return f"{cls.PINS_DIR}/.pin-{token}.json.{new_token()}.tmp"
+
+    @classmethod
+    def savepoint_incomplete(cls, checkpoint_id: int) -> str:
+        """The marker of a savepoint being copied into a root under ``checkpoint_id``; it is
+        deleted after the savepoint's manifest is committed."""
+        return f"{cls.CHECKPOINTS_DIR}/.sp-{cls._cid(checkpoint_id)}.incomplete"
+
     @staticmethod
     def parse(path: str) -> ParsedPath | None:
         """Parse a relative path; ``None`` when it is not a file this format writes."""
@@ -241,6 +263,12 @@ def _parse(path: str) -> ParsedPath | None:
             )
         if m := _CHANNEL_RE.match(path):
             return ParsedPath("channel", CheckpointId(int(m[1])), task=decode_name(m[2]))
+        if _PIN_RE.match(path):
+            return ParsedPath("pin")
+        if _PIN_TMP_RE.match(path):
+            return ParsedPath("pin_tmp")
+        if m := _INCOMPLETE_RE.match(path):
+            return ParsedPath("savepoint_incomplete", CheckpointId(int(m[1])))
     except InvalidPathError:
         return None
     return None

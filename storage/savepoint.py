@@ -7,52 +7,164 @@ takes a fresh id and a savepoint into an empty root keeps the source id (a job r
 it continues numbering above it). Its manifest has ``kind = "savepoint"``, which pins it:
 GC keeps it and its files regardless of retention until
 :meth:`SnapshotStore.delete_savepoint` unpins it.
+
+While it copies, a savepoint holds two pins (``storage/pins.py``): one in the source root on
+the checkpoint it copies, so that no GC (the running job's, or another process's) deletes
+its files, and one in the destination on the savepoint's own id. The destination gets a
+marker ``checkpoints/.sp-<id>.incomplete`` first and the manifest last: a copy that fails is
+removed again, and one that was killed leaves the marker and no manifest (never something
+that reads as a savepoint); the next savepoint into that destination removes what it left.
 """
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import TYPE_CHECKING
 
+from .errors import CheckpointNotFoundError, MissingFileError, StorageError, StorageUnavailableError
 from .ids import CheckpointId
 from .manifest import FileRef, Manifest
 from .paths import StoragePaths
 
 if TYPE_CHECKING:
+    from .pins import PinLease
     from .store import SnapshotStore
 
-__all__ = ["take_savepoint", "copy_unkeyed"]
+__all__ = ["take_savepoint", "copy_unkeyed", "remove_incomplete_savepoints"]
+
+_DATA = ("base", "delta", "packed", "opstate", "channel")
 
 
-def take_savepoint(source: "SnapshotStore", checkpoint_id: int, dest: "SnapshotStore") -> Manifest:
+def take_savepoint(source: "SnapshotStore", checkpoint_id: int, dest: "SnapshotStore", *,
+                   source_pin: "PinLease | None" = None) -> Manifest:
     """Copy checkpoint ``checkpoint_id`` of ``source`` into ``dest`` as a savepoint; returns
-    the committed savepoint manifest."""
-    manifest = source.read_manifest(checkpoint_id)
+    the committed savepoint manifest.
+
+    ``source_pin``: a lease the caller already holds on the checkpoint (it is renewed here,
+    and stays the caller's to release); without it the checkpoint is pinned here for the
+    copy. A checkpoint that GC removed before the pin took effect raises
+    :class:`CheckpointNotFoundError` (or :class:`MissingFileError`) and leaves nothing in ``dest``.
+    """
+    own = source_pin is None
+    lease = source_pin
+    if own:
+        try:
+            lease = source.pin(checkpoint_id, checkpoint_id, holder=f"savepoint of checkpoint {checkpoint_id}")
+        except StorageUnavailableError as exc:  # e.g. read-only credentials for the source
+            warnings.warn(f"{source.url}: cannot pin checkpoint {checkpoint_id} while copying it ({exc}); copying it "
+                          "unpinned: a GC running on that root may remove it meanwhile (the savepoint then fails and "
+                          "leaves nothing)", RuntimeWarning, stacklevel=3)
+    try:
+        manifest = source.read_manifest(checkpoint_id)
+        try:
+            return _copy(source, manifest, dest, lease)
+        except MissingFileError as exc:
+            if StoragePaths.manifest(checkpoint_id) in source.list_files():
+                raise
+            raise CheckpointNotFoundError(
+                f"{source.url}: checkpoint {checkpoint_id} was removed by garbage collection while the savepoint "
+                f"copied it (a GC planned before the savepoint's pin took effect: {exc}); nothing was left in "
+                f"{dest.url}; take the savepoint again from a newer checkpoint"
+            ) from exc
+    finally:
+        if own and lease is not None:
+            lease.release()
+
+
+def _copy(source: "SnapshotStore", manifest: Manifest, dest: "SnapshotStore", lease: "PinLease | None") -> Manifest:
+    checkpoint_id = manifest.checkpoint_id
     job = source.read_job() or {"job_name": manifest.job_name, "max_parallelism": manifest.max_parallelism}
     dest.init_job(job)
+    remove_incomplete_savepoints(dest)
     sp_id = CheckpointId(max(checkpoint_id, dest.next_checkpoint_id()))
+    marker = StoragePaths.savepoint_incomplete(sp_id)
+    written: list[str] = []
+    with dest.pin(sp_id, sp_id, holder=f"savepoint {sp_id} being written") as dest_lease:
+        dest._io.put(marker, f"savepoint {sp_id} of {source.url} checkpoint {checkpoint_id}: copy in progress\n".encode())
+        try:
+            keyed: dict[str, dict[str, dict[int, list[FileRef]]]] = {}
+            for op, states in manifest.keyed.items():
+                for st, chains in states.items():
+                    out = keyed.setdefault(op, {}).setdefault(st, {})
+                    for kg, chain in sorted(chains.items()):
+                        if lease is not None:
+                            lease.renew()
+                        dest_lease.renew()
+                        table = source.read_chain(chain, checkpoint_id=checkpoint_id)
+                        path = StoragePaths.state_file(sp_id, op, st, kg, "base")
+                        written.append(path)
+                        out[kg] = [dest._write_table(path, table, "base", sp_id)]
 
-    keyed: dict[str, dict[str, dict[int, list[FileRef]]]] = {}
-    for op, states in manifest.keyed.items():
-        for st, chains in states.items():
-            out = keyed.setdefault(op, {}).setdefault(st, {})
-            for kg, chain in sorted(chains.items()):
-                table = source.read_chain(chain, checkpoint_id=checkpoint_id)
-                path = StoragePaths.state_file(sp_id, op, st, kg, "base")
-                out[kg] = [dest._write_table(path, table, "base", sp_id)]
+            if lease is not None:
+                lease.renew()
+            operator_state, channel_logs = copy_unkeyed(source, manifest, dest, sp_id)
+            written.extend(ref.path for refs in operator_state.values() for ref in refs.values())
+            written.extend(ref.path for ref in channel_logs)
 
-    operator_state, channel_logs = copy_unkeyed(source, manifest, dest, sp_id)
+            savepoint = dataclasses.replace(
+                manifest,
+                checkpoint_id=sp_id,
+                kind="savepoint",
+                created_at=dest._now(),
+                keyed=keyed,
+                operator_state=operator_state,
+                channel_logs=channel_logs,
+                stats={"savepoint_of": {"root": source.url, "checkpoint_id": checkpoint_id, "stats": manifest.stats}},
+                lineage=None,  # a savepoint follows no checkpoint of its root
+            )
+            stored = dest.commit(savepoint)
+        except BaseException:
+            # files whose names the failed step did not return are found by their id, unless
+            # another savepoint committed that id meanwhile (one copy at a time into a root)
+            committed = StoragePaths.manifest(sp_id) in dest.list_files()
+            _remove(dest, [*written, *([] if committed else _files_of(dest, sp_id)), marker])
+            raise
+        dest._io.delete(marker)
+    return stored
 
-    savepoint = dataclasses.replace(
-        manifest,
-        checkpoint_id=sp_id,
-        kind="savepoint",
-        created_at=dest._now(),
-        keyed=keyed,
-        operator_state=operator_state,
-        channel_logs=channel_logs,
-        stats={"savepoint_of": {"root": source.url, "checkpoint_id": checkpoint_id, "stats": manifest.stats}},
-    )
-    return dest.commit(savepoint)
+
+def _files_of(dest: "SnapshotStore", checkpoint_id: int) -> list[str]:
+    """Data files of ``dest`` written under ``checkpoint_id`` (also those of a copy that
+    failed before it returned their names)."""
+    out = []
+    for path in dest.list_files():
+        parsed = StoragePaths.parse(path)
+        if parsed is not None and parsed.category in _DATA and parsed.checkpoint_id == checkpoint_id:
+            out.append(path)
+    return out
+
+
+def _remove(dest: "SnapshotStore", paths: list[str]) -> None:
+    for path in dict.fromkeys(paths):
+        try:
+            dest._io.delete(path)
+        except StorageError:
+            pass  # best effort: the marker (deleted last) says the copy is incomplete
+
+
+def remove_incomplete_savepoints(dest: "SnapshotStore") -> list[CheckpointId]:
+    """Remove what interrupted savepoint copies left in ``dest``: for every marker
+    ``checkpoints/.sp-<id>.incomplete`` without a manifest ``<id>`` and without a live pin
+    on ``<id>`` (a copy still running holds one), the data files of ``<id>``, then the
+    marker. Returns the ids cleaned."""
+    listing = dest.list_files()
+    now = dest._now()
+    live = [p for p in dest.pins() if p.live(now)]
+    cleaned = []
+    for path in sorted(listing):
+        parsed = StoragePaths.parse(path)
+        if parsed is None or parsed.category != "savepoint_incomplete":
+            continue
+        sid = parsed.checkpoint_id
+        assert sid is not None
+        if any(p.covers(sid) for p in live):
+            continue  # a copy still running
+        if StoragePaths.manifest(sid) in listing:  # committed; killed before it removed its marker
+            _remove(dest, [path])
+            continue
+        _remove(dest, [*_files_of(dest, sid), path])
+        cleaned.append(CheckpointId(sid))
+    return cleaned
 
 
 def copy_unkeyed(source: "SnapshotStore", manifest: Manifest, dest: "SnapshotStore",

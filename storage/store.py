@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,15 +34,17 @@ from .errors import (
     StorageError,
     UnsupportedFormatError,
 )
-from .format import (DEFAULT_DECODE_LIMITS, KEY_COLUMN, OP_COLUMN, DecodeLimits, EncodedFile, checksum_hex, decode_table,
-                     delta_for_file, encode_table, is_values_image, iter_batches, normalize_delta, sort_by_key,
-                     stream_schema, values_image)
+from .format import (DEFAULT_DECODE_LIMITS, KEY_COLUMN, OP_COLUMN, WRITE_CHECKSUM_ALGORITHM, DecodeLimits, EncodedFile,
+                     checksum_hex, decode_table, delta_for_file, encode_table, is_values_image, iter_batches,
+                     normalize_delta, sort_by_key, stream_schema, values_image)
 from .gc import GcPlan, plan_gc
+from .pins import DEFAULT_PIN_TTL, PinLease, PinRecord, parse_pin
 from .ids import CheckpointId, SubtaskIndex
-from .manifest import FORMAT_VERSION, FileRef, Manifest, chain_problems, manifest_problems
+from .manifest import (FORMAT_VERSION, MAX_INT, MAX_MANIFEST_BYTES, FileRef, Manifest, chain_problems, manifest_problems,
+                       parse_json_document)
 from .paths import FileKind, StoragePaths, new_token
 from .stats import storage_stats
-from .verify import VerifyReport, check_files, structural_problems
+from .verify import VerifyReport, check_files, lineage_problems, structural_problems
 
 __all__ = ["KeyGroupWrite", "SnapshotStore"]
 
@@ -53,19 +56,9 @@ PACK_LIMIT = 64 << 20
 """A packed file is closed once it holds this many bytes (the last key group may cross it)."""
 
 
-_MAX_JOB_DEPTH = 64  # a job fingerprint nests ~5 levels; deeper is corruption, and would recurse later
-
-
-def _too_deep(doc: Any, limit: int) -> bool:
-    """Whether a parsed JSON value nests deeper than ``limit`` (iterative: no recursion)."""
-    stack = [(doc, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, (dict, list)):
-            if depth > limit:
-                return True
-            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
-    return False
+def _category(path: str) -> str | None:
+    parsed = StoragePaths.parse(path)
+    return None if parsed is None else parsed.category
 
 
 class KeyGroupWrite(NamedTuple):
@@ -251,23 +244,19 @@ class SnapshotStore:
     def read_job(self) -> dict[str, Any] | None:
         """The stored job fingerprint (``_job.json``), or ``None`` when the root is unclaimed."""
         try:
-            raw = self._io.get(StoragePaths.JOB)
+            raw = self._get_small(StoragePaths.JOB)
         except FileNotFoundError:
             return None
-        try:
-            doc = json.loads(raw)
-            if not isinstance(doc, dict):
-                raise ValueError("not a JSON object")
-            if _too_deep(doc, _MAX_JOB_DEPTH):
-                raise ValueError(f"nested deeper than {_MAX_JOB_DEPTH} levels")
-        except RecursionError:
-            raise CorruptManifestError(f"{self.url}: _job.json is nested too deeply to parse; the root's job fingerprint "
-                                       "is corrupt; restore it from a backup or use another storage root") from None
-        except ValueError as exc:
-            raise CorruptManifestError(
-                f"{self.url}: _job.json does not parse ({exc}); the root's job fingerprint is corrupt; "
-                "restore it from a backup or use another storage root"
-            ) from exc
+        source = f"{self.url}: _job.json"
+        doc = parse_json_document(raw, source=source, what="_job.json")
+        fix = "the root's job fingerprint is corrupt; restore it from a backup or use another storage root"
+        if not isinstance(doc, dict):
+            raise CorruptManifestError(f"{source}: is not a JSON object; {fix}", reason="not a JSON object")
+        for name in ("format_version", "max_parallelism"):
+            value = doc.get(name)
+            if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= MAX_INT:
+                raise CorruptManifestError(f"{source}: {name} is out of range ({str(value)[:20]}...); {fix}",
+                                           reason=f"{name} out of range")
         version = doc.get("format_version")
         if isinstance(version, int) and version > FORMAT_VERSION:
             raise UnsupportedFormatError(
@@ -322,16 +311,29 @@ class SnapshotStore:
 
     def _load_manifests(self, paths: Mapping[int, str]) -> tuple[dict[int, Manifest], dict[int, str]]:
         """Parse the given manifests; returns (parsed by id, unreadable id -> reason)."""
+        parsed, errors = self._scan_manifests(paths)
+        return parsed, {cid: str(exc) for cid, exc in errors.items()}
+
+    def _scan_manifests(self, paths: Mapping[int, str]) -> tuple[dict[int, Manifest], dict[int, StorageError]]:
+        """Parse the given manifests; returns (parsed by id, id -> the error of those that do not
+        read: :class:`CorruptManifestError` or :class:`UnsupportedFormatError`)."""
         parsed: dict[int, Manifest] = {}
-        bad: dict[int, str] = {}
+        bad: dict[int, StorageError] = {}
         for cid, path in sorted(paths.items()):
             try:
                 parsed[cid] = self._read_manifest_path(cid, path)
             except (CorruptManifestError, UnsupportedFormatError) as exc:
-                bad[cid] = str(exc)
+                bad[cid] = exc
             except FileNotFoundError:
                 continue  # deleted by a concurrent GC
         return parsed, bad
+
+    def list_manifests(self) -> dict[CheckpointId, "Manifest | StorageError"]:
+        """Every manifest in the root by id, parsed, or the error it reads with
+        (:class:`CorruptManifestError`: corrupt, not trusted; :class:`UnsupportedFormatError`:
+        written by a newer format). For listings that must show corrupt checkpoints too."""
+        parsed, bad = self._scan_manifests(self._manifest_paths())
+        return {CheckpointId(cid): parsed.get(cid) or bad[cid] for cid in sorted({*parsed, *bad})}
 
     def list_checkpoints(self) -> list[CheckpointId]:
         """Ids of complete checkpoints (manifest exists and parses; savepoints included), sorted.
@@ -371,21 +373,31 @@ class SnapshotStore:
             cached = self._manifests.get(path)
         if cached is not None:
             return cached
-        raw = self._io.get(path)
         source = f"{self.url}: checkpoint {checkpoint_id}: manifest {path}"
-        try:
-            manifest = Manifest.from_json(raw, source=source)
-        except RecursionError:
-            raise CorruptManifestError(f"{source}: JSON nested too deeply to parse; the manifest is corrupt or "
-                                       "hostile; do not restore from it, use another checkpoint") from None
+        raw = self._get_small(path, source=source)
+        manifest = Manifest.from_json(raw, source=source)
         if manifest.checkpoint_id != checkpoint_id:
             raise CorruptManifestError(
                 f"{source}: records checkpoint id {manifest.checkpoint_id}; the manifest is corrupt or misplaced; "
-                "restore from another checkpoint"
+                "restore from another checkpoint", reason=f"records checkpoint id {manifest.checkpoint_id}"
             )
         with self._lock:
             self._manifests[path] = manifest
         return manifest
+
+    def _get_small(self, rel: str, limit: int = MAX_MANIFEST_BYTES, *, source: str | None = None) -> bytes:
+        """A whole JSON document (manifest, ``_job.json``, pin) of at most ``limit`` bytes; a
+        larger file is read only to ``limit + 1`` bytes (the parser then refuses it).
+        ``source`` names it in the error."""
+        if self._io.local:
+            with self._io.errors(f"reading {rel}"), open(self._io.full(rel), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size > limit:
+                    raise CorruptManifestError(
+                        f"{source or f'{self.url}: {rel}'}: {size} bytes, more than the {limit} it may have; refusing to read it; "
+                        "it is corrupt; restore from another checkpoint", reason=f"larger than {limit} bytes")
+                return f.read(size + 1)
+        return self._io.get_range(rel, 0, limit + 1)
 
     # ================================================================== writing
     def _put(self, path: str, encoded: EncodedFile, kind: FileKind, checkpoint_id: int) -> FileRef:
@@ -614,8 +626,10 @@ class SnapshotStore:
         stored = dataclasses.replace(manifest, format_version=FORMAT_VERSION,
                                      stats={**manifest.stats, **storage_stats(manifest)})
         path = StoragePaths.manifest(cid)
+        text, stored.checksum = stored._encode()
+        stored.checksum_algorithm = WRITE_CHECKSUM_ALGORITHM
         try:
-            self._io.put_new(path, stored.to_json().encode(), StoragePaths.manifest_temp(cid))
+            self._io.put_new(path, text.encode(), StoragePaths.manifest_temp(cid))
         except FileExistsError:
             raise CheckpointExistsError(
                 f"{self.url}: checkpoint {cid} already has a manifest ({path}); ids are never reused; "
@@ -807,8 +821,10 @@ class SnapshotStore:
 
     # ================================================================== verify
     def verify(self, checkpoint_id: int | None = None) -> VerifyReport:
-        """Check one checkpoint (or all manifests in the root): manifests parse, chains are well
-        formed, every referenced file exists with its recorded size and checksum."""
+        """Check one checkpoint (or all manifests in the root): manifests parse and match their
+        checksum, chains are well formed, every referenced file exists with its recorded size,
+        checksum and row count, and each manifest follows its recorded predecessor where that is
+        still here (see :mod:`storage.verify`)."""
         paths = self._manifest_paths()
         if checkpoint_id is not None:
             if checkpoint_id not in paths:
@@ -820,6 +836,11 @@ class SnapshotStore:
         manifests, unreadable = self._load_manifests(paths)
         listing = self._io.list()
         problems = structural_problems(manifests, unreadable)
+        predecessors = {m.lineage.previous_id for m in manifests.values() if m.lineage and m.lineage.previous_id}
+        present = dict(manifests)
+        present.update(self._load_manifests({p: StoragePaths.manifest(p) for p in predecessors - set(manifests)
+                                             if StoragePaths.manifest(p) in listing})[0])
+        problems.extend(lineage_problems(manifests, present))
         file_problems, files, nbytes = check_files(manifests, listing, self._io.get)
         problems.extend(file_problems)
         return VerifyReport(
@@ -860,9 +881,47 @@ class SnapshotStore:
                     paths[parsed.checkpoint_id] = path
         if as_of is not None and protect_newer_than is None:
             protect_newer_than = as_of
-        manifests, unreadable = self._load_manifests(paths)
+        manifests, errors = self._scan_manifests(paths)
+        pins, bad_pins = self._read_pins(p for p in listing if p.startswith(StoragePaths.PINS_DIR + "/"))
         return plan_gc(listing, manifests, retain=retain, in_flight=list(in_flight),
-                       protect_newer_than=protect_newer_than, unreadable=unreadable)
+                       protect_newer_than=protect_newer_than,
+                       unreadable={c: getattr(e, "reason", str(e)) for c, e in errors.items()
+                                   if not isinstance(e, UnsupportedFormatError)},
+                       newer_format={c: str(e) for c, e in errors.items() if isinstance(e, UnsupportedFormatError)},
+                       pins=pins, bad_pins=bad_pins, now=self._clock())
+
+    def _read_pins(self, paths: Iterable[str]) -> tuple[list[PinRecord], dict[str, str]]:
+        """The pins among ``paths`` (parsed), and the pin files that do not read (path -> reason)."""
+        pins: list[PinRecord] = []
+        bad: dict[str, str] = {}
+        for path in sorted(paths):
+            parsed = StoragePaths.parse(path)
+            if parsed is None or parsed.category != "pin":
+                continue
+            try:
+                pins.append(parse_pin(self._get_small(path, 1 << 16), path))
+            except FileNotFoundError:
+                continue  # released meanwhile
+            except CorruptManifestError as exc:
+                bad[path] = exc.reason
+        return pins, bad
+
+    def pins(self) -> list[PinRecord]:
+        """The pins of this root that read (live or expired; see :mod:`storage.pins`)."""
+        return self._read_pins(self._io.list(StoragePaths.PINS_DIR))[0]
+
+    def pin(self, first: int, last: int | None = None, *, ttl: float = DEFAULT_PIN_TTL, holder: str = "") -> PinLease:
+        """Hold checkpoints ``first .. last`` (``last=None``: every id from ``first`` on) against
+        every GC of this root, in any process, until the lease is released or expires
+        (``ttl`` seconds, renewed by :meth:`PinLease.renew`). Use it as a context manager. A GC
+        planned after this returns honours the pin; one planned before may still delete what
+        it had planned to (see ``storage/FORMAT.md``, "Pins")."""
+        import os
+        import socket
+
+        who = holder or "pin"
+        return PinLease(self._io, self._clock, first, last, ttl=ttl,
+                        holder=f"{who} ({socket.gethostname()} pid {os.getpid()})")
 
     def gc(
         self,
@@ -875,8 +934,14 @@ class SnapshotStore:
     ) -> GcPlan:
         """Plan and (unless ``dry_run``) execute a GC: data files first, manifests last, each
         delete idempotent. Returns the plan. ``as_of``: see :meth:`plan_gc`."""
+        in_flight = list(in_flight)
         plan = self.plan_gc(retain, in_flight, protect_newer_than, as_of=as_of)
-        if not dry_run:
+        if not dry_run and not plan.empty:
+            # a pin taken while this plan was made (e.g. by a savepoint in another process)
+            # is honoured if it shows up before the deletes start: plan again
+            now_pinned = {p for p in self._io.list(StoragePaths.PINS_DIR) if _category(p) == "pin"}
+            if now_pinned - set(plan.pins) - set(plan.delete_pins) - {p for p, _ in plan.bad_pins}:
+                plan = self.plan_gc(retain, in_flight, protect_newer_than, as_of=as_of)
             self.execute_gc(plan)
         return plan
 
@@ -888,6 +953,8 @@ class SnapshotStore:
             self._io.delete(path)
             with self._lock:
                 self._manifests.pop(path, None)
+        for path in plan.delete_pins:
+            self._io.delete(path)
 
     # ================================================================== savepoints
     def savepoint(
@@ -897,11 +964,13 @@ class SnapshotStore:
         storage_options: Mapping[str, Any] | None = None,
         *,
         fs: AbstractFileSystem | None = None,
+        source_pin: PinLease | None = None,
     ) -> Manifest:
         """Write a self-contained, pinned copy of checkpoint ``checkpoint_id`` to ``dest_url``
         (may be this root). Without ``storage_options`` and ``fs``, a destination of the same
-        protocol reuses this store's file system (and credentials). See
-        :func:`storage.savepoint.take_savepoint`."""
+        protocol reuses this store's file system (and credentials). The checkpoint is pinned
+        in this root while it is copied (``source_pin``: a lease the caller already holds on
+        it). See :func:`storage.savepoint.take_savepoint`."""
         from .savepoint import take_savepoint
 
         if storage_options is None and fs is None:
@@ -910,7 +979,7 @@ class SnapshotStore:
                 fs = self._io.fs
         dest = SnapshotStore.open(dest_url, storage_options, fs=fs, policy=self.policy, clock=self._clock,
                                   fsync=self._io.fsync)
-        return take_savepoint(self, checkpoint_id, dest)
+        return take_savepoint(self, checkpoint_id, dest, source_pin=source_pin)
 
     def delete_savepoint(self, checkpoint_id: int) -> None:
         """Unpin a savepoint by deleting its manifest; the next GC reclaims its files."""

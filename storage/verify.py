@@ -1,7 +1,10 @@
-"""Verification of checkpoints: manifests parse, chains are well formed, every referenced file
-exists with the recorded size and checksum (with the algorithm its manifest names).
+"""Verification of checkpoints: manifests parse (and match their own checksum), chains are
+well formed, every referenced file exists with the recorded size, checksum (with the algorithm
+its manifest names) and row count, and each manifest follows its recorded predecessor where
+that is still in the root (lineage).
 
-The structural checks are pure (:func:`structural_problems`); :func:`check_files` does the I/O.
+The structural checks are pure (:func:`structural_problems`, :func:`lineage_problems`);
+:func:`check_files` does the I/O.
 """
 from __future__ import annotations
 
@@ -9,13 +12,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Literal, Mapping
 
+import pyarrow as pa
+
 from .format import checksum_hex
 from .ids import CheckpointId
 from .manifest import FileRef, Manifest, manifest_problems
 
-__all__ = ["Problem", "ProblemKind", "VerifyReport", "structural_problems", "check_files"]
+__all__ = ["Problem", "ProblemKind", "VerifyReport", "structural_problems", "lineage_problems", "check_files",
+           "count_rows"]
 
-ProblemKind = Literal["manifest", "chain", "missing", "size", "checksum", "unreadable"]
+ProblemKind = Literal["manifest", "chain", "missing", "size", "checksum", "unreadable", "rows", "lineage"]
+_FILE_MAGIC = b"ARROW1"
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,39 @@ def structural_problems(manifests: Mapping[int, Manifest], unreadable: Mapping[i
     return problems
 
 
+def lineage_problems(checked: Mapping[int, Manifest], present: Mapping[int, Manifest]) -> list[Problem]:
+    """Manifests among ``checked`` whose recorded predecessor is in ``present`` (the root's
+    readable manifests) with another checksum: not of this root's lineage (copied from another
+    run, or the predecessor was replaced). A predecessor no longer there is not checked (pure)."""
+    problems = []
+    for cid, manifest in sorted(checked.items()):
+        lineage = manifest.lineage
+        if lineage is None or lineage.previous_id is None:
+            continue
+        prev = present.get(lineage.previous_id)
+        if prev is None or prev.checksum is None or prev.checksum == lineage.previous_checksum:
+            continue
+        problems.append(Problem(
+            "lineage", (CheckpointId(cid),), None,
+            f"not of this root's lineage: it records that it follows checkpoint {lineage.previous_id} with manifest "
+            f"checksum {str(lineage.previous_checksum)[:12]}..., but checkpoint {lineage.previous_id} here has "
+            f"{prev.checksum[:12]}... (a manifest copied from another run of the job, or checkpoint "
+            f"{lineage.previous_id} was replaced); do not restore from it",
+        ))
+    return problems
+
+
+def count_rows(data: bytes | memoryview) -> int:
+    """Rows of an encoded file (Arrow IPC stream, or a format 1 IPC file), decoding one column
+    batch by batch."""
+    buf = pa.py_buffer(data)
+    options = pa.ipc.IpcReadOptions(use_threads=False, included_fields=[0])
+    if bytes(memoryview(data)[:len(_FILE_MAGIC)]) == _FILE_MAGIC:
+        reader = pa.ipc.open_file(pa.BufferReader(buf), options=options)
+        return sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
+    return sum(batch.num_rows for batch in pa.ipc.open_stream(pa.BufferReader(buf), options=options))
+
+
 def check_files(
     manifests: Mapping[int, Manifest],
     listing: Mapping[str, int],
@@ -147,6 +187,16 @@ def check_files(
                 what = "corrupt file" if ref.offset is None else f"corrupt range of key group {ref.key_group} ({ref.where})"
                 problems.append(Problem("checksum", who([ref]), ref.id, f"{ref.checksum_algorithm} {digest[:12]}..., "
                                         f"the manifest says {ref.checksum[:12]}...: {what}"))
+                continue
+            try:
+                rows = count_rows(part)
+            except (pa.ArrowException, OSError, ValueError) as exc:
+                problems.append(Problem("unreadable", who([ref]), ref.id,
+                                        f"not a readable Arrow IPC stream ({str(exc)[:200]})"))
+                continue
+            if rows != ref.rows:
+                problems.append(Problem("rows", who([ref]), ref.id, f"holds {rows} rows, the manifest says {ref.rows}: "
+                                        "the manifest or the file was altered"))
         return problems, len(data)
 
     paths = sorted(by_path)

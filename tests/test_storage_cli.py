@@ -72,7 +72,7 @@ def test_ls_lists_complete_checkpoints_with_sizes(capsys, root):
     code, out, _ = run(capsys, "ls", root)
     assert code == 0
     lines = out.splitlines()
-    assert lines[0].split() == ["id", "kind", "created", "written", "full", "size", "files", "max", "chain"]
+    assert lines[0].split() == ["id", "kind", "status", "created", "written", "full", "size", "files", "max", "chain"]
     assert lines[2].startswith("1 ") and lines[3].startswith("2 ") and "2023-11-14 22:13:20 UTC" in lines[2]
     assert lines[3].split()[-1] == "2"  # max chain length of checkpoint 2 (base + delta)
 

@@ -31,12 +31,17 @@ EVENT = st.one_of(
     st.tuples(st.just("pending"), st.sampled_from(KEY_GROUPS)),
     st.tuples(st.just("savepoint"), st.none()),
     st.tuples(st.just("gc"), st.integers(1, 3)),
+    st.tuples(st.just("pin"), st.booleans()),  # pin the oldest (True) or newest checkpoint
+    st.tuples(st.just("unpin"), st.none()),
+    st.tuples(st.just("corrupt"), st.booleans()),  # damage the oldest (True) or newest manifest
 )
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(events=st.lists(EVENT, min_size=1, max_size=14), policy_len=st.integers(1, 4))
-def test_gc_never_deletes_a_file_a_retained_checkpoint_or_an_in_flight_one_needs(events, policy_len):
+def test_gc_never_deletes_a_file_a_retained_pinned_or_in_flight_checkpoint_needs(events, policy_len):
+    """Also with pins (held checkpoints survive retention) and corrupt manifests (GC goes on;
+    they protect nothing, and never cost a retained checkpoint a file)."""
     name = f"/gc-{uuid.uuid4().hex}"
     store = SnapshotStore.open(f"memory://{name}", policy=CompactionPolicy(max_chain_length=policy_len,
                                                                            max_delta_ratio=1000.0))
@@ -46,6 +51,8 @@ def test_gc_never_deletes_a_file_a_retained_checkpoint_or_an_in_flight_one_needs
         chains: dict[int, list[FileRef]] = {}
         expected: dict[int, dict[int, dict[int, int]]] = {}  # checkpoint -> kg -> live state
         in_flight: list[FileRef] = []
+        leases: list = []  # (checkpoint id, lease)
+        corrupt: set[int] = set()
         for kind, arg in events:
             cid = store.next_checkpoint_id()
             if kind == "checkpoint":
@@ -65,6 +72,18 @@ def test_gc_never_deletes_a_file_a_retained_checkpoint_or_an_in_flight_one_needs
                 source = max(expected)
                 sp = store.savepoint(source, store.url)
                 expected[sp.checkpoint_id] = expected[source]
+            elif kind == "pin" and expected:
+                held = min(expected) if arg else max(expected)
+                leases.append((held, store.pin(held, held)))
+            elif kind == "unpin" and leases:
+                leases.pop(0)[1].release()
+            elif kind == "corrupt" and expected:
+                bad = min(expected) if arg else max(expected)
+                path = StoragePaths.manifest(bad)
+                store._io.put(path, b'{"format_version": 5, "checkpoint_id": ')
+                store._manifests.pop(path, None)  # the cache of this process
+                expected.pop(bad)
+                corrupt.add(bad)
             elif kind == "gc":
                 listing_before = store.list_files()
                 manifests = {c: store.read_manifest(c) for c in store.list_checkpoints()}
@@ -79,10 +98,15 @@ def test_gc_never_deletes_a_file_a_retained_checkpoint_or_an_in_flight_one_needs
                 assert deleted <= set(listing_before)
                 listing = store.list_files()
                 assert retained_refs | declared <= set(listing)
+                for held, _ in leases:
+                    if held in manifests:
+                        assert held in plan.retained and manifests[held].paths() <= set(listing)
+                assert {c for c, _ in plan.corrupt} == {c for c in corrupt if StoragePaths.manifest(c) in listing_before}
                 for c in plan.dropped:
                     expected.pop(c, None)
         # every checkpoint still listed is intact and reads back what was written
-        assert store.verify().ok
+        report = store.verify()
+        assert all(p.kind == "manifest" and set(p.checkpoints) <= corrupt for p in report.problems), report.lines()
         for c in store.list_checkpoints():
             m = store.read_manifest(c)
             got = {kg: dict(zip(*[store.read_key_group(m, "op", "s", kg)[col].to_pylist() for col in ("key", "value")]))
@@ -143,9 +167,9 @@ def test_a_newer_savepoint_does_not_prove_an_attempt_dead():
     assert plan.protect_newer_than == 1 and attempt in plan.protected and plan.empty
 
 
-def test_plan_refuses_with_an_unreadable_manifest_and_a_bad_retain():
-    with pytest.raises(GcRefusedError, match="checkpoint 4: manifest checkpoints/chk-00000004.json cannot be read"):
-        plan_gc({}, {}, retain=1, unreadable={4: "does not parse"})
+def test_plan_refuses_with_a_manifest_of_a_newer_format_and_a_bad_retain():
+    with pytest.raises(GcRefusedError, match="checkpoint 4: manifest checkpoints/chk-00000004.json is of a newer format"):
+        plan_gc({}, {}, retain=1, newer_format={4: "format version 99"})
     with pytest.raises(ValueError, match="retain >= 1"):
         plan_gc({}, {}, retain=0)
 

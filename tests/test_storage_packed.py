@@ -408,13 +408,15 @@ def _refs() -> tuple[FileRef, FileRef]:
 
 def _manifest_doc(**kw: Any) -> dict[str, Any]:
     base, rng = _refs()
+    # a format 4 document: no checksum of its own, so that the cases below test the references
+    # (format 5 manifests with the same defects: tests/test_storage_integrity.py)
     return Manifest(checkpoint_id=4, job_name="wordcount", max_parallelism=16, keyed={OP: {"n": {3: [base, rng]}}},
-                    **kw).to_dict()
+                    format_version=4, **kw).to_dict()
 
 
-def test_the_format_version_is_4():
-    assert FORMAT_VERSION == storage.FORMAT_VERSION == 4
-    assert _manifest_doc()["format_version"] == 4
+def test_the_format_version_is_5():
+    assert FORMAT_VERSION == storage.FORMAT_VERSION == 5
+    assert Manifest(checkpoint_id=4, job_name="j", max_parallelism=1).to_dict()["format_version"] == 5
 
 
 def test_a_range_reference_round_trips_through_manifest_json():

@@ -272,7 +272,8 @@ class StoreContract(StoreFixtures):
         store.fs.pipe_file(f"{store._io.root}/{path}", data)
         return path
 
-    def test_a_manifest_that_does_not_parse_is_not_complete_and_blocks_gc(self, store):
+    def test_a_manifest_that_does_not_parse_is_not_complete_and_gc_goes_on_without_trusting_it(self, store):
+        # (behaviour change, issue 19 B8: a corrupt manifest used to make every GC refuse)
         chain = store.write_key_group(1, "count", "n", 0, [], delta([(1, "a", 0)]))
         self.commit(store, 1, {0: chain})
         orphan = store.write_key_group(2, "count", "n", 1, [], delta([(1, "a", 0)]))
@@ -283,9 +284,17 @@ class StoreContract(StoreFixtures):
         report = store.verify()
         assert [(p.kind, p.checkpoints) for p in report.problems] == [("manifest", (3,))]
         before = store.list_files()
-        with pytest.raises(GcRefusedError, match=r"checkpoint 3.*nothing was deleted"):
-            store.gc(retain=1)
+        plan = store.gc(retain=1)
+        assert plan.corrupt == ((3, "does not parse as JSON"),) and "checkpoint 3 has a corrupt manifest" in plan.summary()
+        # newer than the newest good checkpoint: the orphan may be in flight, the manifest stays for inspection
         assert store.list_files() == before and orphan[0].path in before
+        chain4 = store.write_key_group(4, "count", "n", 0, chain, delta([(2, "b", 0)]))
+        self.commit(store, 4, {0: chain4})
+        plan = store.gc(retain=1)
+        after = store.list_files()
+        # once a retained checkpoint is newer, the corrupt manifest and the garbage go; retained files stay
+        assert path not in after and orphan[0].path not in after and plan.retained == (4,)
+        assert all(ref.path in after for ref in chain4) and store.verify(4).ok
 
     @pytest.mark.parametrize("bad_path", ["../outside/x.arrow", "/etc/passwd", "state/../../x.arrow", "s3://other/x"])
     def test_a_manifest_naming_files_outside_the_root_is_corrupt(self, store, bad_path):

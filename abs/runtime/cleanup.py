@@ -10,7 +10,9 @@ one covers the older one's garbage). Each request names the checkpoint whose com
 for it (``as_of``): the store then plans as if that checkpoint were still the newest, so a
 GC that runs behind later commits never drops a checkpoint that a checkpoint pending at
 request time builds on (see :meth:`storage.SnapshotStore.plan_gc`). A failed GC prints a
-warning and deletes nothing more; the next request retries (deletes are idempotent).
+warning and deletes nothing more; the next request retries (deletes are idempotent). A
+corrupt manifest does not stop GC (it is not trusted and protects nothing, see
+:mod:`storage.gc`); it is reported once per job, not at every checkpoint.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ class BackgroundGc:
         self._running = False
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._reported: set = set()  # corrupt manifests and bad pins already warned about
 
     def submit(self, request: GcRequest) -> None:
         """Queue ``request`` (replacing a waiting one); returns at once."""
@@ -89,7 +92,14 @@ class BackgroundGc:
 
     def _execute(self, request: GcRequest) -> None:
         try:
-            request.store.gc(request.retain, in_flight=request.in_flight, as_of=request.as_of)
+            plan = request.store.gc(request.retain, in_flight=request.in_flight, as_of=request.as_of)
+            for key, reason in (*plan.corrupt, *plan.bad_pins):
+                if key not in self._reported:
+                    self._reported.add(key)
+                    what = f"checkpoint {key}: manifest" if isinstance(key, int) else f"pin {key}"
+                    print(f"[abs] warning: {request.store.url}: {what} is corrupt ({reason}); it is not trusted and "
+                          "protects no file; garbage collection goes on; inspect it with 'abs-snapshot verify'",
+                          file=sys.stderr)
         except Exception as exc:  # noqa: BLE001 - GC failures never fail a checkpoint
             print(f"[abs] warning: garbage collection after checkpoint {request.as_of} failed ({exc}); "
                   "files are kept", file=sys.stderr)

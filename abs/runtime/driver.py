@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from multiprocessing.connection import Listener, wait
 from typing import Any
 
@@ -209,6 +210,8 @@ class JobDriver:
         self._gc = BackgroundGc()  # retention runs off the loop (see abs.runtime.cleanup)
         self._bases: dict[int, int] = {}  # checkpoint id -> newest complete id when it was triggered
         self._last_completed_id = 0
+        self.run_id = uuid.uuid4().hex  # manifests' lineage: which run wrote them
+        self._follows: Any = None  # the manifest the next one follows (lineage), as stored
         self._waiters: dict[int, "queue.Queue[Any]"] = {}
         self._done = threading.Event()
         self.result: JobResult | None = None
@@ -219,6 +222,7 @@ class JobDriver:
         """Open the store, check the job fingerprint, resolve what to restore."""
         restore_info: dict = {}
         first_id = 1
+        self._follows = None
         if self.storage_url is not None:
             from storage import SnapshotStore
 
@@ -273,6 +277,7 @@ class JobDriver:
             # new checkpoints build on the restored chains: keep them from GC like a base
             self._manifests[cid] = manifest
             self._last_completed_id = cid
+            self._follows = manifest
         return {"manifest": manifest, "plan": plan, "url": url, "options": opts,
                 "sources": sources}
 
@@ -819,7 +824,7 @@ class JobDriver:
             q.put(value)
 
     def _commit(self, a: Any, triggered: float) -> None:
-        from storage import Manifest
+        from storage import Lineage, Manifest
 
         keyed: dict = {}
         offsets: dict = {}
@@ -857,8 +862,10 @@ class JobDriver:
                 "parallelism": self.P,
                 "mode": self.config.mode,
             },
+            lineage=Lineage.following(self.run_id, self._follows),
         )
         stored = self.store.commit(manifest)
+        self._follows = stored
         self._manifests[a.checkpoint_id] = stored
         self._last_completed_id = a.checkpoint_id
         # CollectSink epochs staged in this driver become visible with the manifest, not when
