@@ -26,6 +26,8 @@ from .files import FileSink, FileSource, read_output
 from .sinks import CollectSink, Sink, SinkWriter
 from .sources import END, GeneratorSource, Source, SourceReader
 from .state import ListState, MapState, ReducingState, ValueState
+from .errors import RepeatedOutputError
+from .sinks import SinkRollback
 
 __all__ = [
     "Dataflow",
@@ -63,6 +65,8 @@ __all__ = [
     "StartupError",
     "CheckpointFailedError",
     "WorkerLostError",
+    "RepeatedOutputError",
+    "SinkRollback",
 ]
 __version__ = "0.1.0"
 

@@ -26,6 +26,7 @@ def _driver(
     allow_non_restored_state: bool,
     faults: tuple,
     heartbeat_timeout: float,
+    allow_repeated_output: bool = False,
 ) -> JobDriver:
     if not isinstance(flow, Dataflow):
         raise ConfigError(f"expected an abs.Dataflow, got {type(flow).__name__}")
@@ -51,6 +52,7 @@ def _driver(
         allow_non_restored_state=allow_non_restored_state,
         faults=faults,
         heartbeat_timeout=heartbeat_timeout,
+        allow_repeated_output=allow_repeated_output,
     )
 
 
@@ -67,6 +69,7 @@ def run(
     allow_non_restored_state: bool = False,
     faults: tuple = (),
     heartbeat_timeout: float = 30.0,
+    allow_repeated_output: bool = False,
 ) -> JobResult:
     """Run ``flow`` on ``parallelism`` workers until its bounded sources are exhausted.
 
@@ -76,7 +79,16 @@ def run(
 
     ``checkpoint``: when and how to checkpoint (needs ``storage``). ``storage``: a path or
     fsspec URL (``file://``, ``memory://``, ``s3://bucket/prefix`` with ``storage_options``).
-    ``restore``: ``None``, ``"latest"``, a checkpoint id, or a savepoint path.
+    ``restore``: ``None`` (a fresh start; refused when ``storage`` already holds checkpoints of
+    this job), ``"latest"`` (the newest checkpoint that can be restored, walking back past broken
+    ones; refused when there is none), ``"latest-if-any"`` (the same, or a fresh start when the
+    root holds no checkpoint), ``"fresh"`` (empty state on purpose; new checkpoint ids continue
+    above the existing ones), a checkpoint id, or a savepoint path. Restoring a checkpoint older
+    than output the sinks already committed rolls that output back first (sinks with
+    ``supports_rollback``, e.g. ``FileSink``); for a sink that cannot, the restore refuses with
+    :class:`abs.RepeatedOutputError` unless ``allow_repeated_output=True`` (then it warns and
+    the output is published again). ``JobResult.skipped_checkpoints``, ``rolled_back`` and
+    ``repeated_output`` say what happened.
     ``allow_non_restored_state``: restore even if the snapshot holds state of operators the
     job no longer has (that state is dropped). ``restart``: an :class:`abs.RestartStrategy`
     (default: no restart). ``faults``: failure
@@ -87,7 +99,8 @@ def run(
     the job fails.
     """
     return _driver(
-        flow, parallelism, checkpoint, storage, storage_options, restore, executor, restart, allow_non_restored_state, faults, heartbeat_timeout
+        flow, parallelism, checkpoint, storage, storage_options, restore, executor, restart, allow_non_restored_state, faults, heartbeat_timeout,
+        allow_repeated_output,
     ).run()
 
 
@@ -204,8 +217,10 @@ def submit(
     allow_non_restored_state: bool = False,
     faults: tuple = (),
     heartbeat_timeout: float = 30.0,
+    allow_repeated_output: bool = False,
 ) -> JobHandle:
     """Start ``flow`` in the background; see :func:`run` for the arguments."""
     return JobHandle(
-        _driver(flow, parallelism, checkpoint, storage, storage_options, restore, executor, restart, allow_non_restored_state, faults, heartbeat_timeout)
+        _driver(flow, parallelism, checkpoint, storage, storage_options, restore, executor, restart, allow_non_restored_state, faults, heartbeat_timeout,
+                allow_repeated_output)
     )

@@ -15,6 +15,7 @@ __all__ = [
     "OperatorError",
     "StartupError",
     "CheckpointFailedError",
+    "RepeatedOutputError",
     "StateError",
     "AlignmentError",
 ]
@@ -89,6 +90,19 @@ class CheckpointFailedError(JobFailedError):
     The restart strategy fails the job over (restores the latest complete checkpoint with new
     workers and writers) while restarts are left. Remedy otherwise: fix the cause named (storage
     full or unreachable, a hung process), then run the job again with ``restore='latest'``.
+    """
+
+
+class RepeatedOutputError(JobFailedError):
+    """A restore would publish again output that a sink already committed, and the sink cannot
+    take it back: the checkpoint restored is older than checkpoints whose output the sink
+    committed (newer ones were skipped as broken, or an older one was asked for), and the
+    sink has no rollback (``Sink.supports_rollback``), or it is a :class:`abs.CollectSink`
+    whose output went to an earlier process.
+
+    Remedy: the message names the sink and the checkpoints. Repair the skipped checkpoint (or
+    restore the newest one), write to a sink that can roll back (e.g. ``FileSink``), or pass
+    ``allow_repeated_output=True`` to accept the repeated output.
     """
 
 

@@ -29,6 +29,17 @@ Commit ownership (the rule that makes rescaling safe)
     of old subtasks ``>= P`` are cleaned up too. Each commit step also tolerates having
     been done already (by a crashed attempt or a concurrent writer): the final name is
     fixed by the handle, so a file can be neither lost nor duplicated.
+
+Rollback (a restore that falls back to an older checkpoint)
+    A part file's name starts with the id of the checkpoint whose epoch it holds: the file
+    became visible when that checkpoint (or a later one) completed, and the restored
+    checkpoint ``c`` covers exactly the files with ids ``<= c`` (older epochs are committed, or
+    re-committed from ``c``'s handles). :meth:`FileSink.rollback` therefore deletes the part
+    files (committed and pending) with ids ``> c``, highest id first, so that a rollback
+    stopped part-way leaves every file up to some id intact and a second one finishes it. The
+    file names are the record: it works without any manifest, on directories written before
+    rollback existed too. One job per output directory (files of another job with higher ids
+    would be deleted as well).
 """
 from __future__ import annotations
 
@@ -44,7 +55,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 import pyarrow as pa
 
 from .errors import AbsError, ConfigError
-from .sinks import Sink, SinkWriter
+from .sinks import Sink, SinkRollback, SinkWriter
 from .sources import END, Source, SourceReader
 
 if TYPE_CHECKING:
@@ -645,7 +656,12 @@ class FileSink(Sink):
     The epoch's output is buffered in the writer's memory until the checkpoint barrier.
     One job per output directory: a writer deletes the pending files of its subtasks that
     no restored handle names. See the module docstring for the commit rule under rescaling.
+
+    A restore of checkpoint ``c`` first rolls the directory back to ``c`` (``supports_rollback``):
+    part files committed by checkpoints above ``c`` are deleted, and the job writes them again.
     """
+
+    supports_rollback = True
 
     def __init__(
         self, path: str, *, format: str = "parquet", storage_options: Mapping[str, Any] | None = None
@@ -662,6 +678,33 @@ class FileSink(Sink):
     def _layout(self) -> tuple[_Store, _SinkLayout]:
         fs, root = _filesystem(self.path, self.storage_options)
         return _Store(fs), _SinkLayout(root=root, ext=_SINK_FORMATS[self.format])
+
+    def _part_files(self) -> tuple[_Store, _SinkLayout, list[tuple[int, str]], list[tuple[int, str]]]:
+        """``(store, layout, committed, pending)``; each a list of ``(checkpoint id, path)``."""
+        store, layout = self._layout()
+        found: list[list[tuple[int, str]]] = []
+        for directory, path_of in ((layout.root, layout.final), (layout.pending_dir, layout.pending)):
+            store.refresh(directory)
+            names = ((layout.parse(n), n) for n in store.list_names(directory))
+            found.append([(parsed[0], path_of(n)) for parsed, n in names if parsed is not None])
+        return store, layout, found[0], found[1]
+
+    def committed_checkpoints(self) -> list[int]:
+        """Ids of the checkpoints whose part files are committed in the directory (from the names)."""
+        return sorted({cid for cid, _ in self._part_files()[2]})
+
+    def rollback(self, to_checkpoint: int) -> SinkRollback:
+        """Delete the part files (committed and pending) of checkpoints above ``to_checkpoint``,
+        highest id first; returns the committed ones deleted. Idempotent."""
+        store, layout, committed, pending = self._part_files()
+        doomed = sorted(((cid, path) for cid, path in committed + pending if cid > to_checkpoint), reverse=True)
+        for _, path in doomed:
+            store.delete(path)
+        if doomed and store.local:
+            _fsync_dir(layout.root)
+            _fsync_dir(layout.pending_dir)
+        removed = [cid for cid, path in committed if cid > to_checkpoint]
+        return SinkRollback(checkpoints=tuple(sorted(set(removed))), items=len(removed), unit="files")
 
     def create_writer(
         self, subtask: int, parallelism: int, restored_transactions: Sequence[Any] = ()

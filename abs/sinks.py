@@ -12,15 +12,24 @@ pending output that no restored handle names is discarded by the writer.
 
 With checkpointing off, the runtime calls ``pre_commit`` + ``commit`` once at the end of
 input, so bounded jobs still publish their output.
+
+Rolling back (restores that fall back)
+    A restore of checkpoint ``c`` replays every record after ``c``. When output of a newer
+    checkpoint was already committed (the newer checkpoint turned out broken and was skipped,
+    or an older one was asked for), that output would be published twice. Before any worker
+    starts, the driver therefore asks each sink with ``supports_rollback = True`` to
+    :meth:`Sink.rollback` to ``c``; a sink without it makes such a restore refuse
+    (:class:`abs.RepeatedOutputError`) unless ``allow_repeated_output=True`` is passed.
 """
 from __future__ import annotations
 
 import abc
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Sequence
 
 import pyarrow as pa
 
-__all__ = ["Sink", "SinkWriter", "CollectSink", "FileSink"]
+__all__ = ["Sink", "SinkWriter", "SinkRollback", "CollectSink", "FileSink"]
 
 Transaction = Any  # a JSON value
 
@@ -43,8 +52,40 @@ class SinkWriter(abc.ABC):
         """Release resources (called at the end of the job, after the last commit)."""
 
 
+@dataclass(frozen=True)
+class SinkRollback:
+    """What :meth:`Sink.rollback` removed: ``items`` (counted in ``unit``, e.g. files) that
+    checkpoints ``checkpoints`` had committed."""
+
+    checkpoints: tuple[int, ...] = ()
+    items: int = 0
+    unit: str = "files"
+
+
 class Sink(abc.ABC):
-    """A picklable sink description."""
+    """A picklable sink description.
+
+    ``supports_rollback``: whether the sink can take back committed output (see
+    :meth:`rollback`); ``False`` by default. A restore that would publish again what such a
+    sink already committed refuses unless ``allow_repeated_output=True``.
+    """
+
+    supports_rollback: ClassVar[bool] = False
+
+    def committed_checkpoints(self) -> Sequence[int]:
+        """Ids of the checkpoints whose output this sink holds committed, as far as it can tell
+        from its own records (a sink with ``supports_rollback``; called in the driver)."""
+        return ()
+
+    def rollback(self, to_checkpoint: int) -> SinkRollback:
+        """Remove every output committed by a checkpoint with an id above ``to_checkpoint``;
+        returns what was removed. Called in the driver, before any worker starts, when the job
+        restores checkpoint ``to_checkpoint`` (or, on a restart with no checkpoint to restore,
+        with the id before the run's first one). Must be idempotent and safe to repeat after a
+        crash part-way: the sink's own record of which checkpoint committed what is the source
+        of truth (a skipped checkpoint's manifest may be gone). Only called when
+        ``supports_rollback`` is true."""
+        raise NotImplementedError(f"{type(self).__name__} cannot roll back its output (supports_rollback is False)")
 
     @abc.abstractmethod
     def create_writer(
@@ -62,6 +103,11 @@ class CollectSink(Sink):
     manifest is committed (or at the end of input with checkpointing off); after a restart,
     records since the restored checkpoint are not delivered twice, and a job canceled and
     restored in another process continues exactly where its collected output stopped.
+
+    When a restart falls back past a broken checkpoint, the driver drops what it collected
+    for the checkpoints above the one restored. Output collected by an *earlier process* (a
+    ``JobResult`` already returned) cannot be taken back: a restore that would repeat it
+    refuses unless ``allow_repeated_output=True``.
     """
 
     def create_writer(

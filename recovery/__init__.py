@@ -7,7 +7,8 @@ Pure planning first, I/O second:
 - :func:`plan_restore` (pure): manifest + job fingerprint + parallelism -> :class:`RestorePlan`.
 - :func:`check_manifest` (pure) / :func:`check` (reads the store, verifies files):
   -> :class:`CompatibilityReport`.
-- :func:`choose_checkpoint` (reads the store): the newest checkpoint whose files verify.
+- :func:`choose_checkpoint` / :func:`choose_restore` (read the store): the newest checkpoint whose
+  files verify, and why each newer one was skipped.
 
 A restore, as the runtime's driver does it::
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 from . import errors
 from .check import check, check_manifest, latest_intact_before
-from .choose import choose_checkpoint
+from .choose import RestoreChoice, SkippedCheckpoint, choose_checkpoint, choose_restore
 from .errors import (
     CheckpointUnusableError,
     FingerprintFormatError,
@@ -48,6 +49,9 @@ __all__ = [
     "CompatibilityReport",
     "Problem",
     "choose_checkpoint",
+    "choose_restore",
+    "RestoreChoice",
+    "SkippedCheckpoint",
     "latest_intact_before",
     "JobFingerprint",
     "OperatorFingerprint",

@@ -141,6 +141,9 @@ class StoragePaths:
     """Formats and parses every path in a snapshot root. All paths are relative POSIX paths."""
 
     JOB = "_job.json"
+    COMMIT_RECORD = "_committed.json"
+    """The newest checkpoint whose completion sinks were told of (see
+    ``SnapshotStore.record_committed``); overwritten per checkpoint, not parsed by :meth:`parse`."""
     CHECKPOINTS_DIR = "checkpoints"
     STATE_DIR = "state"
     OPSTATE_DIR = "opstate"

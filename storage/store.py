@@ -300,6 +300,38 @@ class SnapshotStore:
                 highest = max(highest, parsed.checkpoint_id)
         return CheckpointId(highest + 1)
 
+    def manifest_ids(self) -> list[CheckpointId]:
+        """Ids of every manifest file under ``checkpoints/``, sorted, whether it parses or not
+        (:meth:`list_checkpoints` lists only those that parse)."""
+        return sorted(CheckpointId(cid) for cid in self._manifest_paths())
+
+    def record_committed(self, checkpoint_id: int) -> None:
+        """Note ``checkpoint_id`` in ``_committed.json`` as the newest checkpoint whose sinks
+        may have published output. Written after its manifest, before the sinks are told; it
+        outlives a deleted newest manifest, so that a restore can tell that output above the
+        checkpoint it restores exists (see :meth:`recorded_committed`)."""
+        doc = {"checkpoint_id": int(checkpoint_id), "format_version": FORMAT_VERSION}
+        self._io.put(StoragePaths.COMMIT_RECORD, json.dumps(doc).encode())
+
+    def recorded_committed(self) -> CheckpointId | None:
+        """The id :meth:`record_committed` wrote last; ``None`` when there is no record.
+        Raises :class:`CorruptManifestError` when the record does not parse."""
+        try:
+            raw = self._get_small(StoragePaths.COMMIT_RECORD, 1 << 12)
+        except FileNotFoundError:
+            return None
+        try:
+            cid = json.loads(raw)["checkpoint_id"]
+            if not isinstance(cid, int) or isinstance(cid, bool) or cid < 1:
+                raise ValueError(f"checkpoint_id {cid!r} is not an id >= 1")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CorruptManifestError(
+                f"{self.url}: {StoragePaths.COMMIT_RECORD} does not parse ({exc}); the record of the newest "
+                "committed checkpoint is lost; delete the file once the root's checkpoints are known to be intact",
+                reason="commit record does not parse",
+            ) from exc
+        return CheckpointId(cid)
+
     def _manifest_paths(self) -> dict[int, str]:
         out = {}
         for path in self._io.list(StoragePaths.CHECKPOINTS_DIR):

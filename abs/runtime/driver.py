@@ -38,6 +38,7 @@ from storage.errors import StorageError
 
 from .cleanup import BackgroundGc, GcRequest
 from .failures import should_restart
+from .restore import SinkView, check_restore_option, committed_evidence, id_ranges, plan_output
 from .plan import compile_plan
 from .worker import WorkerSpec
 
@@ -86,6 +87,11 @@ class JobResult:
     restore_seconds_per_worker: list[float] = dataclasses.field(default_factory=list)
     timings: dict = dataclasses.field(default_factory=dict)  # startup_s, processing_s, finishing_s
     error: str | None = None
+    # restores that fell back (see abs.runtime.restore): (id, reason) of each checkpoint skipped,
+    # sink uid -> ids whose committed output was rolled back / is published again
+    skipped_checkpoints: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    rolled_back: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    repeated_output: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     _collected: dict[str, list[bytes]] = dataclasses.field(default_factory=dict, repr=False)
 
     def collected(self, uid: str) -> pa.Table:
@@ -155,6 +161,7 @@ class JobDriver:
         faults: tuple = (),
         startup_timeout: float = 120.0,
         heartbeat_timeout: float = 60.0,
+        allow_repeated_output: bool = False,
     ) -> None:
         flow.validate()
         if not isinstance(parallelism, int) or parallelism < 1:
@@ -171,8 +178,7 @@ class JobDriver:
         self.checkpointing = storage is not None and (checkpoint is not None)
         if checkpoint is not None and storage is None:
             raise ConfigError("checkpoint= needs storage= (a path or fsspec URL where snapshots are written)")
-        if restore is not None and storage is None and not isinstance(restore, str):
-            raise ConfigError("restore= needs storage= or a savepoint path")
+        check_restore_option(restore, storage)
         # a relative path is resolved here, in the driver: a worker started elsewhere (a Spark
         # executor's work directory) would resolve it against its own directory
         storage = absolute_url(storage) if isinstance(storage, str) else storage
@@ -189,6 +195,8 @@ class JobDriver:
         self._driver_hits: dict = {}
         self.restart = restart or RestartStrategy()
         self.allow_non_restored_state = allow_non_restored_state
+        self.allow_repeated_output = allow_repeated_output
+        self._restore_state = _RestoreState()
         self.restarts: list[dict] = []
         self.startup_timeout = startup_timeout
         self.heartbeat_timeout = heartbeat_timeout
@@ -198,6 +206,9 @@ class JobDriver:
         self._collected: dict[str, list[bytes]] = {}
         self._staged: dict[str, tuple[str, list[bytes]]] = {}  # CollectSink epochs awaiting commit
         self._collect_sinks = [n.uid for n in flow.nodes if n.kind == "sink" and isinstance(n.spec["sink"], CollectSink)]
+        self._collected_ids: dict[str, list[int]] = {}  # checkpoint id of each entry of _collected
+        # a sink that cannot roll back needs the commit record to see a deleted newest manifest
+        self._record_commits = any(n.kind == "sink" and not n.spec["sink"].supports_rollback for n in flow.nodes)
         self._records: dict[int, dict] = {}
         self._bytes_restored: list[int] = [0] * parallelism
         self._restore_seconds: list[float] = [0.0] * parallelism
@@ -220,66 +231,203 @@ class JobDriver:
     # ------------------------------------------------------------------ set-up
     def _open_storage(self) -> tuple[int, dict]:
         """Open the store, check the job fingerprint, resolve what to restore."""
-        restore_info: dict = {}
-        first_id = 1
         self._follows = None
         if self.storage_url is not None:
             from storage import SnapshotStore
 
             self.store = SnapshotStore.open(self.storage_url, self.storage_options)
             self.store.init_job(self.flow.fingerprint())
-            first_id = self.store.next_checkpoint_id()
             if not self.storage_url.startswith("memory://"):  # memory:// is each process's own
                 self._probe = self.store.write_probe()  # every worker checks it sees this root
-        if self.restore is not None:
-            restore_info = self._resolve_restore()
-        return first_id, restore_info
+        if self.store is None and self.restore is None:
+            return 1, {}
+        return self._resolve_restore()
 
-    def _resolve_restore(self) -> dict:
-        """Pick the checkpoint to restore (falling back past broken ones for "latest"), check
-        it against the job, and plan what every new subtask reads."""
-        from recovery import check, choose_checkpoint, plan_restore
-        from storage import SnapshotStore
+    def _resolve_restore(self) -> tuple[int, dict]:
+        """Pick the checkpoint to restore (falling back past broken ones for "latest"; see
+        :mod:`abs.runtime.restore` for the options), check it against the job, roll the sinks
+        back to it, and plan what every new subtask reads. Returns ``(first id, restore info)``."""
+        from recovery import check, plan_restore
 
-        r = self.restore
-        if isinstance(r, str) and r != "latest":
-            store, url, opts = SnapshotStore.open(r, None), r, None
-            requested: Any = "latest"
-        else:
-            if not (r == "latest" or (isinstance(r, int) and not isinstance(r, bool))):
-                raise ConfigError(f"restore must be None, 'latest', a checkpoint id or a savepoint path, got {r!r}")
-            assert self.store is not None
-            store, url, opts, requested = self.store, self.storage_url, self.storage_options, r
-        cid, warnings = choose_checkpoint(store, requested, allow_empty=(r == "latest"))
-        for w in warnings:
+        rs = self._restore_state
+        evidence, in_root = self._committed_evidence()
+        choice, store, url, opts, fresh_why = self._choose(evidence, in_root)
+        cid = choice.checkpoint_id if choice is not None else None
+        skipped = list(choice.skipped) if choice is not None else []
+        for w in (choice.warnings if choice is not None else []):
             print(f"[abs] warning: {w}", file=sys.stderr)
-        if cid is None:
-            return {}  # "latest" with nothing there yet: a fresh start, like Flink
-        fingerprint = self.flow.fingerprint()
-        check(
-            fingerprint, store, checkpoint_id=cid, parallelism=self.P, verify_files=False,
-            allow_non_restored_state=self.allow_non_restored_state,
-        ).raise_if_fatal()
-        manifest = store.read_manifest(cid)
+        for sk in skipped:
+            if all(sk.checkpoint_id != i for i, _ in rs.skipped):
+                rs.skipped.append((sk.checkpoint_id, sk.reason))
+        manifest = plan = None
         sources = {n.uid: n.spec["source"] for n in self.flow.nodes if n.kind == "source"}
-        plan = plan_restore(
-            manifest, fingerprint, self.P,
-            source_splits={uid: list(src.splits()) for uid, src in sources.items()},
-            allow_non_restored_state=self.allow_non_restored_state,
-        )
+        if cid is not None:
+            fingerprint = self.flow.fingerprint()
+            check(
+                fingerprint, store, checkpoint_id=cid, parallelism=self.P, verify_files=False,
+                allow_non_restored_state=self.allow_non_restored_state,
+            ).raise_if_fatal()
+            manifest = store.read_manifest(cid)
+            plan = plan_restore(
+                manifest, fingerprint, self.P,
+                source_splits={uid: list(src.splits()) for uid, src in sources.items()},
+                allow_non_restored_state=self.allow_non_restored_state,
+            )
+        # what the sinks must undo: decided before anything is changed, carried out before any worker starts
+        target = cid if cid is not None else (rs.run_first_id - 1 if rs.started else None)
+        undo = self._plan_output(target, evidence, skipped, cid, url) if target is not None else None
+        first_id = max([self.store.next_checkpoint_id() if self.store is not None else 1,
+                        (cid or 0) + 1, max(evidence, default=0) + 1])
+        if not rs.started:
+            rs.started, rs.run_first_id = True, first_id
+        job = f"[abs] job {self.flow.name!r}"
+        if cid is None:
+            print(f"{job}: starting fresh ({fresh_why}); first checkpoint id {first_id}", file=sys.stderr)
+        else:
+            why = f" (skipped {'; '.join(f'{sk.checkpoint_id}: {sk.reason}' for sk in skipped)})" if skipped else ""
+            print(f"{job}: restoring checkpoint {cid} of {url}{why}", file=sys.stderr)
+        if undo is not None:
+            self._roll_back_output(*undo)
+        if cid is None:
+            return first_id, {}
         if manifest.stats.get("parallelism") not in (None, self.P):
             print(f"[abs] rescaling checkpoint {cid} from parallelism {manifest.stats.get('parallelism')} "
                   f"to {self.P}", file=sys.stderr)
         self.restored_from = cid
         if self.restarts:
             self.restarts[-1]["restored_from"] = cid
+            self.restarts[-1]["skipped"] = [(sk.checkpoint_id, sk.reason) for sk in skipped]
         if url == self.storage_url:
             # new checkpoints build on the restored chains: keep them from GC like a base
             self._manifests[cid] = manifest
             self._last_completed_id = cid
             self._follows = manifest
-        return {"manifest": manifest, "plan": plan, "url": url, "options": opts,
-                "sources": sources}
+        return first_id, {"manifest": manifest, "plan": plan, "url": url, "options": opts, "sources": sources}
+
+    def _committed_evidence(self) -> tuple[dict[int, str], bool]:
+        """Checkpoint ids known to have committed (see ``restore.committed_evidence``), and
+        whether the storage root itself shows any (a manifest file or the commit record)."""
+        from storage.errors import CorruptManifestError
+
+        manifest_ids: list[int] = []
+        recorded = None
+        if self.store is not None:
+            manifest_ids = list(self.store.manifest_ids())
+            try:
+                recorded = self.store.recorded_committed()
+            except CorruptManifestError as exc:
+                print(f"[abs] warning: {exc}; a deleted newest manifest would go unnoticed", file=sys.stderr)
+        sink_ids = {n.uid: n.spec["sink"].committed_checkpoints() for n in self.flow.nodes
+                    if n.kind == "sink" and n.spec["sink"].supports_rollback}
+        evidence = committed_evidence(manifest_ids, recorded, sink_ids, (c.checkpoint_id for c in self.completed))
+        return evidence, bool(manifest_ids) or recorded is not None
+
+    def _choose(self, evidence: dict[int, str], in_root: bool) -> tuple[Any, Any, Any, Any, str]:
+        """``(choice or None, store, url, options, why fresh)`` for this attempt. Output left in
+        a sink counts as a sign of a lost checkpoint only when the root shows checkpoints too
+        (``in_root``): a sink's files next to an empty root are another run's."""
+        from recovery import RestoreChoice, choose_restore
+        from recovery.errors import NoUsableCheckpointError
+        from storage import SnapshotStore
+
+        rs, r, store, url = self._restore_state, self.restore, self.store, self.storage_url
+        opts = self.storage_options
+        known = {cid: why for cid, why in evidence.items() if why != "its manifest exists"
+                 and (in_root or rs.started or not why.startswith("sink "))}
+        if rs.started:  # a restart: this run's newest checkpoint, else what the run started from
+            if rs.origin == "latest":
+                choice = choose_restore(store, "latest", allow_empty=True, known_committed=known)
+                return choice, store, url, opts, f"restart {self._attempt}: the root holds no checkpoint"
+            choice = choose_restore(store, "latest", allow_empty=True, allow_none_usable=True,
+                                    known_committed=known, min_id=rs.run_first_id) if store is not None else None
+            if choice is not None and choice.checkpoint_id is not None:
+                return choice, store, url, opts, ""
+            if rs.origin_id is not None:
+                o_store = store if rs.origin_url == url else SnapshotStore.open(rs.origin_url, rs.origin_options)
+                again = choose_restore(o_store, rs.origin_id)
+                return (RestoreChoice(again.checkpoint_id, choice.skipped if choice else (), again.url), o_store,
+                        rs.origin_url, rs.origin_options, "")
+            return choice, store, url, opts, f"restart {self._attempt}: no checkpoint of this run to restore"
+        ids = sorted(i for i, why in evidence.items() if not why.startswith("sink "))  # the root's own
+        if r is None or r == "fresh":
+            if r is None and in_root:
+                raise ConfigError(
+                    f"job {self.flow.name!r}: storage root {url} already holds checkpoints of this job (latest id "
+                    f"{ids[-1]}); starting without restore= would continue their ids and mix two runs; pass "
+                    f"restore='latest' to continue from them, another storage root, or restore='fresh' to start "
+                    "from empty state on purpose (new checkpoint ids continue above the existing ones)"
+                )
+            rs.origin = "fresh"
+            why = (f"restore='fresh': {url} holds checkpoints up to {ids[-1]}, new ones continue above"
+                   if r == "fresh" and in_root else "no restore requested" + (f"; {url} holds no checkpoint" if url else ""))
+            return None, store, url, opts, why
+        if r in ("latest", "latest-if-any"):
+            if not in_root:
+                if r == "latest":
+                    raise NoUsableCheckpointError(
+                        f"{url}: holds no checkpoint of job {self.flow.name!r}; restore='latest' has nothing to "
+                        "restore; check the storage root, or pass restore='latest-if-any' to restore the latest "
+                        "checkpoint when there is one and start fresh otherwise"
+                    )
+                rs.origin = "fresh"
+                return None, store, url, opts, f"restore='latest-if-any': {url} holds no checkpoint"
+            choice = choose_restore(store, "latest", known_committed=known)
+            rs.origin = "latest"
+            return choice, store, url, opts, ""
+        if isinstance(r, int):
+            choice = choose_restore(store, r)
+        else:  # a savepoint (or any root) elsewhere: its latest checkpoint
+            store, url, opts = SnapshotStore.open(r, None), r, None
+            choice = choose_restore(store, "latest")
+        rs.origin, rs.origin_id, rs.origin_url, rs.origin_options = "exact", choice.checkpoint_id, url, opts
+        return choice, store, url, opts, ""
+
+    def _plan_output(self, target: int, evidence: dict[int, str], skipped: list, cid: int | None,
+                     url: str | None) -> tuple:
+        """What to undo of the output committed above ``target`` (see ``restore.plan_output``);
+        raises :class:`RepeatedOutputError` when a sink would repeat output and that is not allowed."""
+        from ..errors import RepeatedOutputError
+
+        above = {i: why for i, why in evidence.items() if i > target}
+        above.update({sk.checkpoint_id: sk.reason for sk in skipped if sk.checkpoint_id > target})
+        for i, why in above.items():
+            if why == "its manifest exists":
+                above[i] = "newer than the checkpoint restored"
+        sinks = [SinkView(n.uid, "collect" if isinstance(n.spec["sink"], CollectSink)
+                          else "rollback" if n.spec["sink"].supports_rollback else "none", type(n.spec["sink"]).__name__)
+                 for n in self.flow.nodes if n.kind == "sink"]
+        out = plan_output(target, above, sinks, (c.checkpoint_id for c in self.completed))
+        restoring = f"restoring checkpoint {cid} of {url}" if cid is not None else "starting fresh"
+        refusal = out.refusal(self.flow.name, restoring)
+        if refusal is not None and not self.allow_repeated_output:
+            raise RepeatedOutputError(refusal)
+        return out, restoring
+
+    def _roll_back_output(self, out: Any, restoring: str) -> None:
+        """Carry out :meth:`_plan_output`'s plan: before any worker starts."""
+        target = out.target
+        rs = self._restore_state
+        job = f"[abs] job {self.flow.name!r}"
+        for uid, ids in out.repeated.items():
+            rs.repeated.setdefault(uid, set()).update(ids)
+            print(f"[abs] warning: job {self.flow.name!r}: sink {uid!r} will publish again the output it committed "
+                  f"for checkpoint(s) {out.describe(ids)} (allow_repeated_output=True), {restoring}", file=sys.stderr)
+        by_uid = {n.uid: n.spec["sink"] for n in self.flow.nodes if n.kind == "sink"}
+        for uid in out.rollback:
+            done = by_uid[uid].rollback(target)
+            if done.checkpoints:
+                rs.rolled_back.setdefault(uid, set()).update(done.checkpoints)
+                print(f"{job}: sink {uid!r}: rolled back {done.items} {done.unit} committed by checkpoint(s) "
+                      f"{id_ranges(done.checkpoints)}, {restoring}", file=sys.stderr)
+        for uid, ids in out.drop_collected.items():
+            kept = [(b, i) for b, i in zip(self._collected.get(uid, []), self._collected_ids.get(uid, [])) if i <= target]
+            dropped = len(self._collected.get(uid, [])) - len(kept)
+            self._collected[uid] = [b for b, _ in kept]
+            self._collected_ids[uid] = [i for _, i in kept]
+            self._staged = {k: v for k, v in self._staged.items() if _collect_key_id(k) <= target}
+            rs.rolled_back.setdefault(uid, set()).update(ids)
+            print(f"{job}: sink {uid!r}: rolled back {dropped} collected batches of checkpoint(s) {id_ranges(ids)}, "
+                  f"{restoring}", file=sys.stderr)
 
     def _assign_splits(self) -> dict:
         """Fresh start: every split of every source from its initial offset, round robin."""
@@ -376,6 +524,9 @@ class JobDriver:
             restore_seconds_per_worker=list(self._restore_seconds),
             timings=self._timings(t_start),
             error=None if self.error is None else str(self.error),
+            skipped_checkpoints=list(self._restore_state.skipped),
+            rolled_back={uid: sorted(ids) for uid, ids in self._restore_state.rolled_back.items()},
+            repeated_output={uid: sorted(ids) for uid, ids in self._restore_state.repeated.items()},
             _collected=self._collected,
         )
         self._done.set()
@@ -447,8 +598,9 @@ class JobDriver:
                 procs[index].wait()
 
     def _prepare_restart(self, attempt: int, exc: BaseException) -> None:
-        """Global failover: every worker is stopped; the next attempt restores the latest
-        complete checkpoint (or starts over without one) after the strategy's delay."""
+        """Global failover: every worker is stopped; after the strategy's delay the next attempt
+        restores this run's newest checkpoint that can be restored, else what the run started
+        from (or starts over), rolling the sinks back to it (see ``_resolve_restore``)."""
         self._gc.drain()  # the restore reads the root as the last GC left it
         delay = self.restart.delay_before(attempt)
         first_line = self._summary(exc)
@@ -461,7 +613,6 @@ class JobDriver:
             "at": time.monotonic() - self.t_start,
             "restored_from": None,  # filled in once the restore is resolved
         })
-        self.restore = "latest" if self.storage_url is not None else None
         self.restored_from = None
         self._records = {}
         self._manifests = {}
@@ -868,6 +1019,12 @@ class JobDriver:
         self._follows = stored
         self._manifests[a.checkpoint_id] = stored
         self._last_completed_id = a.checkpoint_id
+        if self._record_commits:  # before any sink hears of it (see abs.runtime.restore)
+            try:
+                self.store.record_committed(a.checkpoint_id)
+            except Exception as exc:  # noqa: BLE001 - the checkpoint is complete either way
+                print(f"[abs] warning: checkpoint {a.checkpoint_id}: writing the commit record failed ({exc}); "
+                      "a restore could miss that its output exists if its manifest is lost", file=sys.stderr)
         # CollectSink epochs staged in this driver become visible with the manifest, not when
         # the workers hear of it: a job canceled (or lost) right after the commit keeps them,
         # and a restore in another process, which cannot re-commit them, starts after them
@@ -919,6 +1076,7 @@ class JobDriver:
             staged = self._staged.pop(key, None)
             if staged is not None:
                 self._collected.setdefault(staged[0], []).extend(staged[1])
+                self._collected_ids.setdefault(staged[0], []).extend([_collect_key_id(key)] * len(staged[1]))
 
     def _collect_done(self, conns: dict, procs: list) -> None:
         pending = set(conns)
@@ -959,3 +1117,26 @@ class JobDriver:
 
 class _Canceled(Exception):
     pass
+
+
+@dataclasses.dataclass
+class _RestoreState:
+    """What the driver remembers across the attempts of one run (see ``_resolve_restore``)."""
+
+    started: bool = False
+    run_first_id: int = 1  # the first checkpoint id of this run: restarts prefer ids >= it
+    origin: str = "fresh"  # what the run started from: "fresh", "latest" or "exact"
+    origin_id: int | None = None
+    origin_url: str | None = None
+    origin_options: dict | None = None
+    skipped: list = dataclasses.field(default_factory=list)
+    rolled_back: dict = dataclasses.field(default_factory=dict)
+    repeated: dict = dataclasses.field(default_factory=dict)
+
+
+def _collect_key_id(key: str) -> int:
+    """The checkpoint id a CollectSink transaction key ends with (``uid/subtask/tag/id``)."""
+    try:
+        return int(str(key).rsplit("/", 1)[1])
+    except (IndexError, ValueError):
+        return 0
