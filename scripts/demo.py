@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=50_000.0, help="events/s per split (6 splits); 0 = unlimited")
     ap.add_argument("--parallelism", type=int, default=3)
     ap.add_argument("--storage", default=os.path.join(os.getcwd(), ".abs-demo"))
-    ap.add_argument("--keep", action="store_true", help="keep earlier snapshots in --storage")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep earlier snapshots in --storage (the job starts fresh; its checkpoint ids continue above them)")
     ap.add_argument("--spark", action="store_true", help="run the workers as a Spark barrier stage")
     ap.add_argument("--master", default=None, help="Spark master with --spark (default local[PARALLELISM])")
     args = ap.parse_args(argv)
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         executor=executor,
         checkpoint=abs.CheckpointConfig(interval=1.0, retained=3),
         storage=args.storage,
+        restore="fresh" if args.keep else None,  # empty state on purpose next to kept snapshots
     )
     t0 = time.monotonic()
     print(f"demo: starting {args.parallelism} worker processes (each imports pyarrow, forks its snapshot writer "

@@ -385,9 +385,14 @@ def test_restore_latest_falls_back_past_a_corrupt_checkpoint(tmp_path, capfd):
     newest_files = [ref for ref in store.read_manifest(latest).files().values() if ref.checkpoint_id == latest]
     victim = tmp_path / newest_files[0].path
     victim.write_bytes(victim.read_bytes()[:-7] + b"garbage")
+    # the first run's CollectSink output of the skipped checkpoint went to its JobResult and
+    # cannot be taken back: the restore refuses unless told that repeating it is fine
+    with pytest.raises(abs.RepeatedOutputError, match=rf"sink 'out' already committed output of checkpoint\(s\) {latest}"):
+        abs.run(counting_flow(src), parallelism=3, restore="latest", storage=str(tmp_path))
     result = abs.run(counting_flow(src), parallelism=3, restore="latest", storage=str(tmp_path),
-                     checkpoint=abs.CheckpointConfig(retained=10))
+                     checkpoint=abs.CheckpointConfig(retained=10), allow_repeated_output=True)
     assert result.restored_from is not None and result.restored_from < latest
+    assert result.repeated_output == {"out": list(range(result.restored_from + 1, latest + 1))}
     assert newest_files[0].path in capfd.readouterr().err
     final = state_at(store, store.latest_checkpoint(), "count", "n")
     assert final == dict(collections.Counter((np.arange(20_000) % NUM_KEYS).tolist()))

@@ -358,8 +358,8 @@ class JobDriver:
                     "from empty state on purpose (new checkpoint ids continue above the existing ones)"
                 )
             rs.origin = "fresh"
-            why = (f"restore='fresh': {url} holds checkpoints up to {ids[-1]}, new ones continue above"
-                   if r == "fresh" and in_root else "no restore requested" + (f"; {url} holds no checkpoint" if url else ""))
+            why = (f"restore='fresh': {url} holds checkpoints up to {ids[-1]}, new ones continue above" if r == "fresh"
+                   and in_root else ("restore='fresh'" if r else "no restore requested") + f"; {url} holds no checkpoint")
             return None, store, url, opts, why
         if r in ("latest", "latest-if-any"):
             if not in_root:
