@@ -100,8 +100,10 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class RestartStrategy:
     """How the driver recovers from a failure (a worker that dies or hangs, a user function
-    that raises): stop every worker, restore the latest complete checkpoint (or start over
-    when there is none, or no storage) and relaunch, at most ``max_restarts`` times, waiting
+    that raises): stop every worker, restore the newest checkpoint of this run that can be
+    restored (falling back past broken ones, to what the run started from: the checkpoint or
+    savepoint it restored, or empty state) and relaunch; sinks are rolled back to the
+    checkpoint restored first (see ``abs.run``'s ``restore``), at most ``max_restarts`` times, waiting
     ``delay`` seconds before the first restart and ``backoff`` times longer before each next
     one, up to ``max_delay``. The default makes no restart: the job fails with an error that
     names the failed worker or operator.

@@ -250,3 +250,64 @@ def test_no_restore_into_a_root_with_checkpoints_is_refused_and_fresh_continues_
     assert again.restored_from is None and again.collected("mem").num_rows == 2_000  # empty state, all input again
     assert again.last_checkpoint > latest
     assert f"starting fresh (restore='fresh': {root} holds checkpoints up to {latest}" in capfd.readouterr().err
+
+
+# ----------------------------------------------------------------------------- pure decisions
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from abs.runtime.restore import SinkView, committed_evidence, id_ranges, plan_output  # noqa: E402
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    target=st.integers(0, 12),
+    above=st.sets(st.integers(1, 15)),
+    here=st.sets(st.integers(1, 15)),
+    kinds=st.lists(st.sampled_from(["rollback", "collect", "none"]), min_size=1, max_size=4),
+)
+def test_output_plan_never_lets_committed_output_above_the_target_repeat_unannounced(target, above, here, kinds):
+    sinks = [SinkView(f"s{i}", k, "T") for i, k in enumerate(kinds)]
+    known = committed_evidence([], None, {}, here)
+    known.update({i: "seen" for i in above})
+    plan = plan_output(target, known, sinks, here)
+    expected = {i for i in above | here if i > target}
+    for s in sinks:
+        dropped = set(plan.drop_collected.get(s.uid, ()))
+        repeated = set(plan.repeated.get(s.uid, ()))
+        if s.kind == "rollback":
+            assert s.uid in plan.rollback and not repeated  # the sink's own record decides
+        elif s.kind == "collect":
+            assert dropped == {i for i in here if i > target}  # rows this driver holds are dropped
+            assert dropped | repeated == expected and not dropped & repeated  # the rest is announced
+        else:
+            assert repeated == expected and not dropped
+    assert (plan.refusal("j", "restoring") is None) == (not plan.repeated)
+
+
+def test_refusal_names_sink_checkpoints_reasons_and_remedies():
+    plan = plan_output(40, {41: "file x: checksum", 42: "manifest missing"}, [SinkView("alerts", "none", "Mail")])
+    msg = plan.refusal("fraud", "restoring checkpoint 40 of /r")
+    assert msg is not None and msg.startswith("job 'fraud': restoring checkpoint 40 of /r would publish")
+    assert "sink 'alerts' already committed output of checkpoint(s) 41-42 (42: manifest missing; 41: file x" in msg
+    assert "Mail cannot roll back" in msg and msg.endswith("allow_repeated_output=True to accept the repeated output")
+    assert id_ranges([44, 40, 41, 42]) == "40-42, 44"
+
+
+def test_choose_restore_names_why_each_newer_checkpoint_was_skipped(tmp_path):
+    from recovery import choose_restore
+
+    root = str(tmp_path / "snap")
+    abs.run(small_flow(), parallelism=1, storage=root, checkpoint=abs.CheckpointConfig())
+    store = SnapshotStore.open(root)
+    (only,) = store.list_checkpoints()
+    bad = os.path.join(root, StoragePaths.manifest(only + 1))
+    with open(bad, "wb") as f:
+        f.write(b"{garbage")
+    choice = choose_restore(SnapshotStore.open(root), "latest", known_committed={only + 2: "the commit record names it"})
+    assert choice.checkpoint_id == only
+    assert [(s.checkpoint_id, s.reason.split(" (")[0]) for s in choice.skipped] == [
+        (only + 2, "manifest missing"), (only + 1, "manifest does not parse as JSON")]
+    assert "the commit record names it" in choice.skipped[0].reason
+    assert choice.warnings[-1].endswith(f"trying checkpoint {only}")
