@@ -311,3 +311,29 @@ def test_choose_restore_names_why_each_newer_checkpoint_was_skipped(tmp_path):
         (only + 2, "manifest missing"), (only + 1, "manifest does not parse as JSON")]
     assert "the commit record names it" in choice.skipped[0].reason
     assert choice.warnings[-1].endswith(f"trying checkpoint {only}")
+
+
+def test_a_restart_before_the_first_checkpoint_restores_the_savepoint_the_run_started_from(tmp_path, capfd):
+    """A run restored from a savepoint (here: another root) crashes before its first checkpoint;
+    the restart restores that savepoint again instead of starting from empty state."""
+    def job(total: int) -> abs.Dataflow:
+        f = abs.Dataflow("small")
+        src = abs.GeneratorSource(total, num_keys=20, num_splits=2, batch_size=100)
+        f.source("src", src).key_by("key").process("count", count_fn, state=[abs.ValueState("n", pa.int64())]).sink(
+            "mem", abs.CollectSink())
+        return f
+
+    saved = str(tmp_path / "saved")
+    abs.run(job(2_000), parallelism=2, storage=saved)
+    capfd.readouterr()
+    result = abs.run(job(4_000), parallelism=2, storage=str(tmp_path / "new"), restore=saved,
+                     checkpoint=abs.CheckpointConfig(interval=None),  # no checkpoint before the crash
+                     restart=abs.RestartStrategy(max_restarts=1, delay=0.0),
+                     faults=[Fault("process", "task1#0", nth=3)])
+    assert result.status == "FINISHED" and len(result.restarts) == 1
+    assert result.restarts[0]["restored_from"] == result.restored_from is not None
+    final = collections.defaultdict(int)
+    for row in result.collected("mem").to_pylist():
+        final[row["key"]] = max(final[row["key"]], row["count"])
+    assert dict(final) == {k: 200 for k in range(20)}  # 4,000 events over 20 keys, counted on from 2,000
+    assert capfd.readouterr().err.count(f"restoring checkpoint {result.restored_from} of {saved}") == 2
