@@ -151,7 +151,7 @@ def plan_gc(
         if parsed is None:
             unknown.append(path)
             continue
-        if parsed.category in ("job", "pin"):
+        if parsed.category in ("job", "commit_record", "pin"):
             if path in pin_paths and not pin_paths[path].live(now):
                 delete_pins.append(path)
             continue

@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 FileKind = Literal["base", "delta", "opstate", "channel"]
-PathCategory = Literal["job", "job_tmp", "probe", "manifest", "manifest_tmp", "base", "delta", "packed", "opstate",
+PathCategory = Literal["job", "commit_record", "job_tmp", "probe", "manifest", "manifest_tmp", "base", "delta", "packed", "opstate",
                        "channel", "pin", "pin_tmp", "savepoint_incomplete"]
 
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
@@ -143,7 +143,7 @@ class StoragePaths:
     JOB = "_job.json"
     COMMIT_RECORD = "_committed.json"
     """The newest checkpoint whose completion sinks were told of (see
-    ``SnapshotStore.record_committed``); overwritten per checkpoint, not parsed by :meth:`parse`."""
+    ``SnapshotStore.record_committed``); overwritten per checkpoint; GC keeps it like ``_job.json``."""
     CHECKPOINTS_DIR = "checkpoints"
     STATE_DIR = "state"
     OPSTATE_DIR = "opstate"
@@ -237,6 +237,8 @@ class StoragePaths:
 def _parse(path: str) -> ParsedPath | None:
     if path == StoragePaths.JOB:
         return ParsedPath("job")
+    if path == StoragePaths.COMMIT_RECORD:
+        return ParsedPath("commit_record")
     if _JOB_TMP_RE.match(path):
         return ParsedPath("job_tmp")
     if _PROBE_RE.match(path):

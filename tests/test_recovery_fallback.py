@@ -18,6 +18,7 @@ from abs.files import FileSink, read_output
 from abs.sinks import Sink, SinkWriter
 from recovery import NoUsableCheckpointError
 from storage import SnapshotStore, StoragePaths
+from storage.errors import CorruptManifestError
 
 pytestmark = pytest.mark.integration
 
@@ -337,3 +338,16 @@ def test_a_restart_before_the_first_checkpoint_restores_the_savepoint_the_run_st
         final[row["key"]] = max(final[row["key"]], row["count"])
     assert dict(final) == {k: 200 for k in range(20)}  # 4,000 events over 20 keys, counted on from 2,000
     assert capfd.readouterr().err.count(f"restoring checkpoint {result.restored_from} of {saved}") == 2
+
+
+def test_commit_record_names_the_newest_checkpoint_and_gc_keeps_it(tmp_path):
+    root = str(tmp_path / "snap")
+    result = abs.run(small_flow(), parallelism=1, storage=root, checkpoint=abs.CheckpointConfig())
+    store = SnapshotStore.open(root)
+    assert store.recorded_committed() == result.last_checkpoint  # a CollectSink cannot roll back: recorded
+    plan = store.plan_gc(1)
+    assert StoragePaths.COMMIT_RECORD not in plan.unknown and StoragePaths.COMMIT_RECORD not in plan.delete_files
+    with open(os.path.join(root, StoragePaths.COMMIT_RECORD), "wb") as f:
+        f.write(b"x" * 10_000)  # oversized: refused unread, as corrupt
+    with pytest.raises(CorruptManifestError, match="_committed.json"):
+        store.recorded_committed()
