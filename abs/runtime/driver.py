@@ -284,7 +284,9 @@ class JobDriver:
         if cid is None:
             print(f"{job}: starting fresh ({fresh_why}); first checkpoint id {first_id}", file=sys.stderr)
         else:
-            why = f" (skipped {'; '.join(f'{sk.checkpoint_id}: {sk.reason}' for sk in skipped)})" if skipped else ""
+            # the short reasons here; the warnings above carry the details
+            why = (f" (skipped {'; '.join(f'{sk.checkpoint_id}: {sk.reason.split(chr(40))[0].strip()}' for sk in skipped)})"
+                   if skipped else "")
             print(f"{job}: restoring checkpoint {cid} of {url}{why}", file=sys.stderr)
         if undo is not None:
             self._roll_back_output(*undo)
