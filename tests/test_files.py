@@ -693,3 +693,24 @@ def test_s3_text_source_resumes_at_offsets(s3_backend: Backend) -> None:
     first, _ = poll_batches(reader, 1)
     rest = read_everything(source, reader.offsets())
     assert [r["line"] for r in rows(first + rest)] == ["x", "é", "", "last"]
+
+
+def test_rollback_removes_committed_and_pending_files_above_the_checkpoint(any_backend: Backend) -> None:
+    """FileSink.rollback (a restore that falls back): what checkpoints above the one restored
+    published goes, pending files above it too; the file names are the record; repeatable."""
+    sink = any_backend.sink("parquet")
+    writers = [sink.create_writer(s, 2) for s in range(2)]
+    for cid in (1, 2, 3):
+        for w in writers:
+            w.write(batch([cid * 10 + w.subtask]))
+            txn = w.pre_commit(cid)
+            if cid < 3:
+                w.commit(cid, [txn])  # checkpoint 3 stays pending
+    writers[0].write(batch([99]))
+    writers[0].pre_commit(4)
+    assert sink.committed_checkpoints() == [1, 2]
+    done = sink.rollback(1)
+    assert done.checkpoints == (2,) and done.items == 2
+    assert values(any_backend.output("parquet")) == [10, 11]
+    assert [n for n in any_backend.pending() if not n.startswith("part-00000001")] == []
+    assert sink.rollback(1).items == 0 and values(any_backend.output("parquet")) == [10, 11]
