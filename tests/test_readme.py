@@ -30,13 +30,19 @@ def test_the_readme_has_its_example_blocks():
 
 def test_the_headline_example_runs_and_shows_deltas_a_restore_and_exact_output(tmp_path):
     out = _run(BLOCKS[0], tmp_path)
-    written = [(float(a), float(b)) for a, b in re.findall(r"wrote ([\d.]+) of ([\d.]+) MiB", out)]
-    assert len(written) >= 3, out  # several checkpoints before the restore, one after
-    restored = re.search(r"restored checkpoint (\d+); checkpoint (\d+) wrote ([\d.]+) of ([\d.]+) MiB", out)
-    assert restored, out
-    assert int(restored[2]) > int(restored[1])
-    delta, full = float(restored[3]), float(restored[4])
-    assert delta < 0.25 * full, f"the checkpoint after the restore should write only what changed: {out}"
+    before, sep, after = out.partition("restored checkpoint ")
+    assert sep, out
+    sizes = lambda text: [(float(a), float(b)) for a, b in re.findall(r"wrote ([\d.]+) of ([\d.]+) MiB", text)]
+    assert len(sizes(before)) >= 2, out  # several checkpoints before the restore
+    restored_from = int(after.split()[0])
+    assert restored_from == int(re.findall(r"checkpoint (\d+): wrote", before)[-1]), out
+    after_restore = sizes(after)
+    assert after_restore, out
+    # after the restore a few keys change per checkpoint: each checkpoint writes those alone,
+    # except one that folds a chain grown past its base into a new base (compaction)
+    small = [w for w, full in after_restore if w < 0.25 * full]
+    compactions = [w for w, full in after_restore if w >= 0.25 * full]
+    assert small and len(compactions) <= 1, out
     assert "2,020,000 output rows, 500,000 keys; key 7 counted 5 times, key 20,000 4 times" in out
 
 
