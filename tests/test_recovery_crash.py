@@ -102,6 +102,22 @@ def test_hung_worker_is_detected_by_heartbeat_and_replaced(tmp_path):
     assert "heartbeat" in result.restarts[0]["error"]
 
 
+@pytest.mark.parametrize(
+    "faults",
+    [
+        (Fault("after_connect", "task0#1", action="hang"),),
+        (Fault("after_sync_snapshot", "task1#0", nth=3), Fault("restore", "task1#1", nth=1, attempt=1, action="hang")),
+    ],
+    ids=["hung-after-connecting", "hung-while-restoring"],
+)
+def test_a_worker_hung_while_starting_is_found_by_heartbeat_not_the_startup_timeout(tmp_path, faults):
+    # a starting worker sends heartbeats: a hung one is replaced after heartbeat_timeout,
+    # not after the startup timeout (120 s), which restoring a large state may need
+    result = run_with(tmp_path, *faults, restarts=3, heartbeat_timeout=3.0)
+    hung = result.restarts[-1]["error"]
+    assert "while starting" in hung and "heartbeat" in hung, hung
+
+
 def test_without_restarts_the_failure_names_the_worker_and_advises_the_restore(tmp_path):
     with pytest.raises(abs.WorkerLostError, match=r"worker 1 .*signal 9.*gave up after 0 restart.*restore='latest'"):
         abs.run(flow(str(tmp_path / "out")), parallelism=2, checkpoint=abs.CheckpointConfig(interval=0.25),

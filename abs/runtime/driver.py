@@ -728,11 +728,19 @@ class JobDriver:
         pending = dict(conns)
         got: dict[int, Any] = {}
         deadline = time.monotonic() + self.startup_timeout
+        last_seen = {i: time.monotonic() for i in pending}  # starting workers send heartbeats
         while pending:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise WorkerLostError(
                     f"job {self.flow.name!r}: worker(s) {sorted(pending)} did not report {kind!r} within "
                     f"{self.startup_timeout:.0f} s"
+                )
+            silent = [i for i in pending if now - last_seen[i] > self.heartbeat_timeout]
+            if silent:
+                raise WorkerLostError(
+                    f"job {self.flow.name!r}: worker {silent[0]} sent nothing for {now - last_seen[silent[0]]:.0f} s "
+                    f"while starting (waiting for {kind!r}; heartbeat timeout); it is hung or overloaded"
                 )
             for conn in wait(list(pending.values()), timeout=0.1):
                 i = next(k for k, c in pending.items() if c is conn)
@@ -743,6 +751,7 @@ class JobDriver:
                     raise WorkerLostError(
                         f"job {self.flow.name!r}: worker {i} closed its connection while starting (waiting for {kind!r})"
                     ) from None
+                last_seen[i] = time.monotonic()
                 if msg[0] == kind:
                     got[i] = msg[1]
                     del pending[i]

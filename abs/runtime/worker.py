@@ -435,16 +435,27 @@ def main() -> None:
     assert kind == "spec"
     import cloudpickle
 
+    # while it starts (loading the job, restoring state: minutes for a large state), a
+    # worker tells the driver it is alive, so a hung worker is found in heartbeat time
+    send_lock = threading.Lock()
+    starting = threading.Event()
+    threading.Thread(target=_startup_heartbeat, args=(conn, send_lock, starting, index), daemon=True).start()
+
+    def send(msg: tuple) -> None:
+        with send_lock:
+            conn.send(msg)
+
     phase = "loading the job"
     try:
         spec: WorkerSpec = cloudpickle.loads(payload)
         worker = Worker(index, conn, spec, secret)
+        worker._send_lock = send_lock  # one lock for every send on the driver connection
         worker.writer = writer
         worker.bind_host = boot.get("bind_host", "127.0.0.1")  # all interfaces on a cluster
         phase = "opening the storage root"
         worker.build()
         host, port = worker.listener.address[:2]
-        conn.send(("listening", (boot.get("advertise_host") or host, port)))
+        send(("listening", (boot.get("advertise_host") or host, port)))
         phase = "waiting for its peers' addresses"
         kind, peers = conn.recv()
         phase = "connecting to its peers"
@@ -452,22 +463,36 @@ def main() -> None:
         worker.fault("after_connect", None)
         phase = "restoring its state" if spec.keyed_chains else "creating its tasks"
         stats = worker.create_tasks()
-        conn.send(("ready", stats))
+        send(("ready", stats))
     except Exception as exc:  # noqa: BLE001 - reported to the driver, whose restart strategy decides
         from .failures import describe, is_permanent
 
         info = {"phase": phase, "cause": describe(exc), "permanent": is_permanent(exc)}
         try:
-            conn.send(("failed", f"worker{index}", "<startup>", traceback.format_exc(), info))
+            send(("failed", f"worker{index}", "<startup>", traceback.format_exc(), info))
         except (OSError, EOFError):
             pass  # the driver is gone or gave up on this attempt
         sys.exit(1)
     msg = conn.recv()
+    starting.set()  # from here on the worker's metrics are its heartbeat
     if msg[0] != "start":
         sys.exit(0)
     worker.run()
     conn.close()
     os._exit(0)
+
+
+def _startup_heartbeat(conn: Any, lock: threading.Lock, started: threading.Event, index: int) -> None:
+    while not started.wait(STARTUP_HEARTBEAT_S):
+        with lock:
+            try:
+                conn.send(("heartbeat", index))
+            except (OSError, EOFError):
+                return
+
+
+STARTUP_HEARTBEAT_S = 0.5
+"""How often a starting worker tells the driver it is alive (a running one sends metrics)."""
 
 
 if __name__ == "__main__":
