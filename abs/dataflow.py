@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 import pyarrow as pa
 
 from .errors import DuplicateUidError, GraphError
-from .keygroups import DEFAULT_MAX_PARALLELISM
+from .keygroups import DEFAULT_MAX_PARALLELISM, MAX_MAX_PARALLELISM
 from .sinks import Sink
 from .sources import Source
 from .state import ListState, MapState, ReducingState, ValueState
@@ -72,8 +72,10 @@ class Dataflow:
     def __init__(self, name: str, max_parallelism: int = DEFAULT_MAX_PARALLELISM) -> None:
         if not name or not isinstance(name, str):
             raise GraphError("Dataflow: name must be a non-empty string")
-        if not (1 <= max_parallelism <= 32768):
-            raise GraphError(f"Dataflow {name!r}: max_parallelism must be in 1..32768, got {max_parallelism}")
+        if not (1 <= max_parallelism <= MAX_MAX_PARALLELISM):
+            raise GraphError(
+                f"Dataflow {name!r}: max_parallelism must be in 1..{MAX_MAX_PARALLELISM}, got {max_parallelism}"
+            )
         self.name = name
         self.max_parallelism = max_parallelism
         self.nodes: list[Node] = []

@@ -1,15 +1,23 @@
-"""One exception tree for the runtime. Every class states its cause and remedy.
+"""The runtime's errors, in the toolkit's one exception tree. Every class states its cause and
+remedy.
 
-Storage errors live in :mod:`storage.errors` (the storage layer does not import
-``abs``); they are re-exported here so that users can catch both from one place.
+The root :class:`AbsError` (and :class:`ConfigError`, with its subclass
+:class:`ParallelismError` for the key-group math) is defined in the floor package
+:mod:`abscore.errors` and handed on here. The storage layer's errors
+(:class:`storage.StorageError` and below) and the recovery layer's
+(:class:`recovery.RecoveryError` and below) derive from it too, so ``except abs.AbsError``
+catches every error the toolkit raises on purpose.
 """
 from __future__ import annotations
+
+from abscore.errors import AbsError, ConfigError, ParallelismError
 
 __all__ = [
     "AbsError",
     "GraphError",
     "DuplicateUidError",
     "ConfigError",
+    "ParallelismError",
     "JobFailedError",
     "WorkerLostError",
     "OperatorError",
@@ -19,10 +27,6 @@ __all__ = [
     "StateError",
     "AlignmentError",
 ]
-
-
-class AbsError(Exception):
-    """Root of every error this toolkit raises on purpose."""
 
 
 class GraphError(AbsError, ValueError):
@@ -36,13 +40,6 @@ class DuplicateUidError(GraphError):
     """Two operators share a uid. State is stored under uids, so they must be unique.
 
     Remedy: give each operator, source and sink its own ``uid``.
-    """
-
-
-class ConfigError(AbsError, ValueError):
-    """An option passed to ``abs.run`` / ``abs.submit`` or a config object is invalid.
-
-    Remedy: the message names the option and the allowed values.
     """
 
 

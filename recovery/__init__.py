@@ -1,6 +1,6 @@
 """Recovery and rescaling: restore plans, key-group reassignment into a new parallelism,
 operator-state redistribution, compatibility checks and the choice of the checkpoint to
-restore. Depends on ``storage`` only (never on ``abs``).
+restore. Depends on ``storage`` and the floor ``abscore`` only (never on ``abs``).
 
 Pure planning first, I/O second:
 
@@ -19,10 +19,12 @@ A restore, as the runtime's driver does it::
 
 Offline rewrites (not imported here): :mod:`recovery.spark` compacts a checkpoint into a
 savepoint or re-keys it into a new ``max_parallelism`` on Spark; :mod:`recovery.rewrite` holds
-their engine-independent core and an in-process re-key. The re-key imports
-:mod:`abs.keygroups` (the runtime's key hash) lazily: the only place ``recovery`` uses ``abs``.
+their engine-independent core and an in-process re-key. The re-key hashes keys with
+:mod:`abscore.keygroups`, the key-group math the runtime uses too.
 """
 from __future__ import annotations
+
+from abscore.keygroups import KeyGroupRange, key_group_range, routing_table, subtask_for_key_group
 
 from . import errors
 from .check import check, check_manifest, latest_intact_before
@@ -36,7 +38,6 @@ from .errors import (
     RecoveryError,
 )
 from .fingerprint import JobFingerprint, OperatorFingerprint
-from .keygroups import KeyGroupRange, key_group_range, routing_table, subtask_for_key_group
 from .plan import RestorePlan, SubtaskPlan, plan_restore
 from .report import CompatibilityReport, Problem
 

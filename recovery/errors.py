@@ -1,9 +1,11 @@
 """One exception tree for the recovery layer.
 
 :class:`RecoveryError` derives from :class:`storage.errors.StorageError`, so code (and the
-``abs-snapshot`` CLI) that already handles storage errors handles these too. Every class
-states its cause and its remedy; messages name the object (root, checkpoint, operator,
-file) and end with a verdict and an action.
+``abs-snapshot`` CLI) that already handles storage errors handles these too.
+:class:`ParallelismError` is the floor's error of the key-group math
+(:mod:`abscore.keygroups`), handed on here: it is a ``ConfigError``, not a
+:class:`RecoveryError`. Every class states its cause and its remedy; messages name the object
+(root, checkpoint, operator, file) and end with a verdict and an action.
 
 This module must not import ``abs``.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from abscore.errors import ParallelismError
 from storage.errors import StorageError
 
 if TYPE_CHECKING:
@@ -78,12 +81,4 @@ class FingerprintFormatError(RecoveryError, ValueError):
     [descriptor, ...]}]}``.
 
     Remedy: pass the dict returned by ``Dataflow.fingerprint()`` (``json.dump`` it for the CLI).
-    """
-
-
-class ParallelismError(RecoveryError, ValueError):
-    """A parallelism, max parallelism or subtask index is out of range.
-
-    Remedy: use ``1 <= parallelism <= max_parallelism`` and a subtask index in
-    ``[0, parallelism)``; ``max_parallelism`` changes only through the offline re-key.
     """

@@ -28,13 +28,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from abscore.keygroups import KeyGroupRange, check_parallelism, key_group_range, routing_table
 from storage import FileRef, Manifest
 
 from ._content import select, sink_transactions_in_order, source_offsets_of
 from .check import check_manifest
 from .fingerprint import JobFingerprint
 from .errors import IncompatibleSnapshotError
-from .keygroups import KeyGroupRange, check_parallelism, key_group_range, routing_table
 
 __all__ = ["RestorePlan", "SubtaskPlan", "plan_restore"]
 

@@ -17,8 +17,8 @@ source offsets, sink transactions and operator-state rules unchanged. Files are 
 tasks; the driver writes ``_job.json`` and then the manifest, which is the commit point: until
 it exists the destination holds no snapshot, whatever happened to the tasks.
 
-Layering: ``recovery`` depends on ``storage`` only, except that the re-key needs the runtime's
-key hash; :mod:`abs.keygroups` is imported lazily, inside the functions that hash.
+Layering: ``recovery`` depends on ``storage`` and the floor ``abscore`` only; the re-key hashes
+keys with :mod:`abscore.keygroups`, the key hash the runtime uses too.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from abscore.keygroups import MAX_MAX_PARALLELISM, stable_hashes
 from storage import FileRef, Manifest, SnapshotStore, StoragePaths
 from storage.backend import protocols_of
 from storage.savepoint import copy_unkeyed
@@ -70,7 +71,6 @@ __all__ = [
     "rekey_local",
 ]
 
-MAX_MAX_PARALLELISM = 32768  # abs.keygroups.MAX_MAX_PARALLELISM (Flink's 2**15)
 _KEY_PICKLE_PROTOCOL = 5  # what abs.state pickles keys with ("pickle protocol 5")
 _SHUFFLE_CODEC = "lz4" if pa.Codec.is_available("lz4") else None
 _SHUFFLE_WRITE = pa.ipc.IpcWriteOptions(compression=_SHUFFLE_CODEC)
@@ -387,8 +387,6 @@ def _python_keys(table: pa.Table, where: str) -> list[Any]:
 def _hashes(table: pa.Table, where: str, *, unpickle: bool = False) -> "NDArray[np.uint64]":
     """The runtime's stable hash of every key: vectorized for typed keys, per unpickled key
     for pickled ones (only with ``unpickle``; :class:`UnpickleRefusedError` without)."""
-    from abs.keygroups import stable_hashes
-
     pickled = is_pickled(table.schema, KEY_COLUMN)
     if pickled and not unpickle:
         raise UnpickleRefusedError(

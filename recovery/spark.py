@@ -62,9 +62,9 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, TypeVar
 
+from abscore.errors import AbsError
 from storage import Manifest
 from storage import errors as storage_errors
-from storage.errors import StorageError
 from storage.format import DEFAULT_DECODE_LIMITS, DecodeLimits
 
 from . import errors as recovery_errors
@@ -274,7 +274,7 @@ def _run(what: str, action: Callable[[], T]) -> T:
         raise _task_error(what, exc) from exc
 
 
-def _task_error(what: str, exc: BaseException) -> StorageError:
+def _task_error(what: str, exc: BaseException) -> AbsError:
     name, message = _last_python_error(str(exc))
     cls = _error_class(name) if name else None
     if cls is not None:
@@ -297,11 +297,11 @@ def _last_python_error(text: str) -> tuple[str | None, str]:
     return found
 
 
-def _error_class(name: str) -> type[StorageError] | None:
+def _error_class(name: str) -> type[AbsError] | None:
     short = name.rsplit(".", 1)[-1]
     for module in (rewrite, recovery_errors, storage_errors):
         cls = getattr(module, short, None)
-        if isinstance(cls, type) and issubclass(cls, StorageError):
+        if isinstance(cls, type) and issubclass(cls, AbsError):
             return cls
     return None
 

@@ -1,21 +1,7 @@
-"""Typed ids so that checkpoint ids, key groups and subtask indexes cannot be mixed up."""
+"""Typed ids (checkpoint id, key group, subtask index, operator uid, state name): defined in
+the floor package :mod:`abscore.ids` and handed on here for the storage layer."""
 from __future__ import annotations
 
-from typing import NewType
+from abscore.ids import CheckpointId, KeyGroup, OperatorUid, StateName, SubtaskIndex
 
 __all__ = ["CheckpointId", "KeyGroup", "SubtaskIndex", "OperatorUid", "StateName"]
-
-CheckpointId = NewType("CheckpointId", int)
-"""Strictly increasing id of a checkpoint (>= 1), never reused within a root."""
-
-KeyGroup = NewType("KeyGroup", int)
-"""Key group index in ``[0, max_parallelism)``."""
-
-SubtaskIndex = NewType("SubtaskIndex", int)
-"""Index of a parallel subtask of an operator, ``[0, parallelism)``."""
-
-OperatorUid = NewType("OperatorUid", str)
-"""Stable operator id under which state is stored."""
-
-StateName = NewType("StateName", str)
-"""Name of a declared keyed state of an operator."""

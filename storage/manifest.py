@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Literal, Mapping
 
+from abscore.keygroups import MAX_MAX_PARALLELISM as _MAX_MAX_PARALLELISM
+
 from .errors import CorruptManifestError, InvalidPathError, StateNotFoundError, UnsupportedFormatError
 from .format import CHECKSUM_ALGORITHMS, WRITE_CHECKSUM_ALGORITHM, checksum_hex, is_checksum
 from .ids import CheckpointId, KeyGroup
@@ -49,7 +51,6 @@ values)."""
 MAX_INT = (1 << 63) - 1
 """Largest id, size, offset or row count a manifest may hold (a signed 64-bit integer)."""
 
-_MAX_MAX_PARALLELISM = 32768
 _CHECKSUM_KEYS = ("checksum", "checksum_algorithm")
 
 ManifestKind = Literal["checkpoint", "savepoint"]

@@ -115,13 +115,11 @@ def owner_of_every_chain(plan: RestorePlan) -> dict[tuple[str, str, int], tuple[
 
 
 # =========================================================================== key groups
-@settings(max_examples=300, deadline=None)
-@given(st.integers(1, 4096).flatmap(lambda m: st.tuples(st.just(m), st.integers(1, m))).flatmap(
-    lambda mp: st.tuples(st.just(mp[0]), st.just(mp[1]), st.integers(0, mp[1] - 1))))
-def test_key_group_range_is_the_runtimes_formula(mpi):
-    m, p, i = mpi
-    ours, theirs = key_group_range(m, p, i), abs_kg.key_group_range(m, p, i)
-    assert (ours.start, ours.end) == (theirs.start, theirs.end)
+def test_key_group_range_is_the_runtimes_formula():
+    # one implementation (abscore.keygroups), not two that must agree
+    assert key_group_range is abs_kg.key_group_range
+    assert routing_table is abs_kg.routing_table and subtask_for_key_group is abs_kg.subtask_for_key_group
+    assert KeyGroupRange is abs_kg.KeyGroupRange
 
 
 @settings(max_examples=200, deadline=None)
@@ -139,9 +137,9 @@ def test_key_group_ranges_partition_all_key_groups_in_order(mp):
 
 
 def test_key_group_range_rejects_parallelism_above_max_parallelism():
-    with pytest.raises(ParallelismError, match="parallelism 9 exceeds max_parallelism 8"):
+    with pytest.raises(ParallelismError, match=r"Maximum parallelism \(8\) must not be smaller than parallelism \(9\)"):
         key_group_range(8, 9, 0)
-    with pytest.raises(ParallelismError, match="subtask 3 is out of range"):
+    with pytest.raises(ParallelismError, match="Subtask index 3 is out of range"):
         key_group_range(8, 3, 3)
     assert str(KeyGroupRange(4, 7)) == "[4, 7]" and 5 in KeyGroupRange(4, 7) and 8 not in KeyGroupRange(4, 7)
 
