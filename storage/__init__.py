@@ -4,7 +4,8 @@ Per operator, state and key group, checkpoints write Arrow IPC streams (zstd) ho
 base or an incremental delta; manifests (JSON) list each key group's chain and are the commit
 point. See ``storage/FORMAT.md`` for the on-disk format.
 
-This package does not import ``abs`` or ``recovery``.
+This package does not import ``abs`` or ``recovery``; it builds on the floor package ``abscore``
+(key groups, typed ids, the file-schema names, the error root).
 """
 from __future__ import annotations
 

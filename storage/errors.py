@@ -5,9 +5,13 @@ and, where one fits, from a built-in exception as well (so ``except FileNotFound
 or ``except ValueError`` keep working). Each class states its cause and the remedy.
 Messages name the object (root, checkpoint, file) and end with a verdict and an action.
 
-The runtime re-exports these from :mod:`abs.errors`; this module must not import ``abs``.
+:class:`StorageError` derives from the one error root :class:`abscore.errors.AbsError`
+(``abs.AbsError``), so ``except abs.AbsError`` catches storage errors too. This module must
+not import ``abs`` or ``recovery``.
 """
 from __future__ import annotations
+
+from abscore.errors import AbsError
 
 __all__ = [
     "StorageError",
@@ -30,8 +34,8 @@ __all__ = [
 ]
 
 
-class StorageError(Exception):
-    """Root of every error the storage layer raises on purpose."""
+class StorageError(AbsError):
+    """Root of every error the storage layer raises on purpose (a :class:`AbsError`)."""
 
 
 class StorageUnavailableError(StorageError, OSError):
