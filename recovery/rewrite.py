@@ -35,12 +35,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from abscore.keygroups import MAX_MAX_PARALLELISM, stable_hashes
+from abscore.schema import ENCODING_ARROW, ENCODING_PICKLE, KEY_COLUMN, META_KEY_ENCODING, META_VALUE_ENCODING
 from storage import FileRef, Manifest, SnapshotStore, StoragePaths
 from storage.backend import protocols_of
 from storage.savepoint import copy_unkeyed
 from storage.errors import CorruptManifestError, StorageConfigError
 from storage.manifest import manifest_problems
-from storage.format import DEFAULT_DECODE_LIMITS, KEY_COLUMN, META_KEY_ENCODING, META_VALUE_ENCODING, DecodeLimits, is_pickled
+from storage.format import DEFAULT_DECODE_LIMITS, DecodeLimits, is_pickled
 
 from .errors import ParallelismError, RecoveryError
 
@@ -460,7 +461,7 @@ def _pickle_keys(table: pa.Table) -> pa.Table:
         return table
     blobs = [pickle.dumps(k, _KEY_PICKLE_PROTOCOL) for k in table.column(KEY_COLUMN).to_pylist()]
     meta = dict(table.schema.metadata or {})
-    meta[META_KEY_ENCODING] = b"pickle"
+    meta[META_KEY_ENCODING] = ENCODING_PICKLE
     index = table.schema.get_field_index(KEY_COLUMN)
     out = table.set_column(index, pa.field(KEY_COLUMN, pa.binary(), nullable=False), pa.array(blobs, pa.binary()))
     return out.replace_schema_metadata(meta)
@@ -475,7 +476,7 @@ def _merge_parts(parts: list[pa.Table], where: str) -> pa.Table:
     first = parts[0].schema
     if all(p.schema.equals(first, check_metadata=True) for p in parts[1:]):
         return pa.concat_tables(parts)
-    value_encodings = {(p.schema.metadata or {}).get(META_VALUE_ENCODING, b"arrow") for p in parts}
+    value_encodings = {(p.schema.metadata or {}).get(META_VALUE_ENCODING, ENCODING_ARROW) for p in parts}
     if len(value_encodings) > 1:
         raise RewriteError(f"{where}: the old key groups store the values with different encodings "
                            f"({sorted(e.decode() for e in value_encodings)}); cannot merge them into one key group")

@@ -30,6 +30,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from abscore.schema import (
+    ENCODING_PICKLE,
+    KEY_COLUMN,
+    META_FILE_KIND,
+    META_KEY_ENCODING,
+    META_KEYS_DIGEST,
+    META_VALUE_ENCODING,
+    OP_COLUMN,
+    OP_DELETE,
+    OP_UPSERT,
+)
+
 from .errors import CorruptFileError, DeltaSchemaError, StorageConfigError
 
 __all__ = [
@@ -65,17 +77,8 @@ __all__ = [
     "values_image",
 ]
 
-KEY_COLUMN = "key"
-OP_COLUMN = "op"
-OP_UPSERT = 0
-OP_DELETE = 1
-META_KEY_ENCODING = b"abs.key_encoding"
-META_VALUE_ENCODING = b"abs.value_encoding"
-META_FILE_KIND = b"abs.file_kind"
-"""Written by format 1 only (the manifest and the file name already say the kind); ignored on read."""
-META_KEYS_DIGEST = b"abs.keys_digest"
-"""Format 4, in a *values image* only: ``<algorithm>:<hex digest>`` of the int64 keys of the
-base whose rows it gives the values of (see :func:`values_image`)."""
+# KEY_COLUMN, OP_COLUMN, OP_UPSERT, OP_DELETE and the META_* names of the schema are defined in
+# abscore.schema (see there) and handed on from here.
 
 _FILE_MAGIC = b"ARROW1"  # format 1: IPC file; format 2 files start with an IPC stream message
 _MAX_BATCH_ROWS = 1 << 17
@@ -441,8 +444,8 @@ def is_pickled(schema: pa.Schema, column: str) -> bool:
     """True when ``column`` holds pickled Python objects according to the schema metadata."""
     meta = schema.metadata or {}
     if column == KEY_COLUMN:
-        return meta.get(META_KEY_ENCODING) == b"pickle"
-    return column != OP_COLUMN and meta.get(META_VALUE_ENCODING) == b"pickle"
+        return meta.get(META_KEY_ENCODING) == ENCODING_PICKLE
+    return column != OP_COLUMN and meta.get(META_VALUE_ENCODING) == ENCODING_PICKLE
 
 
 def value_columns(schema: pa.Schema) -> list[str]:
