@@ -1,23 +1,21 @@
 """One exception tree for the recovery layer.
 
-:class:`RecoveryError` derives from :class:`storage.errors.StorageError`, so code (and the
-``abs-snapshot`` CLI) that already handles storage errors handles these too.
-:class:`ParallelismError` is the floor's error of the key-group math
-(:mod:`abscore.keygroups`), handed on here: it is a ``ConfigError``, not a
+:class:`RecoveryError` derives from :class:`storage.errors.StorageError` (and so from the one
+root ``abs.AbsError``), so code (and the ``abs-snapshot`` CLI) that already handles storage
+errors handles these too. :class:`ParallelismError` is the floor's error of the key-group
+math (:mod:`abscore.keygroups`), handed on here: it is a ``ConfigError``, not a
 :class:`RecoveryError`. Every class states its cause and its remedy; messages name the object
 (root, checkpoint, operator, file) and end with a verdict and an action.
 
-This module must not import ``abs``.
+This module must not import ``abs``, nor the rest of ``recovery`` (:mod:`recovery.report`
+imports it).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from abscore.errors import ParallelismError
 from storage.errors import StorageError
-
-if TYPE_CHECKING:
-    from .report import CompatibilityReport
 
 __all__ = [
     "RecoveryError",
@@ -27,6 +25,25 @@ __all__ = [
     "FingerprintFormatError",
     "ParallelismError",
 ]
+
+
+class Report(Protocol):
+    """What :class:`IncompatibleSnapshotError` carries: a
+    :class:`recovery.report.CompatibilityReport` (named by this protocol, so that this module
+    does not import :mod:`recovery.report`, which raises the error)."""
+
+    @property
+    def problems(self) -> tuple[Any, ...]: ...
+
+    @property
+    def ok(self) -> bool: ...
+
+    @property
+    def kinds(self) -> set[str]: ...
+
+    def verdict(self) -> str: ...
+
+    def lines(self) -> list[str]: ...
 
 
 class RecoveryError(StorageError):
@@ -46,7 +63,7 @@ class IncompatibleSnapshotError(RecoveryError, ValueError):
     upgrade the toolkit, or restore from the named fallback checkpoint.
     """
 
-    def __init__(self, message: str, report: "CompatibilityReport | None" = None) -> None:
+    def __init__(self, message: str, report: Report | None = None) -> None:
         super().__init__(message)
         self.report = report
 

@@ -19,24 +19,62 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import TYPE_CHECKING
+from typing import Any, Mapping, Protocol, Sequence
 
+import pyarrow as pa
+
+from .backend import RootIO
 from .errors import CheckpointNotFoundError, MissingFileError, StorageError, StorageUnavailableError
 from .ids import CheckpointId
 from .manifest import FileRef, Manifest
-from .paths import StoragePaths
+from .paths import FileKind, StoragePaths
+from .pins import PinLease, PinRecord
 
-if TYPE_CHECKING:
-    from .pins import PinLease
-    from .store import SnapshotStore
+__all__ = ["SavepointStore", "take_savepoint", "copy_unkeyed", "remove_incomplete_savepoints"]
 
-__all__ = ["take_savepoint", "copy_unkeyed", "remove_incomplete_savepoints"]
+
+class SavepointStore(Protocol):
+    """What a savepoint uses of a :class:`storage.SnapshotStore` (named by this protocol, so
+    that this module does not import :mod:`storage.store`, which calls it): the public reads,
+    pins and commit, and the store's internal hooks for savepoints (``_io``, ``_write_table``,
+    ``_copy_in``, ``_now``)."""
+
+    _io: RootIO
+
+    @property
+    def url(self) -> str: ...
+
+    def list_files(self) -> dict[str, int]: ...
+
+    def init_job(self, fingerprint: Mapping[str, Any]) -> None: ...
+
+    def read_job(self) -> dict[str, Any] | None: ...
+
+    def next_checkpoint_id(self) -> CheckpointId: ...
+
+    def read_manifest(self, checkpoint_id: int) -> Manifest: ...
+
+    def read_chain(self, chain: Sequence[FileRef], *, checkpoint_id: int | None = None) -> pa.Table: ...
+
+    def read_bytes(self, ref: FileRef, *, checkpoint_id: int | None = None) -> bytes: ...
+
+    def commit(self, manifest: Manifest) -> Manifest: ...
+
+    def pins(self) -> list[PinRecord]: ...
+
+    def pin(self, first: int, last: int | None = None, *, ttl: float = ..., holder: str = "") -> PinLease: ...
+
+    def _write_table(self, path: str, table: pa.Table, kind: FileKind, checkpoint_id: int) -> FileRef: ...
+
+    def _copy_in(self, data: bytes, ref: FileRef, path: str, checkpoint_id: int) -> FileRef: ...
+
+    def _now(self) -> float: ...
 
 _DATA = ("base", "delta", "packed", "opstate", "channel")
 
 
-def take_savepoint(source: "SnapshotStore", checkpoint_id: int, dest: "SnapshotStore", *,
-                   source_pin: "PinLease | None" = None) -> Manifest:
+def take_savepoint(source: SavepointStore, checkpoint_id: int, dest: SavepointStore, *,
+                   source_pin: PinLease | None = None) -> Manifest:
     """Copy checkpoint ``checkpoint_id`` of ``source`` into ``dest`` as a savepoint; returns
     the committed savepoint manifest.
 
@@ -71,7 +109,7 @@ def take_savepoint(source: "SnapshotStore", checkpoint_id: int, dest: "SnapshotS
             lease.release()
 
 
-def _copy(source: "SnapshotStore", manifest: Manifest, dest: "SnapshotStore", lease: "PinLease | None") -> Manifest:
+def _copy(source: SavepointStore, manifest: Manifest, dest: SavepointStore, lease: PinLease | None) -> Manifest:
     checkpoint_id = manifest.checkpoint_id
     job = source.read_job() or {"job_name": manifest.job_name, "max_parallelism": manifest.max_parallelism}
     dest.init_job(job)
@@ -123,7 +161,7 @@ def _copy(source: "SnapshotStore", manifest: Manifest, dest: "SnapshotStore", le
     return stored
 
 
-def _files_of(dest: "SnapshotStore", checkpoint_id: int) -> list[str]:
+def _files_of(dest: SavepointStore, checkpoint_id: int) -> list[str]:
     """Data files of ``dest`` written under ``checkpoint_id`` (also those of a copy that
     failed before it returned their names)."""
     out = []
@@ -134,7 +172,7 @@ def _files_of(dest: "SnapshotStore", checkpoint_id: int) -> list[str]:
     return out
 
 
-def _remove(dest: "SnapshotStore", paths: list[str]) -> None:
+def _remove(dest: SavepointStore, paths: list[str]) -> None:
     for path in dict.fromkeys(paths):
         try:
             dest._io.delete(path)
@@ -142,7 +180,7 @@ def _remove(dest: "SnapshotStore", paths: list[str]) -> None:
             pass  # best effort: the marker (deleted last) says the copy is incomplete
 
 
-def remove_incomplete_savepoints(dest: "SnapshotStore") -> list[CheckpointId]:
+def remove_incomplete_savepoints(dest: SavepointStore) -> list[CheckpointId]:
     """Remove what interrupted savepoint copies left in ``dest``: for every marker
     ``checkpoints/.sp-<id>.incomplete`` without a manifest ``<id>`` and without a live pin
     on ``<id>`` (a copy still running holds one), the data files of ``<id>``, then the
@@ -167,7 +205,7 @@ def remove_incomplete_savepoints(dest: "SnapshotStore") -> list[CheckpointId]:
     return cleaned
 
 
-def copy_unkeyed(source: "SnapshotStore", manifest: Manifest, dest: "SnapshotStore",
+def copy_unkeyed(source: SavepointStore, manifest: Manifest, dest: SavepointStore,
                  savepoint_id: int) -> tuple[dict[str, dict[int, FileRef]], list[FileRef]]:
     """Copy the operator-state and channel-log files of ``manifest`` (a checkpoint of
     ``source``) into ``dest`` under ``savepoint_id``, byte for byte (checksums verified on

@@ -43,6 +43,7 @@ from .ids import CheckpointId, SubtaskIndex
 from .manifest import (FORMAT_VERSION, MAX_INT, MAX_MANIFEST_BYTES, FileRef, Manifest, chain_problems, manifest_problems,
                        parse_json_document)
 from .paths import FileKind, StoragePaths, new_token
+from .savepoint import take_savepoint
 from .stats import storage_stats
 from .verify import VerifyReport, check_files, lineage_problems, structural_problems
 
@@ -1003,8 +1004,6 @@ class SnapshotStore:
         protocol reuses this store's file system (and credentials). The checkpoint is pinned
         in this root while it is copied (``source_pin``: a lease the caller already holds on
         it). See :func:`storage.savepoint.take_savepoint`."""
-        from .savepoint import take_savepoint
-
         if storage_options is None and fs is None:
             protocol = fsspec.core.split_protocol(dest_url)[0] or "file"
             if protocol in protocols_of(self._io.fs):
