@@ -43,7 +43,8 @@ KINDS = (
     "s3_outage",        # root on S3 (moto), server stopped and restarted during the job
     "corrupt_between",  # kill -9 driver; truncate / bit-flip / delete a file; restore
 )
-BAD = ("lost", "duplicated", "stuck", "failed with restarts left")
+DRILL_ERROR = "drill error"
+BAD = ("lost", "duplicated", "stuck", "failed with restarts left", DRILL_ERROR)
 REFUSED = "refused: no intact checkpoint"
 CLASSES = ("exact",) + BAD + ("failed, restarts exhausted", REFUSED, "skipped")
 
@@ -307,7 +308,10 @@ class Drill:
         with open(path, "w") as f:
             json.dump(cfg, f)
         log = open(os.path.join(cfg["dir"], f"driver-{cfg['run']}.log"), "w")
-        return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--_driver", path],
+        # the checkout this script belongs to comes first (whatever the interpreter has installed)
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([here] + [p for p in sys.path if p]))
+        return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--_driver", path], env=env,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def _reap(self, proc: subprocess.Popen) -> None:
@@ -445,14 +449,15 @@ class Drill:
             return f"worker pid {w} stopped at {sch.at}s"
         if sch.kind == "disk_full":
             filler = os.path.join(mnt, "filler")
-            with open(filler, "wb") as f:
-                try:
+            try:  # the job may have filled it already: then opening fails too
+                with open(filler, "wb") as f:
                     while True:
                         f.write(b"\0" * (1 << 16))
-                except OSError:
-                    pass
+            except OSError:
+                pass
             time.sleep(d["full_for"])
-            os.unlink(filler)
+            if os.path.exists(filler):
+                os.unlink(filler)
             return f"tmpfs full for {d['full_for']}s at {sch.at}s"
         if sch.kind == "s3_outage":
             s3 = self.s3()
@@ -635,7 +640,10 @@ def main(argv: list[str] | None = None) -> int:
             kind = args.kinds[n % len(args.kinds)] if args.cover else draw_kind(seed, args.kinds)
             sch = make_schedule(seed, args.p, args.root, kind)
             t = time.monotonic()
-            out = drill.run(sch)
+            try:
+                out = drill.run(sch)
+            except Exception as exc:  # noqa: BLE001 - a fault of the drill itself: counted, not hidden
+                out = Outcome(DRILL_ERROR, f"{type(exc).__name__}: {exc}")
             rows.append((sch, out))
             print(f"seed {seed:>6} {sch.kind:<16} {out.cls:<27} {time.monotonic() - t:5.1f}s  {out.note}", flush=True)
             if out.cls in BAD:
@@ -680,7 +688,7 @@ def summarize(rows: list) -> dict:
 
 def print_table(table: dict) -> None:
     cols = ("schedules",) + CLASSES + ("missed",)
-    heads = ("schedules", "exact", "lost", "dup", "stuck", "fail+left", "fail-exh", "refused", "skipped", "missed")
+    heads = ("schedules", "exact", "lost", "dup", "stuck", "fail+left", "drill-err", "fail-exh", "refused", "skipped", "missed")
     print()
     print(f"{'':<16}" + "".join(f"{h:>10}" for h in heads))
     for name in [k for k in KINDS if k in table] + ["total"]:
