@@ -26,7 +26,7 @@ from .files import FileSink, FileSource, read_output
 from .sinks import CollectSink, Sink, SinkWriter
 from .sources import END, GeneratorSource, Source, SourceReader
 from .state import ListState, MapState, ReducingState, ValueState
-from .errors import RepeatedOutputError
+from .errors import ParallelismError, RepeatedOutputError
 from .sinks import SinkRollback
 
 __all__ = [
@@ -66,6 +66,7 @@ __all__ = [
     "CheckpointFailedError",
     "WorkerLostError",
     "RepeatedOutputError",
+    "ParallelismError",
     "SinkRollback",
 ]
 __version__ = "0.1.0"

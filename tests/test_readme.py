@@ -59,7 +59,7 @@ def test_the_spark_blocks_run_after_the_headline_definitions(tmp_path):
 
 
 def _names_shown() -> set[str]:
-    names = set(re.findall(r"\b((?:abs|storage|recovery)(?:\.[A-Za-z_]\w*)+)", TEXT))
+    names = set(re.findall(r"\b((?:abscore|abs|storage|recovery)(?:\.[A-Za-z_]\w*)+)", TEXT))
     table = TEXT[TEXT.index("### Public API"):TEXT.index("## Architecture")]
     for row in table.splitlines():
         cells = row.split("|")
