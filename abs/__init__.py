@@ -9,6 +9,7 @@ Public API::
 """
 from .api import JobHandle, run, submit
 from .config import CheckpointConfig, RestartStrategy
+from .options import Restore
 from .dataflow import Dataflow, KeyedStream, Stream
 from .errors import (
     AbsError,
@@ -40,6 +41,7 @@ __all__ = [
     "CheckpointStats",
     "CheckpointConfig",
     "RestartStrategy",
+    "Restore",
     "SparkExecutor",
     "LocalExecutor",
     "ValueState",

@@ -9,6 +9,7 @@ from typing import Any
 from .config import CheckpointConfig, RestartStrategy
 from .dataflow import Dataflow
 from .errors import ConfigError, JobFailedError
+from .options import Restore, RestoreValue
 from .runtime.driver import JobDriver, JobResult, LocalExecutor
 
 __all__ = ["run", "submit", "JobHandle"]
@@ -20,7 +21,7 @@ def _driver(
     checkpoint: CheckpointConfig | None,
     storage: str | None,
     storage_options: dict | None,
-    restore: Any,
+    restore: RestoreValue,
     executor: Any,
     restart: RestartStrategy | None,
     allow_non_restored_state: bool,
@@ -46,7 +47,7 @@ def _driver(
         checkpoint=checkpoint,
         storage=storage,
         storage_options=storage_options,
-        restore=restore,
+        restore=Restore.parse(restore).value,  # the runtime takes the plain value
         executor=executor,
         restart=restart,
         allow_non_restored_state=allow_non_restored_state,
@@ -63,7 +64,7 @@ def run(
     checkpoint: CheckpointConfig | None = None,
     storage: str | None = None,
     storage_options: dict | None = None,
-    restore: Any = None,
+    restore: RestoreValue = None,
     executor: Any = "local",
     restart: RestartStrategy | None = None,
     allow_non_restored_state: bool = False,
@@ -79,7 +80,8 @@ def run(
 
     ``checkpoint``: when and how to checkpoint (needs ``storage``). ``storage``: a path or
     fsspec URL (``file://``, ``memory://``, ``s3://bucket/prefix`` with ``storage_options``).
-    ``restore``: ``None`` (a fresh start; refused when ``storage`` already holds checkpoints of
+    ``restore``: an :class:`abs.Restore` (``Restore.latest()``, ``.checkpoint(id)``, ...) or
+    the plain value it stands for: ``None`` (a fresh start; refused when ``storage`` already holds checkpoints of
     this job), ``"latest"`` (the newest checkpoint that can be restored, walking back past broken
     ones; refused when there is none), ``"latest-if-any"`` (the same, or a fresh start when the
     root holds no checkpoint), ``"fresh"`` (empty state on purpose; new checkpoint ids continue
@@ -211,7 +213,7 @@ def submit(
     checkpoint: CheckpointConfig | None = None,
     storage: str | None = None,
     storage_options: dict | None = None,
-    restore: Any = None,
+    restore: RestoreValue = None,
     executor: Any = "local",
     restart: RestartStrategy | None = None,
     allow_non_restored_state: bool = False,

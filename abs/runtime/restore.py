@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, Mapping, Sequence
 
 from ..errors import ConfigError
+from ..options import RESTORE_KEYWORDS, Restore
 
 __all__ = [
     "RESTORE_KEYWORDS",
@@ -46,22 +47,13 @@ __all__ = [
     "id_ranges",
 ]
 
-RESTORE_KEYWORDS = ("latest", "latest-if-any", "fresh")
-
 
 def check_restore_option(restore: Any, storage: str | None) -> None:
-    """Refuse a ``restore=`` value that cannot work, naming what to pass instead."""
+    """Refuse a ``restore=`` value that cannot work, naming what to pass instead (the value
+    itself: :meth:`abs.Restore.parse`; here: what it needs of ``storage``)."""
+    restore = Restore.parse(restore).value
     if restore is None:
         return
-    if isinstance(restore, bool) or not isinstance(restore, (int, str)):
-        raise ConfigError(
-            f"restore must be None, 'latest', 'latest-if-any', 'fresh', a checkpoint id or a savepoint path, "
-            f"got {restore!r}"
-        )
-    if isinstance(restore, int) and restore < 1:
-        raise ConfigError(f"restore={restore!r}: checkpoint ids are integers >= 1; pass one 'abs-snapshot ls ROOT' lists")
-    if isinstance(restore, str) and not restore:
-        raise ConfigError("restore='': pass 'latest', 'latest-if-any', 'fresh', a checkpoint id or a savepoint path")
     if storage is None and (restore in RESTORE_KEYWORDS or isinstance(restore, int)):
         what = f"checkpoint {restore}" if isinstance(restore, int) else f"restore={restore!r}"
         raise ConfigError(
