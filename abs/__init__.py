@@ -9,7 +9,7 @@ Public API::
 """
 from .api import JobHandle, run, submit
 from .config import CheckpointConfig, RestartStrategy
-from .options import Restore
+from .options import Restore, RuntimeOptions
 from .dataflow import Dataflow, KeyedStream, Stream
 from .errors import (
     AbsError,
@@ -42,6 +42,7 @@ __all__ = [
     "CheckpointConfig",
     "RestartStrategy",
     "Restore",
+    "RuntimeOptions",
     "SparkExecutor",
     "LocalExecutor",
     "ValueState",

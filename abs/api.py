@@ -1,36 +1,70 @@
 """Running a dataflow: :func:`run` blocks, :func:`submit` returns a :class:`JobHandle`."""
 from __future__ import annotations
 
+import inspect
 import queue
 import threading
 import time
-from typing import Any
+import warnings
+from dataclasses import dataclass, fields
+from typing import Any, Callable, TypeVar
 
 from .config import CheckpointConfig, RestartStrategy
 from .dataflow import Dataflow
 from .errors import ConfigError, JobFailedError
-from .options import Restore, RestoreValue
+from .options import Restore, RestoreValue, RuntimeOptions
 from .runtime.driver import JobDriver, JobResult, LocalExecutor
 
 __all__ = ["run", "submit", "JobHandle"]
 
+_R = TypeVar("_R")
 
-def _driver(
-    flow: Dataflow,
-    parallelism: int | None,
-    checkpoint: CheckpointConfig | None,
-    storage: str | None,
-    storage_options: dict | None,
-    restore: RestoreValue,
-    executor: Any,
-    restart: RestartStrategy | None,
-    allow_non_restored_state: bool,
-    faults: tuple,
-    heartbeat_timeout: float,
-    allow_repeated_output: bool = False,
-) -> JobDriver:
+
+@dataclass(frozen=True)
+class _JobOptions:
+    """The keyword arguments :func:`run` and :func:`submit` take (the one list of them: their
+    signatures are made from it), normalised by :func:`_job_options`."""
+
+    parallelism: int | None = None
+    checkpoint: CheckpointConfig | None = None
+    storage: str | None = None
+    storage_options: dict | None = None
+    restore: RestoreValue = None
+    executor: Any = "local"
+    restart: RestartStrategy | None = None
+    allow_non_restored_state: bool = False
+    allow_repeated_output: bool = False
+    runtime: RuntimeOptions | None = None
+
+
+# keywords that moved into RuntimeOptions; still taken by run/submit for one release
+_MOVED_TO_RUNTIME = ("faults", "heartbeat_timeout")
+
+
+def _job_options(caller: str, options: dict[str, Any]) -> _JobOptions:
+    """``run``'s or ``submit``'s keyword arguments as one :class:`_JobOptions`: unknown names
+    refused as Python refuses them, the keywords moved into :class:`RuntimeOptions` taken
+    with a ``DeprecationWarning`` that names the replacement."""
+    moved = {k: options.pop(k) for k in _MOVED_TO_RUNTIME if k in options}
+    names = {f.name for f in fields(_JobOptions)}
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}")
+    if moved:
+        spelled = ", ".join(f"{k}=..." for k in moved)
+        if options.get("runtime") is not None:
+            raise ConfigError(f"abs.{caller}(): {spelled} given beside runtime=; pass them only inside "
+                              f"runtime=abs.RuntimeOptions({spelled})")
+        warnings.warn(f"abs.{caller}({spelled}) is deprecated and will be removed in the next release; pass "
+                      f"runtime=abs.RuntimeOptions({spelled}) instead", DeprecationWarning, stacklevel=3)
+        options["runtime"] = RuntimeOptions(**moved)
+    return _JobOptions(**options)
+
+
+def _driver(flow: Dataflow, o: _JobOptions) -> JobDriver:
     if not isinstance(flow, Dataflow):
         raise ConfigError(f"expected an abs.Dataflow, got {type(flow).__name__}")
+    executor, parallelism, checkpoint = o.executor, o.parallelism, o.checkpoint
     if executor in (None, "local"):
         executor = LocalExecutor()
     elif isinstance(executor, str):
@@ -39,39 +73,41 @@ def _driver(
         parallelism = getattr(executor, "num_workers", None) or 1
     if checkpoint is not None and not isinstance(checkpoint, CheckpointConfig):
         raise ConfigError(f"checkpoint must be an abs.CheckpointConfig, got {type(checkpoint).__name__}")
-    if storage is not None and checkpoint is None:
+    if o.storage is not None and checkpoint is None:
         checkpoint = CheckpointConfig()  # on-request and final checkpoints only
+    runtime = RuntimeOptions() if o.runtime is None else o.runtime
+    if not isinstance(runtime, RuntimeOptions):
+        raise ConfigError(f"runtime must be an abs.RuntimeOptions, got {type(runtime).__name__}; "
+                          "pass runtime=abs.RuntimeOptions(...)")
     return JobDriver(
         flow,
         parallelism=parallelism,
         checkpoint=checkpoint,
-        storage=storage,
-        storage_options=storage_options,
-        restore=Restore.parse(restore).value,  # the runtime takes the plain value
+        storage=o.storage,
+        storage_options=o.storage_options,
+        restore=Restore.parse(o.restore).value,  # the runtime takes the plain value
         executor=executor,
-        restart=restart,
-        allow_non_restored_state=allow_non_restored_state,
-        faults=faults,
-        heartbeat_timeout=heartbeat_timeout,
-        allow_repeated_output=allow_repeated_output,
+        restart=o.restart,
+        allow_non_restored_state=o.allow_non_restored_state,
+        faults=runtime.faults,
+        startup_timeout=runtime.startup_timeout,
+        heartbeat_timeout=runtime.heartbeat_timeout,
+        allow_repeated_output=o.allow_repeated_output,
     )
 
 
-def run(
-    flow: Dataflow,
-    *,
-    parallelism: int | None = None,
-    checkpoint: CheckpointConfig | None = None,
-    storage: str | None = None,
-    storage_options: dict | None = None,
-    restore: RestoreValue = None,
-    executor: Any = "local",
-    restart: RestartStrategy | None = None,
-    allow_non_restored_state: bool = False,
-    faults: tuple = (),
-    heartbeat_timeout: float = 30.0,
-    allow_repeated_output: bool = False,
-) -> JobResult:
+def _takes_job_options(fn: Callable[..., _R]) -> Callable[..., _R]:
+    """Give ``fn(flow, **options)`` the signature ``fn(flow, *, <the fields of _JobOptions>)``
+    for ``help()`` and ``inspect``."""
+    params = [inspect.Parameter("flow", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="Dataflow")]
+    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+               for f in fields(_JobOptions)]
+    fn.__signature__ = inspect.Signature(params, return_annotation=fn.__annotations__.get("return"))  # type: ignore[attr-defined]
+    return fn
+
+
+@_takes_job_options
+def run(flow: Dataflow, **options: Any) -> JobResult:
     """Run ``flow`` on ``parallelism`` workers until its bounded sources are exhausted.
 
     ``parallelism``: number of workers (default: ``executor.num_workers`` if the executor
@@ -93,17 +129,13 @@ def run(
     ``repeated_output`` say what happened.
     ``allow_non_restored_state``: restore even if the snapshot holds state of operators the
     job no longer has (that state is dropped). ``restart``: an :class:`abs.RestartStrategy`
-    (default: no restart). ``faults``: failure
-    injection for tests, ``(point, task, nth[, attempt])`` tuples: the worker running ``task``
-    (``"task<t>#<subtask>"`` or ``"*"``) kills itself hard at the ``nth`` hit of ``point``.
-    ``heartbeat_timeout``: seconds of silence after which a worker counts as hung.
+    (default: no restart). ``runtime``: an :class:`abs.RuntimeOptions` (heartbeat and startup
+    timeouts of worker supervision, failure injection for tests); the keywords ``faults`` and
+    ``heartbeat_timeout`` of earlier releases still work, with a ``DeprecationWarning``.
     Returns a :class:`JobResult`; raises :class:`abs.JobFailedError` (with ``.result``) if
     the job fails.
     """
-    return _driver(
-        flow, parallelism, checkpoint, storage, storage_options, restore, executor, restart, allow_non_restored_state, faults, heartbeat_timeout,
-        allow_repeated_output,
-    ).run()
+    return _driver(flow, _job_options("run", options)).run()
 
 
 class JobHandle:
@@ -206,23 +238,7 @@ class JobHandle:
         }
 
 
-def submit(
-    flow: Dataflow,
-    *,
-    parallelism: int | None = None,
-    checkpoint: CheckpointConfig | None = None,
-    storage: str | None = None,
-    storage_options: dict | None = None,
-    restore: RestoreValue = None,
-    executor: Any = "local",
-    restart: RestartStrategy | None = None,
-    allow_non_restored_state: bool = False,
-    faults: tuple = (),
-    heartbeat_timeout: float = 30.0,
-    allow_repeated_output: bool = False,
-) -> JobHandle:
+@_takes_job_options
+def submit(flow: Dataflow, **options: Any) -> JobHandle:
     """Start ``flow`` in the background; see :func:`run` for the arguments."""
-    return JobHandle(
-        _driver(flow, parallelism, checkpoint, storage, storage_options, restore, executor, restart, allow_non_restored_state, faults, heartbeat_timeout,
-                allow_repeated_output)
-    )
+    return JobHandle(_driver(flow, _job_options("submit", options)))

@@ -2,15 +2,18 @@
 
 :class:`Restore` says what a job restores (``restore=``); the strings, ids and paths that
 ``restore=`` took before keep working and turn into one with :meth:`Restore.parse`.
+:class:`RuntimeOptions` holds the knobs of the runtime itself that tests and drills turn
+(``runtime=``): failure injection and the timeouts of worker supervision.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Any, Iterable, Literal, Union
 
 from .errors import ConfigError
 
-__all__ = ["Restore", "RestoreValue", "RESTORE_KEYWORDS"]
+__all__ = ["Restore", "RestoreValue", "RESTORE_KEYWORDS", "RuntimeOptions"]
 
 # restore= values that are words, not savepoint paths
 RESTORE_KEYWORDS = ("latest", "latest-if-any", "fresh")
@@ -138,3 +141,38 @@ def _check_path(path: Any) -> None:
         raise ConfigError(
             f"Restore.savepoint({path!r}): {path!r} is a restore keyword, not a path; pass './{path}' for a "
             f"savepoint in a directory of that name, or Restore.{path.replace('-', '_')}()")
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """How the runtime supervises a job's workers; passed as ``abs.run(..., runtime=...)``.
+
+    ``heartbeat_timeout``: seconds of silence after which a worker (running or still
+    starting) counts as hung. ``startup_timeout``: seconds a worker may take to start and
+    restore. ``faults``: failure injection for tests and drills, :class:`abs.faults.Fault`
+    objects or ``(point, task, nth[, attempt[, action]])`` tuples: the worker running
+    ``task`` (``"task<t>#<subtask>"`` or ``"*"``) kills itself hard at the ``nth`` hit of
+    ``point``.
+    """
+
+    heartbeat_timeout: float = 30.0
+    startup_timeout: float = 120.0
+    faults: Iterable[Any] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_timeout", "startup_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+                raise ConfigError(f"RuntimeOptions({name}={value!r}): expected a number of seconds > 0; "
+                                  f"pass e.g. {name}={getattr(RuntimeOptions, name)}")
+        if isinstance(self.faults, (str, bytes)) or not isinstance(self.faults, Iterable):
+            raise ConfigError(f"RuntimeOptions(faults={self.faults!r}): expected a sequence of abs.faults.Fault "
+                              "objects or (point, task, nth) tuples; pass faults=() for none")
+        from .faults import normalize_faults
+
+        try:
+            faults = normalize_faults(self.faults)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"RuntimeOptions(faults={self.faults!r}): {exc}; pass abs.faults.Fault objects or "
+                              "(point, task, nth[, attempt[, action]]) tuples") from exc
+        object.__setattr__(self, "faults", faults)  # a tuple of Fault: frozen, hashable, comparable

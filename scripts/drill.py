@@ -84,8 +84,7 @@ def _driver_main(cfg: dict) -> int:
             storage_options=cfg["options"] or None,
             restore=cfg["restore"],
             restart=abs.RestartStrategy(max_restarts=cfg["max_restarts"], delay=0.2),
-            heartbeat_timeout=cfg["heartbeat"],
-            faults=tuple(Fault(*f) for f in cfg["faults"]),
+            runtime=abs.RuntimeOptions(heartbeat_timeout=cfg["heartbeat"], faults=tuple(Fault(*f) for f in cfg["faults"])),
         )
         out.update(status=result.status, restarts=len(result.restarts))
     except abs.AbsError as exc:

@@ -141,3 +141,93 @@ def test_run_and_submit_take_a_typed_restore(tmp_path, capfd):
     latest = abs.submit(small_flow(), parallelism=2, storage=root, restore=Restore.latest()).wait(timeout=300)
     assert latest.restored_from == by_id.last_checkpoint
     assert f"restoring checkpoint {by_id.last_checkpoint} of {root}" in capfd.readouterr().err
+
+
+# ----------------------------------------------------------------------------- RuntimeOptions
+
+import inspect  # noqa: E402
+import warnings  # noqa: E402
+
+from abs import RuntimeOptions  # noqa: E402
+from abs.faults import Fault  # noqa: E402
+
+
+def test_run_and_submit_take_one_list_of_options_without_the_test_knobs():
+    run, submit = inspect.signature(abs.run), inspect.signature(abs.submit)
+    assert list(run.parameters) == list(submit.parameters)
+    assert [p.default for p in run.parameters.values()] == [p.default for p in submit.parameters.values()]
+    assert "runtime" in run.parameters and "restore" in run.parameters
+    assert "faults" not in run.parameters and "heartbeat_timeout" not in run.parameters
+
+
+@pytest.mark.parametrize("fn", [abs.run, abs.submit], ids=["run", "submit"])
+def test_an_unknown_keyword_is_refused_naming_the_function(fn):
+    with pytest.raises(TypeError, match=rf"^{fn.__name__}\(\) got an unexpected keyword argument 'paralelism'$"):
+        fn(small_flow(), paralelism=2)
+
+
+def test_runtime_options_default_to_what_run_used_before_and_are_frozen():
+    r = RuntimeOptions()
+    assert (r.heartbeat_timeout, r.startup_timeout, r.faults) == (30.0, 120.0, ())
+    with pytest.raises(AttributeError):
+        r.heartbeat_timeout = 1.0  # type: ignore[misc]
+    # fault tuples become Fault objects: equal options compare and hash equal
+    a = RuntimeOptions(faults=[("process", "task1#0", 3)])
+    assert a.faults == (Fault("process", "task1#0", 3),)
+    assert a == RuntimeOptions(faults=(Fault("process", "task1#0", 3),)) and hash(a) == hash(RuntimeOptions(faults=a.faults))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"heartbeat_timeout": 0}, r"RuntimeOptions\(heartbeat_timeout=0\): expected a number of seconds > 0; pass e.g. heartbeat_timeout=30.0"),
+    ({"startup_timeout": float("inf")}, r"RuntimeOptions\(startup_timeout=inf\): expected a number of seconds > 0"),
+    ({"startup_timeout": "60"}, r"RuntimeOptions\(startup_timeout='60'\): expected a number of seconds > 0"),
+    ({"heartbeat_timeout": True}, r"RuntimeOptions\(heartbeat_timeout=True\)"),
+    ({"faults": "process"}, r"RuntimeOptions\(faults='process'\): expected a sequence of abs.faults.Fault"),
+    ({"faults": [("no_such_point", "*", 1)]}, r"unknown fault point 'no_such_point'.*pass abs.faults.Fault objects"),
+    ({"faults": [42]}, r"RuntimeOptions\(faults=\[42\]\): .*pass abs.faults.Fault objects"),
+])
+def test_bad_runtime_options_are_refused_naming_the_option(kwargs, message):
+    with pytest.raises(abs.ConfigError, match=message):
+        RuntimeOptions(**kwargs)
+
+
+def test_runtime_must_be_runtime_options():
+    with pytest.raises(abs.ConfigError, match=r"runtime must be an abs.RuntimeOptions, got dict; pass runtime=abs.RuntimeOptions"):
+        abs.run(small_flow(), runtime={"heartbeat_timeout": 3.0})
+
+
+@pytest.mark.parametrize("fn", [abs.run, abs.submit], ids=["run", "submit"])
+@pytest.mark.parametrize("kwargs", [{"faults": ()}, {"heartbeat_timeout": 5.0}, {"faults": (), "heartbeat_timeout": 5.0}])
+def test_the_old_keywords_warn_naming_runtime_options(fn, kwargs):
+    spelled = ", ".join(f"{k}=..." for k in kwargs)
+    expected = (rf"abs\.{fn.__name__}\({spelled}\) is deprecated .*; pass "
+                rf"runtime=abs\.RuntimeOptions\({spelled}\) instead")
+    with pytest.warns(DeprecationWarning, match=expected) as record:
+        with pytest.raises(abs.ConfigError, match="expected an abs.Dataflow"):  # stops before any worker starts
+            fn("not a flow", **kwargs)
+    assert [w.filename for w in record if issubclass(w.category, DeprecationWarning)] == [__file__]  # the caller's line
+
+
+def test_the_old_keywords_beside_runtime_are_refused():
+    with pytest.raises(abs.ConfigError, match=r"heartbeat_timeout=\.\.\. given beside runtime=; pass them only inside "
+                                              r"runtime=abs\.RuntimeOptions\(heartbeat_timeout=\.\.\.\)"):
+        abs.run(small_flow(), heartbeat_timeout=3.0, runtime=RuntimeOptions())
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("spelling", ["runtime", "deprecated"])
+def test_runtime_options_reach_the_workers_a_hung_worker_is_found_by_heartbeat(tmp_path, spelling):
+    knobs = {"heartbeat_timeout": 3.0, "faults": [Fault("process", "task1#1", nth=2, action="hang")]}
+    restart = abs.RestartStrategy(max_restarts=1, delay=0.1)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        if spelling == "runtime":
+            result = abs.run(small_flow(), parallelism=2, storage=str(tmp_path / "snap"), restart=restart,
+                             runtime=RuntimeOptions(**knobs))
+        else:
+            result = abs.run(small_flow(), parallelism=2, storage=str(tmp_path / "snap"), restart=restart, **knobs)
+    ours = [w for w in record if issubclass(w.category, DeprecationWarning) and "RuntimeOptions" in str(w.message)]
+    assert len(ours) == (spelling == "deprecated")
+    assert result.status == "FINISHED" and len(result.restarts) == 1
+    assert "heartbeat" in result.restarts[0]["error"]
+    assert result.collected("mem").num_rows >= 1_000
