@@ -45,11 +45,6 @@ from .pins import PinLease, PinRecord
 from .paths import StoragePaths, decode_name, encode_name
 from .store import SnapshotStore
 
-# ``faulty://`` (storage.testing): fault injection in every process that imports storage,
-# registered by name only, so nothing is imported until a faulty:// URL is opened
-import fsspec as _fsspec
-
-_fsspec.register_implementation("faulty", "storage.testing.FaultyProtocolFileSystem", clobber=False)
 from .verify import Problem, VerifyReport
 
 __all__ = [

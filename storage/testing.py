@@ -44,7 +44,10 @@ from typing import Any, Callable, Iterable, Literal
 
 from fsspec import AbstractFileSystem
 
-__all__ = ["Fault", "FaultOp", "FaultAction", "InjectedFault", "FaultyFileSystem", "InjectedFaultError"]
+__all__ = [
+    "Fault", "FaultOp", "FaultAction", "InjectedFault", "FaultyFileSystem", "FaultyProtocolFileSystem",
+    "InjectedFaultError", "register_faulty_protocol",
+]
 
 FaultOp = Literal["read", "write", "rename", "delete"]
 FaultAction = Literal["fail", "tear", "tear_silent", "lose", "delay"]
@@ -332,7 +335,9 @@ class FaultyProtocolFileSystem(FaultyFileSystem):
         })
 
     Each process counts its own operations. ``faults`` are :class:`Fault` objects or dicts
-    of their fields; ``target_options`` are passed to the wrapped file system.
+    of their fields; ``target_options`` are passed to the wrapped file system. The protocol
+    is known only where :func:`register_faulty_protocol` made it known (importing
+    ``storage`` does not).
     """
 
     protocol = "faulty"
@@ -353,3 +358,37 @@ class FaultyProtocolFileSystem(FaultyFileSystem):
         if path.startswith("faulty://"):
             path = path[len("faulty://"):]
         return path.rstrip("/") or "/"
+
+
+FAULTY_PLUGIN = "abs_faulty_fs_plugin"  # the distribution name register_faulty_protocol writes
+
+
+def register_faulty_protocol(plugin_dir: str | None = None) -> str | None:
+    """Make ``faulty://`` (:class:`FaultyProtocolFileSystem`) known to fsspec: in this process
+    now, and in the processes it starts (the workers of a job, a CLI run in a subprocess)
+    when ``plugin_dir`` is given.
+
+    fsspec learns protocols in two ways only: ``fsspec.register_implementation`` (this
+    process) and the ``fsspec.specs`` entry points of the distributions on ``sys.path``, read
+    when a process imports fsspec (the ``FSSPEC_<PROTOCOL>`` variables set options, not
+    implementations). So with ``plugin_dir`` this writes there the metadata of a distribution
+    that declares the one entry point (``<plugin_dir>/abs_faulty_fs_plugin-0.dist-info``; no
+    code, nothing installed) and returns ``plugin_dir``: put it on ``sys.path`` (a local
+    job's workers inherit the driver's ``sys.path``) and on ``PYTHONPATH`` (other
+    subprocesses). Used by the test suite's ``conftest.py``; the product never registers it.
+    """
+    import os
+
+    import fsspec
+
+    cls = f"{__name__}.FaultyProtocolFileSystem"
+    fsspec.register_implementation("faulty", cls, clobber=True)
+    if plugin_dir is None:
+        return None
+    info = os.path.join(plugin_dir, f"{FAULTY_PLUGIN}-0.dist-info")
+    os.makedirs(info, exist_ok=True)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write(f"Metadata-Version: 2.1\nName: {FAULTY_PLUGIN}\nVersion: 0\n")
+    with open(os.path.join(info, "entry_points.txt"), "w") as f:
+        f.write(f"[fsspec.specs]\nfaulty = {__name__}:FaultyProtocolFileSystem\n")
+    return plugin_dir

@@ -7,15 +7,42 @@
   per test costs 0.2-0.6 s on moto; a prefix costs nothing).
 - ``memory_root``: a unique ``memory://`` root (fsspec's memory file system is process-global),
   removed after the test.
+
+And, for the whole run, the ``faulty://`` protocol (``storage.testing``) in this process and in
+every process it starts (see ``pytest_configure``).
 """
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import sys
+import tempfile
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """``faulty://`` for the tests: registered here, and for the processes the tests start
+    (a job's workers, CLI subprocesses) through a plugin directory on ``sys.path`` (workers
+    inherit the driver's) and ``PYTHONPATH`` whose entry point fsspec reads when it is
+    imported (see ``storage.testing.register_faulty_protocol``)."""
+    from storage.testing import register_faulty_protocol
+
+    plugin_dir = register_faulty_protocol(tempfile.mkdtemp(prefix="abs-test-fsspec-"))
+    assert plugin_dir is not None
+    config._abs_faulty_plugin_dir = plugin_dir  # type: ignore[attr-defined]
+    sys.path.append(plugin_dir)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), plugin_dir) if p)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    plugin_dir = getattr(config, "_abs_faulty_plugin_dir", None)
+    if plugin_dir is not None:
+        shutil.rmtree(plugin_dir, ignore_errors=True)
 
 
 @dataclass(frozen=True)
