@@ -7,6 +7,10 @@ Public API::
     ...
     result = abs.run(flow, parallelism=3, checkpoint=abs.CheckpointConfig(interval=1.0), storage="./snapshots")
 """
+from abscore.logs import package_logger as _package_logger
+
+_package_logger("abs")  # warnings and notices reach stderr unless the application routes logging itself
+
 from .api import JobHandle, run, submit
 from .config import CheckpointConfig, RestartStrategy
 from .options import Restore, RuntimeOptions

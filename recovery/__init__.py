@@ -24,6 +24,10 @@ their engine-independent core and an in-process re-key. The re-key hashes keys w
 """
 from __future__ import annotations
 
+from abscore.logs import package_logger as _package_logger
+
+_package_logger("recovery")  # warnings and notices reach stderr unless the application routes logging itself
+
 from abscore.keygroups import KeyGroupRange, key_group_range, routing_table, subtask_for_key_group
 
 from . import errors

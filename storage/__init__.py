@@ -9,6 +9,10 @@ This package does not import ``abs`` or ``recovery``; it builds on the floor pac
 """
 from __future__ import annotations
 
+from abscore.logs import package_logger as _package_logger
+
+_package_logger("storage")  # warnings and notices reach stderr unless the application routes logging itself
+
 from . import errors
 from .chains import CompactionPolicy, resolve_chain
 from .errors import (

@@ -9,19 +9,21 @@ Requests coalesce: while a GC runs, a newer request replaces an older waiting on
 one covers the older one's garbage). Each request names the checkpoint whose commit asked
 for it (``as_of``): the store then plans as if that checkpoint were still the newest, so a
 GC that runs behind later commits never drops a checkpoint that a checkpoint pending at
-request time builds on (see :meth:`storage.SnapshotStore.plan_gc`). A failed GC prints a
+request time builds on (see :meth:`storage.SnapshotStore.plan_gc`). A failed GC logs a
 warning and deletes nothing more; the next request retries (deletes are idempotent). A
 corrupt manifest does not stop GC (it is not trusted and protects nothing, see
 :mod:`storage.gc`); it is reported once per job, not at every checkpoint.
 """
 from __future__ import annotations
 
-import sys
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["BackgroundGc", "GcRequest"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -97,12 +99,10 @@ class BackgroundGc:
                 if key not in self._reported:
                     self._reported.add(key)
                     what = f"checkpoint {key}: manifest" if isinstance(key, int) else f"pin {key}"
-                    print(f"[abs] warning: {request.store.url}: {what} is corrupt ({reason}); it is not trusted and "
-                          "protects no file; garbage collection goes on; inspect it with 'abs-snapshot verify'",
-                          file=sys.stderr)
+                    log.warning("%s: %s is corrupt (%s); it is not trusted and protects no file; garbage "
+                                "collection goes on; inspect it with 'abs-snapshot verify'", request.store.url, what, reason)
         except Exception as exc:  # noqa: BLE001 - GC failures never fail a checkpoint
-            print(f"[abs] warning: garbage collection after checkpoint {request.as_of} failed ({exc}); "
-                  "files are kept", file=sys.stderr)
+            log.warning("garbage collection after checkpoint %s failed (%s); files are kept", request.as_of, exc)
         finally:
             with self._cond:
                 self._running = False
