@@ -5,6 +5,8 @@
 - :mod:`abscore.ids`: typed ids (checkpoint id, key group, subtask index, operator uid,
   state name);
 - :mod:`abscore.schema`: the names and values of the state-file schema;
+- :mod:`abscore.logs`: the loggers of ``abs``, ``storage`` and ``recovery`` and their default
+  stderr handler;
 - :mod:`abscore.errors`: the one error root, :class:`AbsError` (re-exported as
   ``abs.AbsError``; ``storage.StorageError`` and ``recovery.RecoveryError`` derive from it).
 
