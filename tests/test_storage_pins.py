@@ -185,7 +185,7 @@ def test_a_savepoint_of_a_checkpoint_gc_removed_says_so_and_leaves_nothing(tmp_p
 
 # ====================================================================== a running job
 NUM_KEYS = 97
-TOTAL = 30_000
+TOTAL = 300_000
 
 
 def count_fn(ctx, row):
@@ -213,7 +213,9 @@ def state_of(store: SnapshotStore, cid: int) -> dict:
 
 
 def test_savepoints_of_a_job_checkpointing_every_100ms_with_retained_1_restore_exactly(tmp_path):
-    # ~10 s of input at 3,000 records/s: the job checkpoints (and collects) all the while
+    # ~100 s of input at 3,000 records/s: the job is still running when its savepoints are
+    # taken however slow the machine is (it is cancelled after them); it checkpoints (and
+    # collects) all the while
     job = abs.submit(counting_flow(rate=3_000), parallelism=2, storage=str(tmp_path / "root"),
                      checkpoint=abs.CheckpointConfig(interval=0.1, retained=1))
     savepoints = []
