@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 import abs
 from abs.errors import StateError
 from abs.keygroups import key_group, key_group_range, key_groups
-from abs.runtime.aggregate import AggregateBackend, ColumnarKeyedState, _IntKeyIndex, _SlotMap
+from abs.state import AggregateBackend, ColumnarKeyedState
+from abs.state.keyindex import IntKeyIndex, SlotMap
 from abs.runtime.operators import AggregateOp, build_operator
 from storage import SnapshotStore
 
@@ -579,7 +580,7 @@ def test_int_key_index_agrees_with_a_dict(pattern):
         pool = np.arange(3000, dtype=np.int64) * 4096
     else:
         pool = np.array([-(2**63), 2**63 - 1, 0, -1, 1, 2**62, -(2**62)], np.int64)
-    index = _IntKeyIndex(16)
+    index = IntKeyIndex(16)
     known: dict = {}
     for _ in range(40):
         q = rng.choice(pool, int(rng.integers(1, 400)))
@@ -593,7 +594,7 @@ def test_int_key_index_agrees_with_a_dict(pattern):
             ids = np.arange(len(known), len(known) + len(new))
             known.update(zip(new.tolist(), ids.tolist()))
             if 2 * len(known) > index.cap or not index.insert(new, ids, start):
-                index = _IntKeyIndex(4 * len(known))
+                index = IntKeyIndex(4 * len(known))
                 index.build(np.array(list(known), np.int64), np.array(list(known.values()), np.int64))
     everything = np.array(list(known), np.int64)
     assert index.lookup(everything)[0].tolist() == list(known.values())
@@ -624,7 +625,7 @@ def test_slot_map_dense_range_and_hash_agree_with_a_dict(pattern):
         # far keys first (hash), then dense ones
         return rng.choice(huge, 300) if step < 5 else rng.integers(0, 70_000 * (step - 4), 300)
 
-    m = _SlotMap()
+    m = SlotMap()
     known: dict = {}
     all_keys = np.zeros(0, np.int64)
     for step in range(25):

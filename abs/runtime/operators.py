@@ -20,7 +20,7 @@ from ..dataflow import Node
 from ..errors import GraphError
 from ..keygroups import KeyGroupRange, key_groups
 from ..sinks import CollectSink, SinkWriter
-from ..state import KeyedStateBackend
+from ..state import AggregateBackend, KeyedBackend, KeyedStateBackend
 
 __all__ = ["OpSnapshot", "OperatorRuntime", "build_operator", "KeyExtractor", "UserFunctionError"]
 
@@ -243,6 +243,7 @@ class KeyedOp(OperatorRuntime):
     of files per key group, and the snapshot/confirm cycle."""
 
     stateful = True
+    backend: KeyedBackend  # restore, snapshot, confirm and abort go through the protocol only
 
     def __init__(self, node: Node, ctx: Any) -> None:
         super().__init__(node, ctx)
@@ -306,6 +307,8 @@ class KeyedOp(OperatorRuntime):
 
 
 class ProcessOp(KeyedOp):
+    backend: KeyedStateBackend  # handles, per record
+
     def open(self) -> None:
         self.fn = self.node.spec["fn"]
         self.context = types.SimpleNamespace(key=None, emit=None)
@@ -336,6 +339,8 @@ class ProcessOp(KeyedOp):
 
 
 class ReduceOp(KeyedOp):
+    backend: KeyedStateBackend  # handles, per record
+
     def open(self) -> None:
         self.acc = self.backend.state("acc")
 
@@ -364,9 +369,10 @@ class AggregateOp(KeyedOp):
     """Vectorized keyed aggregation (``KeyedStream.aggregate``). The work is done by
     :class:`abs.runtime.aggregate.Aggregator`: a columnar state store for integer keys, the
     dict-based KeyedStateBackend for other keys. ``self.backend`` is its
-    :class:`~abs.runtime.aggregate.AggregateBackend`, which KeyedOp's snapshot/restore use."""
+    :class:`~abs.state.AggregateBackend`, which KeyedOp's snapshot/restore use."""
 
     columnar = True  # False: always the dict path (tests compare the two)
+    backend: AggregateBackend
 
     def __init__(self, node: Node, ctx: Any) -> None:
         super().__init__(node, ctx)

@@ -1,0 +1,100 @@
+"""The aggregate's state backend: the columnar store (:mod:`abs.state.columnar`) while it
+fits, the dict backend (:mod:`abs.state.dict_backend`) after, behind one
+:class:`~abs.state.protocol.KeyedBackend`.
+
+:class:`AggregateBackend` is what :class:`~abs.runtime.operators.KeyedOp` sees as
+``self.backend`` of an aggregate. It starts columnar and migrates, once and for good, to the
+dict backend when a batch's key column is not an integer type, has nulls or holds uint64 keys
+beyond int64, when a value column is neither integer nor floating, or when a restored table is
+not an int64-keyed typed table. The migration keeps every value, and every key changed since
+the last confirmed checkpoint stays dirty (later deltas may carry a few more keys than
+strictly needed, never fewer).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import pyarrow as pa
+
+from abs.keygroups import KeyGroupRange
+
+from .columnar import ColumnarKeyedState, columnar_descriptors_ok
+from .descriptors import StateDescriptor
+from .dict_backend import KeyedStateBackend
+from .protocol import KeyedBackend
+
+__all__ = ["AggregateBackend"]
+
+
+class AggregateBackend:
+    """The aggregate's state backend as seen by KeyedOp: columnar until something needs the
+    dict backend (see the module docstring), then the dict backend for good."""
+
+    def __init__(self, dict_backend: KeyedStateBackend, inits: dict, columnar: bool = True) -> None:
+        self.dict_backend = dict_backend
+        descriptors = dict_backend.descriptors
+        self.columnar: ColumnarKeyedState | None = None
+        if columnar and columnar_descriptors_ok(descriptors):
+            self.columnar = ColumnarKeyedState(
+                dict_backend.operator_uid, descriptors, dict_backend.max_parallelism,
+                dict_backend.key_group_range, inits,
+            )
+
+    @property
+    def impl(self) -> KeyedBackend:
+        """The backend in use: the columnar store, or the dict backend once migrated."""
+        return self.columnar if self.columnar is not None else self.dict_backend
+
+    def migrate_to_dict(self) -> None:
+        if self.columnar is not None:
+            col, self.columnar = self.columnar, None
+            col.move_to(self.dict_backend)
+
+    # the KeyedBackend protocol
+    @property
+    def descriptors(self) -> tuple[StateDescriptor, ...]:
+        return self.dict_backend.descriptors
+
+    @property
+    def operator_uid(self) -> str:
+        return self.dict_backend.operator_uid
+
+    @property
+    def max_parallelism(self) -> int:
+        return self.dict_backend.max_parallelism
+
+    @property
+    def key_group_range(self) -> KeyGroupRange:
+        return self.dict_backend.key_group_range
+
+    @property
+    def last_confirmed(self) -> int | None:
+        return self.impl.last_confirmed
+
+    @property
+    def pending_captures(self) -> tuple[int, ...]:
+        return self.impl.pending_captures
+
+    def capture(self, checkpoint_id: int, *, lazy: bool = False) -> dict[str, dict[int, Any]]:
+        return self.impl.capture(checkpoint_id, lazy=lazy)
+
+    def capture_full(self, checkpoint_id: int) -> dict:
+        return self.impl.capture_full(checkpoint_id)
+
+    def confirm(self, checkpoint_id: int) -> None:
+        self.impl.confirm(checkpoint_id)
+
+    def abort(self, checkpoint_id: int) -> None:
+        self.impl.abort(checkpoint_id)
+
+    def restore(self, state_name: str, kg: int, table: pa.Table, *, verify: bool = False) -> None:
+        if self.columnar is not None:
+            if self.columnar.check_restore_table(state_name, kg, table):
+                self.columnar.restore(state_name, kg, table, verify=verify)
+                return
+            self.migrate_to_dict()
+        self.dict_backend.restore(state_name, kg, table, verify=verify)
+
+    def items(self, name: str, kg: int | None = None) -> Iterator[tuple[Any, Any]]:
+        return self.impl.items(name, kg)
+

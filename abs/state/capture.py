@@ -1,0 +1,351 @@
+"""Captured deltas: what the synchronous part of a snapshot takes, and the asynchronous part
+encodes to Arrow (``to_table()``, in the uploader thread or the writer process).
+
+Every delta has ``to_table()`` and ``complete`` (the table holds every live key of its key
+group, so storage may write it as a new base without reading the chain back); see
+:class:`abs.state.protocol.Delta`.
+
+* :class:`PendingDelta`: a dict key group of immutable values, captured by reference;
+* :class:`PickledDelta`: the changed entries of an untyped state, frozen by one pickle;
+* :class:`ColumnDelta`: a columnar key group of the dict backend (:mod:`abs.columns`);
+* :class:`FrozenSlots` / :class:`SlotsDelta`: the columnar aggregate store's changed slots
+  (:mod:`abs.state.columnar`).
+"""
+from __future__ import annotations
+
+import itertools
+import pickle
+import threading
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+
+from abs.columns import Captured, KeyOrders
+from abs.errors import StateError
+
+from .encoding import ENCODING_PICKLE, MISSING, column_table, delta_table, encode_keys, encode_pairs, pickled_values, split_deletes
+
+if TYPE_CHECKING:
+    from .protocol import KeyedBackend
+    from .slots import StateSlot
+
+__all__ = ["PendingDelta", "ColumnDelta", "PickledDelta", "FrozenSlots", "SlotsDelta"]
+
+
+# ----------------------------------------------------------------------------- dict backend
+
+
+class PendingDelta:
+    """A delta captured by reference (see :meth:`KeyedStateBackend.capture` with ``lazy``),
+    encoded to Arrow by :meth:`to_table` in the asynchronous part.
+
+    The synchronous part costs at most about one C-level dict copy per changed key group:
+    the changed-key sets are frozen objects already (capture swaps in fresh ones), and the
+    values are frozen either by looking up the changed keys now (when they are few) or by
+    copying the key group's dict (``dict.copy`` runs at C speed, cheaper than a Python
+    loop once more than about a tenth of the key group changed).
+    """
+
+    __slots__ = ("_uid", "_slot", "_kg", "_key_sets", "_frozen", "_keys", "_values", "_deletes", "complete")
+
+    def __init__(self, backend: KeyedBackend, slot: StateSlot, kg: int, key_sets: list, d: dict,
+                 deletes: bool = True) -> None:
+        self._uid = backend.operator_uid
+        self._slot = slot
+        self._kg = kg
+        self._key_sets = key_sets
+        self._deletes = deletes  # False: every changed key is still in the dict
+        self.complete = False  # set by to_table/image: the table holds every live key of the key group
+        if sum(len(ks) for ks in key_sets) * 10 < len(d):
+            self._keys = list(key_sets[0]) if len(key_sets) == 1 else list(set().union(*key_sets))
+            get = d.get
+            self._values: list | None = list(map(get, self._keys, itertools.repeat(MISSING)))
+            self._frozen: dict | None = None
+        else:
+            self._keys = None
+            self._values = None
+            self._frozen = d.copy()
+
+    def to_table(self) -> pa.Table:
+        keys, values = self._keys, self._values
+        deletes = None if self._deletes else False
+        if keys is None:
+            sets = self._key_sets
+            changed = sets[0] if len(sets) == 1 else set().union(*sets)
+            frozen = self._frozen
+            if frozen and len(changed) * _IMAGE_DENOMINATOR >= len(frozen) * _IMAGE_NUMERATOR:
+                # most of the key group changed: its full image (the frozen dict, deletes
+                # already applied) costs a little more than the delta, keys and values come in
+                # one sequential C-level pass each with no per-key lookup, and the store writes
+                # it as the new base without ever reading the old chain back
+                return self.image()  # type: ignore[return-value]  # frozen is non-empty
+            keys = list(changed)
+            get = frozen.get
+            values = list(map(get, keys, itertools.repeat(MISSING)))
+        return encode_pairs(self._uid, self._slot, self._kg, keys, values, with_op=True, deletes=deletes)
+
+    def image(self) -> pa.Table | None:
+        """The key group's full live state at the capture as upserts (sets ``complete``), or
+        ``None`` when the capture froze only the changed keys (or the key group is empty).
+        The store calls it instead of reading the previous chain back when its policy
+        compacts the chain."""
+        frozen = self._frozen
+        if not frozen:
+            return None
+        self.complete = True
+        return encode_pairs(self._uid, self._slot, self._kg, list(frozen), list(frozen.values()),
+                            with_op=True, deletes=False)
+
+
+# A lazily captured key group is written as its full image when at least 3/4 of its live keys
+# changed: the file is at most 4/3 of the delta's, and the chain restarts at length 1.
+_IMAGE_NUMERATOR, _IMAGE_DENOMINATOR = 3, 4
+
+
+class ColumnDelta:
+    """The captured change of a columnar key group (see :mod:`abs.columns`): copies taken in
+    the synchronous part, encoded to Arrow by :meth:`to_table` in the asynchronous part.
+    ``complete``: the table is the key group's full image. Self-contained and picklable, so
+    that another process can encode and write it (see :mod:`abs.runtime.writer`).
+
+    An untyped state's column (``arrow_type`` None) captured references to its values, which
+    may be mutable: they are frozen here, still in the synchronous part, by one
+    ``pickle.dumps`` of their list (a C-level deep copy, as :class:`PickledDelta` does), and
+    :meth:`to_table` pickles each value on its own from that copy."""
+
+    __slots__ = ("_captured", "_arrow_type", "_kind", "_blob", "complete", "_sorted")
+
+    def __init__(self, captured: Captured, arrow_type: pa.DataType | None, kind: str, blob: bytes | None = None) -> None:
+        if arrow_type is None and blob is None:
+            blob = pickle.dumps(captured.values, pickle.HIGHEST_PROTOCOL)
+            captured = replace(captured, values=None)
+        self._captured = captured
+        self._arrow_type = arrow_type
+        self._kind = kind
+        self._blob = blob
+        self.complete = captured.complete
+        self._sorted: tuple | None = None  # (orders, slot, order, sorted keys) of the last _sort
+
+    def _sort(self, orders: KeyOrders, slot: Any) -> tuple[np.ndarray, np.ndarray]:
+        """``orders.sort(slot, keys)`` of the captured int64 keys, asked of ``orders`` once per
+        delta: a write needs it up to three times (:meth:`image_keys` before and after,
+        :meth:`to_table`), and each ask compares the whole key array."""
+        memo = self._sorted
+        if memo is None or memo[0] is not orders or memo[1] != slot:
+            order, ordered = orders.sort(slot, self._captured.keys)
+            memo = self._sorted = (orders, slot, order, ordered)
+        return memo[2], memo[3]
+
+    def __getstate__(self) -> tuple:
+        return self._captured, self._arrow_type, self._kind, self._blob
+
+    def __setstate__(self, state: tuple) -> None:
+        self.__init__(*state)  # type: ignore[misc]
+
+    def _values(self) -> np.ndarray | list:
+        return self._captured.values if self._blob is None else pickle.loads(self._blob)
+
+    def to_table(self, orders: KeyOrders | None = None, slot: Any = None) -> pa.Table:
+        """The delta as a table. ``orders``: when the rows are the key group's full image
+        (integer keys, no deletes), they come out sorted by key in the order ``orders``
+        keeps for ``slot``, and the store's sort finds them sorted."""
+        c = self._captured
+        keys, values, nulls = c.delta_rows(self._values())
+        if orders is not None and c.all_rows and c.changed is None and not c.deleted:
+            keys, values, nulls = _sorted_rows(self, orders, slot, keys, values, nulls)
+        return column_table(self._arrow_type, self._kind, keys, values, nulls, c.deleted)
+
+    def image_keys(self, orders: KeyOrders, slot: Any) -> np.ndarray | None:
+        """When the delta is the key group's full image of two or more int64 keys (the rows
+        :meth:`to_table` sorts with ``orders``): its keys in ascending order, as the array
+        ``orders`` keeps for ``slot``, which stays the very same object while the key group's
+        keys do not change (an identity check then tells that they did not). Else ``None``."""
+        c = self._captured
+        if not (self.complete and c.all_rows and c.changed is None and not c.deleted
+                and isinstance(c.keys, np.ndarray) and len(c.keys) >= 2):
+            return None
+        return self._sort(orders, slot)[1]
+
+    def image(self, orders: KeyOrders | None = None, slot: Any = None) -> pa.Table | None:
+        """The key group's full live state at the capture, when the capture copied it;
+        ``orders``, ``slot``: as for :meth:`to_table`."""
+        c = self._captured
+        if not c.all_rows or not len(c.keys):
+            return None
+        keys, values, nulls = c.keys, self._values(), c.nulls
+        if orders is not None:
+            keys, values, nulls = _sorted_rows(self, orders, slot, keys, values, nulls)
+        return column_table(self._arrow_type, self._kind, keys, values, nulls, [])
+
+
+def _sorted_rows(delta: ColumnDelta, orders: KeyOrders, slot: Any, keys: Any, values: Any,
+                 nulls: np.ndarray | None) -> tuple:
+    """A full image's rows (``delta``'s captured keys) in key order, when its keys are an int64
+    array (else unchanged)."""
+    if not isinstance(keys, np.ndarray) or len(keys) < 2:
+        return keys, values, nulls
+    order, ordered = delta._sort(orders, slot)
+    values = values[order] if isinstance(values, np.ndarray) else [values[i] for i in order.tolist()]
+    return ordered, values, None if nulls is None else nulls[order]
+
+
+class PickledDelta:
+    """The changed entries of an untyped state (values pickled one by one into a binary
+    column), frozen in the synchronous part by a single ``pickle.dumps`` of the list of their
+    values: one C-level call that deep-copies whatever the values are (lists and dicts a user
+    goes on mutating included), instead of a Python-level ``dumps`` per value while the task
+    waits. :meth:`to_table` unpickles the list and pickles each value on its own in the
+    asynchronous part, giving the same bytes as pickling the live values would have.
+    Self-contained and picklable, so the worker's writer process can do that part."""
+
+    __slots__ = ("_kind", "_keys", "_blob", "_ops", "complete")
+
+    def __init__(self, kind: str, keys: list, values: list) -> None:
+        self._kind = kind
+        self._keys = keys
+        values, self._ops = split_deletes(values)
+        self._blob = pickle.dumps(values, pickle.HIGHEST_PROTOCOL)
+        self.complete = False
+
+    def __getstate__(self) -> tuple:
+        return self._kind, self._keys, self._blob, self._ops
+
+    def __setstate__(self, state: tuple) -> None:
+        self._kind, self._keys, self._blob, self._ops = state
+        self.complete = False
+
+    def to_table(self) -> pa.Table:
+        key_arr, key_enc = encode_keys(self._keys)
+        value_arr = pickled_values(pickle.loads(self._blob), self._ops)
+        return delta_table(self._kind, key_arr, key_enc, value_arr, ENCODING_PICKLE, self._ops, with_op=True)
+
+    def image(self) -> None:
+        """No full image: the capture froze only the changed entries."""
+        return None
+
+
+# ----------------------------------------------------------------------------- columnar store
+
+
+class FrozenSlots:
+    """Copies, taken at capture, of some slots' key groups, keys and per-state values,
+    encoded into per-key-group delta tables on demand (once; thread-safe)."""
+
+    def __init__(self, store: Any, slots: np.ndarray) -> None:
+        # store: the ColumnarKeyedState (not imported: it imports this module)
+        self.uid = store.operator_uid
+        n = store.n
+        if len(slots) == n:  # every slot (slots is then 0..n-1): plain copies beat gathers
+            sel: Any = slice(0, n)
+            self._groups: list[int] | None = np.flatnonzero(store.kg_counts).tolist()
+            self._complete: Any = True
+        else:
+            sel = slots
+            self._groups = None
+            # key groups whose every slot changed: their deltas are full images (no deletes
+            # exist in this store), which storage writes as new bases without reading the chain
+            counts = np.bincount(store.kg[slots], minlength=len(store.kg_counts))
+            self._complete = (counts == store.kg_counts) & (counts > 0)
+        self.kgs = store.kg[sel].copy()
+        self.keys = store.keys[sel].copy()
+        # (None: every slot of the store is valid / present, nothing to copy)
+        self.cols = [(c, c.values[sel].copy(), None if c.all_valid else c.valid[sel].copy(),
+                      None if c.all_present else c.present[sel].copy()) for c in store.columns.values()]
+        self._lock = threading.Lock()
+        self._tables: dict[str, dict[int, pa.Table]] | None = None
+
+    def complete(self, kg: int) -> bool:
+        """True when the delta of ``kg`` holds every key the key group has."""
+        return self._complete is True or bool(self._complete[kg])
+
+    def key_groups(self) -> list[int]:
+        """Key groups with at least one slot, ascending."""
+        if self._groups is None:
+            seen = np.zeros(int(self.kgs.max()) + 1 if len(self.kgs) else 0, bool)
+            seen[self.kgs] = True
+            self._groups = np.flatnonzero(seen).tolist()
+        return self._groups
+
+    def table(self, name: str, kg: int) -> pa.Table:
+        tables = self.encode()
+        got = tables[name].get(kg)
+        if got is None:  # the key group's slots hold no entry of this state
+            col = next(c for c, *_ in self.cols if c.name == name)
+            got = col.schema.empty_table()
+        return got
+
+    def encode(self) -> dict[str, dict[int, pa.Table]]:
+        with self._lock:
+            if self._tables is None:
+                self._tables = self._encode()
+            return self._tables
+
+    def _encode(self) -> dict[str, dict[int, pa.Table]]:
+        out: dict[str, dict[int, pa.Table]] = {}
+        if not len(self.kgs):
+            return {c.name: {} for c, *_ in self.cols}
+        order = np.argsort(self.kgs, kind="stable")
+        kgs = self.kgs[order]
+        keys = self.keys[order]
+        for col, values, valid, present in self.cols:
+            if valid is None:
+                valid = np.ones(len(values), bool)
+            present = None if present is None else present[order]
+            if present is None or present.all():
+                out[col.name] = self._split(col, keys, kgs, values[order], valid[order])
+            else:
+                sel = order[present]
+                out[col.name] = self._split(col, keys[present], kgs[present], values[sel], valid[sel])
+        self.cols = [(c, None, None, None) for c, *_ in self.cols]  # free the copies
+        return out
+
+    def _split(self, col: Any, keys: np.ndarray, kgs: np.ndarray, vals: np.ndarray, valid: np.ndarray) -> dict[int, pa.Table]:
+        m = len(keys)
+        if not m:
+            return {}
+        values = pa.array(vals, mask=None if valid.all() else ~valid)
+        if values.type != col.arrow_type:
+            try:
+                values = values.cast(col.arrow_type)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+                raise StateError(
+                    f"operator {self.uid!r}, state {col.name!r}: a value does not fit the declared "
+                    f"Arrow type {col.arrow_type} ({exc}); aggregate with a wider value_type"
+                ) from exc
+        key_arr = pa.array(keys)
+        op_arr = pa.array(np.zeros(m, np.int8))
+        cuts = np.flatnonzero(kgs[1:] != kgs[:-1]) + 1
+        starts = [0] + cuts.tolist()
+        ends = cuts.tolist() + [m]
+        schema = col.schema
+        out = {}
+        for s, e, g in zip(starts, ends, kgs[starts].tolist()):
+            ln = e - s
+            out[g] = pa.Table.from_arrays([key_arr.slice(s, ln), values.slice(s, ln), op_arr.slice(s, ln)], schema=schema)
+        return out
+
+
+class SlotsDelta:
+    """One key group's delta of one state; ``to_table()`` encodes (in the asynchronous part)."""
+
+    __slots__ = ("_frozen", "_name", "_kg")
+
+    def __init__(self, frozen: FrozenSlots, name: str, kg: int) -> None:
+        self._frozen = frozen
+        self._name = name
+        self._kg = kg
+
+    def to_table(self) -> pa.Table:
+        return self._frozen.table(self._name, self._kg)
+
+    @property
+    def complete(self) -> bool:
+        """The delta holds every live key of its key group (see ``SnapshotStore.write_key_group``)."""
+        return self._frozen.complete(self._kg)
+
+
+# Sort-based set operations: numpy 2.x's np.unique takes a slow hashing path for integers
+# (about 20x slower than a sort for 10,000 int64s).
+

@@ -1,0 +1,417 @@
+"""The columnar keyed-state backend of the vectorized aggregate, for int64 keys.
+
+Per subtask, :class:`ColumnarKeyedState` keeps every key of the operator in one *slot*:
+
+* ``keys`` (int64), ``kg`` (int16: the key group, computed once with
+  :func:`abs.keygroups.key_groups` when the key first arrives) and ``ver`` (int64: the epoch of
+  the last change, 0 = never changed since restore) are numpy arrays indexed by slot, in
+  insertion order, grown by doubling;
+* per declared state a numpy accumulator (int64, uint64 for ``uint64`` states, float64 for
+  floating states) and two bool arrays: ``valid`` (the value is not null) and ``present`` (the
+  key has an entry in that state; an entry may hold a null value, exactly like the dict path);
+* :class:`~abs.state.keyindex.SlotMap` (key -> slot): keys of a dense range ``[base, base + len)`` (ids usually
+  are dense) are found with one gather in an int32 array; the others in :class:`~abs.state.keyindex.IntKeyIndex`,
+  an open-addressing hash index (linear probing, load <= 1/2, one ``(key, slot)`` row per
+  position so a probe is one cache miss; all operations vectorized over a batch, new keys of a
+  batch claim free positions with a write-then-check, rebuilds place every key at once from
+  the sorted home positions).
+
+Only value states of an integer or floating Arrow type fit (:func:`columnar_descriptors_ok`);
+the aggregate operator (:mod:`abs.runtime.aggregate`) folds its batches straight into the
+accumulators (:meth:`ColumnarKeyedState.slots_for`, :meth:`~ColumnarKeyedState.touch`).
+The store has no deletes: an aggregate never removes a key.
+
+Dirty tracking with the semantics of KeyedStateBackend
+------------------------------------------------------
+Writes happen in *epochs*; ``capture(n)`` closes the current epoch ``e`` (remembered as the
+epoch of ``n``) and opens ``e + 1``. A key changed since checkpoint ``c`` is a key whose
+``ver`` is greater than the epoch closed by ``c``. ``confirm(n)`` moves the confirmed epoch to
+the epoch of the newest pending capture ``<= n`` (the captures it implies); ``abort`` only drops
+the id (nothing is forgotten). So ``capture(n)`` returns every key changed since the last
+confirmed capture, exactly as the dict backend's pending key sets do, whatever the order of
+confirmations and aborts. Per epoch the slots first touched in it are appended to a list, so a
+capture reads only what changed (a mask scan over ``ver`` replaces the union of the lists when
+they are large). The synchronous part of a snapshot copies the changed slots' keys, key
+groups and values (plain copies when every slot changed); with ``lazy=True`` the split by key
+group (one stable argsort) and the Arrow encoding happen in ``to_table()`` (the asynchronous
+part), as for the dict backend's ``PendingDelta``. The tables have exactly the schema the dict
+backend writes for the same typed ``ValueState`` (``key`` int64, ``value`` of the declared
+type, ``op`` int8 not null, the ``abs.*`` metadata), so storage, restore and inspection do not
+see a difference and snapshots restore into either path.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from abs.errors import StateError
+from abs.keygroups import KeyGroupRange, key_groups
+
+from .capture import FrozenSlots, SlotsDelta
+from .encoding import ENCODING_ARROW, META_KEY_ENCODING, META_STATE_KIND, META_VALUE_ENCODING, check_restore_table
+from .keyindex import INT64_MAX, SlotMap, distinct, distinct_inverse
+
+if TYPE_CHECKING:
+    from .dict_backend import KeyedStateBackend
+
+__all__ = ["ColumnarKeyedState", "StateColumn", "acc_dtype", "columnar_descriptors_ok", "numpy_int64"]
+
+
+def acc_dtype(t: pa.DataType) -> np.dtype | None:
+    """numpy accumulator of a state of Arrow type ``t`` (None: not columnar)."""
+    if pa.types.is_floating(t):
+        return np.dtype(np.float64)
+    if pa.types.is_uint64(t):
+        return np.dtype(np.uint64)
+    if pa.types.is_integer(t):
+        return np.dtype(np.int64)
+    return None
+
+
+class StateColumn:
+    """Accumulators of one declared state."""
+
+    __slots__ = ("descriptor", "name", "arrow_type", "dtype", "init", "values", "valid", "present",
+                 "all_valid", "all_present", "schema", "bound")
+
+    def __init__(self, descriptor: Any, init: Any, capacity: int) -> None:
+        self.descriptor = descriptor
+        self.name = descriptor.name
+        self.arrow_type = descriptor.value_arrow_type()
+        self.dtype = acc_dtype(self.arrow_type)
+        self.init = init
+        self.values = np.full(capacity, init, self.dtype)
+        self.valid = np.zeros(capacity, bool)
+        self.present = np.zeros(capacity, bool)
+        self.all_valid: bool | None = True  # every slot < n is valid (None: unknown)
+        self.all_present: bool | None = True  # every slot < n is present (None: unknown)
+        self.bound: float | None = 0.0  # >= every |value| of an int64 sum (None: unknown)
+        self.schema = pa.schema(
+            [pa.field("key", pa.int64()), pa.field("value", self.arrow_type), pa.field("op", pa.int8(), nullable=False)],
+            metadata={META_KEY_ENCODING: ENCODING_ARROW, META_VALUE_ENCODING: ENCODING_ARROW,
+                      META_STATE_KIND: descriptor.kind.encode()},
+        )
+
+    def grow(self, capacity: int, n: int) -> None:
+        values = np.full(capacity, self.init, self.dtype)
+        values[:n] = self.values[:n]
+        valid = np.zeros(capacity, bool)
+        valid[:n] = self.valid[:n]
+        present = np.zeros(capacity, bool)
+        present[:n] = self.present[:n]
+        self.values, self.valid, self.present = values, valid, present
+
+
+def columnar_descriptors_ok(descriptors: Any) -> bool:
+    return all(d.kind == "value" and d.type is not None and acc_dtype(d.type) is not None for d in descriptors)
+
+
+class ColumnarKeyedState:
+    """Keyed state of one aggregate subtask for int64 keys; the snapshot API (``capture``,
+    ``capture_full``, ``confirm``, ``abort``, ``restore``) of :class:`KeyedStateBackend` with
+    the same semantics and the same table encoding (see the module docstring)."""
+
+    def __init__(self, operator_uid: str, descriptors: Any, max_parallelism: int,
+                 key_group_range: KeyGroupRange, inits: dict | None = None) -> None:
+        self.operator_uid = operator_uid
+        self.max_parallelism = max_parallelism
+        self.key_group_range = key_group_range
+        self.n = 0
+        self.capacity = 1024
+        self.keys = np.zeros(self.capacity, np.int64)
+        self.kg = np.zeros(self.capacity, np.int16)
+        self.ver = np.zeros(self.capacity, np.int64)
+        self.kg_counts = np.zeros(max_parallelism, np.int64)  # keys per key group
+        inits = inits or {}
+        self.columns: dict[str, StateColumn] = {
+            d.name: StateColumn(d, inits.get(d.name, 0), self.capacity) for d in descriptors
+        }
+        self.map = SlotMap()
+        self.epoch = 1
+        self.confirmed_epoch = 0
+        self.dirty: dict[int, list[np.ndarray]] = {1: []}  # epoch -> slots first changed in it
+        self._scan_until = 0  # lists of epochs <= this were dropped: scan while unconfirmed
+        self._pending: dict[int, int] = {}  # checkpoint id -> epoch it closed, ascending
+        self._last_captured: int | None = None
+        self._last_confirmed: int | None = None
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def descriptors(self) -> tuple:
+        return tuple(c.descriptor for c in self.columns.values())
+
+    @property
+    def last_confirmed(self) -> int | None:
+        return self._last_confirmed
+
+    @property
+    def pending_captures(self) -> tuple[int, ...]:
+        return tuple(self._pending)
+
+    def _col(self, name: str) -> StateColumn:
+        try:
+            return self.columns[name]
+        except KeyError:
+            declared = ", ".join(map(repr, self.columns)) or "none"
+            raise StateError(
+                f"operator {self.operator_uid!r} has no state named {name!r} (declared: "
+                f"{declared}); declare it in the operator's state=[...]"
+            ) from None
+
+    def items(self, name: str, kg: int | None = None) -> Iterator[tuple[Any, Any]]:
+        """(key, value) pairs of state ``name`` (value None when null); for tests/inspection."""
+        col = self._col(name)
+        sel = col.present[: self.n].copy()
+        if kg is not None:
+            sel &= self.kg[: self.n] == kg
+        slots = np.flatnonzero(sel)
+        vals = col.values[slots].tolist()
+        valid = col.valid[slots].tolist()
+        return iter([(k, v if ok else None) for k, v, ok in zip(self.keys[slots].tolist(), vals, valid)])
+
+    def changed_since_confirmed(self) -> np.ndarray:
+        """Sorted distinct slots changed since the last confirmed capture: the union of the
+        per-epoch lists, or a scan of ``ver`` when they are long (or were dropped: when many
+        captures go unconfirmed, e.g. while storage fails, the lists would grow with every
+        epoch; past twice the key count they are dropped and captures scan until a
+        confirmation passes the epoch where they were dropped)."""
+        if self.confirmed_epoch < self._scan_until:
+            return np.flatnonzero(self.ver[: self.n] > self.confirmed_epoch)
+        lists = [a for e, arrs in self.dirty.items() if e > self.confirmed_epoch for a in arrs]
+        total = sum(len(a) for a in lists)
+        if not total:
+            return np.zeros(0, np.int64)
+        if total * 4 > self.n:
+            if total > 2 * self.n:
+                self._scan_until = self.epoch
+                self.dirty = {self.epoch: []}
+            return np.flatnonzero(self.ver[: self.n] > self.confirmed_epoch)
+        return distinct(np.concatenate(lists))
+
+    # ------------------------------------------------------------------ slots
+    def _grow(self, need: int) -> None:
+        cap = max(need, 2 * self.capacity)
+        n = self.n
+        for name in ("keys", "kg", "ver"):
+            old = getattr(self, name)
+            new = np.zeros(cap, old.dtype)
+            new[:n] = old[:n]
+            setattr(self, name, new)
+        for col in self.columns.values():
+            col.grow(cap, n)
+        self.capacity = cap
+
+    def _append(self, keys: np.ndarray, kgs: np.ndarray, start: np.ndarray | None, present: bool) -> np.ndarray:
+        """New slots for distinct keys absent from the index (``start``: where their lookup
+        ended)."""
+        n0 = self.n
+        n1 = n0 + len(keys)
+        if n1 > self.capacity:
+            self._grow(n1)
+        self.keys[n0:n1] = keys
+        self.kg[n0:n1] = kgs
+        self.kg_counts += np.bincount(kgs, minlength=self.max_parallelism)
+        self.ver[n0:n1] = 0
+        for col in self.columns.values():
+            col.values[n0:n1] = col.init
+            col.valid[n0:n1] = False
+            col.present[n0:n1] = present
+        self.n = n1
+        slots = np.arange(n0, n1, dtype=np.int64)
+        self.map.place(self.keys[:n1], keys, slots, start)
+        return slots
+
+    def slots_for(self, keys: np.ndarray) -> np.ndarray:
+        """Slot of every key of a batch (int64 array), inserting new keys (present in every
+        state; their key groups must be in this subtask's range)."""
+        slots, ends = self.map.find(keys)
+        miss = slots < 0
+        if miss.any():
+            new, inverse = distinct_inverse(keys[miss])
+            start = None
+            if ends is not None:
+                start = np.empty(len(new), np.int64)
+                start[inverse] = ends[miss]  # duplicates of a key share its probe end
+            kgs = key_groups(new, self.max_parallelism)
+            rng = self.key_group_range
+            bad = (kgs < rng.start) | (kgs > rng.end)
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise StateError(
+                    f"operator {self.operator_uid!r}: key {int(new[i])!r} belongs to key group "
+                    f"{int(kgs[i])}, outside this subtask's range {rng}; the record was routed to "
+                    "the wrong subtask (routing table and key-group range disagree)"
+                )
+            slots[miss] = self._append(new, kgs.astype(np.int16), start, present=True)[inverse]
+        return slots
+
+    def touch(self, slots: np.ndarray) -> None:
+        """Record that ``slots`` changed in the current epoch."""
+        epoch = self.epoch
+        fresh = slots[self.ver[slots] != epoch]
+        if fresh.size:
+            self.ver[fresh] = epoch
+            self.dirty[epoch].append(fresh)
+
+    # ------------------------------------------------------------------ snapshots
+    def _check_capture_id(self, checkpoint_id: int) -> None:
+        if type(checkpoint_id) is not int:
+            raise StateError(f"operator {self.operator_uid!r}: checkpoint id {checkpoint_id!r} is not an int")
+        for last, what in ((self._last_captured, "captured"), (self._last_confirmed, "confirmed")):
+            if last is not None and checkpoint_id <= last:
+                raise StateError(
+                    f"operator {self.operator_uid!r}: capture({checkpoint_id}) after checkpoint "
+                    f"{last} was already {what}; checkpoint ids must increase (a runtime bug)"
+                )
+
+    def _close_epoch(self, checkpoint_id: int) -> None:
+        self._check_capture_id(checkpoint_id)
+        self._pending[checkpoint_id] = self.epoch
+        self._last_captured = checkpoint_id
+        self.epoch += 1
+        self.dirty[self.epoch] = []
+
+    def capture(self, checkpoint_id: int, *, lazy: bool = False) -> dict[str, dict[int, Any]]:
+        """State name -> key group -> delta of every key changed since the last confirmed
+        checkpoint (every declared state appears, possibly with ``{}``).
+
+        The changed slots' keys, key groups and values are copied now (gathers of sorted slots).
+        ``lazy=False``: the deltas are ``pa.Table`` at once. ``lazy=True``: they are
+        :class:`SlotsDelta` objects whose ``to_table()`` does the split by key group and the
+        Arrow encoding later (the asynchronous part), as KeyedStateBackend's PendingDelta."""
+        slots = self.changed_since_confirmed()
+        self._close_epoch(checkpoint_id)
+        frozen = FrozenSlots(self, slots)
+        if not lazy:
+            return frozen.encode()
+        kgs = frozen.key_groups()
+        return {name: {kg: SlotsDelta(frozen, name, kg) for kg in kgs} for name in self.columns}
+
+    def capture_full(self, checkpoint_id: int) -> dict[str, dict[int, pa.Table]]:
+        """Every non-empty key group's full contents (counts as a capture)."""
+        self._close_epoch(checkpoint_id)
+        return FrozenSlots(self, np.arange(self.n, dtype=np.int64)).encode()
+
+    def confirm(self, checkpoint_id: int) -> None:
+        if self._last_confirmed is not None and checkpoint_id <= self._last_confirmed:
+            return
+        done = [c for c in self._pending if c <= checkpoint_id]
+        if done:
+            self.confirmed_epoch = self._pending[done[-1]]
+            for c in done:
+                del self._pending[c]
+            for e in [e for e in self.dirty if e <= self.confirmed_epoch]:
+                del self.dirty[e]
+        self._last_confirmed = checkpoint_id
+
+    def abort(self, checkpoint_id: int) -> None:
+        """Nothing is forgotten: keys stay changed relative to the confirmed epoch."""
+        self._pending.pop(checkpoint_id, None)
+
+    # ------------------------------------------------------------------ restore
+    def check_restore_table(self, state_name: str, kg: int, table: pa.Table) -> bool:
+        """Validate like the dict backend (raises StateError); True when the table fits the
+        columnar store (int keys, typed numeric values), False when it needs the dict path."""
+        col = self._col(state_name)
+        if type(kg) is not int or kg not in self.key_group_range:
+            raise StateError(
+                f"operator {self.operator_uid!r}: restore: key group {kg!r} is outside this "
+                f"subtask's range {self.key_group_range}; the record or call was routed to the "
+                "wrong subtask"
+            )
+        where = f"operator {self.operator_uid!r}, state {state_name!r}, key group {kg}"
+        meta = table.schema.metadata or {}
+        check_restore_table(table, col.descriptor.kind, where)
+        if meta.get(META_KEY_ENCODING, ENCODING_ARROW) != ENCODING_ARROW or meta.get(META_VALUE_ENCODING, ENCODING_ARROW) != ENCODING_ARROW:
+            return False
+        kt = table.schema.field("key").type
+        vt = table.schema.field("value").type
+        if not pa.types.is_integer(kt) or table.column("key").null_count:
+            return False
+        if pa.types.is_uint64(kt) and table.num_rows and pc.max(table.column("key")).as_py() > INT64_MAX:
+            return False
+        if pa.types.is_integer(vt):
+            return True
+        return pa.types.is_floating(vt) and col.dtype.kind == "f"
+
+    def restore(self, state_name: str, kg: int, table: pa.Table, *, verify: bool = False) -> None:
+        """Upsert a resolved table (checked with :meth:`check_restore_table`) into state
+        ``state_name``; restored keys are not dirty. New keys are recorded in key group
+        ``kg`` (``verify=True`` checks that every key hashes to it)."""
+        col = self._col(state_name)
+        if not table.num_rows:
+            return
+        keys = numpy_int64(table.column("key"))
+        if verify:
+            actual = key_groups(keys, self.max_parallelism)
+            wrong = np.flatnonzero(actual != kg)
+            if wrong.size:
+                k = int(keys[wrong[0]])
+                raise StateError(
+                    f"operator {self.operator_uid!r}, state {state_name!r}, key group {kg}: key "
+                    f"{k!r} belongs to key group {int(actual[wrong[0]])}; the snapshot file is in "
+                    "the wrong key group (corrupt or re-keyed with another max_parallelism)"
+                )
+        slots, ends = self.map.find(keys)
+        miss = slots < 0
+        if miss.any():
+            new, inverse = distinct_inverse(keys[miss])
+            start = None
+            if ends is not None:
+                start = np.empty(len(new), np.int64)
+                start[inverse] = ends[miss]
+            slots[miss] = self._append(new, np.full(len(new), kg, np.int16), start, present=False)[inverse]
+        varr = table.column("value")
+        varr = varr.combine_chunks() if isinstance(varr, pa.ChunkedArray) else varr
+        if varr.null_count:
+            valid = varr.is_valid().to_numpy(zero_copy_only=False)
+            vals = varr.fill_null(0).to_numpy(zero_copy_only=False).astype(col.dtype)
+            vals[~valid] = col.init
+        else:
+            valid = np.ones(len(varr), bool)
+            vals = varr.to_numpy(zero_copy_only=False).astype(col.dtype)
+        col.values[slots] = vals
+        col.valid[slots] = valid
+        col.present[slots] = True
+        for c in self.columns.values():
+            c.all_valid = None
+            c.all_present = None
+            c.bound = None
+
+    def refresh_flags(self) -> None:
+        n = self.n
+        for c in self.columns.values():
+            if c.all_valid is None:
+                c.all_valid = bool(c.valid[:n].all())
+            if c.all_present is None:
+                c.all_present = bool(c.present[:n].all())
+
+    # ------------------------------------------------------------------ migration
+    def move_to(self, target: KeyedStateBackend) -> None:
+        """Load everything into an empty dict backend: keys changed since the last confirmed
+        checkpoint become dirty there (via put_many), the others are restored (clean)."""
+        if self._last_captured is not None:
+            target.capture(self._last_captured)  # empty: only advances its id checks
+            target.abort(self._last_captured)
+        if self._last_confirmed is not None:
+            target.confirm(self._last_confirmed)
+        n = self.n
+        dirty = self.ver[:n] > self.confirmed_epoch
+        for want_dirty in (False, True):
+            for name, by_kg in FrozenSlots(self, np.flatnonzero(dirty == want_dirty)).encode().items():
+                for g, table in by_kg.items():
+                    if want_dirty:
+                        target.put_many(name, g, table.column("key").to_pylist(), table.column("value").to_pylist())
+                    else:
+                        target.restore(name, g, table)
+
+
+def numpy_int64(arr: Any) -> np.ndarray:
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    out = arr.to_numpy(zero_copy_only=False)
+    return out if out.dtype == np.int64 else out.astype(np.int64)
+
