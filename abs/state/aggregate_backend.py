@@ -90,7 +90,7 @@ class AggregateBackend:
     def restore(self, state_name: str, kg: int, table: pa.Table, *, verify: bool = False) -> None:
         if self.columnar is not None:
             if self.columnar.check_restore_table(state_name, kg, table):
-                self.columnar.restore(state_name, kg, table, verify=verify)
+                self.columnar.load_checked(state_name, kg, table, verify=verify)
                 return
             self.migrate_to_dict()
         self.dict_backend.restore(state_name, kg, table, verify=verify)

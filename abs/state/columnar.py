@@ -338,9 +338,25 @@ class ColumnarKeyedState:
         return pa.types.is_floating(vt) and col.dtype.kind == "f"
 
     def restore(self, state_name: str, kg: int, table: pa.Table, *, verify: bool = False) -> None:
-        """Upsert a resolved table (checked with :meth:`check_restore_table`) into state
-        ``state_name``; restored keys are not dirty. New keys are recorded in key group
-        ``kg`` (``verify=True`` checks that every key hashes to it)."""
+        """Upsert a resolved table of key group ``kg`` into state ``state_name``, after the
+        checks of :meth:`check_restore_table`; a table that does not fit the columnar store
+        (keys that are not integers, pickled or non-numeric values) is refused (restore it
+        through :class:`~abs.state.aggregate_backend.AggregateBackend`, which moves to the
+        dict backend for it)."""
+        if not self.check_restore_table(state_name, kg, table):
+            raise StateError(
+                f"operator {self.operator_uid!r}, state {state_name!r}, key group {kg}: the table "
+                f"(key {table.schema.field('key').type}, value {table.schema.field('value').type}, "
+                "encodings in its metadata) does not fit the columnar store, which holds int64 keys "
+                "with numeric values; restore it through AggregateBackend, which moves such state "
+                "to the dict backend"
+            )
+        self.load_checked(state_name, kg, table, verify=verify)
+
+    def load_checked(self, state_name: str, kg: int, table: pa.Table, *, verify: bool = False) -> None:
+        """:meth:`restore` of a table :meth:`check_restore_table` accepted: restored keys are
+        not dirty; new keys are recorded in key group ``kg`` (``verify=True`` checks that
+        every key hashes to it)."""
         col = self._col(state_name)
         if not table.num_rows:
             return

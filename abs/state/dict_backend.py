@@ -474,6 +474,8 @@ class KeyedStateBackend:
     def _load_column(self, slot: StateSlot, kg: int, table: pa.Table, meta: dict) -> bool:
         """Bulk-load an Arrow-encoded table with integer keys into an empty column; False when
         the table or the column is not of that shape (the caller loads it key by key)."""
+        if slot.arrow_type is None:
+            return False  # an untyped column: Arrow values go in key by key, as Python objects
         if meta.get(META_KEY_ENCODING) != ENCODING_ARROW or meta.get(META_VALUE_ENCODING) != ENCODING_ARROW:
             return False
         key_col, value_col = table.column("key"), table.column("value")
