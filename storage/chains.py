@@ -16,7 +16,7 @@ from .format import (CHECKSUM_ALGORITHMS, KEY_COLUMN, META_FILE_KIND, META_KEYS_
                      is_values_image, keys_digest, strictly_increasing, value_columns)
 from .manifest import FileRef
 
-__all__ = ["CompactionPolicy", "compaction_reason", "resolve_chain"]
+__all__ = ["CompactionPolicy", "compaction_reason", "compaction_reason_of_sizes", "resolve_chain"]
 
 _SEQ = "__abs_seq"
 
@@ -47,13 +47,18 @@ def compaction_reason(policy: CompactionPolicy, prev_chain: Sequence[FileRef], n
 
     An empty ``prev_chain`` is not a compaction: the delta becomes the first base.
     """
-    if not prev_chain:
+    return compaction_reason_of_sizes(policy, [ref.bytes for ref in prev_chain], new_delta_bytes)
+
+
+def compaction_reason_of_sizes(policy: CompactionPolicy, file_bytes: Sequence[int], new_delta_bytes: int) -> str | None:
+    """:func:`compaction_reason` over the byte sizes of the chain's files (base first)."""
+    if not file_bytes:
         return None
-    length = len(prev_chain) + 1
+    length = len(file_bytes) + 1
     if length > policy.max_chain_length:
         return f"chain length {length} > {policy.max_chain_length}"
-    base_bytes = max(prev_chain[0].bytes, 1)
-    delta_bytes = sum(ref.bytes for ref in prev_chain[1:]) + new_delta_bytes
+    base_bytes = max(file_bytes[0], 1)
+    delta_bytes = sum(file_bytes[1:]) + new_delta_bytes
     ratio = delta_bytes / base_bytes
     if ratio > policy.max_delta_ratio:
         return f"delta/base bytes {ratio:.2f} > {policy.max_delta_ratio}"

@@ -16,7 +16,8 @@ import pyarrow as pa
 from fsspec import AbstractFileSystem
 
 from .backend import RootIO, protocols_of
-from .chains import CompactionPolicy, compaction_reason, resolve_chain
+from .chain_decision import CaptureFacts, ChainAction, ChainDecision, ChainFacts, Fact, decide_chain
+from .chains import CompactionPolicy, resolve_chain
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -573,7 +574,7 @@ class SnapshotStore:
     def _plan_key_group(self, checkpoint_id: int, job: "KeyGroupWrite") -> "list[FileRef] | _Planned":
         """What :meth:`write_key_group` writes for ``job``: the new chain when nothing is to be
         written, else the encoded file and the part of the old chain it extends."""
-        operator, state, key_group, prev_chain, delta, complete, image, over_base = job
+        operator, state, key_group, prev_chain, delta = job[:5]
         what = f"checkpoint {checkpoint_id}: {operator}/{state} key group {key_group}"
         if callable(delta):
             delta = delta()
@@ -588,39 +589,54 @@ class SnapshotStore:
                     f"{what}: the previous chain is malformed ({problems[0][1]}); refusing to extend it; "
                     "pass the chain returned by the previous write_key_group or the last complete manifest"
                 )
-        if complete and over_base is not None and chain and chain[0] == over_base and delta.num_rows == over_base.rows:
-            values = values_image(delta)
-            if values is not None:
-                encoded = encode_table(values, "delta")
-                if compaction_reason(self.policy, chain[:1], encoded.size) is None:
-                    return _Planned("delta", encoded, chain[:1])
-        if not chain or (complete and delta.num_rows):
-            return _Planned("base", self._encode_base(delta), [])
-        if complete:
-            return []  # a full image without rows: the key group holds no state any more
-        if delta.num_rows == 0:
+        return self._carry_out(what, chain, job, delta)
+
+    def _carry_out(self, what: str, chain: list[FileRef], job: "KeyGroupWrite",
+                   delta: pa.Table) -> "list[FileRef] | _Planned":
+        """Learn the facts :func:`decide_chain` asks for (encoding, calling the writer's image),
+        then encode what it decides; the encoded files it asked about are reused."""
+        facts = CaptureFacts(rows=delta.num_rows, complete=job.complete, over_base=job.over_base is not None,
+                             has_image=job.image is not None)
+        encoded: dict[Fact, EncodedFile | None] = {}
+        full: pa.Table | None = None
+        while True:
+            decision = decide_chain(self.policy, ChainFacts.of(chain, job.over_base), facts)
+            if isinstance(decision, ChainDecision):
+                break
+            fact = decision.fact
+            if fact is Fact.VALUES_IMAGE:
+                values = values_image(delta)
+                encoded[fact] = None if values is None else encode_table(values, "delta")
+                facts = facts.learn(fact, None if values is None else encoded[fact].size)  # type: ignore[union-attr]
+            elif fact is Fact.DELTA_BYTES:
+                encoded[fact] = encode_table(delta_for_file(delta), "delta")
+                facts = facts.learn(fact, encoded[fact].size)  # type: ignore[union-attr]
+            else:
+                assert job.image is not None  # decide_chain asks only when the writer has one
+                full = job.image()
+                facts = facts.learn(fact, full is not None)
+        action = decision.action
+        if action is ChainAction.KEEP:
             return chain
-        full = None
-        if image is not None and chain[0].rows:
-            # the delta's size estimated from the base's bytes per row: when that already
-            # compacts, the image is written without encoding the delta first
-            estimate = chain[0].bytes * delta.num_rows // chain[0].rows
-            if compaction_reason(self.policy, chain, estimate) is not None:
-                full = image()
-        if full is None:
-            encoded = encode_table(delta_for_file(delta), "delta")
-            if compaction_reason(self.policy, chain, encoded.size) is None:
-                return _Planned("delta", encoded, chain)
-            full = image() if image is not None else None
-        if full is not None:
+        if action is ChainAction.DROP:
+            return []  # a full image without rows: the key group holds no state any more
+        prefix = chain[:decision.keep]
+        if action is ChainAction.VALUES_IMAGE:
+            return _Planned("delta", encoded[Fact.VALUES_IMAGE], prefix)  # type: ignore[arg-type]
+        if action is ChainAction.DELTA:
+            return _Planned("delta", encoded[Fact.DELTA_BYTES], prefix)  # type: ignore[arg-type]
+        if action is ChainAction.BASE:
+            return _Planned("base", self._encode_base(delta), prefix)
+        if action is ChainAction.COMPACT_FROM_IMAGE:
+            assert full is not None
             full = normalize_delta(full, what=f"{what} (full image)")
-            return _Planned("base", self._encode_base(full), [])
+            return _Planned("base", self._encode_base(full), prefix)
         tables = self._read_files(chain) + [delta]
         try:
             base = resolve_chain(tables, first_is_base=True)
         except DeltaSchemaError as exc:
             raise DeltaSchemaError(f"{what}: {exc}") from exc
-        return _Planned("base", encode_table(base, "base"), [])
+        return _Planned("base", encode_table(base, "base"), prefix)
 
     def write_operator_state(self, checkpoint_id: int, operator: str, subtask: int, table: pa.Table) -> FileRef:
         """Write the operator (non-keyed) state of one subtask."""
