@@ -48,11 +48,14 @@ from .manifest import FORMAT_VERSION, FileRef, Lineage, Manifest
 from .pins import PinLease, PinRecord
 from .paths import StoragePaths, decode_name, encode_name
 from .store import SnapshotStore
+from .session import CheckpointSession, KeyGroupCapture
 
 from .verify import Problem, VerifyReport
 
 __all__ = [
     "SnapshotStore",
+    "CheckpointSession",
+    "KeyGroupCapture",
     "FileRef",
     "Manifest",
     "Lineage",

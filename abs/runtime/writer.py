@@ -327,7 +327,7 @@ def _main(conn: Any, workers_end: Any) -> None:
 
     store = None
     orders = KeyOrders()  # the sort order of each key group's keys, from its last full image
-    bases: dict = {}  # the base each key group's keys were last written into (see write_jobs)
+    session = None  # what this writer remembers from one write to the next (see write_jobs)
     reader = FrameReader()
     while True:
         cpu = time.process_time()  # waiting for a frame takes none: the receive is counted
@@ -336,13 +336,14 @@ def _main(conn: Any, workers_end: Any) -> None:
         except (EOFError, OSError):
             return
         if msg[0] == "open":
-            from storage import SnapshotStore
+            from storage import CheckpointSession, SnapshotStore
 
             store = SnapshotStore.open(msg[1], msg[2])
+            session = CheckpointSession()
             continue
         _, checkpoint_id, jobs = msg
         del msg  # the jobs' arrays are views of the reader's block: none may outlive the write
-        reply = _write(store, orders, checkpoint_id, jobs, bases)
+        reply = _write(store, orders, checkpoint_id, jobs, session)
         del jobs
         if reply[0] == "ok":
             reply += (time.process_time() - cpu,)
@@ -352,64 +353,53 @@ def _main(conn: Any, workers_end: Any) -> None:
             return
 
 
-def _write(store: Any, orders: Any, checkpoint_id: int, jobs: list, bases: dict | None = None) -> tuple:
+def _write(store: Any, orders: Any, checkpoint_id: int, jobs: list, session: Any = None) -> tuple:
     """``("ok", chains)`` or ``("error", message)`` for one ``write`` message (see :func:`write_jobs`)."""
     if store is None:
         return ("error", "RuntimeError: the writer process got no storage root")
     try:
-        return ("ok", write_jobs(store, orders, checkpoint_id, jobs, {} if bases is None else bases))
+        if session is None:
+            from storage import CheckpointSession
+
+            session = CheckpointSession()
+        return ("ok", write_jobs(store, orders, checkpoint_id, jobs, session))
     except Exception as exc:  # noqa: BLE001 - reported to the worker, which declines the checkpoint
         return ("error", f"{type(exc).__name__}: {exc}")
 
 
-def write_jobs(store: Any, orders: Any, checkpoint_id: int, jobs: list, bases: dict) -> list[list]:
+def write_jobs(store: Any, orders: Any, checkpoint_id: int, jobs: list, session: Any) -> list[list]:
     """Write one checkpoint's ``jobs`` (see the module docstring; in the worker's own thread a
-    ``delta`` may also be any lazy delta with ``to_table``) and return their new chains in job
-    order; the first failure raises.
+    ``delta`` may also be any lazy delta with ``to_table``) through ``session`` (a
+    :class:`storage.CheckpointSession` the caller keeps from one write to the next) and
+    return their new chains in job order; the first failure raises.
 
-    ``bases`` (kept by the caller from one write to the next): per key group of a columnar
-    state, ``(base, keys)``, the base file this writer last wrote from a full image and that
-    image's sorted keys as :class:`~abs.columns.KeyOrders` keeps them. A full image whose
-    keys are still that very array (the key group had no insert or delete since), over a
-    chain the base still heads, is written as a *values image* over it
-    (``KeyGroupWrite.over_base``): a state whose keys stay while its values change, such as
-    counters over a fixed key set, then writes its keys once instead of at every checkpoint.
+    A :class:`~abs.state.ColumnDelta` is encoded in the order :class:`~abs.columns.KeyOrders`
+    keeps for its key group, and names its full image's sorted keys (``image_keys``): a full
+    image whose keys are still the very array the session saw with the base it last wrote
+    for the key group (no insert or delete since) is written as a values image over that
+    base, so a state whose keys stay while its values change, such as counters over a fixed
+    key set, writes its keys once instead of at every checkpoint.
     """
     import pyarrow as pa
 
     from abs.state import ColumnDelta
-    from storage.store import KeyGroupWrite
+    from storage import KeyGroupCapture
 
-    writes = []
+    captures = []
     for operator, state, kg, prev_chain, delta, complete in jobs:
-        over_base = None
+        keys = None
         if isinstance(delta, pa.Table):
             table, image = delta, None
         elif isinstance(delta, ColumnDelta):
             slot = (operator, state, kg)
             table, complete = functools.partial(delta.to_table, orders, slot), delta.complete
             image = functools.partial(delta.image, orders, slot)
-            known = bases.get(slot)
-            if known is not None and prev_chain and prev_chain[0] == known[0] \
-                    and delta.image_keys(orders, slot) is known[1]:
-                over_base = known[0]
+            keys = functools.partial(delta.image_keys, orders, slot)
         else:  # complete is read after to_table, which may set it
             table = delta.to_table()
             image, complete = getattr(delta, "image", None), getattr(delta, "complete", complete)
-        writes.append(KeyGroupWrite(operator, state, kg, prev_chain, table, complete, image, over_base))
-    chains = store.write_key_groups(checkpoint_id, writes)  # job order; the first failure raises
-    for (operator, state, kg, _, delta, _), chain in zip(jobs, chains):
-        if not isinstance(delta, ColumnDelta):
-            continue
-        slot = (operator, state, kg)
-        head = chain[0] if chain else None
-        keys = delta.image_keys(orders, slot)
-        if head is not None and len(chain) == 1 and head.kind == "base" and head.checkpoint_id == checkpoint_id \
-                and keys is not None and head.rows == len(keys):
-            bases[slot] = (head, keys)  # written from this full image: its keys are these
-        elif head is None or slot not in bases or bases[slot][0] != head:
-            bases.pop(slot, None)
-    return chains
+        captures.append(KeyGroupCapture(operator, state, kg, prev_chain, table, complete, image, keys))
+    return session.write(store, checkpoint_id, captures)
 
 
 class InThreadWriter:
@@ -423,10 +413,11 @@ class InThreadWriter:
 
     def __init__(self, store: Any) -> None:
         from abs.columns import KeyOrders
+        from storage import CheckpointSession
 
         self._store = store
         self._orders = KeyOrders()
-        self._bases: dict = {}
+        self._session = CheckpointSession()
 
     def write(self, checkpoint_id: int, jobs: list[tuple]) -> list[list]:
-        return write_jobs(self._store, self._orders, checkpoint_id, jobs, self._bases)
+        return write_jobs(self._store, self._orders, checkpoint_id, jobs, self._session)
