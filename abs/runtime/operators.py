@@ -16,6 +16,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from storage.session import CheckpointSession
+
 from ..dataflow import Node
 from ..errors import GraphError
 from ..keygroups import KeyGroupRange, key_groups
@@ -253,8 +255,8 @@ class KeyedOp(OperatorRuntime):
         self.backend = KeyedStateBackend(
             node.uid, node.spec.get("state", ()), ctx.max_parallelism, self.key_group_range
         )
-        self.confirmed_chains: dict = {s.name: {} for s in node.spec.get("state", ())}
-        self.pending_chains: dict[int, dict] = {}
+        self.chains = CheckpointSession()  # the chains of this subtask's key groups, confirmed and pending
+        self.chains.declare(node.uid, (s.name for s in node.spec.get("state", ())))
         self.full_pending: set[int] = set()
         self.need_full = False  # restored from another root: the next snapshot must be full
 
@@ -276,7 +278,7 @@ class KeyedOp(OperatorRuntime):
                 nbytes += sum(ref.bytes for ref in chain)
                 self.backend.restore(state, kg, table)
                 if same_root:
-                    self.confirmed_chains[state][kg] = list(chain)
+                    self.chains.restored(self.uid, state, kg, chain)
         return nbytes
 
     def snapshot(self, checkpoint_id: int, full: bool = False) -> OpSnapshot:
@@ -284,25 +286,26 @@ class KeyedOp(OperatorRuntime):
         if self.need_full:
             self.full_pending.add(checkpoint_id)
         deltas = self.backend.capture_full(checkpoint_id) if full else self.backend.capture(checkpoint_id, lazy=True)
-        prev = {s: ({} if full else dict(c)) for s, c in self.confirmed_chains.items()}
+        prev = self.chains.prev_chains(self.uid, full=full)
         return OpSnapshot(self.uid, deltas=deltas, prev_chains=prev, on_chains=self._chains_written)
 
+    @property
+    def confirmed_chains(self) -> dict:
+        """state -> key group -> chain: what the next checkpoint builds on."""
+        return self.chains.confirmed(self.uid)
+
     def _chains_written(self, checkpoint_id: int, chains: dict) -> None:
-        self.pending_chains[checkpoint_id] = chains
+        self.chains.written(checkpoint_id, self.uid, chains)
 
     def notify_complete(self, checkpoint_id: int) -> None:
-        chains = self.pending_chains.pop(checkpoint_id, None)
-        if chains is not None:
-            self.confirmed_chains = chains
+        if self.chains.confirm(checkpoint_id, self.uid):
             self.backend.confirm(checkpoint_id)
             if checkpoint_id in self.full_pending:
                 self.need_full = False
         self.full_pending = {c for c in self.full_pending if c > checkpoint_id}
-        for old in [c for c in self.pending_chains if c < checkpoint_id]:
-            del self.pending_chains[old]
 
     def notify_abort(self, checkpoint_id: int) -> None:
-        self.pending_chains.pop(checkpoint_id, None)
+        self.chains.abort(checkpoint_id, self.uid)
         self.backend.abort(checkpoint_id)
 
 
