@@ -611,9 +611,8 @@ class SnapshotStore:
             elif fact is Fact.DELTA_BYTES:
                 encoded[fact] = encode_table(delta_for_file(delta), "delta")
                 facts = facts.learn(fact, encoded[fact].size)  # type: ignore[union-attr]
-            else:
-                assert job.image is not None  # decide_chain asks only when the writer has one
-                full = job.image()
+            else:  # asked for only when the writer has an image
+                full = job.image() if job.image is not None else None
                 facts = facts.learn(fact, full is not None)
         action = decision.action
         if action is ChainAction.KEEP:
@@ -627,9 +626,8 @@ class SnapshotStore:
             return _Planned("delta", encoded[Fact.DELTA_BYTES], prefix)  # type: ignore[arg-type]
         if action is ChainAction.BASE:
             return _Planned("base", self._encode_base(delta), prefix)
-        if action is ChainAction.COMPACT_FROM_IMAGE:
-            assert full is not None
-            full = normalize_delta(full, what=f"{what} (full image)")
+        if action is ChainAction.COMPACT_FROM_IMAGE:  # decided only once the image exists
+            full = normalize_delta(full, what=f"{what} (full image)")  # type: ignore[arg-type]
             return _Planned("base", self._encode_base(full), prefix)
         tables = self._read_files(chain) + [delta]
         try:

@@ -265,3 +265,43 @@ def test_chains_built_by_the_decisions_restore_to_the_model_within_the_policys_b
         assert len(chain) <= policy.max_chain_length
         if len(chain) > 1:  # the bytes the policy promises: deltas within the ratio of the base
             assert sum(f.size for f in chain[1:]) <= policy.max_delta_ratio * max(chain[0].size, 1)
+
+
+# ----------------------------------------------------------------------------- through the store
+def counted(result):
+    calls = []
+
+    def image():
+        calls.append(1)
+        return result
+
+    return image, calls
+
+
+def table(rows: dict) -> "pa.Table":
+    import pyarrow as pa
+
+    return pa.table({"key": pa.array(list(rows), pa.int64()), "value": pa.array(list(rows.values()), pa.int64())})
+
+
+def test_the_store_asks_for_a_missing_image_once_and_compacts_by_reading(memory_root):
+    from storage import SnapshotStore
+
+    store = SnapshotStore.open(memory_root, policy=CompactionPolicy(max_chain_length=2))
+    chain = store.write_key_group(1, "op", "n", 0, [], table({1: 1, 2: 2}))
+    chain = store.write_key_group(2, "op", "n", 0, chain, table({2: 20}))
+    image, calls = counted(None)
+    chain = store.write_key_group(3, "op", "n", 0, chain, table({3: 30}), image=image)
+    assert len(calls) == 1  # the former rule called it again after encoding the delta
+    assert len(chain) == 1 and chain[0].kind == "base"
+    assert store.read_chain(chain).to_pydict() == {"key": [1, 2, 3], "value": [1, 20, 30]}
+
+
+def test_the_store_writes_the_image_as_the_new_base_when_the_estimate_compacts(memory_root):
+    from storage import SnapshotStore
+
+    store = SnapshotStore.open(memory_root, policy=CompactionPolicy(max_delta_ratio=0.5))
+    chain = store.write_key_group(1, "op", "n", 0, [], table({k: k for k in range(10)}))
+    image, calls = counted(table({k: -k for k in range(12)}))
+    chain = store.write_key_group(2, "op", "n", 0, chain, table({k: -k for k in range(12)}), image=image)
+    assert len(calls) == 1 and len(chain) == 1 and chain[0].checkpoint_id == 2 and chain[0].rows == 12
