@@ -1,6 +1,7 @@
 """Remote channels: bounded in-flight data on real loopback TCP connections."""
 from __future__ import annotations
 
+import os
 import struct
 import threading
 import time
@@ -9,6 +10,14 @@ from multiprocessing.connection import Listener
 import pytest
 
 from abs.runtime.channels import SOCKET_BUFFER_BYTES, accept_channel, connect_channel
+
+# the write system call's number, by machine: multiprocessing's Connection sends with os.write
+_WRITE_SYSCALL = {"x86_64": 1, "aarch64": 64, "arm64": 64, "ppc64le": 4, "s390x": 4, "riscv64": 64}
+
+pytestmark = pytest.mark.skipif(
+    not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/syscall")
+    or os.uname().machine not in _WRITE_SYSCALL,
+    reason="needs Linux's /proc/<pid>/task/<tid>/syscall to see a thread blocked in write")
 
 FRAME = 64 * 1024  # about one batch of 4096 (key, value) int64 rows
 
@@ -23,17 +32,38 @@ def _pair():
     return listener, sender, accepted["conn"]
 
 
-def _sent_until_stalled(count: list, limit: float = 10.0) -> int:
-    """Wait until the sender's count stops moving for 0.3 s; return it."""
+def _blocked_in_write(thread: threading.Thread) -> bool:
+    """Whether ``thread`` sleeps inside a ``write`` system call: what a blocking socket does
+    when the kernel's buffers are full, and only then (it waits for room). Read from
+    ``/proc/self/task/<tid>``: the thread's state and the system call it is in."""
+    task = f"/proc/self/task/{thread.native_id}"
+    try:
+        with open(f"{task}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        with open(f"{task}/syscall") as f:
+            call = f.read().split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False  # the thread ended, or it is between two reads
+    return state == "S" and call == str(_WRITE_SYSCALL[os.uname().machine])
+
+
+def _sent_until_stalled(count: list, sender: threading.Thread, limit: float = 120.0) -> int:
+    """Wait until the sending thread sleeps in ``write`` with its count settled (the kernel
+    takes no more: the receiver reads nothing, so the thread stays there); return the count.
+    A look too early only finds fewer frames in flight; ``limit`` only bounds a hang."""
     deadline = time.monotonic() + limit
-    last, since = -1, time.monotonic()
-    while time.monotonic() < deadline:
-        if count[0] != last:
-            last, since = count[0], time.monotonic()
-        elif time.monotonic() - since > 0.3:
-            return last
-        time.sleep(0.02)
-    pytest.fail(f"the sender never stalled against a receiver that reads nothing ({count[0]} frames sent)")
+    seen, times = None, 0
+    while time.monotonic() < deadline and sender.is_alive():
+        if not _blocked_in_write(sender):
+            seen, times = None, 0
+        elif seen != count[0]:
+            seen, times = count[0], 1
+        else:
+            times += 1
+            if times == 3:
+                return seen  # blocked at the same count, looked at three times: for good
+        time.sleep(0.01)
+    pytest.fail(f"the sender never blocked against a receiver that reads nothing ({count[0]} frames sent)")
 
 
 def test_a_stalled_receiver_holds_a_bounded_amount_and_loses_nothing():
@@ -51,7 +81,7 @@ def test_a_stalled_receiver_holds_a_bounded_amount_and_loses_nothing():
     sending = threading.Thread(target=send, daemon=True)
     sending.start()
     try:
-        stalled_at = _sent_until_stalled(count)
+        stalled_at = _sent_until_stalled(count, sending)
         in_flight = stalled_at * FRAME
         # both kernels' buffers (Linux reserves twice the requested size), plus a frame in the
         # sender's hands; unbounded, loopback buffers took ~3.9 MB here
