@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import socket
-import time
 
 import pytest
 
@@ -16,13 +15,12 @@ def closed_port() -> int:
 
 
 @pytest.mark.s3
+@pytest.mark.timeout(120)  # only bounds a hang: one refused connection, no retries
 def test_an_unreachable_s3_endpoint_fails_at_open_naming_the_root():
     options = {"key": "k", "secret": "s", "endpoint_url": f"http://127.0.0.1:{closed_port()}",
                "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}}
-    started = time.monotonic()
-    with pytest.raises(StorageUnavailableError, match=r"s3://bucket/job: .*unreachable.*check the endpoint URL"):
+    with pytest.raises(StorageUnavailableError, match=r"^s3://bucket/job: .*unreachable.*check the endpoint URL"):
         SnapshotStore.open("s3://bucket/job", options)
-    assert time.monotonic() - started < 15
 
 
 @pytest.mark.s3
