@@ -1,0 +1,88 @@
+"""A source for tests whose progress follows completed checkpoints instead of the clock.
+
+``PacedSource(inner, per_checkpoint)`` reads ``inner`` but lets each reader emit at most
+``per_checkpoint`` records between two completed checkpoints (it hears of them through
+``SourceReader.notify_checkpoint_complete``): a job of ``R`` records per reader cannot end
+before about ``R / per_checkpoint`` checkpoints completed, however fast or loaded the machine.
+A rate-limited source only promises that in wall-clock time, which a busy machine breaks.
+
+``hold`` and ``gate``: a reader that has emitted ``hold`` records waits (it keeps taking
+barriers) until the file ``gate`` exists, so that a test can act on a job that is certainly
+still running (kill a process, take a savepoint, cancel) and then let it go on with
+``open(gate, "w").close()``.
+
+Records, splits and offsets are the inner source's: the output is the same as without pacing.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import abs
+from abs import END
+
+
+class PacedSource(abs.Source):
+    def __init__(self, inner: abs.Source, per_checkpoint: int, hold: int | None = None,
+                 gate: str | None = None) -> None:
+        if per_checkpoint < 1:
+            raise ValueError(f"PacedSource: per_checkpoint must be >= 1, got {per_checkpoint}")
+        if (hold is None) != (gate is None):
+            raise ValueError("PacedSource: give both hold and gate, or neither")
+        self.inner = inner
+        self.per_checkpoint = per_checkpoint
+        self.hold = hold
+        self.gate = gate
+
+    def splits(self) -> list[str]:
+        return self.inner.splits()
+
+    def initial_offset(self, split: str) -> Any:
+        return self.inner.initial_offset(split)
+
+    def create_reader(self, splits: Mapping[str, Any], subtask: int, parallelism: int) -> abs.SourceReader:
+        return _PacedReader(self.inner.create_reader(splits, subtask, parallelism), self)
+
+    def driver_open(self, context: Any) -> None:
+        self.inner.driver_open(context)
+
+    def driver_checkpoint_complete(self, checkpoint_id: int, offsets: Mapping[str, Any]) -> None:
+        self.inner.driver_checkpoint_complete(checkpoint_id, offsets)
+
+    def driver_close(self) -> None:
+        self.inner.driver_close()
+
+
+class _PacedReader(abs.SourceReader):
+    def __init__(self, inner: abs.SourceReader, source: PacedSource) -> None:
+        self._inner = inner
+        self._source = source
+        self._emitted = 0
+        self._allowed = source.per_checkpoint
+
+    def _waiting(self) -> bool:
+        src = self._source
+        if src.hold is not None and self._emitted >= src.hold and not os.path.exists(src.gate):
+            return True
+        return self._emitted >= self._allowed
+
+    def poll(self) -> Any:
+        if self._waiting():
+            return None
+        batch = self._inner.poll()
+        if batch is not None and batch is not END:
+            self._emitted += batch.num_rows
+        return batch
+
+    def offsets(self) -> dict[str, Any]:
+        return self._inner.offsets()
+
+    def wait_hint(self) -> float:
+        return 0.01 if self._waiting() else self._inner.wait_hint()
+
+    def notify_checkpoint_complete(self, checkpoint_id: int, offsets: Mapping[str, Any]) -> None:
+        self._allowed = self._emitted + self._source.per_checkpoint
+        self._inner.notify_checkpoint_complete(checkpoint_id, offsets)
+
+    def close(self) -> None:
+        self._inner.close()
