@@ -19,6 +19,7 @@ import abs
 from abs.keygroups import KeyGroupRange, key_group
 from abs.runtime.writer import FrameReader, InThreadWriter, SnapshotWriter, recv_frame, send_frame, writes_in_process
 from abs.state import ColumnDelta, KeyedStateBackend, ListState, PickledDelta, ValueState
+from pacing import PacedSource
 from storage import SnapshotStore
 
 M = 8
@@ -340,13 +341,17 @@ def test_checkpoints_report_the_cpu_of_their_asynchronous_part(tmp_path, root):
 @pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task"), reason="needs /proc")
 def test_a_job_whose_writers_are_killed_keeps_checkpointing_with_exact_output(tmp_path):
     flow = abs.Dataflow("writer-kill")
-    src = abs.GeneratorSource(60_000, num_keys=500, num_splits=4, rate=4_000)
+    # each source reader emits 3,000 records per completed checkpoint and stops at 6,000
+    # until the gate opens: the job is running when its writers are killed, and the rest of
+    # its input needs several more checkpoints
+    gate = str(tmp_path / "gate")
+    src = PacedSource(abs.GeneratorSource(60_000, num_keys=500, num_splits=4), 3_000, hold=6_000, gate=gate)
     sink = abs.CollectSink()
     flow.source("events", src).key_by("key").process("count", count, state=[abs.ValueState("n", pa.int64())]) \
         .sink("out", sink)
-    handle = abs.submit(flow, parallelism=2, storage=str(tmp_path),
+    handle = abs.submit(flow, parallelism=2, storage=str(tmp_path / "snap"),
                         checkpoint=abs.CheckpointConfig(interval=0.2, retained=2))
-    deadline = time.time() + 60
+    deadline = time.time() + 120  # only bounds a hang
     workers: list[int] = []
     while time.time() < deadline and len(workers) < 2:
         workers = [p for p in children(os.getpid()) if children(p)]
@@ -354,10 +359,12 @@ def test_a_job_whose_writers_are_killed_keeps_checkpointing_with_exact_output(tm
     writers = [w for p in workers for w in children(p)]
     assert len(writers) >= 2, "every worker of a job with a file root has a writer process"
     while time.time() < deadline and handle.metrics()["completed_checkpoints"] < 2:
-        time.sleep(0.1)
+        time.sleep(0.05)
+    assert handle.status == "RUNNING"
     first = handle.trigger_checkpoint()
     for pid in writers:
         os.kill(pid, signal.SIGKILL)
+    open(gate, "w").close()
     result = handle.wait(timeout=120)
     assert result.status == "FINISHED", result
     later = [c for c in result.completed_checkpoints if c.checkpoint_id > first]
@@ -456,11 +463,15 @@ def release(pids: list[int]) -> None:
 
 
 def hang_job(tmp_path, timeout: float):
+    """A job on storage ``tmp_path/snap`` whose source readers emit 2,000 records per completed
+    checkpoint and stop at 4,000 until the file ``tmp_path/gate`` exists: it is running when
+    the test stops its writers, and the rest of its input needs several more checkpoints."""
     flow = abs.Dataflow("writer-hang")
-    src = abs.GeneratorSource(40_000, num_keys=500, num_splits=4, rate=2_000)
+    src = PacedSource(abs.GeneratorSource(40_000, num_keys=500, num_splits=4), 2_000, hold=4_000,
+                      gate=str(tmp_path / "gate"))
     flow.source("events", src).key_by("key").process("count", count, state=[abs.ValueState("n", pa.int64())]) \
         .sink("out", abs.CollectSink())
-    return abs.submit(flow, parallelism=2, storage=str(tmp_path),
+    return abs.submit(flow, parallelism=2, storage=str(tmp_path / "snap"),
                       checkpoint=abs.CheckpointConfig(interval=0.3, timeout=timeout, retained=2))
 
 
@@ -481,8 +492,10 @@ def test_a_writer_stopped_for_good_is_killed_and_the_job_finishes_exactly(tmp_pa
     assert len(writers) >= 2, "every worker of a job with a file root has a writer process"
     while time.time() < deadline and handle.metrics()["completed_checkpoints"] < 2:
         time.sleep(0.05)
+    assert handle.status == "RUNNING"
     stopped = writers[0]
     os.kill(stopped, signal.SIGSTOP)
+    open(tmp_path / "gate", "w").close()
     try:
         result = handle.wait(timeout=120)  # the old runtime waited on the stopped writer for good
     finally:
@@ -494,7 +507,7 @@ def test_a_writer_stopped_for_good_is_killed_and_the_job_finishes_exactly(tmp_pa
     assert "snapshot writer hung" in named[0][1] and "was killed" in named[0][1]
     assert any(c.checkpoint_id > named[0][0] for c in result.completed_checkpoints), "checkpoints go on after it"
     assert not os.path.exists(f"/proc/{stopped}") or open(f"/proc/{stopped}/stat").read().split()[2] == "Z"
-    store = SnapshotStore.open(str(tmp_path))  # the checkpoints written past the killed writer hold exact state
+    store = SnapshotStore.open(str(tmp_path / "snap"))  # the checkpoints written past the killed writer hold exact state
     manifest = store.read_manifest(store.latest_checkpoint())
     assert manifest.checkpoint_id > named[0][0] and store.verify().ok
     counts: dict = {}
@@ -513,8 +526,10 @@ def test_a_writer_stopped_for_a_while_then_continued_lets_checkpoints_resume(tmp
     assert len(writers) >= 2
     while time.time() < deadline and handle.metrics()["completed_checkpoints"] < 2:
         time.sleep(0.05)
+    assert handle.status == "RUNNING"
     for pid in writers:
         os.kill(pid, signal.SIGSTOP)
+    open(tmp_path / "gate", "w").close()
     try:
         while time.time() < deadline and handle.metrics()["failed_checkpoints"] < 1:
             time.sleep(0.05)  # the driver's checkpoint timeout reports the stalled checkpoint
