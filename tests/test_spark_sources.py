@@ -25,6 +25,7 @@ from abs.errors import ConfigError
 from abs.faults import Fault
 from abs.files import FileSink, read_output
 from abs.spark_sources import SparkMicroBatchSource, SparkStreamSource
+from pacing import PacedSource
 from storage import SnapshotStore
 from storage.paths import StoragePaths
 
@@ -46,14 +47,14 @@ class RangePartition(InputPartition):
 
 class CountingReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Rows ``i = 0 .. total-1`` as ``(id=i, key=i % KEYS, name="row-i")``; the offset is the
-    number of rows; partitions are fixed ranges of PART_ROWS; rows become available at
-    ``rate`` rows/s from ``t0`` (all at once under availableNow). ``commit(end)`` is
+    number of rows; partitions are fixed ranges of PART_ROWS; all rows are available at once,
+    or, with the option ``available`` (a file path), as many as that file says (the test
+    writes it; none while it is missing; all under availableNow). ``commit(end)`` is
     appended, with the time, to the file ``commit_log``."""
 
     def __init__(self, options) -> None:
         self.total = int(options.get("total", TOTAL))
-        self.rate = float(options.get("rate", 0))
-        self.t0 = float(options.get("t0", 0))
+        self.available = options.get("available")
         self.delay = float(options.get("read_delay", 0))
         self.commit_log = options.get("commit_log")
         self.target = None
@@ -68,10 +69,14 @@ class CountingReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.target = self.total
 
     def latestOffset(self, start, limit):
-        if self.target is not None or self.rate <= 0:
+        if self.target is not None or self.available is None:
             available = self.target if self.target is not None else self.total
         else:
-            available = min(self.total, int((time.time() - self.t0) * self.rate))
+            try:
+                with open(self.available) as f:
+                    available = min(self.total, int(f.read()))
+            except FileNotFoundError:
+                available = 0
         end = min(available, start["rows"] + limit.max_rows) if isinstance(limit, ReadMaxRows) else available
         return {"rows": max(start["rows"], end)}
 
@@ -221,6 +226,12 @@ def counting(tmp_path, **options) -> SparkStreamSource:
     return SparkStreamSource(CountingSource, opts, num_splits=4, bounded=True, batch_size=20)
 
 
+def paced(source: abs.Source) -> PacedSource:
+    """``source`` whose readers (two, at P = 2) emit at most 500 of their ~3,000 rows per
+    completed checkpoint: checkpoints fall all along the stream however loaded the machine."""
+    return PacedSource(source, 500)
+
+
 # --------------------------------------------------------------------------- SparkStreamSource
 
 
@@ -228,7 +239,7 @@ def test_stream_source_exactly_once_and_commit_only_what_completed_checkpoints_c
     snap, out = str(tmp_path / "snap"), str(tmp_path / "out")
     src = counting(tmp_path, read_delay=0.02)
     result = abs.run(
-        counting_flow(src, FileSink(out)), parallelism=2,
+        counting_flow(paced(src), FileSink(out)), parallelism=2,
         checkpoint=abs.CheckpointConfig(interval=0.2, retained=100), storage=snap,
     )
     assert result.status == "FINISHED"
@@ -267,7 +278,7 @@ def test_stream_source_on_the_spark_launcher_survives_a_killed_task_exactly_once
     tasks, one is SIGKILLed after the 2nd checkpoint commits, the next stage restores."""
     out = str(tmp_path / "out")
     result = abs.run(
-        counting_flow(counting(tmp_path, read_delay=0.02), FileSink(out)),
+        counting_flow(paced(counting(tmp_path, read_delay=0.02)), FileSink(out)),
         executor=abs.SparkExecutor(spark, num_workers=2),
         checkpoint=abs.CheckpointConfig(interval=0.2, retained=3), storage=str(tmp_path / "snap"),
         restart=abs.RestartStrategy(max_restarts=2, delay=0.1),
@@ -282,7 +293,7 @@ def test_stream_source_kill_9_mid_stream_replays_exactly(spark, tmp_path):
     snap, out = str(tmp_path / "snap"), str(tmp_path / "out")
     src = counting(tmp_path, read_delay=0.03)
     result = abs.run(
-        counting_flow(src, FileSink(out)), parallelism=2,
+        counting_flow(paced(src), FileSink(out)), parallelism=2,
         checkpoint=abs.CheckpointConfig(interval=0.2, retained=2), storage=snap,
         restart=abs.RestartStrategy(max_restarts=2, delay=0.1),
         # about 360 batches reach each keyed subtask (3 chunks per partition): crash 2/3 of the way
@@ -305,28 +316,45 @@ def test_stream_source_kill_9_mid_stream_replays_exactly(spark, tmp_path):
     assert left[-1] == TOTAL // BATCH_ROWS - 1
 
 
+def committed_ends(tmp_path) -> list[int]:
+    return [c["end"]["rows"] for c in read_commits(tmp_path / "commits.jsonl")]
+
+
+def wait_for(what: str, done, deadline: float) -> None:
+    """Poll ``done()`` until it holds; the deadline only bounds a hang."""
+    while not done():
+        if time.monotonic() > deadline:
+            pytest.fail(f"gave up waiting: {what}")
+        time.sleep(0.05)
+
+
 def test_unbounded_stream_source_keeps_planning_and_cancel_keeps_committed_output_exact(spark, tmp_path):
     snap, out = str(tmp_path / "snap"), str(tmp_path / "out")
-    opts = {"rate": "4000", "t0": str(time.time()), "commit_log": str(tmp_path / "commits.jsonl")}
+    available = tmp_path / "available"
+    opts = {"available": str(available), "commit_log": str(tmp_path / "commits.jsonl")}
     src = SparkStreamSource(CountingSource, opts, num_splits=3, trigger_interval=0.05)
     handle = abs.submit(
         counting_flow(src, FileSink(out)), parallelism=2,
         checkpoint=abs.CheckpointConfig(interval=0.2, retained=3), storage=snap,
     )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and read_output(out).num_rows < TOTAL:
-        time.sleep(0.2)
-    # the last batch is committed upstream once a checkpoint covers it (a lane moves past a
-    # partition at the poll after its last rows, so this may take one more checkpoint)
-    while time.monotonic() < deadline and TOTAL not in [c["end"]["rows"] for c in read_commits(tmp_path / "commits.jsonl")]:
-        time.sleep(0.1)
-    time.sleep(0.3)  # later checkpoints must not add anything: the stream has no more rows
+    deadline = time.monotonic() + 240  # only bounds a hang
+    # the stream grows in three steps, each once the previous one is committed upstream: the
+    # source plans batches as rows arrive (a lane moves past a partition at the poll after
+    # its last rows, so a step's last batch may take one more checkpoint to be covered)
+    for step in (TOTAL // 3, 2 * TOTAL // 3, TOTAL):
+        (tmp_path / "available.tmp").write_text(str(step))
+        os.replace(tmp_path / "available.tmp", available)
+        wait_for(f"commit({step})", lambda: step in committed_ends(tmp_path), deadline)
+    assert handle.status == "RUNNING", "an unbounded stream does not end by itself"
+    # later checkpoints add nothing: the stream has no more rows
+    seen = handle.metrics()["completed_checkpoints"]
+    wait_for("two more checkpoints", lambda: handle.metrics()["completed_checkpoints"] >= seen + 2, deadline)
     result = handle.cancel()
     assert result.status == "CANCELED"
     assert_exactly_once(read_output(out), TOTAL)
-    ends = [c["end"]["rows"] for c in read_commits(tmp_path / "commits.jsonl")]
-    assert ends[-1] == TOTAL and ends == sorted(set(ends)) and len(ends) >= 3
-    # planned in several batches as rows arrived (not one batch at the end)
+    ends = committed_ends(tmp_path)
+    assert ends == sorted(set(ends)), "commit(end) called twice for an end or out of order"
+    assert {TOTAL // 3, 2 * TOTAL // 3, TOTAL} <= set(ends) and ends[-1] == TOTAL
     assert len(result.completed_checkpoints) >= 3
 
 
