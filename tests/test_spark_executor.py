@@ -12,6 +12,7 @@ import pytest
 import abs
 from abs.faults import Fault
 from abs.files import FileSink, read_output
+from pacing import PacedSource
 from storage import SnapshotStore
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
@@ -26,9 +27,14 @@ def count_fn(ctx, row):
     ctx.emit({"key": ctx.key, "count": c})
 
 
-def counting_flow(sink: abs.Sink, rate: float | None = None) -> abs.Dataflow:
+def counting_flow(sink: abs.Sink, per_checkpoint: int | None = None) -> abs.Dataflow:
+    """The counting job; ``per_checkpoint``: each source reader emits at most that many records
+    per completed checkpoint, so that checkpoints (and faults after them) fall mid-input
+    however loaded the machine."""
     flow = abs.Dataflow("spark-counts")
-    src = abs.GeneratorSource(TOTAL, num_keys=KEYS, num_splits=6, batch_size=250, rate=rate)
+    src: abs.Source = abs.GeneratorSource(TOTAL, num_keys=KEYS, num_splits=6, batch_size=250)
+    if per_checkpoint is not None:
+        src = PacedSource(src, per_checkpoint)
     flow.source("src", src).key_by("key").process(
         "count", count_fn, state=[abs.ValueState("n", pa.int64())]
     ).sink("out", sink)
@@ -57,9 +63,9 @@ def final_state(root: str) -> dict:
 
 def test_same_job_same_results_on_the_local_and_the_spark_launcher(spark, tmp_path):
     checkpoint = abs.CheckpointConfig(interval=0.2, retained=3)
-    local = abs.run(counting_flow(abs.CollectSink(), rate=2_000), parallelism=3, checkpoint=checkpoint,
+    local = abs.run(counting_flow(abs.CollectSink(), per_checkpoint=4_000), parallelism=3, checkpoint=checkpoint,
                     storage=str(tmp_path / "local"))
-    on_spark = abs.run(counting_flow(abs.CollectSink(), rate=2_000), executor=abs.SparkExecutor(spark, num_workers=3),
+    on_spark = abs.run(counting_flow(abs.CollectSink(), per_checkpoint=4_000), executor=abs.SparkExecutor(spark, num_workers=3),
                        checkpoint=checkpoint, storage=str(tmp_path / "spark"))
     assert on_spark.status == local.status == "FINISHED"
     assert on_spark.parallelism == 3
@@ -74,7 +80,7 @@ def test_same_job_same_results_on_the_local_and_the_spark_launcher(spark, tmp_pa
 def test_worker_killed_inside_a_spark_task_recovers_with_exact_output(spark, tmp_path):
     out = str(tmp_path / "out")
     result = abs.run(
-        counting_flow(FileSink(out, format="parquet"), rate=1_000),  # ~5 s of input
+        counting_flow(FileSink(out, format="parquet"), per_checkpoint=3_000),  # 5 checkpoints or more
         executor=abs.SparkExecutor(spark, num_workers=2),
         checkpoint=abs.CheckpointConfig(interval=0.2, retained=2),
         storage=str(tmp_path / "snap"),
@@ -92,7 +98,7 @@ def test_worker_killed_inside_a_spark_task_recovers_with_exact_output(spark, tmp
 
 def test_collect_sink_is_exactly_once_across_a_restart_on_spark(spark, tmp_path):
     result = abs.run(
-        counting_flow(abs.CollectSink(), rate=1_000),
+        counting_flow(abs.CollectSink(), per_checkpoint=3_000),
         executor=abs.SparkExecutor(spark, num_workers=2),
         checkpoint=abs.CheckpointConfig(interval=0.2),
         storage=str(tmp_path / "snap"),
