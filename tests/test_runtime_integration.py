@@ -11,6 +11,7 @@ import pytest
 
 import abs
 from abs.keygroups import key_group
+from pacing import PacedSource
 from storage import SnapshotStore, StorageUnavailableError
 
 pytestmark = pytest.mark.integration
@@ -33,10 +34,18 @@ def counting_flow(source: abs.Source, name: str = "counts") -> abs.Dataflow:
     return flow
 
 
-def slow_source(total: int = 48_000) -> abs.GeneratorSource:
-    # 6 splits x 1,800 records/s: about 4.4 s of input, so that checkpoints every 200 ms
-    # fall in the middle of the stream (even on a loaded machine)
-    return abs.GeneratorSource(total, num_keys=NUM_KEYS, num_splits=6, batch_size=200, rate=1_800)
+def slow_source(total: int = 48_000) -> PacedSource:
+    # each source reader emits at most 2,000 records per completed checkpoint, so that
+    # checkpoints fall all along the stream however loaded the machine (``.inner`` is the
+    # GeneratorSource, whose records_before tells what a checkpoint's offsets hold)
+    return PacedSource(abs.GeneratorSource(total, num_keys=NUM_KEYS, num_splits=6, batch_size=200), 2_000)
+
+
+def held(source: abs.Source, per_checkpoint: int, hold: int, tmp_path) -> PacedSource:
+    """``source`` paced by completed checkpoints, each reader stopping for good at ``hold``
+    records (its gate file is never created): a job that is certainly still running after
+    its first checkpoints, for a test that then cancels it or takes a savepoint."""
+    return PacedSource(source, per_checkpoint, hold=hold, gate=str(tmp_path / "never-opened"))
 
 
 def assert_exact_running_counts(out: pa.Table, total: int) -> None:
@@ -91,7 +100,7 @@ def test_snapshot_n_holds_exactly_the_records_before_barrier_n(tmp_path):
         manifest = store.read_manifest(cid)
         offsets = manifest.source_offsets["src"]
         assert sorted(offsets) == [str(s) for s in range(6)]
-        before = src.records_before(offsets)
+        before = src.inner.records_before(offsets)
         expected = dict(collections.Counter((before % NUM_KEYS).tolist()))
         assert state_at(store, cid, "count", "n") == expected, f"checkpoint {cid}"
         mid_stream += 0 < len(before) < 48_000
@@ -118,16 +127,17 @@ def test_collect_sink_output_of_a_canceled_job_and_its_restore_is_exactly_once(t
     job collected plus what the restored job collects is every running count exactly once."""
     total = 30_000
 
-    def flow(rate=None):
-        return counting_flow(abs.GeneratorSource(total, num_keys=NUM_KEYS, num_splits=6, batch_size=200, rate=rate))
+    def source():
+        return abs.GeneratorSource(total, num_keys=NUM_KEYS, num_splits=6, batch_size=200)
 
-    job = _run_until_checkpoints(flow(rate=500), 2, parallelism=3, storage=str(tmp_path),
-                                 checkpoint=abs.CheckpointConfig(interval=0.2))
+    # 10,000 records per reader, held at 3,000: still running when canceled
+    job = _run_until_checkpoints(counting_flow(held(source(), 1_000, 3_000, tmp_path)), 2, parallelism=3,
+                                 storage=str(tmp_path), checkpoint=abs.CheckpointConfig(interval=0.2))
     last = job.trigger_checkpoint()  # returns once its manifest is committed ...
     first = job.cancel()  # ... and the job stops before the workers commit their sink epochs
     assert first.completed_checkpoints[-1].checkpoint_id >= last
     assert 0 < first.collected("out").num_rows < total
-    second = abs.run(flow(), parallelism=2, restore="latest", storage=str(tmp_path),
+    second = abs.run(counting_flow(source()), parallelism=2, restore="latest", storage=str(tmp_path),
                      checkpoint=abs.CheckpointConfig(interval=0.3))
     assert second.restored_from == first.completed_checkpoints[-1].checkpoint_id
     assert_exact_running_counts(pa.concat_tables([first.collected("out"), second.collected("out")]), total)
@@ -146,7 +156,7 @@ def test_stop_the_world_baseline_gives_the_same_exact_output(tmp_path):
     store = SnapshotStore.open(str(tmp_path))
     for cid in store.list_checkpoints():
         manifest = store.read_manifest(cid)
-        before = src.records_before(manifest.source_offsets["src"])
+        before = src.inner.records_before(manifest.source_offsets["src"])
         assert state_at(store, cid, "count", "n") == dict(collections.Counter((before % NUM_KEYS).tolist()))
 
 
@@ -206,14 +216,12 @@ def test_union_rebalance_broadcast_and_row_operators():
 
 
 def test_restore_latest_into_other_parallelism_gives_uninterrupted_state(tmp_path):
-    # ~6.7 s of input: long enough for 3 checkpoints of 200 ms even on a loaded machine
-    src = abs.GeneratorSource(60_000, num_keys=NUM_KEYS, num_splits=6, batch_size=200, rate=1_500)
-    flow = counting_flow(src)
-    job = abs.submit(flow, parallelism=3, checkpoint=abs.CheckpointConfig(interval=0.2, retained=100),
-                     storage=str(tmp_path))
-    deadline = time.monotonic() + 60
-    while job.metrics()["completed_checkpoints"] < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    src = abs.GeneratorSource(60_000, num_keys=NUM_KEYS, num_splits=6, batch_size=200)
+    # 20,000 records per reader, 1,000 per completed checkpoint, held at 4,000: still
+    # running, with state in several checkpoints, when canceled
+    job = _run_until_checkpoints(counting_flow(held(src, 1_000, 4_000, tmp_path)), 3, parallelism=3,
+                                 checkpoint=abs.CheckpointConfig(interval=0.2, retained=100),
+                                 storage=str(tmp_path))
     first = job.cancel()
     assert first.status == "CANCELED"
     # the restore reads ranges of packed files: each worker packs the key groups it changed
@@ -274,10 +282,13 @@ def test_duplicate_uids_and_unkeyed_process_are_refused():
 
 
 def _run_until_checkpoints(flow, n, **kwargs):
+    """Submit ``flow`` (whose source is paced or held, see :func:`held`) and return its handle
+    once ``n`` checkpoints completed; the deadline only bounds a hang."""
     job = abs.submit(flow, **kwargs)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while job.metrics()["completed_checkpoints"] < n and time.monotonic() < deadline:
         time.sleep(0.02)
+    assert job.status == "RUNNING" and job.metrics()["completed_checkpoints"] >= n, job.metrics()
     return job
 
 
@@ -291,10 +302,13 @@ def test_job_stopped_at_p4_restores_at_p2_and_at_p5_with_exact_output_and_state(
 
     total = 40_000
 
-    def flow(out, rate=None):
-        # the same records and splits; the first run is slowed down (10 s of input) so that it
-        # is stopped in the middle even on a loaded machine, the restored runs are not
-        src = abs.GeneratorSource(total, num_keys=NUM_KEYS, num_splits=8, batch_size=200, rate=rate)
+    def flow(out, hold=False):
+        # the same records and splits; the first run is held (10,000 records per reader, 1,000
+        # per completed checkpoint, held at 3,000) so that it is stopped in the middle, the
+        # restored runs are not
+        src: abs.Source = abs.GeneratorSource(total, num_keys=NUM_KEYS, num_splits=8, batch_size=200)
+        if hold:
+            src = held(src, 1_000, 3_000, tmp_path)
         f = abs.Dataflow("files")
         f.source("src", src).key_by("key").process(
             "count", count_fn, state=[abs.ValueState("n", pa.int64())]
@@ -302,7 +316,7 @@ def test_job_stopped_at_p4_restores_at_p2_and_at_p5_with_exact_output_and_state(
         return f
 
     storage = tmp_path / "snapshots"
-    job = _run_until_checkpoints(flow(tmp_path / "out", rate=500), 3, parallelism=4, storage=str(storage),
+    job = _run_until_checkpoints(flow(tmp_path / "out", hold=True), 3, parallelism=4, storage=str(storage),
                                  checkpoint=abs.CheckpointConfig(interval=0.2, retained=2))
     first = job.cancel()
     assert first.status == "CANCELED" and first.parallelism == 4
@@ -323,10 +337,10 @@ def test_job_stopped_at_p4_restores_at_p2_and_at_p5_with_exact_output_and_state(
 def test_savepoint_copied_elsewhere_restores_into_another_parallelism(tmp_path):
     import shutil
 
-    # the first run is slow (8 s of input) so that it is still running at the savepoint
-    slow = abs.GeneratorSource(40_000, num_keys=NUM_KEYS, num_splits=8, batch_size=200, rate=600)
     src = abs.GeneratorSource(40_000, num_keys=NUM_KEYS, num_splits=8, batch_size=200)
-    job = _run_until_checkpoints(counting_flow(slow), 2, parallelism=4, storage=str(tmp_path / "a"),
+    # the first run is held (10,000 records per reader, held at 3,000) so that it is still
+    # running at the savepoint
+    job = _run_until_checkpoints(counting_flow(held(src, 1_000, 3_000, tmp_path)), 2, parallelism=4, storage=str(tmp_path / "a"),
                                  checkpoint=abs.CheckpointConfig(interval=0.2))
     written = job.savepoint(str(tmp_path / "sp"))
     job.cancel()
@@ -379,9 +393,11 @@ def test_restore_refuses_a_renamed_operator_unless_allowed(tmp_path):
 
 
 def test_restore_latest_falls_back_past_a_corrupt_checkpoint(tmp_path, capfd):
-    src = abs.GeneratorSource(20_000, num_keys=NUM_KEYS, num_splits=4, batch_size=200, rate=4_000)
-    job = _run_until_checkpoints(counting_flow(src), 3, parallelism=2, storage=str(tmp_path),
-                                 checkpoint=abs.CheckpointConfig(interval=0.2, retained=10))
+    src = abs.GeneratorSource(20_000, num_keys=NUM_KEYS, num_splits=4, batch_size=200)
+    # 10,000 records per reader, 1,000 per completed checkpoint: ten checkpoints or more, each
+    # with new state (not held: the newest checkpoint must have written files of its own)
+    job = _run_until_checkpoints(counting_flow(PacedSource(src, 1_000)), 3, parallelism=2,
+                                 storage=str(tmp_path), checkpoint=abs.CheckpointConfig(interval=0.2, retained=10))
     job.cancel()
     store = SnapshotStore.open(str(tmp_path))
     latest = store.latest_checkpoint()
