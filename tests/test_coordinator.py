@@ -1,6 +1,8 @@
 """Checkpoint coordinator core and CheckpointConfig, driven by a manual clock."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -64,8 +66,8 @@ def test_config_defaults():
     )
     CheckpointConfig(interval=0.5, timeout=1, min_pause=0, max_concurrent=4, retained=1, tolerable_failures=0)
     CheckpointConfig(mode="stop_the_world")
-    with pytest.raises(Exception):
-        c.interval = 1.0  # frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.interval = 1.0
 
 
 @pytest.mark.parametrize(
