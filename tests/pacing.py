@@ -12,6 +12,9 @@ still running (kill a process, take a savepoint, cancel) and then let it go on w
 ``open(gate, "w").close()``.
 
 Records, splits and offsets are the inner source's: the output is the same as without pacing.
+A reader whose allowance runs out exactly at the end of its input hears of the end only after
+the next completed checkpoint (it does not poll while it waits): where the final checkpoint
+must hold the last output, pick a ``per_checkpoint`` that does not divide a reader's records.
 """
 from __future__ import annotations
 
