@@ -13,6 +13,7 @@ import pytest
 import abs
 from abs.faults import Fault
 from abs.files import FileSink, read_output
+from pacing import PacedSource
 from storage import JobMismatchError, SnapshotStore
 from storage.testing import Fault as StorageFault
 
@@ -28,10 +29,14 @@ def count_fn(ctx, row):
     ctx.emit({"key": ctx.key, "count": c})
 
 
-def flow(out: str) -> abs.Dataflow:
+def flow(out: str, paced: bool = True) -> abs.Dataflow:
     f = abs.Dataflow("crash")
-    # 4 s of input: fault points after the 2nd or 3rd checkpoint are reached even on a loaded machine
-    src = abs.GeneratorSource(TOTAL, num_keys=KEYS, num_splits=4, batch_size=200, rate=1_500)
+    # paced: each source reader emits at most 1,500 of its 12,000 records per completed
+    # checkpoint, so fault points after the 2nd or 3rd checkpoint are reached on any machine
+    # (a job none of whose checkpoints can complete needs an unpaced source to end)
+    src: abs.Source = abs.GeneratorSource(TOTAL, num_keys=KEYS, num_splits=4, batch_size=200)
+    if paced:
+        src = PacedSource(src, 1_500)
     f.source("src", src).key_by("key").process("count", count_fn, state=[abs.ValueState("n", pa.int64())]).sink(
         "out", FileSink(out, format="parquet")
     )
@@ -47,10 +52,11 @@ def assert_exactly_once(out: str) -> None:
     assert {k: sorted(v) for k, v in per_key.items()} == {k: list(range(1, n + 1)) for k, n in expected.items()}
 
 
-def run_with(tmp_path, *faults: Fault, restarts: int = 2, storage: str | None = None, **kwargs) -> abs.JobResult:
+def run_with(tmp_path, *faults: Fault, restarts: int = 2, storage: str | None = None, paced: bool = True,
+             **kwargs) -> abs.JobResult:
     out = str(tmp_path / "out")
     result = abs.run(
-        flow(out),
+        flow(out, paced),
         parallelism=2,
         checkpoint=abs.CheckpointConfig(interval=0.25, retained=2),
         storage=storage or str(tmp_path / "snap"),
@@ -274,7 +280,7 @@ def test_a_final_checkpoint_that_cannot_complete_fails_the_job_over(tmp_path):
     whose storage works, finishes with exact output."""
     faults = FaultsInAttempts([StorageFault(op="write", times=None, path_glob="*/state/*")], attempts={0},
                               where="workers")
-    result = run_with(tmp_path, restarts=1, storage=f"faulty://{tmp_path / 'snap'}",
+    result = run_with(tmp_path, restarts=1, storage=f"faulty://{tmp_path / 'snap'}", paced=False,
                       storage_options={"target_protocol": "file", "faults": faults})
     assert len(result.restarts) == 1 and "final checkpoint failed 5 times" in result.restarts[0]["error"]
     assert any("upload failed" in why for _cid, why in result.failed_checkpoints)
