@@ -10,6 +10,7 @@ import pytest
 
 import abs
 from abs.runtime.cleanup import BackgroundGc, GcRequest
+from pacing import PacedSource
 from storage import Manifest, SnapshotStore
 
 
@@ -111,8 +112,9 @@ def test_a_finished_job_has_applied_its_retention(tmp_path):
         ctx.state.n.update((ctx.state.n.value() or 0) + 1)
 
     flow = abs.Dataflow("retention")
-    flow.source("src", abs.GeneratorSource(6_000, num_keys=50, num_splits=2, batch_size=100, rate=4_000)).key_by(
-        "key").process("count", count, state=[abs.ValueState("n", pa.int64())])
+    # each source reader emits at most 700 of its 3,000 records per completed checkpoint
+    src = PacedSource(abs.GeneratorSource(6_000, num_keys=50, num_splits=2, batch_size=100), 700)
+    flow.source("src", src).key_by("key").process("count", count, state=[abs.ValueState("n", pa.int64())])
     # every delete takes 20 ms (only the driver's GC deletes): a GC still runs when the
     # workers are done, and run() must wait for it
     result = abs.run(flow, parallelism=2, storage=f"faulty://{tmp_path}",
@@ -128,8 +130,9 @@ def test_a_finished_job_has_applied_its_retention(tmp_path):
 @pytest.mark.integration
 def test_jobs_leave_no_gc_thread_behind(tmp_path):
     flow = abs.Dataflow("threads")
-    flow.source("src", abs.GeneratorSource(2_000, num_keys=20, num_splits=1, batch_size=100, rate=4_000)).key_by(
-        "key").process("count", lambda ctx, row: ctx.state.n.update(1), state=[abs.ValueState("n", pa.int64())])
+    src = PacedSource(abs.GeneratorSource(2_000, num_keys=20, num_splits=1, batch_size=100), 700)  # 3 steps
+    flow.source("src", src).key_by("key").process("count", lambda ctx, row: ctx.state.n.update(1),
+                                                  state=[abs.ValueState("n", pa.int64())])
     before = [t for t in threading.enumerate() if t.name == "abs-gc"]
     for i in range(2):
         result = abs.run(flow, parallelism=1, storage=str(tmp_path / str(i)),
