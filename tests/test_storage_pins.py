@@ -16,6 +16,7 @@ import pyarrow as pa
 import pytest
 
 import abs
+from pacing import PacedSource
 from storage import CheckpointNotFoundError, FileRef, Manifest, MissingFileError, SnapshotStore, StoragePaths, plan_gc
 from storage.pins import PinRecord
 from storage.savepoint import remove_incomplete_savepoints
@@ -185,7 +186,7 @@ def test_a_savepoint_of_a_checkpoint_gc_removed_says_so_and_leaves_nothing(tmp_p
 
 # ====================================================================== a running job
 NUM_KEYS = 97
-TOTAL = 300_000
+TOTAL = 30_000  # paced and held (see counting_flow): more input is not needed to outlast the savepoints
 
 
 def count_fn(ctx, row):
@@ -195,9 +196,14 @@ def count_fn(ctx, row):
     ctx.emit({"key": ctx.key, "count": c})
 
 
-def counting_flow(rate: float | None) -> abs.Dataflow:
+def counting_flow(held_at: str | None = None) -> abs.Dataflow:
     flow = abs.Dataflow("sp-counts")
-    src = abs.GeneratorSource(TOTAL, num_keys=NUM_KEYS, num_splits=4, batch_size=100, rate=rate)
+    src: abs.Source = abs.GeneratorSource(TOTAL, num_keys=NUM_KEYS, num_splits=4, batch_size=100)
+    if held_at is not None:
+        # each source reader emits at most 1,000 of its 15,000 records per completed checkpoint
+        # and stops at 12,000 until the file ``held_at`` exists (the test never creates it):
+        # still running, and checkpointing all the while, when the test takes its savepoints
+        src = PacedSource(src, 1_000, hold=12_000, gate=held_at)
     flow.source("src", src).key_by("key").process("count", count_fn,
                                                   state=[abs.ValueState("n", pa.int64())]).sink("out", abs.CollectSink())
     return flow
@@ -213,17 +219,14 @@ def state_of(store: SnapshotStore, cid: int) -> dict:
 
 
 def test_savepoints_of_a_job_checkpointing_every_100ms_with_retained_1_restore_exactly(tmp_path):
-    # ~100 s of input at 3,000 records/s: the job is still running when its savepoints are
-    # taken however slow the machine is (it is cancelled after them); it checkpoints (and
-    # collects) all the while
-    job = abs.submit(counting_flow(rate=3_000), parallelism=2, storage=str(tmp_path / "root"),
+    job = abs.submit(counting_flow(held_at=str(tmp_path / "never-opened")), parallelism=2, storage=str(tmp_path / "root"),
                      checkpoint=abs.CheckpointConfig(interval=0.1, retained=1))
     savepoints = []
     try:
         deadline = time.monotonic() + 120
         while job.metrics()["completed_checkpoints"] < 3 and job.status in ("CREATED", "RUNNING") and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert job.metrics()["completed_checkpoints"] >= 3, job.status
+        assert job.metrics()["completed_checkpoints"] >= 3 and job.status == "RUNNING", job.status
         for i in range(3):
             savepoints.append(job.savepoint(str(tmp_path / f"sp{i}")))
     finally:
@@ -238,7 +241,7 @@ def test_savepoints_of_a_job_checkpointing_every_100ms_with_retained_1_restore_e
         seen.append(sum(at_savepoint.values()))
         # restored, the job counts every record exactly once: each key's output continues from
         # the savepoint's count to the total, with no gap and no repeat
-        result = abs.run(counting_flow(rate=None), parallelism=3, restore=path, storage=str(tmp_path / f"r-{sp_id}"),
+        result = abs.run(counting_flow(), parallelism=3, restore=path, storage=str(tmp_path / f"r-{sp_id}"),
                          checkpoint=abs.CheckpointConfig())
         assert result.restored_from == sp_id
         per_key: dict = collections.defaultdict(list)
