@@ -2,6 +2,7 @@
 vectorised hashing equal to the scalar one, and Flink's key-group ranges."""
 from __future__ import annotations
 
+import dataclasses
 import enum
 import os
 import pickle
@@ -578,8 +579,8 @@ def test_key_group_range_type():
         KeyGroupRange(5, 3)
     with pytest.raises(ConfigError):
         KeyGroupRange(-1, 3)
-    with pytest.raises(Exception):
-        r.start = 1  # frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.start = 1
 
 
 def test_preconditions_raise_config_errors_with_flink_like_messages():
