@@ -429,8 +429,10 @@ def test_micro_batch_source_file_stream_kill_9_mid_stream_exact_and_staging_clea
     snap, out = str(tmp_path / "snap"), str(tmp_path / "out")
     result = abs.run(
         # slow enough that reading, not Spark's staging, is the bottleneck: checkpoints then
-        # store offsets in the middle of staged parts, and the restore must skip rows
-        counting_flow(src, FileSink(out), slow=0.008), parallelism=2,
+        # store offsets in the middle of staged parts, and the restore must skip rows; paced
+        # (at most 100 of a reader's ~600 rows per completed checkpoint), so that checkpoints
+        # complete before the crash half-way on any machine
+        counting_flow(PacedSource(src, 100), FileSink(out), slow=0.008), parallelism=2,
         checkpoint=abs.CheckpointConfig(interval=0.2, retained=2), storage=snap,
         restart=abs.RestartStrategy(max_restarts=2, delay=0.1),
         # about 48 batches reach each keyed subtask (parts of 75 rows in 3 chunks, split by key)
