@@ -14,10 +14,18 @@ from abs.runtime.channels import SOCKET_BUFFER_BYTES, accept_channel, connect_ch
 # the write system call's number, by machine: multiprocessing's Connection sends with os.write
 _WRITE_SYSCALL = {"x86_64": 1, "aarch64": 64, "arm64": 64, "ppc64le": 4, "s390x": 4, "riscv64": 64}
 
-pytestmark = pytest.mark.skipif(
-    not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/syscall")
-    or os.uname().machine not in _WRITE_SYSCALL,
-    reason="needs Linux's /proc/<pid>/task/<tid>/syscall to see a thread blocked in write")
+
+def _can_see_system_calls() -> bool:
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/syscall") as f:
+            f.read()
+    except OSError:
+        return False
+    return os.uname().machine in _WRITE_SYSCALL
+
+
+pytestmark = pytest.mark.skipif(not _can_see_system_calls(),
+                                reason="needs Linux's /proc/<pid>/task/<tid>/syscall to see a thread blocked in write")
 
 FRAME = 64 * 1024  # about one batch of 4096 (key, value) int64 rows
 
