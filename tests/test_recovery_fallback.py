@@ -16,7 +16,6 @@ import abs
 from abs.faults import Fault
 from abs.files import FileSink, read_output
 from abs.sinks import Sink, SinkWriter
-from pacing import PacedSource
 from recovery import NoUsableCheckpointError
 from storage import SnapshotStore, StoragePaths
 from storage.errors import CorruptManifestError
@@ -64,10 +63,7 @@ class _AppendWriter(SinkWriter):
 
 def flow(out: str, *, append: str | None = None, collect: bool = False) -> abs.Dataflow:
     f = abs.Dataflow("fallback")
-    # each source reader emits at most 700 of its 6,000 records per completed checkpoint: nine
-    # checkpoints or more, all along the stream, on any machine; the last step is a partial
-    # one, so a reader sees its end at once and the final checkpoint holds the last output
-    src = PacedSource(abs.GeneratorSource(TOTAL, num_keys=KEYS, num_splits=4, batch_size=100), 700)
+    src = abs.GeneratorSource(TOTAL, num_keys=KEYS, num_splits=4, batch_size=100, rate=1_500)
     counts = f.source("src", src).key_by("key").process("count", count_fn, state=[abs.ValueState("n", pa.int64())])
     counts.sink("out", FileSink(out, format="parquet"))
     if append is not None:
