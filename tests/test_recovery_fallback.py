@@ -82,14 +82,27 @@ def assert_exactly_once(table: pa.Table) -> None:
 
 
 def finished_run(tmp_path, **kw) -> tuple[str, str, int]:
-    """A fault-free run to the end; returns (root, output dir, newest checkpoint id)."""
-    root, out = str(tmp_path / "snap"), str(tmp_path / "out")
-    result = abs.run(flow(out, **kw), parallelism=2, checkpoint=CHECKPOINTS, storage=root)
-    assert result.status == "FINISHED"
-    newest = SnapshotStore.open(root).latest_checkpoint()
-    # the premise: the newest checkpoint committed output, which a fallback would repeat
-    assert newest in FileSink(out).committed_checkpoints(), "the last epoch held no output; rerun"
-    return root, out, newest
+    """A fault-free run to the end whose newest checkpoint committed output; returns (root,
+    output dir, newest checkpoint id).
+
+    The premise is a matter of timing, not of correctness: a periodic barrier that reaches
+    the sources after their last record but before the driver hears they are exhausted
+    takes the tail of the output, and the final checkpoint then commits none (seen about once
+    in 20 runs at load 15 on 2 cores). Such a run is set aside and the job runs again in a
+    fresh directory, at most three times."""
+    for attempt in range(3):
+        base = tmp_path / f"run{attempt}"
+        root, out = str(base / "snap"), str(base / "out")
+        if kw.get("append") and os.path.exists(kw["append"]):
+            os.remove(kw["append"])  # the append sink's file of a run set aside
+        base.mkdir()
+        result = abs.run(flow(out, **kw), parallelism=2, checkpoint=CHECKPOINTS, storage=root)
+        assert result.status == "FINISHED"
+        newest = SnapshotStore.open(root).latest_checkpoint()
+        # the premise: the newest checkpoint committed output, which a fallback would repeat
+        if newest in FileSink(out).committed_checkpoints():
+            return root, out, newest
+    raise AssertionError("the last epoch held no output in three runs")
 
 
 def damage_manifest(root: str, cid: int, how: str) -> None:
