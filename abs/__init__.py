@@ -27,12 +27,13 @@ from .errors import (
     WorkerLostError,
 )
 from .runtime.driver import CheckpointStats, JobResult, LocalExecutor
-from .files import FileSink, FileSource, read_output
-from .sinks import CollectSink, Sink, SinkWriter
-from .sources import END, GeneratorSource, Source, SourceReader
+from .connectors.file_sink import FileSink, read_output
+from .connectors.file_source import FileSource
+from .connectors.sinks import CollectSink, Sink, SinkWriter
+from .connectors.sources import END, GeneratorSource, Source, SourceReader
 from .state import ListState, MapState, ReducingState, ValueState
 from .errors import ParallelismError, RepeatedOutputError
-from .sinks import SinkRollback
+from .connectors.sinks import SinkRollback
 
 __all__ = [
     "Dataflow",
@@ -48,6 +49,8 @@ __all__ = [
     "Restore",
     "RuntimeOptions",
     "SparkExecutor",
+    "SparkStreamSource",
+    "SparkMicroBatchSource",
     "LocalExecutor",
     "ValueState",
     "ListState",
@@ -79,9 +82,17 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str):  # pyspark is imported only by who uses the Spark launcher
+def __getattr__(name: str):  # the Spark pieces load on first use (pyspark is an extra)
     if name == "SparkExecutor":
         from .runtime.spark import SparkExecutor
 
         return SparkExecutor
+    if name == "SparkStreamSource":
+        from .connectors.spark_stream import SparkStreamSource
+
+        return SparkStreamSource
+    if name == "SparkMicroBatchSource":
+        from .connectors.spark_microbatch import SparkMicroBatchSource
+
+        return SparkMicroBatchSource
     raise AttributeError(f"module 'abs' has no attribute {name!r}")

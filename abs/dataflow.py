@@ -25,8 +25,8 @@ import pyarrow as pa
 
 from .errors import DuplicateUidError, GraphError
 from .keygroups import DEFAULT_MAX_PARALLELISM, MAX_MAX_PARALLELISM
-from .sinks import Sink
-from .sources import Source
+from .connectors.sinks import Sink
+from .connectors.sources import Source
 from .state import ListState, MapState, ReducingState, ValueState
 
 __all__ = ["Dataflow", "Stream", "KeyedStream", "Node", "Edge", "AGGREGATIONS"]
@@ -85,7 +85,7 @@ class Dataflow:
     def source(self, uid: str, source: Source) -> "Stream":
         """Add a source; returns its output stream."""
         if not isinstance(source, Source):
-            raise GraphError(f"source {uid!r}: expected an abs.sources.Source, got {type(source).__name__}")
+            raise GraphError(f"source {uid!r}: expected an abs.Source, got {type(source).__name__}")
         return Stream(self, self._add(uid, "source", (), {"source": source}, stateful=True))
 
     def _add(self, uid: str | None, kind: str, inputs: tuple[Edge, ...], spec: dict, stateful: bool = False) -> int:
@@ -215,7 +215,7 @@ class Stream:
     def sink(self, uid: str, sink: Sink) -> None:
         """Write the stream to ``sink`` (stored under ``uid``)."""
         if not isinstance(sink, Sink):
-            raise GraphError(f"sink {uid!r}: expected an abs.sinks.Sink, got {type(sink).__name__}")
+            raise GraphError(f"sink {uid!r}: expected an abs.Sink, got {type(sink).__name__}")
         self.flow._add(uid, "sink", (self._edge(),), {"sink": sink}, stateful=True)
 
 

@@ -26,6 +26,7 @@ __all__ = [
     "RepeatedOutputError",
     "StateError",
     "AlignmentError",
+    "MissingExtraError",
 ]
 
 
@@ -120,4 +121,13 @@ class AlignmentError(AbsError, RuntimeError):
 
     Remedy: this is a runtime bug (the runtime must not consume from blocked channels); the
     message names the channel and the checkpoint.
+    """
+
+
+class MissingExtraError(ConfigError, ImportError):
+    """A feature needs an optional dependency (an *extra* of the ``abs-snapshots`` package)
+    that is not installed: pyspark for ``SparkExecutor`` and the Spark sources, s3fs for
+    ``s3://`` paths of the file connectors.
+
+    Remedy: install the extra the message names, e.g. ``pip install 'abs-snapshots[spark]'``.
     """

@@ -67,7 +67,7 @@ def _driver_main(cfg: dict) -> int:
 
     import abs
     from abs.faults import Fault
-    from abs.files import FileSink
+    from abs.connectors.file_sink import FileSink
 
     flow = abs.Dataflow("drill", max_parallelism=64)
     src = abs.GeneratorSource(cfg["events"], num_keys=cfg["keys"], num_splits=4, batch_size=512, rate=cfg["rate"])
@@ -517,7 +517,7 @@ class Drill:
                 return Outcome("failed, restarts exhausted", "; ".join(notes + [err]))
             return Outcome("failed with restarts left", "; ".join(notes + [f"restarts {res.get('restarts')}", err]))
         expected = collections.Counter(i % a.keys for i in range(a.events))
-        from abs.files import read_output
+        from abs.connectors.file_sink import read_output
 
         try:
             table = read_output(out, format="jsonl", storage_options=options or None)

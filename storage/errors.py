@@ -31,6 +31,7 @@ __all__ = [
     "InvalidChainError",
     "GcRefusedError",
     "RootNotSharedError",
+    "MissingExtraError",
 ]
 
 
@@ -183,4 +184,12 @@ class GcRefusedError(StorageError):
 
     Remedy: inspect the named manifest (``abs-snapshot verify``); delete it if it is garbage,
     or upgrade the toolkit; then run GC again. Nothing was deleted.
+    """
+
+
+class MissingExtraError(StorageConfigError, ImportError):
+    """A feature needs an optional dependency (an *extra* of the ``abs-snapshots`` package)
+    that is not installed: pyspark for the Spark pieces, s3fs for ``s3://`` roots.
+
+    Remedy: install the extra the message names, e.g. ``pip install 'abs-snapshots[s3]'``.
     """

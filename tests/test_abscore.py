@@ -312,11 +312,6 @@ def test_abscore_imports_nothing_of_the_project_in_a_fresh_process():
     assert out.stdout.strip() == "[]"
 
 
-# The cycle among the connector modules is being moved into abs/connectors/ by its own change;
-# a cycle made only of these files is not reported here until that lands.
-CONNECTOR_CYCLE = {"abs.files", "abs.sinks", "abs.sources", "abs.spark_sources"}
-
-
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components with more than one module (Tarjan)."""
     index: dict[str, int] = {}
@@ -366,5 +361,5 @@ def test_cycle_finder_finds_a_cycle():
 
 
 def test_no_import_cycle_between_files():
-    cycles = [c for c in _cycles(_file_graph()) if not set(c) <= CONNECTOR_CYCLE]
+    cycles = _cycles(_file_graph())
     assert cycles == [], f"import cycles between files: {cycles}"

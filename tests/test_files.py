@@ -17,17 +17,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import abs.files as files
+import abs.connectors.file_source as file_source
+from abs.connectors.file_sink import FileSink, FileSinkError, read_output
+from abs.connectors.file_source import FileSource, FileSourceError, NoFilesMatchedWarning
+from abs.connectors.fs import Files
 from abs.errors import ConfigError
-from abs.files import (
-    FileSink,
-    FileSinkError,
-    FileSource,
-    FileSourceError,
-    NoFilesMatchedWarning,
-    read_output,
-)
-from abs.sources import END
+from abs.connectors.sources import END
 
 MEM = fsspec.filesystem("memory")
 
@@ -134,8 +129,8 @@ def test_text_source_resumes_exactly_at_stored_byte_offsets(
     contents: list[TextFile], segments: list[tuple[int, int]], last_batch_size: int, chunk: int
 ) -> None:
     root = unique_memory_root("text")
-    saved_chunk = files._READ_CHUNK
-    files._READ_CHUNK = chunk  # also exercise lines that span read chunks
+    saved_chunk = file_source._READ_CHUNK
+    file_source._READ_CHUNK = chunk  # also exercise lines that span read chunks
     try:
         names = write_text_files(root, contents)
         expected = [{"line": line, "file": n} for n, c in zip(names, contents) for line in c.lines]
@@ -158,7 +153,7 @@ def test_text_source_resumes_exactly_at_stored_byte_offsets(
         got += rows(read_everything(FileSource(glob, batch_size=last_batch_size), offsets))
         assert got == expected
     finally:
-        files._READ_CHUNK = saved_chunk
+        file_source._READ_CHUNK = saved_chunk
         MEM.rm(mem_path(root), recursive=True)
 
 
@@ -587,7 +582,7 @@ def test_lost_transaction_error_names_the_files(backend: Backend) -> None:
 
 def test_store_publish_is_idempotent_and_tolerates_a_concurrent_publisher(any_backend: Backend) -> None:
     backend = any_backend
-    store = files._Store(backend.fs)
+    store = Files(backend.fs)
     src, dst = f"{backend.root}/_pending/x.bin", f"{backend.root}/x.bin"
     store.put(src, b"payload")
     assert store.publish(src, dst)

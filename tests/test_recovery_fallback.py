@@ -14,8 +14,8 @@ import pytest
 
 import abs
 from abs.faults import Fault
-from abs.files import FileSink, read_output
-from abs.sinks import Sink, SinkWriter
+from abs.connectors.file_sink import FileSink, read_output
+from abs.connectors.sinks import Sink, SinkWriter
 from recovery import NoUsableCheckpointError
 from storage import SnapshotStore, StoragePaths
 from storage.errors import CorruptManifestError

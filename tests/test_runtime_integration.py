@@ -299,7 +299,7 @@ def test_job_stopped_at_p4_restores_at_p2_and_at_p5_with_exact_output_and_state(
     output): output and state equal an uninterrupted run's, no record lost or duplicated."""
     import shutil
 
-    from abs.files import FileSink, read_output
+    from abs.connectors.file_sink import FileSink, read_output
 
     total = 40_000
 

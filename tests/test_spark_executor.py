@@ -11,7 +11,7 @@ import pytest
 
 import abs
 from abs.faults import Fault
-from abs.files import FileSink, read_output
+from abs.connectors.file_sink import FileSink, read_output
 from pacing import PacedSource
 from storage import SnapshotStore
 

@@ -1,4 +1,4 @@
-"""Spark streaming sources (abs.spark_sources): a PySpark Python data source stream reader
+"""Spark streaming sources (abs.connectors.spark_stream, abs.connectors.spark_microbatch): a PySpark Python data source stream reader
 and a Structured Streaming DataFrame run as exactly-once ABS sources, with real worker
 processes, real checkpoints, a real ``kill -9`` in the middle and real Spark (local)."""
 from __future__ import annotations
@@ -23,8 +23,9 @@ from pyspark.sql.types import LongType, Row, StringType, StructField, StructType
 import abs
 from abs.errors import ConfigError
 from abs.faults import Fault
-from abs.files import FileSink, read_output
-from abs.spark_sources import SparkMicroBatchSource, SparkStreamSource
+from abs.connectors.file_sink import FileSink, read_output
+from abs.connectors.spark_microbatch import SparkMicroBatchSource
+from abs.connectors.spark_stream import SparkStreamSource
 from pacing import PacedSource
 from storage import SnapshotStore
 from storage.paths import StoragePaths
@@ -401,7 +402,7 @@ def test_log_on_s3_single_put_and_create_if_absent(spark, tmp_path, s3_server, s
     fs = s3_server.filesystem()
     names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{s3_root}/log"))
     assert names == ["_end.json"] + [f"batch-{b:012d}.json" for b in range(10)]
-    from abs.spark_sources import _Log
+    from abs.connectors.batchlog import _Log
 
     log = _Log(f"{s3_root}/log", s3_server.storage_options)
     assert not log.create(log.path("batch-000000000000.json"), b"{}"), "an existing batch must never be replaced"
@@ -489,7 +490,7 @@ def test_bad_input_gives_clear_errors(spark, tmp_path, memory_root):
 def test_ddl_schema_without_a_spark_session_is_a_clear_error(tmp_path):
     code = (
         "from pyspark.sql.datasource import DataSource\n"
-        "from abs.spark_sources import SparkStreamSource\n"
+        "from abs.connectors.spark_stream import SparkStreamSource\n"
         "from abs.errors import ConfigError\n"
         "class D(DataSource):\n"
         "    def schema(self): return 'id long'\n"
@@ -506,8 +507,8 @@ def test_ddl_schema_without_a_spark_session_is_a_clear_error(tmp_path):
 
 
 def test_retention_uses_every_stored_checkpoint_and_keeps_what_savepoints_need():
-    from abs.sources import SourceContext
-    from abs.spark_sources import _Retention
+    from abs.connectors.sources import SourceContext
+    from abs.connectors.batchlog import _Retention
 
     lanes = ["0", "1"]
 

@@ -32,7 +32,7 @@ from ..dataflow import Dataflow
 from ..faults import normalize_faults, trip
 from ..errors import CheckpointFailedError, ConfigError, JobFailedError, OperatorError, StartupError, WorkerLostError
 from ..keygroups import routing_table
-from ..sinks import CollectSink
+from ..connectors.sinks import CollectSink
 from storage.backend import absolute_url
 from storage.errors import StorageError
 
@@ -95,7 +95,7 @@ class JobResult:
     _collected: dict[str, list[bytes]] = dataclasses.field(default_factory=dict, repr=False)
 
     def collected(self, uid: str) -> pa.Table:
-        """Every record a :class:`abs.sinks.CollectSink` with this uid received."""
+        """Every record a :class:`abs.CollectSink` with this uid received."""
         from .channels import decode
 
         batches = [decode(b) for b in self._collected.get(uid, [])]
@@ -547,7 +547,7 @@ class JobDriver:
 
     def _open_sources(self, restore_info: dict, attempt: int) -> None:
         """The driver-side part of every source (see ``Source.driver_open``)."""
-        from ..sources import Source, SourceContext
+        from ..connectors.sources import Source, SourceContext
 
         manifest = restore_info.get("manifest")
         self._opened_sources = []

@@ -21,7 +21,7 @@ from storage.session import CheckpointSession
 from ..dataflow import Node
 from ..errors import GraphError
 from ..keygroups import KeyGroupRange, key_groups
-from ..sinks import CollectSink, SinkWriter
+from ..connectors.sinks import CollectSink, SinkWriter
 from ..state import AggregateBackend, KeyedBackend, KeyedStateBackend
 
 __all__ = ["OpSnapshot", "OperatorRuntime", "build_operator", "KeyExtractor", "UserFunctionError"]

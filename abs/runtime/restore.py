@@ -125,7 +125,7 @@ class OutputPlan:
         return (
             f"job {job!r}: {restoring} would publish that output again: {'; '.join(parts)}; refusing to restore; "
             "repair the newer checkpoint or restore it (abs-snapshot verify ROOT lists what is broken), write to a "
-            "sink that can roll back (e.g. abs.files.FileSink), or pass allow_repeated_output=True to accept the "
+            "sink that can roll back (e.g. abs.FileSink), or pass allow_repeated_output=True to accept the "
             "repeated output"
         )
 

@@ -25,7 +25,7 @@ import pyarrow as pa
 
 from ..alignment import AbortCheckpoint, BarrierAligner, EndOfInput, TriggerSnapshot
 from ..dataflow import BROADCAST, FORWARD, KEY_BY, REBALANCE
-from ..sources import END
+from ..connectors.sources import END
 from .channels import EOS, Barrier, CancelMarker, InputGate
 from .operators import KeyExtractor, OperatorRuntime, OpSnapshot, SinkOp, UserFunctionError
 from .plan import OutputPlan, TaskPlan, task_key

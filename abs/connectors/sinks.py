@@ -29,7 +29,7 @@ from typing import Any, ClassVar, Sequence
 
 import pyarrow as pa
 
-__all__ = ["Sink", "SinkWriter", "SinkRollback", "CollectSink", "FileSink"]
+__all__ = ["Sink", "SinkWriter", "SinkRollback", "CollectSink"]
 
 Transaction = Any  # a JSON value
 
@@ -115,10 +115,3 @@ class CollectSink(Sink):
     ) -> SinkWriter:
         raise NotImplementedError("CollectSink writers are built by the runtime")
 
-
-def __getattr__(name: str) -> Any:
-    if name == "FileSink":
-        from .files import FileSink
-
-        return FileSink
-    raise AttributeError(name)

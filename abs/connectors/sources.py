@@ -29,7 +29,6 @@ __all__ = [
     "SourceContext",
     "END",
     "GeneratorSource",
-    "FileSource",
 ]
 
 Offset = Any  # a JSON value
@@ -243,14 +242,3 @@ class _GeneratorReader(SourceReader):
         self._emitted_since_start += n
         return src.build_batch(idx)
 
-
-def __getattr__(name: str) -> Any:
-    if name == "FileSource":
-        from .files import FileSource
-
-        return FileSource
-    if name in ("SparkStreamSource", "SparkMicroBatchSource"):  # imported lazily: pyspark is heavy
-        from . import spark_sources
-
-        return getattr(spark_sources, name)
-    raise AttributeError(name)

@@ -1,0 +1,232 @@
+"""File-system helpers of the connectors: the one place they resolve a URL to an fsspec file
+system and the small store contract their commit protocols rely on.
+
+The file sink (:mod:`abs.connectors.file_sink`), the file source
+(:mod:`abs.connectors.file_source`) and the replayable batch log
+(:mod:`abs.connectors.batchlog`) all go through here.
+
+Store contract (:class:`Files`)
+    - ``put`` writes a whole file so that it is never observed half-written: on local disks a
+      temporary file beside the target (``.tmp-<uuid>-<name>``), fsynced, renamed over the
+      target, and the directory fsynced; on object stores a single PUT. A ``put`` that fails
+      part-way leaves the previous file (if any) whole and no temporary file behind; a process
+      killed part-way may leave a temporary file, which :func:`temp_target` recognizes.
+    - ``create`` is ``put`` only if the target does not exist yet (``False`` if it did): a link
+      on local disks (atomic), ``pipe_file(mode="create")`` where the file system offers it,
+      else check-then-write.
+    - ``publish(src, dst)`` makes ``dst`` hold ``src``'s bytes and removes ``src``. It is
+      idempotent and safe to repeat after a crash at any point, or to run concurrently for
+      the same pair: a rename on local disks (atomic), copy-then-delete elsewhere (``dst``
+      appears atomically with its full content, and a repeated copy rewrites the same
+      bytes). It reports whether ``dst`` exists afterwards.
+    - ``read`` returns ``None`` for a missing file; listings and deletes tolerate missing
+      directories and files.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from typing import Any, Mapping
+
+from ..errors import ConfigError, MissingExtraError
+from storage.extras import extra_for_url, missing_extra_message, missing_module
+
+__all__ = ["absolute", "open_fs", "is_local", "fsync_dir", "temp_target", "Files"]
+
+_TEMP = re.compile(r"\.tmp-[0-9a-f]{32}-(.+)", re.S)
+
+
+def absolute(url: str) -> str:
+    """Make a local relative path absolute, so that workers with another working
+    directory resolve it the same way (URLs with a protocol are left alone)."""
+    if "://" in url or url.startswith("/"):
+        return url
+    return os.path.abspath(url)
+
+
+def open_fs(url: str, options: Mapping[str, Any] | None, *, what: str) -> tuple[Any, str]:
+    """``(file system, path)`` for ``url``; the path has no trailing slash.
+
+    A URL whose file system needs an extra that is not installed (``s3://`` without s3fs)
+    raises :class:`abs.errors.MissingExtraError` naming ``what`` and the extra to install."""
+    from fsspec.core import url_to_fs
+
+    try:
+        fs, path = url_to_fs(url, **dict(options or {}))
+    except ImportError as exc:
+        extra = extra_for_url(url)
+        if extra is None:
+            raise ConfigError(
+                f"{what}: no file system for {url!r} ({exc}); install the fsspec implementation of its protocol"
+            ) from exc
+        raise MissingExtraError(missing_extra_message(f"{what} ({url})", extra, missing_module(exc))) from exc
+    return fs, path.rstrip("/") or path
+
+
+def is_local(fs: Any) -> bool:
+    """Whether ``fs`` is the local disk (fsspec's ``LocalFileSystem`` names itself ``file``
+    and ``local``; either is enough)."""
+    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    return "file" in protocol or "local" in protocol
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename or delete in local directory ``path`` durable (best effort)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def temp_target(name: str) -> str | None:
+    """The file name a temporary file left by :meth:`Files.put` was meant to become, or
+    ``None`` if ``name`` is not such a temporary file."""
+    m = _TEMP.fullmatch(name)
+    return m.group(1) if m else None
+
+
+class Files:
+    """The store contract (see the module docstring) on one fsspec file system."""
+
+    def __init__(self, fs: Any) -> None:
+        self.fs = fs
+        self.local = is_local(fs)
+
+    # -- writing
+    def _local_temp(self, path: str, data: bytes) -> str:
+        parent = os.path.dirname(path)
+        os.makedirs(parent, exist_ok=True)
+        tmp = os.path.join(parent, f".tmp-{uuid.uuid4().hex}-{os.path.basename(path)}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            _remove(tmp)
+            raise
+        return tmp
+
+    def put(self, path: str, data: bytes) -> None:
+        """Write ``path`` atomically (readers see the old file or the new one, whole)."""
+        if not self.local:
+            self.fs.pipe_file(path, data)
+            return
+        tmp = self._local_temp(path, data)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            _remove(tmp)
+            raise
+        fsync_dir(os.path.dirname(path))
+
+    def create(self, path: str, data: bytes) -> bool:
+        """Write ``path`` atomically if it does not exist; ``False`` if it already did."""
+        if self.local:
+            tmp = self._local_temp(path, data)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+            finally:
+                _remove(tmp)
+            fsync_dir(os.path.dirname(path))
+            return True
+        try:
+            self.fs.pipe_file(path, data, mode="create")
+            return True
+        except FileExistsError:
+            return False
+        except (TypeError, NotImplementedError, ValueError):  # no create-if-absent on this file system
+            if self.read(path) is not None:
+                return False
+            self.fs.pipe_file(path, data)
+            return True
+
+    def publish(self, src: str, dst: str) -> bool:
+        """Move ``src`` to ``dst`` (idempotent, see the module docstring); whether ``dst`` exists."""
+        self.refresh(src)
+        self.refresh(dst)
+        if self.local:
+            try:
+                os.replace(src, dst)
+            except FileNotFoundError:
+                pass  # published before (or by a concurrent writer)
+            else:
+                fsync_dir(os.path.dirname(dst))
+        elif self.exists(src):
+            try:
+                self.fs.copy(src, dst)
+            except FileNotFoundError:
+                pass  # a concurrent writer published and deleted it meanwhile
+            self.delete(src)
+        return self.exists(dst)
+
+    def delete(self, path: str, recursive: bool = False) -> None:
+        """Delete a file (or, with ``recursive``, a directory tree); missing is fine."""
+        try:
+            if recursive:
+                self.fs.rm(path, recursive=True)
+            elif self.local:
+                os.remove(path)
+            else:
+                self.fs.rm_file(path)
+        except FileNotFoundError:
+            pass
+
+    # -- reading
+    def read(self, path: str) -> bytes | None:
+        """The file's bytes, ``None`` if it does not exist (no listing cache involved)."""
+        try:
+            return self.fs.cat_file(path)
+        except FileNotFoundError:
+            return None
+
+    def read_json(self, path: str) -> Any:
+        data = self.read(path)
+        return None if data is None else json.loads(data.decode("utf-8"))
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path) if self.local else bool(self.fs.exists(path))
+
+    def refresh(self, path: str) -> None:
+        """Forget cached listings under ``path`` (s3fs caches them; others changed files)."""
+        if not self.local:
+            try:
+                self.fs.invalidate_cache(path)
+            except Exception:  # noqa: BLE001 - not every file system caches
+                pass
+
+    def list_files(self, directory: str) -> list[str]:
+        """Sorted names of the files (not directories) directly in ``directory`` (``[]`` if missing)."""
+        try:
+            if self.local:
+                return sorted(n for n in os.listdir(directory) if os.path.isfile(os.path.join(directory, n)))
+            infos = self.fs.ls(directory, detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted(str(i["name"]).rstrip("/").rsplit("/", 1)[-1] for i in infos if i.get("type") == "file")
+
+    def list_names(self, directory: str) -> list[str]:
+        """Names of the files and directories directly in ``directory`` (``[]`` if missing),
+        listed afresh."""
+        self.refresh(directory)
+        try:
+            return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(directory, detail=False)]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass

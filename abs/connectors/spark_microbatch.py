@@ -1,0 +1,375 @@
+"""Spark streaming DataFrames as barrier-injecting, exactly-once replayable ABS sources.
+
+:class:`SparkMicroBatchSource`
+    Wraps any Structured Streaming DataFrame (files, Kafka, rate, Delta...). ``driver_open``
+    starts ``df.writeStream.foreachBatch(stage)`` with Spark's own ``checkpointLocation``.
+    ``stage`` writes micro-batch ``b`` as Parquet parts into ``batch-<b>/`` and then its
+    ``_manifest.json`` (create-if-absent: the first complete staging of a batch id wins, a
+    replayed batch id keeps the content already staged) *before returning*, so before Spark
+    commits the batch. Readers replay staged batches by id. Each micro-batch is collected
+    to the driver (``DataFrame.toArrow``): size micro-batches with the source's own limits
+    (``maxFilesPerTrigger``, ``maxOffsetsPerTrigger``...).
+
+Bounded mode
+    ``SparkMicroBatchSource(..., trigger={"availableNow": True})`` (or ``{"once": True}``)
+    ends when the query terminates by itself. The producer then writes ``_end.json`` durably
+    and readers return END after the last batch.
+
+The staging directory, its lanes, offsets, deletion rule and restarts: :mod:`abs.connectors.batchlog`.
+
+Example::
+
+    import abs
+    from abs.connectors.spark_microbatch import SparkMicroBatchSource
+
+    df = spark.readStream.schema("id long, v string").json("/data/in")
+    src = SparkMicroBatchSource(df, num_splits=4, trigger={"availableNow": True})
+"""
+from __future__ import annotations
+
+import io
+import json
+import sys
+import threading
+import time
+import uuid
+from typing import Any, Iterator, Mapping
+
+import pyarrow as pa
+
+from storage.extras import require
+
+from ..errors import ConfigError, MissingExtraError
+from .batchlog import (
+    _BATCH_DIR,
+    SparkSourceError,
+    _bound,
+    _check_reachable,
+    _check_restored_lanes,
+    _LaneReader,
+    _Log,
+    _resolve_log_url,
+    _Retention,
+    _stage_dir,
+)
+from .sources import Source, SourceContext, SourceReader
+from .spark_arrow import _active_session
+
+__all__ = ["SparkMicroBatchSource", "SparkSourceError"]
+
+
+_TRIGGERS = ("processingTime", "once", "availableNow")
+
+
+class SparkMicroBatchSource(Source):
+    """Any Spark Structured Streaming DataFrame as an exactly-once ABS source (micro-batch
+    bridge, see the module docstring).
+
+    ``streaming_df``: a streaming DataFrame (``spark.readStream...``) of the active session.
+    ``staging``: directory (fsspec URL) for the staged micro-batches, reachable by every
+    worker (default ``<storage>/sources/<uid>``). ``checkpoint_location``: Spark's
+    ``checkpointLocation`` (a Hadoop path; default ``<staging>/_spark_checkpoint``, only for
+    local staging). ``trigger``: keyword arguments of ``DataStreamWriter.trigger``
+    (``{"processingTime": "1 second"}``, ``{"availableNow": True}``, ``{"once": True}``;
+    ``None``: Spark's default, micro-batches as fast as possible); ``availableNow`` and
+    ``once`` make the source bounded. Continuous triggers are refused (no micro-batches to
+    stage). ``part_rows``: at most this many rows per staged Parquet part (a batch has at
+    least ``min(rows, num_splits)`` parts, so every lane gets work).
+    """
+
+    unit_key = "part"
+
+    def __init__(
+        self,
+        streaming_df: Any,
+        staging: str | None = None,
+        *,
+        num_splits: int = 4,
+        checkpoint_location: str | None = None,
+        trigger: Mapping[str, Any] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        batch_size: int = 4096,
+        part_rows: int = 65536,
+    ) -> None:
+        what = "SparkMicroBatchSource"
+        require("spark", what, MissingExtraError)
+        if _active_session() is None:
+            raise ConfigError(
+                f"{what}: no active SparkSession; create one (SparkSession.builder...getOrCreate()) and build the "
+                "streaming DataFrame with it before creating the source"
+            )
+        try:
+            from pyspark.sql import DataFrame
+        except ImportError:  # pragma: no cover
+            DataFrame = ()  # type: ignore[assignment]
+        if not isinstance(streaming_df, DataFrame):
+            raise ConfigError(
+                f"{what}: expected a streaming pyspark DataFrame (spark.readStream...load()), "
+                f"got {type(streaming_df).__name__}"
+            )
+        if not streaming_df.isStreaming:
+            raise ConfigError(
+                f"{what}: the DataFrame is not streaming (it comes from spark.read, not spark.readStream); "
+                "build it with spark.readStream...; for batch data use FileSource or spark.readStream on the files"
+            )
+        if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
+            raise ConfigError(f"{what}: num_splits must be an int >= 1, got {num_splits!r}")
+        if not isinstance(batch_size, int) or batch_size < 1 or not isinstance(part_rows, int) or part_rows < 1:
+            raise ConfigError(f"{what}: batch_size and part_rows must be ints >= 1")
+        trigger = dict(trigger or {})
+        if "continuous" in trigger:
+            raise ConfigError(
+                f"{what}: trigger={trigger!r}: continuous processing has no micro-batches to stage; use "
+                "{'processingTime': '1 second'}, {'availableNow': True} or {'once': True}"
+            )
+        unknown = set(trigger) - set(_TRIGGERS)
+        if unknown or len(trigger) > 1:
+            raise ConfigError(
+                f"{what}: trigger={trigger!r}: give at most one of {list(_TRIGGERS)} "
+                "(the keyword arguments of DataStreamWriter.trigger)"
+            )
+        if staging is not None:
+            _check_reachable(what, staging, "staging")
+        self.num_splits = num_splits
+        self.staging = staging
+        self.storage_options = dict(storage_options) if storage_options is not None else None
+        self.checkpoint_location = checkpoint_location
+        self.trigger = trigger
+        self.bounded = bool(trigger.get("availableNow") or trigger.get("once"))
+        self.batch_size = batch_size
+        self.part_rows = part_rows
+        self._log: _Log | None = None
+        self._init_driver_state(streaming_df)
+
+    def _init_driver_state(self, streaming_df: Any) -> None:
+        """Driver-only state: never pickled (the DataFrame, the query, threads)."""
+        self._drv_df = streaming_df
+        self._drv_query: Any = None
+        self._drv_watcher: threading.Thread | None = None
+        self._drv_gen = 0
+        self._drv_closing = False
+        self._drv_stage_lock = threading.Lock()
+        self._drv_high = -1  # highest batch id staged
+        self._drv_consumed = 0  # batches below are consumed by every retained checkpoint and deleted
+        self._drv_retention = _Retention()
+        self._drv_checkpoint: str | None = None
+
+    def __repr__(self) -> str:
+        return f"SparkMicroBatchSource(num_splits={self.num_splits}, trigger={self.trigger})"
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_drv_")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._init_driver_state(None)  # a copy cannot run the query: its DataFrame stays behind
+
+    # -- Source
+    def splits(self) -> list[str]:
+        return [str(i) for i in range(self.num_splits)]
+
+    def initial_offset(self, split: str) -> dict:
+        return {"batch": 0, "part": int(split), "row": 0}
+
+    def create_reader(self, splits: Mapping[str, Any], subtask: int, parallelism: int) -> SourceReader:
+        if self._log is None:
+            raise ConfigError(
+                "SparkMicroBatchSource: the source was not opened in the driver (driver_open); run it with abs.run"
+            )
+        return _MicroBatchLaneReader(self, splits)
+
+    # -- driver side
+    def driver_open(self, context: SourceContext) -> None:
+        what = f"SparkMicroBatchSource {context.uid!r}"
+        if self._drv_df is None:
+            raise ConfigError(
+                f"{what}: this is an unpickled copy of the source, without its streaming DataFrame; "
+                "run the original object (the query runs in the driver that built it)"
+            )
+        session = _active_session()
+        if session is None:
+            raise ConfigError(
+                f"{what}: no active SparkSession in the driver (was it stopped?); the source runs its Spark query "
+                "in the driver: keep the session alive while the job runs"
+            )
+        log = _resolve_log_url(what, self.staging, self.storage_options, context, "staging")
+        self._log = log
+        if self.checkpoint_location is not None:
+            checkpoint = self.checkpoint_location
+        elif log.local:
+            checkpoint = log.path("_spark_checkpoint")
+        else:
+            raise ConfigError(
+                f"{what}: staging {log.url!r} is not a local directory, so Spark's checkpoint cannot default "
+                "below it; pass checkpoint_location= (a path Spark can write, e.g. s3a://bucket/prefix)"
+            )
+        self._drv_checkpoint = checkpoint
+        lanes = self.splits()
+        restored = dict(context.restored_offsets or {})
+        _check_restored_lanes(what, restored, lanes)
+        fresh = context.attempt == 0 and not restored
+        if fresh:
+            if self.checkpoint_location is not None and _spark_checkpoint_has_progress(checkpoint):
+                raise ConfigError(
+                    f"{what}: the job starts fresh (nothing restored) but Spark's checkpoint {checkpoint!r} already "
+                    "has progress; delete it (or give another checkpoint_location), or restore the job's checkpoint"
+                )
+            log.wipe(extra=("_spark_checkpoint",) if self.checkpoint_location is None else ())
+            self._drv_high, self._drv_consumed = -1, 0
+        else:
+            log.delete(log.path("_error.json"))
+            consumed = log.read_json(log.path("_consumed.json"))
+            if consumed is not None:
+                self._drv_consumed = max(self._drv_consumed, int(consumed["below"]))
+            ids = [int(m.group(1)) for m in map(_BATCH_DIR.match, log.names()) if m]
+            self._drv_high = max([self._drv_high, *ids])
+        self._drv_retention.opened(context, _bound(restored, lanes) if restored else None, fresh, lanes)
+        if log.read_json(log.path("_end.json")) is not None:
+            return  # a bounded query that already finished: nothing to start
+        self._drv_gen += 1
+        self._drv_closing = False
+        gen = self._drv_gen
+
+        def stage(df: Any, batch_id: int) -> None:
+            if gen != self._drv_gen or self._drv_closing:
+                raise SparkSourceError("the ABS job attempt that started this query has ended")
+            with self._drv_stage_lock:
+                self._stage(df, int(batch_id))
+
+        writer = self._drv_df.writeStream.foreachBatch(stage).option("checkpointLocation", checkpoint)
+        if self.trigger:
+            writer = writer.trigger(**self.trigger)
+        try:
+            query = writer.start()
+        except Exception as exc:  # noqa: BLE001 - Spark's analysis errors
+            raise ConfigError(f"{what}: the streaming query cannot start: {exc}") from exc
+        self._drv_query = query
+        self._drv_watcher = threading.Thread(
+            target=self._watch, args=(query, gen), name=f"abs-spark-query-{context.uid}", daemon=True
+        )
+        self._drv_watcher.start()
+
+    def driver_checkpoint_complete(self, checkpoint_id: int, offsets: Mapping[str, Any]) -> None:
+        log = self._log
+        bound = _bound(offsets, self.splits())
+        if log is None or bound is None:
+            return
+        below = self._drv_retention.completed(bound)
+        if below is None or below <= self._drv_consumed:
+            return
+        old = self._drv_consumed
+        self._drv_consumed = below
+        log.put(log.path("_consumed.json"), json.dumps({"below": below}).encode())
+        names = set(log.names())
+        for b in range(old, below):
+            if _stage_dir(b) in names:
+                log.delete(log.path(_stage_dir(b)), recursive=True)
+
+    def driver_close(self) -> None:
+        self._drv_closing = True
+        query, self._drv_query = self._drv_query, None
+        if query is not None:
+            try:
+                query.stop()
+            except Exception as exc:  # noqa: BLE001 - closing never hides the job's own outcome
+                print(f"[abs] warning: {self!r}: stopping the Spark query failed: {exc}", file=sys.stderr)
+        watcher, self._drv_watcher = self._drv_watcher, None
+        if watcher is not None:
+            watcher.join(60)
+        # a foreachBatch call still running finishes (or fails) before the next attempt starts
+        if self._drv_stage_lock.acquire(timeout=60):
+            self._drv_stage_lock.release()
+
+    def _watch(self, query: Any, gen: int) -> None:
+        error: str | None = None
+        try:
+            query.awaitTermination()
+            exc = query.exception()
+            if exc is not None:
+                error = str(exc)
+        except Exception as exc:  # noqa: BLE001 - StreamingQueryException and py4j errors
+            error = f"{type(exc).__name__}: {exc}"
+        if self._drv_closing or gen != self._drv_gen:
+            return
+        log = self._log
+        assert log is not None
+        if error is None and not self.bounded:
+            error = "the Spark streaming query stopped although its trigger is unbounded (was it stopped by hand?)"
+        if error is not None:
+            print(f"[abs] {self!r}: the Spark query failed: {error}", file=sys.stderr)
+            log.put(log.path("_error.json"), json.dumps({"error": f"Spark query failed: {error}"}).encode())
+            return
+        batches = max(self._drv_high + 1, self._drv_consumed)
+        log.put(log.path("_end.json"), json.dumps({"batches": batches}).encode())
+
+    def _stage(self, df: Any, batch_id: int) -> None:
+        """Stage micro-batch ``batch_id`` durably (idempotent by batch id)."""
+        import pyarrow.parquet as pq
+
+        log = self._log
+        assert log is not None
+        if batch_id < self._drv_consumed:
+            return  # replayed by Spark after its staged copy was consumed and deleted
+        manifest_path = log.path(_stage_dir(batch_id), "_manifest.json")
+        if log.read(manifest_path) is not None:
+            self._drv_high = max(self._drv_high, batch_id)
+            return  # staged before (a replay): keep that content
+        table = df.toArrow()
+        rows = table.num_rows
+        nparts = 0 if rows == 0 else min(rows, max(self.num_splits, -(-rows // self.part_rows)))
+        token = uuid.uuid4().hex
+        parts = []
+        for k in range(nparts):
+            lo, hi = rows * k // nparts, rows * (k + 1) // nparts
+            out = io.BytesIO()
+            pq.write_table(table.slice(lo, hi - lo), out)
+            name = f"part-{k:05d}-{token}.parquet"
+            log.put(log.path(_stage_dir(batch_id), name), out.getvalue())
+            parts.append({"file": name, "rows": hi - lo})
+        manifest = {"v": 1, "batch": batch_id, "rows": rows, "parts": parts, "staged_at": time.time(),
+                    "schema": str(table.schema)}
+        if not log.create(manifest_path, json.dumps(manifest).encode()):
+            for p in parts:  # another staging of this batch id won; ours is garbage
+                log.delete(log.path(_stage_dir(batch_id), p["file"]))
+        self._drv_high = max(self._drv_high, batch_id)
+
+
+def _spark_checkpoint_has_progress(location: str) -> bool:
+    try:
+        from fsspec.core import url_to_fs
+
+        url = location.replace("s3a://", "s3://", 1)
+        fs, path = url_to_fs(url)
+        return bool(fs.ls(path.rstrip("/") + "/commits", detail=False))
+    except Exception:  # noqa: BLE001 - missing or unreadable: treat as empty
+        return False
+
+
+class _MicroBatchLaneReader(_LaneReader):
+    unit_key = "part"
+
+    def __init__(self, source: SparkMicroBatchSource, splits: Mapping[str, Any]) -> None:
+        assert source._log is not None
+        super().__init__(source._log, splits, source.num_splits, "SparkMicroBatchSource")
+        self._src = source
+
+    def _fetch(self, batch: int) -> Any:
+        manifest = self._log.read_json(self._log.path(_stage_dir(batch), "_manifest.json"))
+        return None if manifest is None else manifest["parts"]
+
+    def _exists(self, batch: int) -> bool:
+        return self._log.read(self._log.path(_stage_dir(batch), "_manifest.json")) is not None
+
+    def _open_unit(self, batch: int, units: Any, unit: int, skip: int) -> Iterator[pa.RecordBatch]:
+        import pyarrow.parquet as pq
+
+        path = self._log.path(_stage_dir(batch), units[unit]["file"])
+        data = self._log.read(path)
+        if data is None:
+            raise SparkSourceError(
+                f"SparkMicroBatchSource: staged part {path} is missing; something deleted the staging directory"
+            )
+        table = pq.read_table(io.BytesIO(data))
+        if skip:
+            table = table.slice(skip)
+        return iter(table.to_batches(max_chunksize=self._src.batch_size))

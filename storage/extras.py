@@ -1,0 +1,63 @@
+"""The optional dependencies of the ``abs-snapshots`` package (its *extras*) and the words of
+the error when one is missing. Pure functions; the packages above raise their own
+``MissingExtraError`` with these messages.
+
+- ``spark``: pyspark (``abs.SparkExecutor``, the Spark sources, :mod:`storage.spark`,
+  :mod:`recovery.spark`);
+- ``s3``: s3fs (``s3://`` snapshot roots, file connectors and logs).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+from .errors import MissingExtraError
+
+__all__ = ["PACKAGE", "EXTRAS", "install_command", "missing_extra_message", "missing_module", "extra_for_url",
+           "require"]
+
+PACKAGE = "abs-snapshots"
+EXTRAS = {"spark": "pyspark", "s3": "s3fs"}  # extra -> the module it provides
+_PROTOCOL_EXTRAS = {"s3": "s3", "s3a": "s3"}  # URL protocol -> extra
+
+
+def install_command(extra: str) -> str:
+    return f"pip install '{PACKAGE}[{extra}]'"
+
+
+def missing_extra_message(what: str, extra: str, module: str | None = None) -> str:
+    """``what`` needs extra ``extra``, which is not installed: what to install."""
+    module = module or EXTRAS[extra]
+    return (f"{what} needs {module}, which is not installed (it is the optional extra [{extra}] of "
+            f"{PACKAGE}); install it with: {install_command(extra)}")
+
+
+def missing_module(exc: BaseException) -> str | None:
+    """The top-level name of the module whose absence caused ``exc`` (an ImportError, maybe
+    re-raised by fsspec with its own words), or ``None`` if it does not say."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        name = getattr(seen, "name", None)
+        if isinstance(seen, ModuleNotFoundError) and name:
+            return str(name).split(".")[0]
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def extra_for_url(url: str) -> str | None:
+    """The extra whose file system a URL needs (``s3://`` -> ``"s3"``), ``None`` for others."""
+    protocol = url.split("://", 1)[0].lower() if "://" in url else ""
+    return _PROTOCOL_EXTRAS.get(protocol)
+
+
+def require(extra: str, what: str, error: Callable[[str], Exception] = MissingExtraError) -> None:
+    """Import the module of ``extra``; if it is not installed, raise ``error`` (by default
+    :class:`storage.errors.MissingExtraError`) saying that ``what`` needs it and how to
+    install it. Other import failures (a broken installation) propagate unchanged."""
+    module = EXTRAS[extra]
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        if missing_module(exc) != module:
+            raise
+        raise error(missing_extra_message(what, extra)) from exc
