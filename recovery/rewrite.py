@@ -106,7 +106,7 @@ class ExecutorStorageError(RewriteInputError):
 
 class SparkNotInstalledError(RewriteInputError):
     """``--spark`` was given but pyspark cannot be imported. Remedy: ``pip install
-    'pyspark>=3.5'`` (and Java 17) in this Python, or run without ``--spark``."""
+    'abs-snapshots[spark]'`` (and Java 17) in this Python, or run without ``--spark``."""
 
 
 class MaxParallelismError(RewriteInputError, ParallelismError):

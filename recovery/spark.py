@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, TypeVar
 from abscore.errors import AbsError
 from storage import Manifest
 from storage import errors as storage_errors
+from storage.extras import install_command
 from storage.format import DEFAULT_DECODE_LIMITS, DecodeLimits
 
 from . import errors as recovery_errors
@@ -315,7 +316,7 @@ def require_pyspark() -> None:
     except ImportError as exc:
         raise SparkNotInstalledError(
             f"--spark needs pyspark, which does not import in this Python ({sys.executable}: {exc}); "
-            "install it with pip install 'pyspark>=3.5' (Spark also needs Java 17), or run without --spark "
+            f"install it with {install_command('spark')} (Spark also needs Java 17), or run without --spark "
             "(in-process)"
         ) from exc
 

@@ -65,6 +65,7 @@ from .errors import (
     StorageError,
     UnsupportedFormatError,
 )
+from .extras import require
 from .format import KEY_COLUMN, OP_COLUMN, is_pickled, value_columns
 from .inspect import parse_storage_options
 from .manifest import FileRef, Manifest
@@ -109,6 +110,7 @@ _STORAGE_PREFIX = "storage."
 # ============================================================================ registration
 def register(spark: "SparkSession") -> None:
     """Register the ``abs-snapshot`` data source with ``spark`` (idempotent)."""
+    require("spark", "storage.spark (the abs-snapshot Spark data source)")
     spark.dataSource.register(_spark_classes()["AbsSnapshotDataSource"])
 
 
@@ -648,6 +650,7 @@ def _spark_classes() -> dict[str, type]:
     with _CLASSES_LOCK:
         if _CLASSES:
             return _CLASSES
+        require("spark", "storage.spark (the abs-snapshot Spark data source)")
         from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
         class AbsSnapshotDataSource(DataSource):

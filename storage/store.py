@@ -28,6 +28,7 @@ from .errors import (
     InvalidChainError,
     InvalidPathError,
     JobMismatchError,
+    MissingExtraError,
     MissingFileError,
     RootNotSharedError,
     StateNotFoundError,
@@ -35,6 +36,7 @@ from .errors import (
     StorageError,
     UnsupportedFormatError,
 )
+from .extras import extra_for_url, missing_extra_message, missing_module
 from .format import (DEFAULT_DECODE_LIMITS, KEY_COLUMN, OP_COLUMN, WRITE_CHECKSUM_ALGORITHM, DecodeLimits, EncodedFile,
                      checksum_hex, decode_table, delta_for_file, encode_table, is_values_image, iter_batches,
                      normalize_delta, sort_by_key, stream_schema, values_image)
@@ -137,6 +139,9 @@ class SnapshotStore:
             else:
                 root = fs._strip_protocol(url)
         except (ValueError, TypeError, ImportError, KeyError) as exc:
+            extra = extra_for_url(url) if isinstance(exc, ImportError) else None
+            if extra is not None:  # s3:// without s3fs
+                raise MissingExtraError(missing_extra_message(f"snapshot root {url}", extra, missing_module(exc))) from exc
             raise StorageConfigError(
                 f"{url}: cannot build a file system for this URL and storage options ({type(exc).__name__}: {exc}); "
                 "check the URL scheme and the storage options"

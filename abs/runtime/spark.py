@@ -48,7 +48,9 @@ import time
 import uuid
 from typing import Any, Callable, Iterator
 
-from ..errors import ConfigError
+from storage.extras import require
+
+from ..errors import ConfigError, MissingExtraError
 from .writer import die_with_parent
 
 __all__ = ["SparkExecutor", "free_task_slots"]
@@ -210,6 +212,7 @@ class SparkExecutor:
     """
 
     def __init__(self, spark: Any, num_workers: int | None = None, *, driver_host: str | None = None) -> None:
+        require("spark", "abs.SparkExecutor", MissingExtraError)
         if spark is None:
             raise ConfigError(
                 "SparkExecutor needs an active SparkSession: pass SparkSession.builder...getOrCreate() "
