@@ -11,6 +11,7 @@ catches every error the toolkit raises on purpose.
 from __future__ import annotations
 
 from abscore.errors import AbsError, ConfigError, ParallelismError
+from storage.errors import MissingExtraError  # one class for every package: see storage.extras
 
 __all__ = [
     "AbsError",
@@ -123,11 +124,3 @@ class AlignmentError(AbsError, RuntimeError):
     message names the channel and the checkpoint.
     """
 
-
-class MissingExtraError(ConfigError, ImportError):
-    """A feature needs an optional dependency (an *extra* of the ``abs-snapshots`` package)
-    that is not installed: pyspark for ``SparkExecutor`` and the Spark sources, s3fs for
-    ``s3://`` paths of the file connectors.
-
-    Remedy: install the extra the message names, e.g. ``pip install 'abs-snapshots[spark]'``.
-    """

@@ -11,7 +11,7 @@ not import ``abs`` or ``recovery``.
 """
 from __future__ import annotations
 
-from abscore.errors import AbsError
+from abscore.errors import AbsError, ConfigError
 
 __all__ = [
     "StorageError",
@@ -187,9 +187,14 @@ class GcRefusedError(StorageError):
     """
 
 
-class MissingExtraError(StorageConfigError, ImportError):
+class MissingExtraError(StorageConfigError, ConfigError, ImportError):
     """A feature needs an optional dependency (an *extra* of the ``abs-snapshots`` package)
-    that is not installed: pyspark for the Spark pieces, s3fs for ``s3://`` roots.
+    that is not installed: pyspark for ``abs.SparkExecutor``, the Spark sources,
+    :mod:`storage.spark` and :mod:`recovery.spark`; s3fs for ``s3://`` snapshot roots and
+    ``s3://`` paths of the file connectors (see :mod:`storage.extras`).
 
-    Remedy: install the extra the message names, e.g. ``pip install 'abs-snapshots[s3]'``.
+    One class for every package: a :class:`StorageConfigError` (the CLI's usage errors), an
+    ``abs.ConfigError`` and an ``ImportError`` (what a missing module raised before).
+
+    Remedy: install the extra the message names, e.g. ``pip install 'abs-snapshots[spark]'``.
     """

@@ -1,6 +1,6 @@
 """The optional dependencies of the ``abs-snapshots`` package (its *extras*) and the words of
-the error when one is missing. Pure functions; the packages above raise their own
-``MissingExtraError`` with these messages.
+the error when one is missing (:class:`storage.errors.MissingExtraError`, which ``abs`` and
+``recovery`` raise too).
 
 - ``spark``: pyspark (``abs.SparkExecutor``, the Spark sources, :mod:`storage.spark`,
   :mod:`recovery.spark`);
@@ -9,8 +9,6 @@ the error when one is missing. Pure functions; the packages above raise their ow
 from __future__ import annotations
 
 import importlib
-from typing import Callable
-
 from .errors import MissingExtraError
 
 __all__ = ["PACKAGE", "EXTRAS", "install_command", "missing_extra_message", "missing_module", "extra_for_url",
@@ -50,9 +48,9 @@ def extra_for_url(url: str) -> str | None:
     return _PROTOCOL_EXTRAS.get(protocol)
 
 
-def require(extra: str, what: str, error: Callable[[str], Exception] = MissingExtraError) -> None:
-    """Import the module of ``extra``; if it is not installed, raise ``error`` (by default
-    :class:`storage.errors.MissingExtraError`) saying that ``what`` needs it and how to
+def require(extra: str, what: str) -> None:
+    """Import the module of ``extra``; if it is not installed, raise
+    :class:`storage.errors.MissingExtraError` saying that ``what`` needs it and how to
     install it. Other import failures (a broken installation) propagate unchanged."""
     module = EXTRAS[extra]
     try:
@@ -60,4 +58,4 @@ def require(extra: str, what: str, error: Callable[[str], Exception] = MissingEx
     except ImportError as exc:
         if missing_module(exc) != module:
             raise
-        raise error(missing_extra_message(what, extra)) from exc
+        raise MissingExtraError(missing_extra_message(what, extra)) from exc

@@ -39,7 +39,7 @@ import pyarrow as pa
 
 from storage.extras import require
 
-from ..errors import ConfigError, MissingExtraError
+from ..errors import ConfigError
 from .batchlog import (
     _BATCH_DIR,
     SparkSourceError,
@@ -92,7 +92,7 @@ class SparkMicroBatchSource(Source):
         part_rows: int = 65536,
     ) -> None:
         what = "SparkMicroBatchSource"
-        require("spark", what, MissingExtraError)
+        require("spark", what)
         if _active_session() is None:
             raise ConfigError(
                 f"{what}: no active SparkSession; create one (SparkSession.builder...getOrCreate()) and build the "

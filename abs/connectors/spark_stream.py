@@ -66,7 +66,7 @@ import pyarrow as pa
 
 from storage.extras import require
 
-from ..errors import ConfigError, MissingExtraError
+from ..errors import ConfigError
 from .batchlog import (
     _BATCH_FILE,
     SparkSourceError,
@@ -156,7 +156,7 @@ class SparkStreamSource(Source):
         poll_interval: float = 0.1,
     ) -> None:
         what = "SparkStreamSource"
-        require("spark", what, MissingExtraError)
+        require("spark", what)
         from pyspark.sql.datasource import DataSource, DataSourceStreamReader
 
         if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:

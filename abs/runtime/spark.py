@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterator
 
 from storage.extras import require
 
-from ..errors import ConfigError, MissingExtraError
+from ..errors import ConfigError
 from .writer import die_with_parent
 
 __all__ = ["SparkExecutor", "free_task_slots"]
@@ -212,7 +212,7 @@ class SparkExecutor:
     """
 
     def __init__(self, spark: Any, num_workers: int | None = None, *, driver_host: str | None = None) -> None:
-        require("spark", "abs.SparkExecutor", MissingExtraError)
+        require("spark", "abs.SparkExecutor")
         if spark is None:
             raise ConfigError(
                 "SparkExecutor needs an active SparkSession: pass SparkSession.builder...getOrCreate() "
