@@ -372,7 +372,7 @@ def test_simple_stream_reader_rows_and_reader_instance_with_arrow_batches(spark,
     assert sorted(result.collected("out").column("id").to_pylist()) == list(range(800))
 
 
-def test_planner_failure_fails_the_attempt_with_its_message_and_the_restart_recovers(spark, tmp_path):
+def test_planner_failure_fails_the_attempt_with_its_message_and_the_restart_recovers(spark, tmp_path, caplog):
     opts = {"total": "1000", "read_delay": "0.01", "commit_log": str(tmp_path / "commits.jsonl")}
     flag = tmp_path / "commits.jsonl.failed"
     # without restarts: the job fails and the error carries the data source's exception
@@ -380,6 +380,8 @@ def test_planner_failure_fails_the_attempt_with_its_message_and_the_restart_reco
         abs.run(counting_flow(SparkStreamSource(FlakySource, opts, num_splits=2, bounded=True), abs.CollectSink()),
                 parallelism=2, checkpoint=abs.CheckpointConfig(interval=0.2), storage=str(tmp_path / "snap1"))
     assert flag.exists()
+    logged = [r.getMessage() for r in caplog.records if r.name == "abs.connectors.spark_stream" and r.levelname == "ERROR"]
+    assert any("the planner failed" in m and "planner boom" in m for m in logged), logged  # on the abs logger
     flag.unlink()
     # with a restart: the next attempt plans again after the last logged batch; exact output
     src = SparkStreamSource(FlakySource, opts, num_splits=2, bounded=True)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import io
 import json
-import sys
+import logging
 import threading
 import time
 import uuid
@@ -56,6 +56,8 @@ from .sources import Source, SourceContext, SourceReader
 from .spark_arrow import _active_session
 
 __all__ = ["SparkMicroBatchSource", "SparkSourceError"]
+
+log = logging.getLogger(__name__)
 
 
 _TRIGGERS = ("processingTime", "once", "availableNow")
@@ -272,7 +274,7 @@ class SparkMicroBatchSource(Source):
             try:
                 query.stop()
             except Exception as exc:  # noqa: BLE001 - closing never hides the job's own outcome
-                print(f"[abs] warning: {self!r}: stopping the Spark query failed: {exc}", file=sys.stderr)
+                log.warning("%r: stopping the Spark query failed: %s", self, exc)
         watcher, self._drv_watcher = self._drv_watcher, None
         if watcher is not None:
             watcher.join(60)
@@ -296,7 +298,7 @@ class SparkMicroBatchSource(Source):
         if error is None and not self.bounded:
             error = "the Spark streaming query stopped although its trigger is unbounded (was it stopped by hand?)"
         if error is not None:
-            print(f"[abs] {self!r}: the Spark query failed: {error}", file=sys.stderr)
+            log.error("%r: the Spark query failed: %s", self, error)
             log.put(log.path("_error.json"), json.dumps({"error": f"Spark query failed: {error}"}).encode())
             return
         batches = max(self._drv_high + 1, self._drv_consumed)

@@ -56,7 +56,7 @@ from __future__ import annotations
 import base64
 import inspect
 import json
-import sys
+import logging
 import threading
 import time
 import traceback
@@ -84,6 +84,8 @@ from .sources import Source, SourceContext, SourceReader
 from .spark_arrow import _arrow_chunks, _resolve_schema
 
 __all__ = ["SparkStreamSource", "SparkSourceError"]
+
+log = logging.getLogger(__name__)
 
 
 def _overrides(obj: Any, name: str, base: type) -> bool:
@@ -347,8 +349,7 @@ class SparkStreamSource(Source):
         if thread is not None:
             thread.join(30)
             if thread.is_alive():
-                print(f"[abs] warning: {self!r}: the planner is still busy in the data source after 30 s",
-                      file=sys.stderr)
+                log.warning("%r: the planner is still busy in the data source after 30 s", self)
         self._drv_thread = self._drv_stop = None
         reader, self._drv_reader = self._drv_reader, None
         if reader is not None and self._reader_bytes is None:
@@ -356,7 +357,7 @@ class SparkStreamSource(Source):
                 with self._drv_lock:
                     reader.stop()
             except Exception as exc:  # noqa: BLE001 - closing never hides the job's own outcome
-                print(f"[abs] warning: {self!r}: stop() failed: {exc}", file=sys.stderr)
+                log.warning("%r: stop() failed: %s", self, exc)
 
     def _batch_end(self, b: int) -> Any:
         if b in self._drv_ends:
@@ -372,7 +373,7 @@ class SparkStreamSource(Source):
             if stop.is_set() or gen != self._drv_gen:
                 return
             message = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-            print(f"[abs] {self!r}: the planner failed: {message}", file=sys.stderr)
+            log.error("%r: the planner failed: %s", self, message)
             assert self._log is not None
             self._log.put(self._log.path("_error.json"), json.dumps({"error": message}).encode())
 
