@@ -73,7 +73,6 @@ SPARK_PIECES = {
     "abs.SparkExecutor": "abs.SparkExecutor(object(), num_workers=2)",
     "abs.SparkStreamSource": "abs.SparkStreamSource(object())",
     "abs.SparkMicroBatchSource": "abs.SparkMicroBatchSource(object())",
-    "abs.spark_sources.SparkStreamSource": "abs.spark_sources.SparkStreamSource(object())",
     "storage.spark.register": "storage.spark.register(object())",
     "storage.spark.load": "storage.spark.load(object(), '.')",
 }
@@ -82,7 +81,7 @@ SPARK_PIECES = {
 def test_every_spark_piece_without_pyspark_says_to_install_the_spark_extra(tmp_path):
     code = """
 import json
-import abs, abs.spark_sources, storage, storage.spark
+import abs, storage, storage.spark
 from abs.errors import AbsError
 from storage.errors import StorageError
 out = {}
