@@ -159,7 +159,7 @@ class JobHandle:
 
     def trigger_checkpoint(self, timeout: float = 120.0) -> int:
         """Trigger a checkpoint now; returns its id once it is complete."""
-        return self._request("checkpoint", timeout)
+        return self._request_checkpoint(timeout)
 
     def savepoint(self, path: str | None = None, timeout: float = 300.0, storage_options: dict | None = None) -> str:
         """Take a checkpoint and write it as a self-contained savepoint at ``path`` (default:
@@ -177,17 +177,19 @@ class JobHandle:
         store = d.store or SnapshotStore.open(d.storage_url, d.storage_options)
         with store.pin(d._last_completed_id + 1, None, ttl=max(600.0, 2 * timeout),
                        holder=f"savepoint of job {d.flow.name!r}") as lease:
-            cid = self._request("checkpoint", timeout)
+            cid = self._request_checkpoint(timeout)
             lease.retarget(cid, cid)
             dest = path or f"{d.storage_url.rstrip('/')}/savepoints/sp-{cid:08d}"
             store.savepoint(cid, dest, storage_options, source_pin=lease)
         return dest
 
-    def _request(self, kind: str, timeout: float) -> int:
+    def _request_checkpoint(self, timeout: float) -> int:
         if not self._thread.is_alive():
             raise JobFailedError(f"job {self._driver.flow.name!r} is not running ({self.status})")
         reply: "queue.Queue[Any]" = queue.Queue()
-        self._driver.requests.put((kind, reply))
+        from .runtime.messages import CheckpointRequest
+
+        self._driver.requests.put(CheckpointRequest(reply))
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -213,7 +215,9 @@ class JobHandle:
     def cancel(self) -> JobResult:
         """Stop the job (no final checkpoint) and return its result."""
         reply: "queue.Queue[Any]" = queue.Queue()
-        self._driver.requests.put(("cancel", reply))
+        from .runtime.messages import CancelRequest
+
+        self._driver.requests.put(CancelRequest(reply))
         return self.wait()
 
     def wait(self, timeout: float | None = None) -> JobResult:

@@ -17,6 +17,7 @@ import pytest
 
 import abs
 from abs.keygroups import KeyGroupRange, key_group
+from abs.runtime.messages import WriteJob
 from abs.runtime.writer import FrameReader, InThreadWriter, SnapshotWriter, recv_frame, send_frame, writes_in_process
 from abs.state import ColumnDelta, KeyedStateBackend, ListState, PickledDelta, ValueState
 from pacing import PacedSource
@@ -138,7 +139,7 @@ def test_the_writer_process_writes_column_deltas_and_tables(tmp_path, writer):
     assert all(isinstance(d, ColumnDelta) for d in deltas.values())
     table = pa.table({"key": pa.array([1, 2], pa.int64()), "value": pa.array(["a", "b"])},
                      metadata={b"abs.key_encoding": b"arrow", b"abs.value_encoding": b"arrow"})
-    jobs = [("op", "v", kg, [], d, False) for kg, d in deltas.items()] + [("op", "s", 3, [], table, False)]
+    jobs = [WriteJob("op", "v", kg, [], d, False) for kg, d in deltas.items()] + [WriteJob("op", "s", 3, [], table, False)]
     chains = writer.write(1, jobs)
     assert len(chains) == len(jobs) and all(len(c) == 1 and c[0].kind == "base" for c in chains)
     assert 0 < writer.last_cpu < 10  # the writer process's CPU seconds for this write
@@ -188,7 +189,7 @@ def _values_images_scenario(store: SnapshotStore, writer) -> None:
         deltas = b.capture(cid, lazy=True)["v"]
         b.confirm(cid)
         assert all(d.complete for d in deltas.values())
-        chains = writer.write(cid, [("op", "v", kg, prev.get(kg, []), d, False) for kg, d in deltas.items()])
+        chains = writer.write(cid, [WriteJob("op", "v", kg, prev.get(kg, []), d, False) for kg, d in deltas.items()])
         new = dict(zip(deltas, chains))
         got = {}
         for chain in new.values():
@@ -240,7 +241,7 @@ def test_the_writer_process_writes_untyped_deltas_frozen_at_capture(tmp_path, wr
     assert all(isinstance(d, ColumnDelta if kind == "value" else PickledDelta) for d in deltas.values())
     for doc in docs.values():
         doc["seen"].append("after the barrier")  # not in the snapshot
-    chains = writer.write(1, [("op", "u", kg, [], d, False) for kg, d in deltas.items()])
+    chains = writer.write(1, [WriteJob("op", "u", kg, [], d, False) for kg, d in deltas.items()])
     store = SnapshotStore.open(str(tmp_path))
     got = {}
     for chain in chains:
@@ -256,9 +257,9 @@ def test_a_failing_write_is_reported_and_the_writer_serves_the_next(tmp_path, wr
     writer.open(str(tmp_path), None)
     (kg, delta), *_ = column_deltas({1: 1}).items()
     with pytest.raises(RuntimeError, match="key group 99 is outside"):
-        writer.write(1, [("op", "v", 99, [], delta, False)])
+        writer.write(1, [WriteJob("op", "v", 99, [], delta, False)])
     assert writer.alive
-    assert writer.write(1, [("op", "v", kg, [], delta, False)])[0][0].kind == "base"
+    assert writer.write(1, [WriteJob("op", "v", kg, [], delta, False)])[0][0].kind == "base"
 
 
 def test_on_an_object_store_the_writer_writes_key_groups_at_once_and_answers_in_job_order(s3_server, s3_root, writer):
@@ -273,18 +274,18 @@ def test_on_an_object_store_the_writer_writes_key_groups_at_once_and_answers_in_
     deltas = column_deltas(values)
     tables = [pa.table({"key": pa.array([1000 + i], pa.int64()), "value": pa.array([i], pa.int64())},
                        metadata={b"abs.key_encoding": b"arrow", b"abs.value_encoding": b"arrow"}) for i in range(24)]
-    jobs = [("op", "v", kg, [], d, False) for kg, d in sorted(deltas.items())]
-    jobs += [("op", f"t{i}", i % M, [], t, False) for i, t in enumerate(tables)]
+    jobs = [WriteJob("op", "v", kg, [], d, False) for kg, d in sorted(deltas.items())]
+    jobs += [WriteJob("op", f"t{i}", i % M, [], t, False) for i, t in enumerate(tables)]
     chains = writer.write(1, jobs)
-    assert [c[0].location().key_group for c in chains] == [j[2] for j in jobs]
-    assert [c[0].location().state for c in chains] == [j[1] for j in jobs]
+    assert [c[0].location().key_group for c in chains] == [j.key_group for j in jobs]
+    assert [c[0].location().state for c in chains] == [j.state for j in jobs]
     got = {}
     for chain in chains[:len(deltas)]:
         t = store.read_chain(chain)
         got.update(zip(t.column("key").to_pylist(), t.column("value").to_pylist()))
     assert got == values
     assert [store.read_chain(c).column("value").to_pylist() for c in chains[len(deltas):]] == [[i] for i in range(24)]
-    bad = jobs[:3] + [("op", "v", 99, [], jobs[0][4], False)] + jobs[3:]
+    bad = jobs[:3] + [WriteJob("op", "v", 99, [], jobs[0].delta, False)] + jobs[3:]
     with pytest.raises(RuntimeError, match="key group 99 is outside"):
         writer.write(2, bad)
     assert writer.alive and len(writer.write(3, jobs[:5])) == 5
@@ -297,7 +298,7 @@ def test_a_killed_writer_is_reported(tmp_path, writer):
     assert not writer.alive
     (kg, delta), *_ = column_deltas({1: 1}).items()
     with pytest.raises(RuntimeError, match="writer process died"):
-        writer.write(1, [("op", "v", kg, [], delta, False)])
+        writer.write(1, [WriteJob("op", "v", kg, [], delta, False)])
 
 
 def test_memory_roots_are_written_in_the_worker():
@@ -431,7 +432,7 @@ def test_a_writer_that_does_not_answer_in_time_is_killed_and_the_write_says_so(t
     os.kill(writer.pid, signal.SIGSTOP)
     with pytest.raises(WriterHungError, match=rf"writer process \(pid {writer.pid}\) did not answer checkpoint 1's "
                                               r"write within 0\.5 s and was killed"):
-        writer.write(1, [("op", "v", kg, [], delta, False)], timeout=0.5)
+        writer.write(1, [WriteJob("op", "v", kg, [], delta, False)], timeout=0.5)
     assert not writer.alive and writer._process.exitcode == -signal.SIGKILL
 
 
@@ -439,7 +440,7 @@ def test_a_writer_that_answers_in_time_is_left_alone(tmp_path, writer):
     writer.open(str(tmp_path), None)
     (kg, delta), *_ = column_deltas({1: 1}).items()
     for cid in (1, 2):
-        assert len(writer.write(cid, [("op", "v", kg, [], delta, False)], timeout=60)) == 1
+        assert len(writer.write(cid, [WriteJob("op", "v", kg, [], delta, False)], timeout=60)) == 1
     assert writer.alive
 
 

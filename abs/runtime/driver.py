@@ -4,10 +4,12 @@ enumerators, commits manifests, and supervises the job.
 The coordinator (:mod:`abs.coordinator`) is pure; this module is the thin layer that turns
 its actions into messages and storage calls:
 
-    Trigger(n)         -> "trigger" to every worker (source tasks inject barrier n)
-    Abort(n)           -> "abort" to every worker (tasks aligning n stop, cancel markers flow)
+    Trigger(n)         -> TriggerCheckpoint to every worker (source tasks inject barrier n)
+    Abort(n)           -> CheckpointAborted to every worker (tasks aligning n stop, cancel markers flow)
     Commit(n, acks)    -> manifest n written atomically (the commit point), then
-    NotifyComplete(n)  -> "complete" to every worker (sinks commit, deltas are confirmed)
+    NotifyComplete(n)  -> CheckpointCompleted to every worker (sinks commit, deltas are confirmed)
+
+The messages are those of :mod:`abs.runtime.messages`.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from ..connectors.sinks import CollectSink
 from storage.backend import absolute_url
 from storage.errors import StorageError
 
+from . import messages as m
 from .cleanup import BackgroundGc, GcRequest
 from .failures import should_restart
 from .restore import SinkView, check_restore_option, committed_evidence, id_ranges, plan_output
@@ -201,7 +204,7 @@ class JobDriver:
         self.startup_timeout = startup_timeout
         self.heartbeat_timeout = heartbeat_timeout
         self.plan = compile_plan(flow)
-        self.requests: "queue.Queue[tuple]" = queue.Queue()
+        self.requests: "queue.Queue[Any]" = queue.Queue()  # CheckpointRequest / CancelRequest
         self.store = None
         self._collected: dict[str, list[bytes]] = {}
         self._staged: dict[str, tuple[str, list[bytes]]] = {}  # CollectSink epochs awaiting commit
@@ -212,6 +215,8 @@ class JobDriver:
         self._records: dict[int, dict] = {}
         self._bytes_restored: list[int] = [0] * parallelism
         self._restore_seconds: list[float] = [0.0] * parallelism
+        # per worker, the key groups it restored (uid -> state -> key groups), as it reported them
+        self.restored_key_groups: list[dict] = [{} for _ in range(parallelism)]
         self.completed: list[CheckpointStats] = []
         self.failed: list[tuple[int, str]] = []
         self.restored_from: int | None = None
@@ -444,15 +449,33 @@ class JobDriver:
             out[node.uid] = per_subtask
         return out
 
-    def _spec(self, restore_info: dict, attempt: int = 0) -> WorkerSpec:
-        manifest = restore_info.get("manifest")
+    def _assignments(self, restore_info: dict) -> list[m.WorkerAssignment]:
+        """What each worker owns: its source splits, and on a restore exactly its part of the
+        restore plan (its key groups' chains, the sink transactions it re-commits)."""
         plan = restore_info.get("plan")
-        if plan is not None:
-            sources = restore_info["sources"]
-            source_splits = plan.source_assignment(lambda uid, split: sources[uid].initial_offset(split))
-            sink_txns = plan.sink_transactions()
-        else:
-            source_splits, sink_txns = self._assign_splits(), {}
+        if plan is None:
+            fresh = self._assign_splits()
+            return [m.WorkerAssignment(i, {uid: per_sub.get(i, {}) for uid, per_sub in fresh.items()})
+                    for i in range(self.P)]
+        sources = restore_info["sources"]
+        source_splits = plan.source_assignment(lambda uid, split: sources[uid].initial_offset(split))
+        # every keyed operator and state of the checkpoint, with only this worker's chains:
+        # a worker without a key group of it still learns that its operator was restored
+        names = {uid: tuple(states) for uid, states in restore_info["manifest"].keyed.items()}
+
+        def own(i: int) -> dict:
+            chains = plan.keyed_chains(i)
+            return {uid: {state: dict(chains.get(uid, {}).get(state, {})) for state in states}
+                    for uid, states in names.items()}
+
+        return [m.WorkerAssignment(
+            subtask=i,
+            source_splits={uid: per_sub.get(i, {}) for uid, per_sub in source_splits.items()},
+            keyed_chains=own(i),
+            sink_transactions=dict(plan.subtasks[i].sink_transactions) or None,
+        ) for i in range(self.P)]
+
+    def _spec(self, restore_info: dict, attempt: int = 0) -> WorkerSpec:
         return WorkerSpec(
             flow=self.flow,
             parallelism=self.P,
@@ -462,11 +485,8 @@ class JobDriver:
             storage_url=self.storage_url,
             storage_probe=self._probe,
             storage_options=self.storage_options,
-            source_splits=source_splits,
             restore_url=restore_info.get("url"),
             restore_storage_options=restore_info.get("options"),
-            keyed_chains=dict(manifest.keyed) if manifest is not None else None,
-            sink_transactions=sink_txns or None,
             faults=tuple(f for f in self.faults if f.attempt == attempt and f.point not in ("before_commit", "after_commit")),
             writer_timeout=WRITER_TIMEOUT_FACTOR * self.config.timeout,
         )
@@ -483,8 +503,9 @@ class JobDriver:
                 self._attempt = attempt
                 first_id, restore_info = self._open_storage()
                 spec = self._spec(restore_info, attempt)
+                assignments = self._assignments(restore_info)
                 self._open_sources(restore_info, attempt)
-                self._launch(spec, procs, conns)
+                self._launch(spec, assignments, procs, conns)
                 self._t_started = time.monotonic()
                 self.status = "RUNNING"
                 self._loop(procs, conns, first_id)
@@ -665,7 +686,7 @@ class JobDriver:
                 total[uid] = total.get(uid, 0) + n
         return total
 
-    def _launch(self, spec: WorkerSpec, procs: list, conns: dict[int, Any]) -> None:
+    def _launch(self, spec: WorkerSpec, assignments: list, procs: list, conns: dict[int, Any]) -> None:
         """Start the workers and take them through the start-up handshake to the running
         state. Fills ``procs`` and ``conns`` as it goes, so that the caller tears down every
         worker started when any step fails: a failure here is a failure of the attempt,
@@ -692,23 +713,25 @@ class JobDriver:
             if len(accepted) < self.P:
                 raise WorkerLostError(f"only {len(accepted)} of {self.P} workers connected within {self.startup_timeout:.0f} s")
             for c in accepted:
-                hello = c.recv()  # ("hello", index, pid)
-                index = hello[1]
-                conns[index] = c
-                if len(hello) > 2 and hasattr(procs[index], "bind_pid"):
-                    procs[index].bind_pid(hello[2])
+                hello = c.recv()
+                if not isinstance(hello, m.Hello):
+                    raise m.unexpected(hello, f"job {self.flow.name!r}: the driver", "a worker", "Hello")
+                conns[hello.index] = c
+                if hasattr(procs[hello.index], "bind_pid"):
+                    procs[hello.index].bind_pid(hello.pid)
             payload = cloudpickle.dumps(spec)
+            for i, c in conns.items():
+                c.send(m.JobSpec(payload, assignments[i]))
+            listening = self._gather(conns, m.Listening, procs)
+            addresses = tuple(listening[i].address for i in range(self.P))
             for c in conns.values():
-                c.send(("spec", payload))
-            listening = self._gather(conns, "listening", procs)
-            addresses = [listening[i] for i in range(self.P)]
+                c.send(m.Peers(addresses))
+            for i, ready in self._gather(conns, m.Ready, procs).items():
+                self._bytes_restored[i] = ready.stats.bytes_restored
+                self._restore_seconds[i] = ready.stats.restore_seconds
+                self.restored_key_groups[i] = ready.stats.key_groups
             for c in conns.values():
-                c.send(("peers", addresses))
-            for i, stats in self._gather(conns, "ready", procs).items():
-                self._bytes_restored[i] = stats.get("bytes_restored", 0)
-                self._restore_seconds[i] = stats.get("restore_seconds", 0.0)
-            for c in conns.values():
-                c.send(("start",))
+                c.send(m.Start())
         finally:
             listener.close()
             self._drop_probe()
@@ -722,7 +745,7 @@ class JobDriver:
             except StorageError as exc:  # a leftover probe is harmless (GC leaves it alone)
                 print(f"[abs] warning: could not delete the storage probe: {exc}", file=sys.stderr)
 
-    def _gather(self, conns: dict[int, Any], kind: str, procs: list) -> dict[int, Any]:
+    def _gather(self, conns: dict[int, Any], kind: type, procs: list) -> dict[int, Any]:
         """The ``kind`` message of every worker (in any order); a worker that reports a
         failure, dies or closes its connection first fails the attempt with the cause."""
         pending = dict(conns)
@@ -733,14 +756,14 @@ class JobDriver:
             now = time.monotonic()
             if now > deadline:
                 raise WorkerLostError(
-                    f"job {self.flow.name!r}: worker(s) {sorted(pending)} did not report {kind!r} within "
+                    f"job {self.flow.name!r}: worker(s) {sorted(pending)} did not report {kind.__name__} within "
                     f"{self.startup_timeout:.0f} s"
                 )
             silent = [i for i in pending if now - last_seen[i] > self.heartbeat_timeout]
             if silent:
                 raise WorkerLostError(
                     f"job {self.flow.name!r}: worker {silent[0]} sent nothing for {now - last_seen[silent[0]]:.0f} s "
-                    f"while starting (waiting for {kind!r}; heartbeat timeout); it is hung or overloaded"
+                    f"while starting (waiting for {kind.__name__}; heartbeat timeout); it is hung or overloaded"
                 )
             for conn in wait(list(pending.values()), timeout=0.1):
                 i = next(k for k, c in pending.items() if c is conn)
@@ -749,14 +772,18 @@ class JobDriver:
                 except (EOFError, OSError):
                     self._settle(procs, conns)
                     raise WorkerLostError(
-                        f"job {self.flow.name!r}: worker {i} closed its connection while starting (waiting for {kind!r})"
+                        f"job {self.flow.name!r}: worker {i} closed its connection while starting (waiting for {kind.__name__})"
                     ) from None
                 last_seen[i] = time.monotonic()
-                if msg[0] == kind:
-                    got[i] = msg[1]
+                if isinstance(msg, kind):
+                    got[i] = msg
                     del pending[i]
-                elif msg[0] == "failed":
+                elif isinstance(msg, m.TaskFailed):
                     self._startup_failed(i, msg, procs, conns)
+                elif isinstance(msg, (m.Heartbeat, m.CollectCommit, m.Metrics)):
+                    pass  # alive; a restored CollectSink re-commits what this driver committed with the manifest
+                else:
+                    raise m.unexpected(msg, f"job {self.flow.name!r}: the driver", f"worker {i}", kind.__name__)
             self._settle(procs, conns, wait_s=0.0)
         return got
 
@@ -775,19 +802,18 @@ class JobDriver:
                     reported = conn.recv() if conn is not None and code > 0 and conn.poll(0.2) else None
                 except (EOFError, OSError):
                     reported = None
-                if reported is not None and reported[0] == "failed":
+                if isinstance(reported, m.TaskFailed):
                     self._startup_failed(i, reported, procs, conns, settle=False)
                 self._check_procs(procs, conns)
             if time.monotonic() >= until:
                 return
             time.sleep(0.05)
 
-    def _startup_failed(self, i: int, msg: tuple, procs: list, conns: dict, settle: bool = True) -> None:
-        """Raise the :class:`StartupError` of worker ``i``'s ``("failed", ...)`` report; first,
+    def _startup_failed(self, i: int, msg: m.TaskFailed, procs: list, conns: dict, settle: bool = True) -> None:
+        """Raise the :class:`StartupError` of worker ``i``'s :class:`TaskFailed` report; first,
         a peer that was killed (the usual cause of a failure to connect) fails it instead."""
-        info = msg[4] if len(msg) > 4 else {}
-        phase = info.get("phase", "starting")
-        cause = info.get("cause") or (msg[3].strip().splitlines() or ["?"])[-1]
+        phase = msg.phase or "starting"
+        cause = msg.cause or (msg.traceback.strip().splitlines() or ["?"])[-1]
         deadline = time.monotonic() + (0.5 if settle else 0.0)
         while settle:
             for k, p in enumerate(procs):
@@ -801,8 +827,8 @@ class JobDriver:
                 break
             time.sleep(0.05)
         raise StartupError(
-            f"job {self.flow.name!r}: worker {i} failed while {phase}: {cause}\n{msg[3]}",
-            permanent=bool(info.get("permanent", False)),
+            f"job {self.flow.name!r}: worker {i} failed while {phase}: {cause}\n{msg.traceback}",
+            permanent=msg.permanent,
         )
 
     def _check_procs(self, procs: list, conns: dict) -> None:
@@ -830,7 +856,7 @@ class JobDriver:
         finals_requested = 0
         by_conn = {id(c): i for i, c in conns.items()}
 
-        def broadcast(msg: tuple) -> None:
+        def broadcast(msg: Any) -> None:
             for c in conns.values():
                 try:
                     c.send(msg)
@@ -846,16 +872,16 @@ class JobDriver:
                         final_from = a.checkpoint_id
                     base = self._last_completed_id
                     self._bases[a.checkpoint_id] = base
-                    broadcast(("trigger", a.checkpoint_id, base))
+                    broadcast(m.TriggerCheckpoint(a.checkpoint_id, base))
                 elif isinstance(a, FailJob):
                     raise CheckpointFailedError(
                         f"job {self.flow.name!r}: {a.reason}; raise CheckpointConfig.tolerable_failures or fix the cause"
                     )
                 elif isinstance(a, Abort):
                     self.failed.append((a.checkpoint_id, a.reason))
-                    broadcast(("abort", a.checkpoint_id, a.reason))
+                    broadcast(m.CheckpointAborted(a.checkpoint_id, a.reason))
                     if self.config.mode == "stop_the_world":
-                        broadcast(("resume", a.checkpoint_id))
+                        broadcast(m.Resume(a.checkpoint_id))
                     self._notify_waiter(a.checkpoint_id, JobFailedError(f"checkpoint {a.checkpoint_id} failed: {a.reason}"))
                     if final_from is not None and a.checkpoint_id >= final_from:
                         final_from = None  # retry the final checkpoint
@@ -869,13 +895,13 @@ class JobDriver:
                         continue
                     handle(coord.on_committed(a.checkpoint_id))
                 elif isinstance(a, NotifyComplete):
-                    broadcast(("complete", a.checkpoint_id))
+                    broadcast(m.CheckpointCompleted(a.checkpoint_id))
                     if self.config.mode == "stop_the_world":
-                        broadcast(("resume", a.checkpoint_id))
+                        broadcast(m.Resume(a.checkpoint_id))
                     self._notify_waiter(a.checkpoint_id, a.checkpoint_id)
                     if final_from is not None and a.checkpoint_id >= final_from and not finishing:
                         finishing = True
-                        broadcast(("finish",))
+                        broadcast(m.Finish())
 
         while True:
             self._check_procs(procs, conns)
@@ -889,36 +915,39 @@ class JobDriver:
                     self._check_procs(procs, conns)
                     raise WorkerLostError(f"job {self.flow.name!r}: lost the connection to worker {i}")
                 last_seen[i] = time.monotonic()
-                kind = msg[0]
-                if kind == "ack":
-                    handle(coord.on_ack(msg[1], msg[2], msg[3]))
-                elif kind == "decline":
-                    actions = coord.on_decline(msg[1], msg[2], msg[3])
+                if isinstance(msg, m.Ack):
+                    handle(coord.on_ack(msg.checkpoint_id, msg.task, msg.ack))
+                elif isinstance(msg, m.Decline):
+                    actions = coord.on_decline(msg.checkpoint_id, msg.task, msg.reason)
                     if not actions:
-                        self._late_decline(msg[1], msg[2], msg[3])
+                        self._late_decline(msg.checkpoint_id, msg.task, msg.reason)
                     handle(actions)
-                elif kind in ("collect", "collect_commit"):
+                elif isinstance(msg, (m.Collect, m.CollectCommit)):
                     self._on_collect(msg)
-                elif kind == "metrics":
-                    self._records[msg[1]] = msg[2]["records_in"]
-                elif kind == "source_exhausted":
-                    exhausted.add(msg[1])
+                elif isinstance(msg, m.Metrics):
+                    self._records[msg.index] = msg.metrics.records_in
+                elif isinstance(msg, m.SourceExhausted):
+                    exhausted.add(msg.task)
                     if len(exhausted) == len(source_keys):
                         self._t_exhausted = time.monotonic()
-                elif kind == "task_done":
-                    done_tasks.add(msg[1])
-                    coord.on_task_finished(msg[1])
-                elif kind == "failed":
+                elif isinstance(msg, m.TaskDone):
+                    done_tasks.add(msg.task)
+                    coord.on_task_finished(msg.task)
+                elif isinstance(msg, m.Heartbeat):
+                    pass  # a starting worker's (see worker.main); a running one sends Metrics
+                elif isinstance(msg, m.TaskFailed):
                     # a task often fails only because a peer worker died (its channel broke):
                     # name the dead worker, not the collateral failure
                     deadline = time.monotonic() + 0.5
                     while time.monotonic() < deadline:
                         self._check_procs(procs, conns)
                         time.sleep(0.05)
-                    handle(coord.on_task_failed(msg[1]))
+                    handle(coord.on_task_failed(msg.task))
                     raise OperatorError(
-                        f"job {self.flow.name!r}: operator {msg[2]!r} failed in {msg[1]} (worker {i}):\n{msg[3]}"
+                        f"job {self.flow.name!r}: operator {msg.uid!r} failed in {msg.task} (worker {i}):\n{msg.traceback}"
                     )
+                else:
+                    raise m.unexpected(msg, f"job {self.flow.name!r}: the driver", f"worker {i}")
             now = time.monotonic()
             for i, seen in last_seen.items():
                 if now - seen > self.heartbeat_timeout:
@@ -928,7 +957,7 @@ class JobDriver:
                     )
             self._serve_requests(coord, handle, broadcast)
             if len(done_tasks) == len(expected):
-                broadcast(("shutdown",))
+                broadcast(m.Shutdown())
                 self._collect_done(conns, procs)
                 return
             if finishing:
@@ -936,7 +965,7 @@ class JobDriver:
             if len(exhausted) == len(source_keys):
                 if not self.checkpointing:
                     finishing = True
-                    broadcast(("finish",))
+                    broadcast(m.Finish())
                     continue
                 if final_from is None and not coord.pending_ids():
                     finals_requested += 1
@@ -964,10 +993,12 @@ class JobDriver:
                 req = self.requests.get_nowait()
             except queue.Empty:
                 return
-            kind, reply = req
-            if kind == "cancel":
-                broadcast(("stop",))
+            if isinstance(req, m.CancelRequest):
+                broadcast(m.Stop())
                 raise _Canceled()
+            if not isinstance(req, m.CheckpointRequest):
+                raise m.unexpected(req, f"job {self.flow.name!r}: the driver", "its JobHandle")
+            reply = req.reply
             if not self.checkpointing:
                 reply.put(JobFailedError("checkpointing is off for this job (no storage= or checkpoint=)"))
                 continue
@@ -994,19 +1025,19 @@ class JobDriver:
         align = sync = asyn = async_cpu = 0.0
         written = files = 0
         for task, ack in a.acks.items():
-            for uid, states in ack["keyed"].items():
+            for uid, states in ack.keyed.items():
                 for state, by_kg in states.items():
                     keyed.setdefault(uid, {}).setdefault(state, {}).update(by_kg)
-            for uid, offs in ack["source_offsets"].items():
+            for uid, offs in ack.source_offsets.items():
                 offsets.setdefault(uid, {}).update(offs)
-            for uid, by_sub in ack["sink_transactions"].items():
+            for uid, by_sub in ack.sink_transactions.items():
                 sinks.setdefault(uid, {}).update(by_sub)
-            align = max(align, ack["alignment_time"])
-            sync = max(sync, ack["sync_time"])
-            asyn = max(asyn, ack["async_time"])
-            async_cpu += ack.get("async_cpu", 0.0)
-            written += ack["bytes_written"]
-            files += ack["files_written"]
+            align = max(align, ack.alignment_time)
+            sync = max(sync, ack.sync_time)
+            asyn = max(asyn, ack.async_time)
+            async_cpu += ack.async_cpu
+            written += ack.bytes_written
+            files += ack.files_written
         now = time.monotonic()
         manifest = Manifest(
             checkpoint_id=a.checkpoint_id,
@@ -1041,7 +1072,7 @@ class JobDriver:
         # and a restore in another process, which cannot re-commit them, starts after them
         for uid in self._collect_sinks:
             for txns in sinks.get(uid, {}).values():
-                self._on_collect(("collect_commit", list(txns or ())))
+                self._on_collect(m.CollectCommit(tuple(txns or ())))
         self.store_gc()
         for uid, source in self._sources():
             try:
@@ -1076,14 +1107,13 @@ class JobDriver:
         else:
             self._gc.submit(request)
 
-    def _on_collect(self, msg: tuple) -> None:
+    def _on_collect(self, msg: "m.Collect | m.CollectCommit") -> None:
         """CollectSink's two-phase commit (see ``operators._CollectWriter``): staged epochs
         survive restarts; a commit makes an epoch visible once."""
-        if msg[0] == "collect":
-            _, key, uid, batches = msg
-            self._staged[key] = (uid, batches)
+        if isinstance(msg, m.Collect):
+            self._staged[msg.key] = (msg.uid, msg.batches)
             return
-        for key in msg[1]:
+        for key in msg.keys:
             staged = self._staged.pop(key, None)
             if staged is not None:
                 self._collected.setdefault(staged[0], []).extend(staged[1])
@@ -1100,16 +1130,16 @@ class JobDriver:
                 except (EOFError, OSError):
                     pending.discard(i)
                     continue
-                if msg[0] == "done":
-                    self._records[msg[1]] = msg[2]["records_in"]
+                if isinstance(msg, m.Done):
+                    self._records[msg.index] = msg.metrics.records_in
                     pending.discard(i)
-                elif msg[0] in ("collect", "collect_commit"):
+                elif isinstance(msg, (m.Collect, m.CollectCommit)):
                     self._on_collect(msg)
 
     def _teardown(self, procs: list, conns: dict) -> None:
         for c in conns.values():
             try:
-                c.send(("stop",))
+                c.send(m.Stop())
             except OSError:
                 pass
         deadline = time.monotonic() + 5

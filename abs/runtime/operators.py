@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 from storage.session import CheckpointSession
 
 from ..dataflow import Node
-from ..errors import GraphError
+from ..errors import GraphError, StateError
 from ..keygroups import KeyGroupRange, key_groups
 from ..connectors.sinks import CollectSink, SinkWriter
 from ..state import AggregateBackend, KeyedBackend, KeyedStateBackend
@@ -261,19 +261,25 @@ class KeyedOp(OperatorRuntime):
         self.need_full = False  # restored from another root: the next snapshot must be full
 
     def restore(self, chains: dict, read_chain: Callable[[list], pa.Table], same_root: bool = True) -> int:
-        """Load the key groups of this subtask from ``chains`` (state -> kg -> [FileRef]).
+        """Load this subtask's key groups: ``chains`` (state -> kg -> [FileRef]) holds exactly
+        them, as the driver's restore plan assigned them (``RestorePlan.keyed_chains``); a key
+        group outside this subtask's range is a bug of the plan and fails the restore.
 
         ``same_root``: the chains live in the storage root this job writes to, so new deltas
         can build on them; otherwise (a savepoint elsewhere) the first checkpoint is full.
         Returns bytes read."""
+        outside = sorted({kg for by_kg in chains.values() for kg in by_kg if kg not in self.key_group_range})
+        if outside:
+            raise StateError(
+                f"operator {self.uid!r}: the restore plan gave subtask {self.task_key} key group(s) {outside}, "
+                f"outside its range {self.key_group_range}; nothing was restored; report this bug"
+            )
         self.need_full = not same_root
         nbytes = 0
         for state, by_kg in chains.items():
             if state not in self.confirmed_chains:
                 continue  # compatibility is checked by the driver before anything runs
             for kg, chain in by_kg.items():
-                if kg not in self.key_group_range:
-                    continue
                 table = read_chain(chain)
                 nbytes += sum(ref.bytes for ref in chain)
                 self.backend.restore(state, kg, table)
@@ -447,15 +453,19 @@ class _CollectWriter(SinkWriter):
     the driver keeps staged epochs across restarts, so a restored transaction is committed
     again (idempotently) and one no checkpoint names never becomes visible."""
 
-    def __init__(self, uid: str, subtask: int, send: Callable[[tuple], None], restored: Sequence[Any] = ()) -> None:
+    def __init__(self, uid: str, subtask: int, send: Callable[[Any], None], restored: Sequence[Any] = ()) -> None:
         import uuid
+
+        from .messages import Collect, CollectCommit
+
+        self._collect, self._commit = Collect, CollectCommit
 
         self.uid = uid
         self.send = send
         self.tag = f"{uid}/{subtask}/{uuid.uuid4().hex[:12]}"
         self.buffer: list[bytes] = []
         if restored:
-            self.send(("collect_commit", list(restored)))
+            self.send(CollectCommit(tuple(restored)))
 
     def write(self, batch: pa.RecordBatch) -> None:
         from .channels import encode
@@ -464,12 +474,12 @@ class _CollectWriter(SinkWriter):
 
     def pre_commit(self, checkpoint_id: int) -> Any:
         key = f"{self.tag}/{checkpoint_id}"
-        self.send(("collect", key, self.uid, self.buffer))
+        self.send(self._collect(key, self.uid, self.buffer))
         self.buffer = []
         return key
 
     def commit(self, checkpoint_id: int, transactions: Sequence[Any]) -> None:
-        self.send(("collect_commit", list(transactions)))
+        self.send(self._commit(tuple(transactions)))
 
 
 _KINDS = {

@@ -14,7 +14,6 @@ checkpoint completes, and the snapshot is full and uploaded before the barrier i
 """
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 import traceback
@@ -26,20 +25,12 @@ import pyarrow as pa
 from ..alignment import AbortCheckpoint, BarrierAligner, EndOfInput, TriggerSnapshot
 from ..dataflow import BROADCAST, FORWARD, KEY_BY, REBALANCE
 from ..connectors.sources import END
+from . import messages as m
 from .channels import EOS, Barrier, CancelMarker, InputGate
 from .operators import KeyExtractor, OperatorRuntime, OpSnapshot, SinkOp, UserFunctionError
 from .plan import OutputPlan, TaskPlan, task_key
 
-__all__ = ["Task", "ExchangeWriter", "Control"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Control:
-    """A control event for a task: ``kind`` in trigger, abort, complete, resume, finish, stop."""
-
-    kind: str
-    checkpoint_id: int = 0
-    arg: Any = None
+__all__ = ["Task", "ExchangeWriter"]
 
 
 class ExchangeWriter:
@@ -139,24 +130,26 @@ class Task(threading.Thread):
             event = self.gate.wait_control(wait) if wait else self.gate.wait_control(0)
             wait = 0.0
             if event is not None:
-                if event.kind == "trigger":
-                    self._catch_up(event.arg or 0)
-                    offsets = reader.offsets()
-                    self._snapshot(event.checkpoint_id, event.arg or 0, source_offsets=offsets)
-                    if self.mode == "stop_the_world":
-                        paused = True
-                elif event.kind == "resume":
-                    paused = False
-                elif event.kind == "finish":
-                    self._end_of_input()
-                    reader.close()
-                    return
-                elif event.kind == "stop":
-                    return
-                else:
-                    self._control(event)
-                    if event.kind == "complete":
-                        reader.notify_checkpoint_complete(event.checkpoint_id, event.arg or {})
+                match event:
+                    case m.TriggerCheckpoint(checkpoint_id=cid, base=base):
+                        self._catch_up(base)
+                        offsets = reader.offsets()
+                        self._snapshot(cid, base, source_offsets=offsets)
+                        if self.mode == "stop_the_world":
+                            paused = True
+                    case m.Resume():
+                        paused = False
+                    case m.Finish():
+                        self._end_of_input()
+                        reader.close()
+                        return
+                    case m.Stop():
+                        return
+                    case m.CheckpointCompleted():
+                        self._control(event)
+                        reader.notify_checkpoint_complete(event.checkpoint_id, {})
+                    case _:
+                        self._control(event)
                 continue
             if paused or exhausted:
                 wait = 0.05
@@ -181,9 +174,9 @@ class Task(threading.Thread):
                 continue
             channel, item = got
             if channel < 0:
-                if item.kind == "stop":
+                if isinstance(item, m.Stop):
                     return
-                if item.kind == "abort":
+                if isinstance(item, m.CheckpointAborted):
                     self._act(aligner.abort(item.checkpoint_id))
                 self._control(item)
                 continue
@@ -231,18 +224,23 @@ class Task(threading.Thread):
         complete (the notice travels on the control connection, the barrier on data
         channels): take the barrier as the notice."""
         if base > self.last_completed:
-            self._control(Control("complete", base))
+            self._control(m.CheckpointCompleted(base))
 
-    def _control(self, event: Control) -> None:
-        if event.kind == "complete":
-            if event.checkpoint_id <= self.last_completed:
-                return  # already applied (a barrier carried the notice first)
-            self.last_completed = event.checkpoint_id
-            for op in self.ops.values():
-                op.notify_complete(event.checkpoint_id)
-        elif event.kind == "abort":
-            for op in self.ops.values():
-                op.notify_abort(event.checkpoint_id)
+    def _control(self, event: Any) -> None:
+        """A completion or abort notice for every operator of the chain; an unknown message
+        raises :class:`~abs.runtime.messages.ProtocolError` (the task fails with it)."""
+        match event:
+            case m.CheckpointCompleted(checkpoint_id=cid):
+                if cid <= self.last_completed:
+                    return  # already applied (a barrier carried the notice first)
+                self.last_completed = cid
+                for op in self.ops.values():
+                    op.notify_complete(cid)
+            case m.CheckpointAborted(checkpoint_id=cid):
+                for op in self.ops.values():
+                    op.notify_abort(cid)
+            case _:
+                raise m.unexpected(event, f"task {self.key}", "its worker", "a checkpoint notice")
 
     def _snapshot(
         self, checkpoint_id: int, base: int, alignment_time: float = 0.0, source_offsets: dict | None = None
@@ -259,7 +257,7 @@ class Task(threading.Thread):
             pieces.append(OpSnapshot(self.head.uid, source_offsets=source_offsets))
         sync_time = time.perf_counter() - t0
         self.worker.fault("after_sync_snapshot", self)
-        job = (checkpoint_id, self, pieces, alignment_time, sync_time)
+        job = m.UploadJob(checkpoint_id, self, pieces, alignment_time, sync_time)
         if full:
             self.worker.upload_now(job)  # stop-the-world: nothing moves until it is stored
         for out in self.outputs:

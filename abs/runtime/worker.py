@@ -1,17 +1,7 @@
 """A worker process: hosts subtask ``i`` of every task of the job.
 
-Start-up handshake with the driver (over one authenticated control connection):
-
-    worker -> driver   ("hello", index)
-    driver -> worker   ("spec", <cloudpickled WorkerSpec>)
-    worker -> driver   ("listening", (host, port))        data-plane listener bound on loopback
-    driver -> worker   ("peers", [(host, port), ...])
-    worker -> driver   ("ready", restore_stats)           every channel connected, state restored
-    driver -> worker   ("start",)
-
-Then the driver sends ``trigger`` / ``abort`` / ``complete`` / ``resume`` / ``finish`` /
-``stop`` and the worker reports ``ack`` / ``decline`` / ``source_exhausted`` /
-``task_done`` / ``failed`` / ``collect`` / ``metrics`` and finally ``done``.
+The start-up handshake with the driver and the messages that follow it are the typed
+messages of :mod:`abs.runtime.messages`.
 """
 from __future__ import annotations
 
@@ -38,7 +28,8 @@ from .channels import InputGate, LocalSender, RemoteSender, accept_channel, conn
 from .operators import KeyedOp, OpSnapshot, SinkOp, build_operator
 from .plan import PhysicalPlan, compile_plan, task_key
 from ..faults import WORKER_POINTS, trip
-from .task import Control, ExchangeWriter, Task
+from . import messages as m
+from .task import ExchangeWriter, Task
 from .writer import InThreadWriter, SnapshotWriter, WriterHungError, writes_in_process
 
 __all__ = ["WorkerSpec", "main"]
@@ -55,11 +46,8 @@ class WorkerSpec:
     checkpoint_mode: str
     storage_url: str | None
     storage_options: dict | None
-    source_splits: dict  # source uid -> subtask -> {split: offset}
     restore_url: str | None = None
     restore_storage_options: dict | None = None
-    keyed_chains: dict | None = None  # uid -> state -> kg -> [FileRef] (restore)
-    sink_transactions: dict | None = None  # uid -> [txn] (restore, union)
     channel_capacity: int = 8
     faults: tuple = ()  # abs.faults.Fault of this attempt
     writer_timeout: float | None = None  # seconds the uploader waits on the writer process for one write
@@ -71,10 +59,13 @@ class _Fault(Exception):
 
 
 class Worker:
-    def __init__(self, index: int, conn: Any, spec: WorkerSpec, secret: bytes) -> None:
+    def __init__(self, index: int, conn: Any, spec: WorkerSpec, secret: bytes,
+                 assignment: m.WorkerAssignment | None = None) -> None:
         self.index = index
         self.conn = conn
         self.spec = spec
+        # what this worker owns, from the driver's restore plan (or fresh split assignment)
+        self.assignment = assignment if assignment is not None else m.WorkerAssignment(index, {})
         self.secret = secret
         self.bind_host = "127.0.0.1"
         self.plan: PhysicalPlan = compile_plan(spec.flow)
@@ -94,7 +85,7 @@ class Worker:
         self._stopped = threading.Event()
 
     # ------------------------------------------------------------------ messaging
-    def send_to_driver(self, msg: tuple) -> None:
+    def send_to_driver(self, msg: Any) -> None:
         with self._send_lock:
             try:
                 self.conn.send(msg)
@@ -102,16 +93,16 @@ class Worker:
                 self._stopped.set()
 
     def task_finished(self, task: Task) -> None:
-        self.send_to_driver(("task_done", task.key))
+        self.send_to_driver(m.TaskDone(task.key))
 
     def task_failed(self, task: Task, uid: str, tb: str) -> None:
-        self.send_to_driver(("failed", task.key, uid, tb))
+        self.send_to_driver(m.TaskFailed(task.key, uid, tb))
 
     def source_exhausted(self, task: Task) -> None:
-        self.send_to_driver(("source_exhausted", task.key))
+        self.send_to_driver(m.SourceExhausted(task.key))
 
     def decline(self, task: Task, checkpoint_id: int, reason: str) -> None:
-        self.send_to_driver(("decline", checkpoint_id, task.key, reason))
+        self.send_to_driver(m.Decline(checkpoint_id, task.key, reason))
 
     def fault(self, point: str, task: Any) -> None:
         """Failure injection: crash or hang this process at the n-th hit of ``point``."""
@@ -129,10 +120,10 @@ class Worker:
                     trip(f)
 
     # ------------------------------------------------------------------ snapshots
-    def upload_later(self, job: tuple) -> None:
+    def upload_later(self, job: m.UploadJob) -> None:
         self._uploads.put(job)
 
-    def upload_now(self, job: tuple) -> None:
+    def upload_now(self, job: m.UploadJob) -> None:
         self._upload(job)
 
     def _uploader(self) -> None:
@@ -142,8 +133,8 @@ class Worker:
                 return
             self._upload(job)
 
-    def _upload(self, job: tuple) -> None:
-        checkpoint_id, task, pieces, alignment_time, sync_time = job
+    def _upload(self, job: m.UploadJob) -> None:
+        checkpoint_id, task, pieces = job.checkpoint_id, job.task, job.pieces
         t0 = time.perf_counter()
         cpu0 = time.thread_time()
         try:
@@ -161,19 +152,19 @@ class Worker:
         except Exception as exc:  # noqa: BLE001 - a failed upload declines the checkpoint
             self.decline(task, checkpoint_id, f"upload failed: {type(exc).__name__}: {exc}")
             return
-        ack["alignment_time"] = alignment_time
-        ack["sync_time"] = sync_time
-        ack["async_time"] = time.perf_counter() - t0
-        ack["async_cpu"] += time.thread_time() - cpu0  # plus the writer process's, counted in _write
+        ack = dataclasses.replace(
+            ack, alignment_time=job.alignment_time, sync_time=job.sync_time, async_time=time.perf_counter() - t0,
+            async_cpu=ack.async_cpu + time.thread_time() - cpu0,  # plus the writer process's, counted in _write
+        )
         self.fault("before_ack", task)
-        self.send_to_driver(("ack", checkpoint_id, task.key, ack))
+        self.send_to_driver(m.Ack(checkpoint_id, task.key, ack))
 
     def discard_writer(self) -> None:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
 
-    def _write(self, checkpoint_id: int, task: Task, pieces: list[OpSnapshot]) -> dict:
+    def _write(self, checkpoint_id: int, task: Task, pieces: list[OpSnapshot]) -> m.TaskAck:
         store = self.store
         if self.writer is not None and not self.writer.alive:
             self.discard_writer()  # it died: write in this thread from now on
@@ -208,7 +199,7 @@ class Worker:
                         lazy = delta
                         delta = lazy.to_table()
                         complete = getattr(lazy, "complete", False)
-                    jobs.append((target, kg, (piece.uid, state, kg, prev_all.get(kg, []), delta, complete)))
+                    jobs.append((target, kg, m.WriteJob(piece.uid, state, kg, prev_all.get(kg, []), delta, complete)))
             finished.append((piece, chains))
         writer_cpu = 0.0
         new_chains: list = []
@@ -234,14 +225,14 @@ class Worker:
                 piece.on_chains(checkpoint_id, chains)
             keyed[piece.uid] = chains
         self.bytes_written += written
-        return {
-            "keyed": keyed,
-            "source_offsets": offsets,
-            "sink_transactions": {uid: {str(task.subtask): t} for uid, t in sinks.items()},
-            "bytes_written": written,
-            "files_written": len(paths),
-            "async_cpu": writer_cpu,
-        }
+        return m.TaskAck(
+            keyed=keyed,
+            source_offsets=offsets,
+            sink_transactions={uid: {str(task.subtask): t} for uid, t in sinks.items()},
+            bytes_written=written,
+            files_written=len(paths),
+            async_cpu=writer_cpu,
+        )
 
     # ------------------------------------------------------------------ set-up
     def build(self) -> None:
@@ -313,10 +304,11 @@ class Worker:
         except (EOFError, OSError):
             pass  # the sender closed the channel (after EOS, or it died: the driver sees that)
         except Exception:  # noqa: BLE001
-            self.send_to_driver(("failed", f"worker{self.index}", "<channel>", traceback.format_exc()))
+            self.send_to_driver(m.TaskFailed(f"worker{self.index}", "<channel>", traceback.format_exc()))
 
-    def create_tasks(self) -> dict:
+    def create_tasks(self) -> m.RestoreStats:
         spec, P, i = self.spec, self.spec.parallelism, self.index
+        assignment = self.assignment
         flow = spec.flow
         ctx = _OperatorContext(
             subtask=i,
@@ -328,7 +320,8 @@ class Worker:
         )
         routing = np.asarray(spec.routing, dtype=np.int64)
         restore_store = None
-        if spec.keyed_chains:
+        restored_kgs: dict = {}
+        if assignment.keyed_chains:
             from storage import SnapshotStore
 
             restore_store = SnapshotStore.open(spec.restore_url, spec.restore_storage_options)
@@ -336,15 +329,17 @@ class Worker:
             ops = {}
             for n in t.nodes:
                 node = flow.nodes[n]
-                restored = (spec.sink_transactions or {}).get(node.uid, ())
+                restored = (assignment.sink_transactions or {}).get(node.uid, ())
                 op = build_operator(node, ctx, restored)
                 op.task_key = task_key(t.index, i)
-                if isinstance(op, KeyedOp) and spec.keyed_chains and node.uid in spec.keyed_chains:
+                if isinstance(op, KeyedOp) and assignment.keyed_chains and node.uid in assignment.keyed_chains:
                     self.fault("restore", f"task{t.index}#{i}")
                     same_root = spec.restore_url == spec.storage_url
+                    chains = assignment.keyed_chains[node.uid]
                     t0 = time.perf_counter()
-                    self.bytes_restored += op.restore(spec.keyed_chains[node.uid], restore_store.read_chain, same_root)
+                    self.bytes_restored += op.restore(chains, restore_store.read_chain, same_root)
                     self.restore_seconds += time.perf_counter() - t0
+                    restored_kgs[node.uid] = {state: tuple(sorted(by_kg)) for state, by_kg in chains.items()}
                 ops[n] = op
             for n, op in ops.items():
                 op.outputs = [ops[c].process for c in t.children.get(n, ())]
@@ -357,10 +352,10 @@ class Worker:
             reader = None
             head = flow.nodes[t.head]
             if head.kind == "source":
-                splits = spec.source_splits.get(head.uid, {}).get(i, {})
+                splits = assignment.source_splits.get(head.uid, {})
                 reader = head.spec["source"].create_reader(splits, i, P)
             self.tasks[t.index] = Task(t, i, ops, self.gates[t.index], writers, self, reader)
-        return {"bytes_restored": self.bytes_restored, "restore_seconds": self.restore_seconds}
+        return m.RestoreStats(self.bytes_restored, self.restore_seconds, restored_kgs)
 
     # ------------------------------------------------------------------ control loop
     def run(self) -> None:
@@ -374,39 +369,49 @@ class Worker:
                 msg = self.conn.recv()
             except (EOFError, OSError):
                 os._exit(3)  # the driver is gone: nothing to report to
-            kind = msg[0]
-            if kind in ("trigger", "resume", "finish"):
-                for task in self.tasks.values():
-                    if task.reader is not None:
-                        task.gate.put_control(
-                            Control(kind, msg[1] if len(msg) > 1 else 0, msg[2] if len(msg) > 2 else None)
-                        )
-            elif kind in ("abort", "complete"):
-                arg = msg[2] if len(msg) > 2 else None
-                for task in self.tasks.values():
-                    task.gate.put_control(Control(kind, msg[1], arg))
-            elif kind == "stop":
-                for task in self.tasks.values():
-                    task.gate.put_control(Control("stop"))
-                    task.gate.close()
-                break
-            elif kind == "shutdown":
+            try:
+                if not self.on_control(msg):
+                    break
+            except m.ProtocolError:
+                self.send_to_driver(m.TaskFailed(f"worker{self.index}", "<control>", traceback.format_exc()))
                 break
         self._uploads.put(None)
         uploader.join(timeout=30)
         self.discard_writer()
-        self.send_to_driver(("done", self.index, self._metrics()))
+        self.send_to_driver(m.Done(self.index, self._metrics()))
 
-    def _metrics(self) -> dict:
+    def on_control(self, msg: Any) -> bool:
+        """Hand one message of the driver to the tasks; False once the worker is to stop.
+        An unknown message raises :class:`~abs.runtime.messages.ProtocolError`."""
+        match msg:
+            case m.TriggerCheckpoint() | m.Resume() | m.Finish():  # for the source tasks
+                for task in self.tasks.values():
+                    if task.reader is not None:
+                        task.gate.put_control(msg)
+            case m.CheckpointAborted() | m.CheckpointCompleted():
+                for task in self.tasks.values():
+                    task.gate.put_control(msg)
+            case m.Stop():
+                for task in self.tasks.values():
+                    task.gate.put_control(msg)
+                    task.gate.close()
+                return False
+            case m.Shutdown():
+                return False
+            case _:
+                raise m.unexpected(msg, f"worker {self.index}", "the driver", "a control message")
+        return True
+
+    def _metrics(self) -> m.WorkerMetrics:
         records = {}
         for task in self.tasks.values():
             for op in task.ops.values():
                 records[op.uid] = op.records_in
-        return {"records_in": records, "bytes_written": self.bytes_written, "bytes_restored": self.bytes_restored}
+        return m.WorkerMetrics(records, self.bytes_written, self.bytes_restored)
 
     def _metrics_loop(self) -> None:
         while not self._stopped.wait(0.5):
-            self.send_to_driver(("metrics", self.index, self._metrics()))
+            self.send_to_driver(m.Metrics(self.index, self._metrics()))
 
 
 @dataclasses.dataclass
@@ -430,9 +435,8 @@ def main() -> None:
     secret = bytes.fromhex(boot["secret"])
     index = boot["index"]
     conn = Client(tuple(boot["driver"]), authkey=secret)
-    conn.send(("hello", index, os.getpid()))
-    kind, payload = conn.recv()
-    assert kind == "spec"
+    conn.send(m.Hello(index, os.getpid()))
+    job = conn.recv()
     import cloudpickle
 
     # while it starts (loading the job, restoring state: minutes for a large state), a
@@ -441,41 +445,45 @@ def main() -> None:
     starting = threading.Event()
     threading.Thread(target=_startup_heartbeat, args=(conn, send_lock, starting, index), daemon=True).start()
 
-    def send(msg: tuple) -> None:
+    def send(msg: Any) -> None:
         with send_lock:
             conn.send(msg)
 
     phase = "loading the job"
     try:
-        spec: WorkerSpec = cloudpickle.loads(payload)
-        worker = Worker(index, conn, spec, secret)
+        if not isinstance(job, m.JobSpec):
+            raise m.unexpected(job, f"worker {index}", "the driver", "JobSpec")
+        spec: WorkerSpec = cloudpickle.loads(job.payload)
+        worker = Worker(index, conn, spec, secret, job.assignment)
         worker._send_lock = send_lock  # one lock for every send on the driver connection
         worker.writer = writer
         worker.bind_host = boot.get("bind_host", "127.0.0.1")  # all interfaces on a cluster
         phase = "opening the storage root"
         worker.build()
         host, port = worker.listener.address[:2]
-        send(("listening", (boot.get("advertise_host") or host, port)))
+        send(m.Listening((boot.get("advertise_host") or host, port)))
         phase = "waiting for its peers' addresses"
-        kind, peers = conn.recv()
+        peers = conn.recv()
+        if not isinstance(peers, m.Peers):
+            raise m.unexpected(peers, f"worker {index}", "the driver", "Peers")
         phase = "connecting to its peers"
-        worker.connect(peers)
+        worker.connect(list(peers.addresses))
         worker.fault("after_connect", None)
-        phase = "restoring its state" if spec.keyed_chains else "creating its tasks"
+        phase = "restoring its state" if job.assignment.keyed_chains else "creating its tasks"
         stats = worker.create_tasks()
-        send(("ready", stats))
+        send(m.Ready(stats))
     except Exception as exc:  # noqa: BLE001 - reported to the driver, whose restart strategy decides
         from .failures import describe, is_permanent
 
-        info = {"phase": phase, "cause": describe(exc), "permanent": is_permanent(exc)}
         try:
-            send(("failed", f"worker{index}", "<startup>", traceback.format_exc(), info))
+            send(m.TaskFailed(f"worker{index}", "<startup>", traceback.format_exc(), phase, describe(exc),
+                              is_permanent(exc)))
         except (OSError, EOFError):
             pass  # the driver is gone or gave up on this attempt
         sys.exit(1)
-    msg = conn.recv()
+    start = conn.recv()
     starting.set()  # from here on the worker's metrics are its heartbeat
-    if msg[0] != "start":
+    if not isinstance(start, m.Start):
         sys.exit(0)
     worker.run()
     conn.close()
@@ -486,7 +494,7 @@ def _startup_heartbeat(conn: Any, lock: threading.Lock, started: threading.Event
     while not started.wait(STARTUP_HEARTBEAT_S):
         with lock:
             try:
-                conn.send(("heartbeat", index))
+                conn.send(m.Heartbeat(index))
             except (OSError, EOFError):
                 return
 

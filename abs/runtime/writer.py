@@ -15,15 +15,17 @@ fsspec). Protocol on a pipe (worker to writer: :func:`send_frame` frames, pickle
 and the numpy buffers of the captured copies out of band, written with one ``writev``; writer to
 worker: ``Connection.send``):
 
-* ``("open", storage_url, storage_options)`` once, when the job has a storage root;
-* ``("write", checkpoint_id, jobs)``, written with :meth:`SnapshotStore.write_key_groups`
-  (one packed file per state and checkpoint instead of a file per key group); a job is
-  ``(operator, state, key_group, prev_chain, delta, complete)`` with ``delta`` a
+* :class:`~abs.runtime.messages.WriterOpen` once, when the job has a storage root;
+* :class:`~abs.runtime.messages.WriteSnapshot` ``(checkpoint_id, jobs)``, written with
+  :meth:`SnapshotStore.write_key_groups` (one packed file per state and checkpoint instead of
+  a file per key group); a job is a :class:`~abs.runtime.messages.WriteJob` ``(operator,
+  state, key_group, prev_chain, delta, complete)`` with ``delta`` a
   :class:`~abs.state.ColumnDelta`, a :class:`~abs.state.PickledDelta` (captured copies,
   encoded here) or a ``pyarrow.Table``;
-  reply ``("ok", [new_chain, ...], cpu_seconds)`` in job order with the CPU time the writer
-  spent on receiving and writing them, or ``("error", message)`` after the first failing job
-  (the checkpoint is then declined; files already written are garbage for GC).
+  reply :class:`~abs.runtime.messages.WriteDone` ``([new_chain, ...], cpu_seconds)`` in job
+  order with the CPU time the writer spent on receiving and writing them, or
+  :class:`~abs.runtime.messages.WriteFailed` ``(message)`` after the first failing job (the
+  checkpoint is then declined; files already written are garbage for GC).
 
 The process exits when the pipe closes (its worker ended or was killed: the read sees EOF)
 and, on Linux, when its parent dies (``PR_SET_PDEATHSIG``). A worker whose writer died
@@ -50,6 +52,8 @@ import time
 from typing import Any
 
 import numpy as np
+
+from . import messages as m
 
 __all__ = ["FrameReader", "SnapshotWriter", "WriterHungError", "die_with_parent", "recv_frame", "send_frame",
            "writes_in_process"]
@@ -240,9 +244,9 @@ class SnapshotWriter:
 
     def open(self, storage_url: str, storage_options: dict | None) -> None:
         with self._lock:
-            send_frame(self._conn, ("open", storage_url, storage_options))
+            send_frame(self._conn, m.WriterOpen(storage_url, storage_options))
 
-    def write(self, checkpoint_id: int, jobs: list[tuple], timeout: float | None = None) -> list[list]:
+    def write(self, checkpoint_id: int, jobs: list[m.WriteJob], timeout: float | None = None) -> list[list]:
         """New chains for ``jobs`` (see the module docstring); raises ``RuntimeError`` naming
         the first failure, or when the process died, and :class:`WriterHungError` when it did
         not answer within ``timeout`` seconds (it is then killed; see the module docstring)."""
@@ -258,8 +262,8 @@ class SnapshotWriter:
                 watchdog.daemon = True
                 watchdog.start()
             try:
-                send_frame(self._conn, ("write", checkpoint_id, jobs))
-                kind, *payload = self._conn.recv()
+                send_frame(self._conn, m.WriteSnapshot(checkpoint_id, jobs))
+                reply = self._conn.recv()
             except (EOFError, OSError) as exc:
                 self._process.join(timeout=5)
                 code = self._process.exitcode
@@ -273,10 +277,14 @@ class SnapshotWriter:
             finally:
                 if watchdog is not None:
                     watchdog.cancel()
-            if kind != "ok":
-                raise RuntimeError(payload[0])
-            self.last_cpu = payload[1]
-        return payload[0]
+            match reply:
+                case m.WriteDone(chains=chains, cpu=cpu):
+                    self.last_cpu = cpu
+                case m.WriteFailed(message=message):
+                    raise RuntimeError(message)
+                case _:
+                    raise m.unexpected(reply, "snapshot writer client", "its writer process", "WriteDone or WriteFailed")
+        return chains
 
     def _kill_hung(self, hung: threading.Event) -> None:
         hung.set()
@@ -335,36 +343,40 @@ def _main(conn: Any, workers_end: Any) -> None:
             msg = reader.recv(conn)
         except (EOFError, OSError):
             return
-        if msg[0] == "open":
+        if isinstance(msg, m.WriterOpen):
             from storage import CheckpointSession, SnapshotStore
 
-            store = SnapshotStore.open(msg[1], msg[2])
+            store = SnapshotStore.open(msg.storage_url, msg.storage_options)
             session = CheckpointSession()
             continue
-        _, checkpoint_id, jobs = msg
-        del msg  # the jobs' arrays are views of the reader's block: none may outlive the write
-        reply = _write(store, orders, checkpoint_id, jobs, session)
-        del jobs
-        if reply[0] == "ok":
-            reply += (time.process_time() - cpu,)
+        if not isinstance(msg, m.WriteSnapshot):
+            reply: Any = m.WriteFailed(str(m.unexpected(msg, "snapshot writer process", "its worker",
+                                                           "WriterOpen or WriteSnapshot")))
+        else:
+            checkpoint_id, jobs = msg.checkpoint_id, msg.jobs
+            del msg  # the jobs' arrays are views of the reader's block: none may outlive the write
+            reply = _write(store, orders, checkpoint_id, jobs, session)
+            del jobs
+        if isinstance(reply, m.WriteDone):
+            reply = m.WriteDone(reply.chains, time.process_time() - cpu)
         try:
             conn.send(reply)
         except (EOFError, OSError):
             return
 
 
-def _write(store: Any, orders: Any, checkpoint_id: int, jobs: list, session: Any = None) -> tuple:
-    """``("ok", chains)`` or ``("error", message)`` for one ``write`` message (see :func:`write_jobs`)."""
+def _write(store: Any, orders: Any, checkpoint_id: int, jobs: list, session: Any = None) -> Any:
+    """:class:`WriteDone` or :class:`WriteFailed` for one :class:`WriteSnapshot` (see :func:`write_jobs`)."""
     if store is None:
-        return ("error", "RuntimeError: the writer process got no storage root")
+        return m.WriteFailed("RuntimeError: the writer process got no storage root")
     try:
         if session is None:
             from storage import CheckpointSession
 
             session = CheckpointSession()
-        return ("ok", write_jobs(store, orders, checkpoint_id, jobs, session))
+        return m.WriteDone(write_jobs(store, orders, checkpoint_id, jobs, session))
     except Exception as exc:  # noqa: BLE001 - reported to the worker, which declines the checkpoint
-        return ("error", f"{type(exc).__name__}: {exc}")
+        return m.WriteFailed(f"{type(exc).__name__}: {exc}")
 
 
 def write_jobs(store: Any, orders: Any, checkpoint_id: int, jobs: list, session: Any) -> list[list]:
@@ -386,7 +398,9 @@ def write_jobs(store: Any, orders: Any, checkpoint_id: int, jobs: list, session:
     from storage import KeyGroupCapture
 
     captures = []
-    for operator, state, kg, prev_chain, delta, complete in jobs:
+    for job in jobs:
+        operator, state, kg, prev_chain, delta, complete = (
+            job.operator, job.state, job.key_group, job.prev_chain, job.delta, job.complete)
         keys = None
         if isinstance(delta, pa.Table):
             table, image = delta, None
@@ -419,5 +433,5 @@ class InThreadWriter:
         self._orders = KeyOrders()
         self._session = CheckpointSession()
 
-    def write(self, checkpoint_id: int, jobs: list[tuple]) -> list[list]:
+    def write(self, checkpoint_id: int, jobs: list[m.WriteJob]) -> list[list]:
         return write_jobs(self._store, self._orders, checkpoint_id, jobs, self._session)
