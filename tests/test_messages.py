@@ -12,7 +12,7 @@ import pytest
 
 import abs
 from abs.runtime import messages as m
-from abs.runtime.driver import JobDriver
+from abs.runtime.driver import JobDriver, _Attempt
 from abs.runtime.worker import Worker, WorkerSpec
 from abs.runtime.writer import FrameReader, send_frame
 from storage.manifest import FileRef
@@ -148,4 +148,4 @@ def test_the_driver_rejects_an_unknown_request_of_its_handle():
                        restore=None, executor=None)
     driver.requests.put(("checkpoint", queue.Queue()))
     with pytest.raises(m.ProtocolError, match="JobHandle"):
-        driver._serve_requests(None, lambda actions: None, lambda msg: None)
+        driver._serve_requests(_Attempt(procs=[], conns={}, coord=None, life=None, by_conn={}))

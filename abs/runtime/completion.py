@@ -1,0 +1,124 @@
+"""Completing a checkpoint in the driver: assembling the manifest from the tasks' acks and
+committing it (the commit point), the commit record, the CollectSink epochs that become
+visible with it, the sources' completion hooks, its :class:`CheckpointStats`, and retention
+(GC) as of it. :class:`CheckpointCompletion` is a part of :class:`~abs.runtime.driver.JobDriver`.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from . import messages as m
+from .cleanup import GcRequest
+from .restore_setup import collect_key_id
+from .results import CheckpointStats
+
+__all__ = ["CheckpointCompletion"]
+
+
+class CheckpointCompletion:
+    """The completion steps of :class:`~abs.runtime.driver.JobDriver` (see the module docstring)."""
+
+    def _commit(self, a: Any, triggered: float) -> None:
+        from storage import Lineage, Manifest
+
+        keyed: dict = {}
+        offsets: dict = {}
+        sinks: dict = {}
+        align = sync = asyn = async_cpu = 0.0
+        written = files = 0
+        for task, ack in a.acks.items():
+            for uid, states in ack.keyed.items():
+                for state, by_kg in states.items():
+                    keyed.setdefault(uid, {}).setdefault(state, {}).update(by_kg)
+            for uid, offs in ack.source_offsets.items():
+                offsets.setdefault(uid, {}).update(offs)
+            for uid, by_sub in ack.sink_transactions.items():
+                sinks.setdefault(uid, {}).update(by_sub)
+            align = max(align, ack.alignment_time)
+            sync = max(sync, ack.sync_time)
+            asyn = max(asyn, ack.async_time)
+            async_cpu += ack.async_cpu
+            written += ack.bytes_written
+            files += ack.files_written
+        now = time.monotonic()
+        manifest = Manifest(
+            checkpoint_id=a.checkpoint_id,
+            job_name=self.flow.name,
+            max_parallelism=self.flow.max_parallelism,
+            keyed=keyed,
+            source_offsets=offsets,
+            sink_transactions=sinks,
+            stats={
+                "duration_s": now - triggered,
+                "alignment_s": align,
+                "sync_s": sync,
+                "async_s": asyn,
+                "async_cpu_s": async_cpu,
+                "parallelism": self.P,
+                "mode": self.config.mode,
+            },
+            lineage=Lineage.following(self.run_id, self._follows),
+        )
+        stored = self.store.commit(manifest)
+        self._follows = stored
+        self._manifests[a.checkpoint_id] = stored
+        self._last_completed_id = a.checkpoint_id
+        if self._record_commits:  # before any sink hears of it (see abs.runtime.restore)
+            try:
+                self.store.record_committed(a.checkpoint_id)
+            except Exception as exc:  # noqa: BLE001 - the checkpoint is complete either way
+                print(f"[abs] warning: checkpoint {a.checkpoint_id}: writing the commit record failed ({exc}); "
+                      "a restore could miss that its output exists if its manifest is lost", file=sys.stderr)
+        # CollectSink epochs staged in this driver become visible with the manifest, not when
+        # the workers hear of it: a job canceled (or lost) right after the commit keeps them,
+        # and a restore in another process, which cannot re-commit them, starts after them
+        for uid in self._collect_sinks:
+            for txns in sinks.get(uid, {}).values():
+                self._on_collect(m.CollectCommit(tuple(txns or ())))
+        self.store_gc()
+        for uid, source in self._sources():
+            try:
+                source.driver_checkpoint_complete(a.checkpoint_id, offsets.get(uid, {}))
+            except Exception as exc:  # noqa: BLE001 - the checkpoint is complete either way
+                print(f"[abs] warning: source {uid!r}: checkpoint {a.checkpoint_id} completion hook failed: {exc}",
+                      file=sys.stderr)
+        full = sum(r.bytes for r in manifest.files().values())
+        self.completed.append(
+            CheckpointStats(
+                a.checkpoint_id, triggered - self.t_start, now - triggered, align, sync, asyn, written, full, files,
+                async_cpu,
+            )
+        )
+
+    def store_gc(self) -> None:
+        """Retention: keep the last ``retained`` checkpoints, plus every file that an in-flight
+        checkpoint may build on (the files of its base checkpoint, see ``Barrier.base``). The
+        plan is made as of the checkpoint just committed and carried out in the background."""
+        in_flight: list = []
+        # the checkpoint just committed is still pending in the coordinator, but its manifest
+        # now names every file it needs: its base is not live on its account
+        live_bases = {self._bases[m] for m in self.coord.pending_ids() if m in self._bases and m != self._last_completed_id}
+        for cid in list(self._manifests):
+            if cid in live_bases:
+                in_flight.extend(self._manifests[cid].files().values())
+            elif cid != self._last_completed_id:
+                del self._manifests[cid]  # no pending checkpoint builds on it any more
+        request = GcRequest(self.store, self.config.retained, tuple(in_flight), self._last_completed_id)
+        if str(self.storage_url).startswith("memory://"):
+            self._gc.run_now(request)  # see BackgroundGc.run_now
+        else:
+            self._gc.submit(request)
+
+    def _on_collect(self, msg: "m.Collect | m.CollectCommit") -> None:
+        """CollectSink's two-phase commit (see ``operators._CollectWriter``): staged epochs
+        survive restarts; a commit makes an epoch visible once."""
+        if isinstance(msg, m.Collect):
+            self._staged[msg.key] = (msg.uid, msg.batches)
+            return
+        for key in msg.keys:
+            staged = self._staged.pop(key, None)
+            if staged is not None:
+                self._collected.setdefault(staged[0], []).extend(staged[1])
+                self._collected_ids.setdefault(staged[0], []).extend([collect_key_id(key)] * len(staged[1]))

@@ -1,0 +1,51 @@
+"""Executors: where a job's workers run. :class:`LocalExecutor` starts them as processes on
+this machine (the embedded default); ``abs.runtime.spark`` has the Spark barrier-stage one.
+
+An executor has ``launch(index, boot) -> process`` (or ``launch_all(boots, job_name)``), and
+optionally ``check(parallelism, storage_url)`` and ``driver_host()``; a process has ``poll``,
+``wait``, ``kill`` and ``pid`` like :class:`subprocess.Popen`."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from ..errors import ConfigError
+
+__all__ = ["LocalExecutor"]
+
+
+class LocalExecutor:
+    """Runs the workers as processes on this machine (the embedded default).
+
+    ``pin_cpus=True`` binds worker ``i`` to one CPU, the ``i mod N``-th of the ``N`` CPUs
+    this process may run on (Linux, ``sched_setaffinity``); each worker's snapshot writer
+    process stays free to run on any of them. A worker's Python threads (task threads,
+    source readers, the uploader) share one GIL, so it uses about one CPU at a time; kept on
+    one CPU, the GIL's hand-overs between its threads stay in one core's caches. Measured on
+    2 cores in interleaved rounds: +13 % throughput of the keyed ``process`` job without
+    checkpoints at p=1 (5 of 5 rounds higher), +15 % with ABS at p=2 (3 of 4 rounds); runs
+    of the reference workload an hour later, one setting after the other, were mixed, and the
+    ABS cost relative to "off" did not shrink. Off by default: jobs sharing a machine would
+    pin their workers to the same CPUs.
+    """
+
+    def __init__(self, *, pin_cpus: bool = False) -> None:
+        if pin_cpus and not hasattr(os, "sched_setaffinity"):
+            raise ConfigError("LocalExecutor(pin_cpus=True) needs os.sched_setaffinity (Linux); leave pin_cpus off here")
+        self.pin_cpus = pin_cpus
+        self._cpus = sorted(os.sched_getaffinity(0)) if pin_cpus else []
+
+    def launch(self, index: int, boot: dict) -> subprocess.Popen:
+        if self.pin_cpus:
+            boot = {**boot, "cpu": self._cpus[index % len(self._cpus)]}
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "from abs.runtime.worker import main; main()"], stdin=subprocess.PIPE, env=env, close_fds=True
+        )
+        assert proc.stdin is not None
+        proc.stdin.write((json.dumps(boot) + "\n").encode())
+        proc.stdin.close()
+        return proc
