@@ -183,6 +183,8 @@ class Supervision:
 
         if settle:
             wait_for_exits(procs, 0.5, killed_peer)
+        else:
+            killed_peer()  # the peer's exit status is in already when this worker's is
         raise StartupError(
             f"job {self.flow.name!r}: worker {i} failed while {phase}: {cause}\n{msg.traceback}",
             permanent=msg.permanent,

@@ -255,7 +255,10 @@ class Worker:
         P = spec.parallelism
         for t in self.plan.tasks:
             self.gates[t.index] = InputGate(t.num_channels(P), spec.channel_capacity)
-        self.listener = Listener((self.bind_host, 0), authkey=self.secret)
+        # every peer connects its channels at once: with the default backlog of 1 the kernel
+        # drops their SYNs and each retries after 1, 3, 7, ... 63 s (seen at P = 8 on a busy
+        # machine: a channel missed connect()'s 60 s wait)
+        self.listener = Listener((self.bind_host, 0), authkey=self.secret, backlog=128)
 
     def connect(self, peers: list) -> None:
         """Open one connection per outgoing remote channel, accept the incoming ones."""
