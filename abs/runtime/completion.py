@@ -5,6 +5,7 @@ visible with it, the sources' completion hooks, its :class:`CheckpointStats`, an
 """
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from typing import Any
@@ -13,6 +14,8 @@ from . import messages as m
 from .cleanup import GcRequest
 from .restore_setup import collect_key_id
 from .results import CheckpointStats
+
+log = logging.getLogger(__name__)
 
 __all__ = ["CheckpointCompletion"]
 
@@ -69,8 +72,8 @@ class CheckpointCompletion:
             try:
                 self.store.record_committed(a.checkpoint_id)
             except Exception as exc:  # noqa: BLE001 - the checkpoint is complete either way
-                print(f"[abs] warning: checkpoint {a.checkpoint_id}: writing the commit record failed ({exc}); "
-                      "a restore could miss that its output exists if its manifest is lost", file=sys.stderr)
+                log.warning(f"checkpoint {a.checkpoint_id}: writing the commit record failed ({exc}); "
+                      "a restore could miss that its output exists if its manifest is lost")
         # CollectSink epochs staged in this driver become visible with the manifest, not when
         # the workers hear of it: a job canceled (or lost) right after the commit keeps them,
         # and a restore in another process, which cannot re-commit them, starts after them
@@ -82,8 +85,7 @@ class CheckpointCompletion:
             try:
                 source.driver_checkpoint_complete(a.checkpoint_id, offsets.get(uid, {}))
             except Exception as exc:  # noqa: BLE001 - the checkpoint is complete either way
-                print(f"[abs] warning: source {uid!r}: checkpoint {a.checkpoint_id} completion hook failed: {exc}",
-                      file=sys.stderr)
+                log.warning(f"source {uid!r}: checkpoint {a.checkpoint_id} completion hook failed: {exc}")
         full = sum(r.bytes for r in manifest.files().values())
         self.completed.append(
             CheckpointStats(

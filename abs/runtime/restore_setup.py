@@ -9,6 +9,7 @@ driver's own attributes (``flow``, ``P``, ``store``, ``restore``, ...).
 """
 from __future__ import annotations
 
+import logging
 import dataclasses
 import sys
 from typing import Any
@@ -17,6 +18,8 @@ from ..errors import ConfigError
 from ..connectors.sinks import CollectSink
 from . import messages as m
 from .restore import SinkView, committed_evidence, id_ranges, plan_output
+
+log = logging.getLogger(__name__)
 
 __all__ = ["RESTORE_WORDS", "RestoreSetup", "RestoreState", "collect_key_id"]
 
@@ -53,7 +56,7 @@ class RestoreSetup:
         cid = choice.checkpoint_id if choice is not None else None
         skipped = list(choice.skipped) if choice is not None else []
         for w in (choice.warnings if choice is not None else []):
-            print(f"[abs] warning: {w}", file=sys.stderr)
+            log.warning(f"{w}")
         for sk in skipped:
             if all(sk.checkpoint_id != i for i, _ in rs.skipped):
                 rs.skipped.append((sk.checkpoint_id, sk.reason))
@@ -80,19 +83,19 @@ class RestoreSetup:
             rs.started, rs.run_first_id = True, first_id
         job = f"[abs] job {self.flow.name!r}"
         if cid is None:
-            print(f"{job}: starting fresh ({fresh_why}); first checkpoint id {first_id}", file=sys.stderr)
+            log.info(f"{job}: starting fresh ({fresh_why}); first checkpoint id {first_id}")
         else:
             # the short reasons here; the warnings above carry the details
             why = (f" (skipped {'; '.join(f'{sk.checkpoint_id}: {sk.reason.split(chr(40))[0].strip()}' for sk in skipped)})"
                    if skipped else "")
-            print(f"{job}: restoring checkpoint {cid} of {url}{why}", file=sys.stderr)
+            log.info(f"{job}: restoring checkpoint {cid} of {url}{why}")
         if undo is not None:
             self._roll_back_output(*undo)
         if cid is None:
             return first_id, {}
         if manifest.stats.get("parallelism") not in (None, self.P):
-            print(f"[abs] rescaling checkpoint {cid} from parallelism {manifest.stats.get('parallelism')} "
-                  f"to {self.P}", file=sys.stderr)
+            log.info(f"[abs] rescaling checkpoint {cid} from parallelism {manifest.stats.get('parallelism')} "
+                  f"to {self.P}")
         self.restored_from = cid
         if self.restarts:
             self.restarts[-1]["restored_from"] = cid
@@ -116,7 +119,7 @@ class RestoreSetup:
             try:
                 recorded = self.store.recorded_committed()
             except CorruptManifestError as exc:
-                print(f"[abs] warning: {exc}; a deleted newest manifest would go unnoticed", file=sys.stderr)
+                log.warning(f"{exc}; a deleted newest manifest would go unnoticed")
         sink_ids = {n.uid: n.spec["sink"].committed_checkpoints() for n in self.flow.nodes
                     if n.kind == "sink" and n.spec["sink"].supports_rollback}
         evidence = committed_evidence(manifest_ids, recorded, sink_ids, (c.checkpoint_id for c in self.completed))
@@ -210,15 +213,15 @@ class RestoreSetup:
         job = f"[abs] job {self.flow.name!r}"
         for uid, ids in out.repeated.items():
             rs.repeated.setdefault(uid, set()).update(ids)
-            print(f"[abs] warning: job {self.flow.name!r}: sink {uid!r} will publish again the output it committed "
-                  f"for checkpoint(s) {out.describe(ids)} (allow_repeated_output=True), {restoring}", file=sys.stderr)
+            log.warning(f"job {self.flow.name!r}: sink {uid!r} will publish again the output it committed "
+                  f"for checkpoint(s) {out.describe(ids)} (allow_repeated_output=True), {restoring}")
         by_uid = {n.uid: n.spec["sink"] for n in self.flow.nodes if n.kind == "sink"}
         for uid in out.rollback:
             done = by_uid[uid].rollback(target)
             if done.checkpoints:
                 rs.rolled_back.setdefault(uid, set()).update(done.checkpoints)
-                print(f"{job}: sink {uid!r}: rolled back {done.items} {done.unit} committed by checkpoint(s) "
-                      f"{id_ranges(done.checkpoints)}, {restoring}", file=sys.stderr)
+                log.info(f"{job}: sink {uid!r}: rolled back {done.items} {done.unit} committed by checkpoint(s) "
+                      f"{id_ranges(done.checkpoints)}, {restoring}")
         for uid, ids in out.drop_collected.items():
             kept = [(b, i) for b, i in zip(self._collected.get(uid, []), self._collected_ids.get(uid, [])) if i <= target]
             dropped = len(self._collected.get(uid, [])) - len(kept)
@@ -226,8 +229,8 @@ class RestoreSetup:
             self._collected_ids[uid] = [i for _, i in kept]
             self._staged = {k: v for k, v in self._staged.items() if collect_key_id(k) <= target}
             rs.rolled_back.setdefault(uid, set()).update(ids)
-            print(f"{job}: sink {uid!r}: rolled back {dropped} collected batches of checkpoint(s) {id_ranges(ids)}, "
-                  f"{restoring}", file=sys.stderr)
+            log.info(f"{job}: sink {uid!r}: rolled back {dropped} collected batches of checkpoint(s) {id_ranges(ids)}, "
+                  f"{restoring}")
 
     def _assign_splits(self) -> dict:
         """Fresh start: every split of every source from its initial offset, round robin."""
@@ -310,7 +313,7 @@ class RestoreSetup:
             try:
                 source.driver_close()
             except Exception as exc:  # noqa: BLE001 - closing never hides the job's own outcome
-                print(f"[abs] warning: closing source {type(source).__name__} failed: {exc}", file=sys.stderr)
+                log.warning(f"closing source {type(source).__name__} failed: {exc}")
         self._opened_sources = []
 
 

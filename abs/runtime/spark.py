@@ -37,6 +37,7 @@ How it works
 """
 from __future__ import annotations
 
+import logging
 import json
 import os
 import re
@@ -52,6 +53,8 @@ from storage.extras import require
 
 from ..errors import ConfigError
 from .writer import die_with_parent
+
+log = logging.getLogger(__name__)
 
 __all__ = ["SparkExecutor", "free_task_slots"]
 
@@ -186,8 +189,7 @@ class _SparkWorker:
     def wait(self, timeout: float | None = None) -> int | None:
         if not self.stage.done.wait(60.0 if timeout is None else timeout):
             if timeout is None:
-                print(f"[abs] warning: Spark stage {self.stage.group} did not end within 60 s after cancel",
-                      file=sys.stderr)
+                log.warning(f"Spark stage {self.stage.group} did not end within 60 s after cancel")
                 return None
             raise subprocess.TimeoutExpired(f"spark task {self.index}", timeout)
         return self.poll()

@@ -8,6 +8,7 @@ fixed time. :class:`Supervision` is a part of :class:`~abs.runtime.driver.JobDri
 """
 from __future__ import annotations
 
+import logging
 import secrets
 import subprocess
 import sys
@@ -21,6 +22,8 @@ from storage.errors import StorageError
 
 from . import messages as m
 from .worker import WorkerSpec
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Supervision", "wait_for_exits"]
 
@@ -102,7 +105,7 @@ class Supervision:
             try:
                 self.store.delete_probe(token)
             except StorageError as exc:  # a leftover probe is harmless (GC leaves it alone)
-                print(f"[abs] warning: could not delete the storage probe: {exc}", file=sys.stderr)
+                log.warning(f"could not delete the storage probe: {exc}")
 
     def _gather(self, conns: dict[int, Any], kind: type, procs: list) -> dict[int, Any]:
         """The ``kind`` message of every worker (in any order); a worker that reports a
@@ -255,8 +258,8 @@ class Supervision:
         from (or starts over), rolling the sinks back to it (see ``_resolve_restore``)."""
         self._gc.drain()  # the restore reads the root as the last GC left it
         first_line = self._summary(exc)
-        print(f"[abs] job {self.flow.name!r}: {first_line}; restart {attempt} of "
-              f"{self.restart.max_restarts} in {delay:.1f} s from the latest complete checkpoint", file=sys.stderr)
+        log.info(f"[abs] job {self.flow.name!r}: {first_line}; restart {attempt} of "
+              f"{self.restart.max_restarts} in {delay:.1f} s from the latest complete checkpoint")
         time.sleep(delay)  # the restart strategy's back-off (lifecycle.failover decided it)
         self.restarts.append({
             "attempt": attempt,

@@ -5,6 +5,7 @@ messages of :mod:`abs.runtime.messages`.
 """
 from __future__ import annotations
 
+import logging
 import dataclasses
 import json
 import os
@@ -31,6 +32,8 @@ from ..faults import WORKER_POINTS, trip
 from . import messages as m
 from .task import ExchangeWriter, Task
 from .writer import InThreadWriter, SnapshotWriter, WriterHungError, writes_in_process
+
+log = logging.getLogger(__name__)
 
 __all__ = ["WorkerSpec", "main"]
 
@@ -146,7 +149,7 @@ class Worker:
             # for GC, and the next checkpoint's deltas are taken against the last complete one.
             reason = (f"worker {self.index}'s snapshot writer hung: {exc}; the worker writes its snapshots in its "
                       "own thread from now on")
-            print(f"[abs] warning: {reason}", file=sys.stderr, flush=True)
+            log.warning(f"{reason}")
             self.decline(task, checkpoint_id, reason)
             return
         except Exception as exc:  # noqa: BLE001 - a failed upload declines the checkpoint
