@@ -244,15 +244,6 @@ class _S3:
                 time.sleep(0.1)
         raise RuntimeError(f"drill: the S3 server could not be restarted on port {self.port}")
 
-    def keep(self, sch: Schedule) -> str:
-        """Move a schedule's directory (its drivers' logs and, for local roots, its data) out
-        of the drill's temporary directory, which ``close`` deletes."""
-        src = os.path.join(self.base, f"s{sch.seed}")
-        dst = tempfile.mkdtemp(prefix=f"abs-drill-seed{sch.seed}-")
-        for name in os.listdir(src):
-            shutil.move(os.path.join(src, name), dst)
-        return dst
-
     def close(self) -> None:
         try:
             self.server.stop()

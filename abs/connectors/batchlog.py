@@ -31,17 +31,11 @@ Lanes and offsets
     that lane. A reader restored at ``r > 0`` re-reads the unit and skips ``r`` rows.
     Bounded logs end with ``_end.json``; a lane at ``batch == n`` has returned END.
 
-Commit rule (SparkStreamSource)
-    When checkpoint ``n`` completes (``driver_checkpoint_complete``, in order, after its
-    manifest is durable), ``B = min(lane["batch"])`` over all lanes it stores: batches
-    ``< B`` are fully consumed by every lane *and covered by a completed checkpoint*. The
-    reader's ``commit(end)`` is called with the end offset of batch ``B - 1`` if that batch
-    is newer than the last one committed; never twice for the same batch, always in order,
-    never for anything a completed checkpoint does not cover. (Spark itself commits one
-    batch late and does not commit the last batch under ``availableNow``: do not rely on
-    ``commit`` for correctness either way.) The last committed batch is recorded in
-    ``_committed.json`` after the call: a driver process that dies in between commits that
-    end once more when the job is restored.
+Commit rule
+    ``B`` of a completed checkpoint is ``min(lane["batch"])`` over the lanes it stores: the
+    batches below it are consumed by every lane and covered by that checkpoint. What reaches
+    a Spark data source's ``commit(end)`` and when: see :mod:`abs.connectors.spark_stream`
+    (``SparkStreamSource``), which owns that rule.
 
 Deletion rule
     Log batches below ``min(B)`` over the last ``retained`` completed checkpoints
