@@ -76,7 +76,7 @@ def with_written(prev: Mapping[str, Mapping[int, Sequence[FileRef]]],
 
 def merge_acks(acks: Iterable[Mapping[str, Any]]) -> tuple[dict, dict, dict]:
     """``(keyed, source_offsets, sink_transactions)`` of a manifest from the acks of one
-    checkpoint (each with ``"keyed"``: operator -> state -> key group -> chain,
+    checkpoint (mappings, or objects with these attributes; each with ``"keyed"``: operator -> state -> key group -> chain,
     ``"source_offsets"``: operator -> split -> offset, ``"sink_transactions"``: operator ->
     subtask -> transactions); later acks add to and override earlier ones per key group,
     split and subtask."""
@@ -84,14 +84,20 @@ def merge_acks(acks: Iterable[Mapping[str, Any]]) -> tuple[dict, dict, dict]:
     offsets: dict = {}
     sinks: dict = {}
     for ack in acks:
-        for uid, states in ack["keyed"].items():
+        for uid, states in _part(ack, "keyed").items():
             for state, by_kg in states.items():
                 keyed.setdefault(uid, {}).setdefault(state, {}).update(by_kg)
-        for uid, offs in ack["source_offsets"].items():
+        for uid, offs in _part(ack, "source_offsets").items():
             offsets.setdefault(uid, {}).update(offs)
-        for uid, by_sub in ack["sink_transactions"].items():
+        for uid, by_sub in _part(ack, "sink_transactions").items():
             sinks.setdefault(uid, {}).update(by_sub)
     return keyed, offsets, sinks
+
+
+def _part(ack: Any, name: str) -> Mapping:
+    """A part of an ack given as a mapping or as an object with that attribute (the
+    runtime's typed acks)."""
+    return ack[name] if isinstance(ack, Mapping) else getattr(ack, name)
 
 
 class CheckpointSession:

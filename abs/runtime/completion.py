@@ -24,21 +24,11 @@ class CheckpointCompletion:
     """The completion steps of :class:`~abs.runtime.driver.JobDriver` (see the module docstring)."""
 
     def _commit(self, a: Any, triggered: float) -> None:
-        from storage import Lineage, Manifest
+        from storage import CheckpointSession, Lineage
 
-        keyed: dict = {}
-        offsets: dict = {}
-        sinks: dict = {}
         align = sync = asyn = async_cpu = 0.0
         written = files = 0
-        for task, ack in a.acks.items():
-            for uid, states in ack.keyed.items():
-                for state, by_kg in states.items():
-                    keyed.setdefault(uid, {}).setdefault(state, {}).update(by_kg)
-            for uid, offs in ack.source_offsets.items():
-                offsets.setdefault(uid, {}).update(offs)
-            for uid, by_sub in ack.sink_transactions.items():
-                sinks.setdefault(uid, {}).update(by_sub)
+        for ack in a.acks.values():
             align = max(align, ack.alignment_time)
             sync = max(sync, ack.sync_time)
             asyn = max(asyn, ack.async_time)
@@ -46,13 +36,11 @@ class CheckpointCompletion:
             written += ack.bytes_written
             files += ack.files_written
         now = time.monotonic()
-        manifest = Manifest(
-            checkpoint_id=a.checkpoint_id,
+        manifest = CheckpointSession.manifest(
+            a.checkpoint_id,
+            a.acks.values(),
             job_name=self.flow.name,
             max_parallelism=self.flow.max_parallelism,
-            keyed=keyed,
-            source_offsets=offsets,
-            sink_transactions=sinks,
             stats={
                 "duration_s": now - triggered,
                 "alignment_s": align,
@@ -64,6 +52,7 @@ class CheckpointCompletion:
             },
             lineage=Lineage.following(self.run_id, self._follows),
         )
+        offsets, sinks = manifest.source_offsets, manifest.sink_transactions
         stored = self.store.commit(manifest)
         self._follows = stored
         self._manifests[a.checkpoint_id] = stored

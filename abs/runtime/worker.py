@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from storage.session import with_written
+
 from ..dataflow import FORWARD, Dataflow
 from ..errors import ConfigError
 from ..keygroups import key_group_range
@@ -181,8 +183,8 @@ class Worker:
             if self._in_thread is None:
                 self._in_thread = InThreadWriter(store)
             writer = self._in_thread
-        jobs: list[tuple] = []  # (chains of the key group's state, kg, write_key_group args)
-        finished: list[tuple] = []  # (piece, chains) once every job is written
+        jobs: list[m.WriteJob] = []
+        finished: list[OpSnapshot] = []  # pieces whose chains this checkpoint writes
         for piece in pieces:
             if piece.source_offsets is not None:
                 offsets[piece.uid] = piece.source_offsets
@@ -190,9 +192,7 @@ class Worker:
                 sinks[piece.uid] = piece.sink_transactions
             if not piece.prev_chains and not piece.deltas:
                 continue
-            chains = {state: dict(by_kg) for state, by_kg in piece.prev_chains.items()}
             for state, by_kg in piece.deltas.items():
-                target = chains.setdefault(state, {})
                 prev_all = piece.prev_chains.get(state, {})
                 for kg, delta in by_kg.items():
                     complete = False
@@ -202,28 +202,28 @@ class Worker:
                         lazy = delta
                         delta = lazy.to_table()
                         complete = getattr(lazy, "complete", False)
-                    jobs.append((target, kg, m.WriteJob(piece.uid, state, kg, prev_all.get(kg, []), delta, complete)))
-            finished.append((piece, chains))
+                    jobs.append(m.WriteJob(piece.uid, state, kg, prev_all.get(kg, []), delta, complete))
+            finished.append(piece)
         writer_cpu = 0.0
         new_chains: list = []
         if jobs:
-            args = [args for _, _, args in jobs]
             if in_thread:
-                new_chains = writer.write(checkpoint_id, args)
+                new_chains = writer.write(checkpoint_id, jobs)
             else:
-                new_chains = writer.write(checkpoint_id, args, timeout=self.spec.writer_timeout)
+                new_chains = writer.write(checkpoint_id, jobs, timeout=self.spec.writer_timeout)
             writer_cpu = writer.last_cpu
         paths: set[str] = set()
-        for (target, kg, _), new_chain in zip(jobs, new_chains):
+        by_uid: dict[str, list] = {}  # operator -> (state, key group, its new chain)
+        for job, new_chain in zip(jobs, new_chains):
             fresh = [r for r in new_chain if r.checkpoint_id == checkpoint_id]
             written += sum(r.bytes for r in fresh)
             paths.update(r.path for r in fresh)
             self.fault("during_upload", task)
-            if new_chain:
-                target[kg] = new_chain
-            else:
-                target.pop(kg, None)
-        for piece, chains in finished:
+            by_uid.setdefault(job.operator, []).append((job.state, job.key_group, new_chain))
+        for piece in finished:
+            chains = with_written(piece.prev_chains, by_uid.get(piece.uid, ()))
+            for state in piece.deltas:
+                chains.setdefault(state, {})  # a captured state is named even with no key group left
             if piece.on_chains is not None:
                 piece.on_chains(checkpoint_id, chains)
             keyed[piece.uid] = chains
