@@ -17,7 +17,7 @@ import socket
 import struct
 import threading
 from multiprocessing.connection import Client, Connection, Listener
-from typing import Any, Sequence
+from typing import Any
 
 import pyarrow as pa
 

@@ -6,7 +6,6 @@ visible with it, the sources' completion hooks, its :class:`CheckpointStats`, an
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from typing import Any
 
@@ -62,7 +61,7 @@ class CheckpointCompletion:
                 self.store.record_committed(a.checkpoint_id)
             except Exception as exc:  # noqa: BLE001 - the checkpoint is complete either way
                 log.warning(f"checkpoint {a.checkpoint_id}: writing the commit record failed ({exc}); "
-                      "a restore could miss that its output exists if its manifest is lost")
+                            "a restore could miss that its output exists if its manifest is lost")
         # CollectSink epochs staged in this driver become visible with the manifest, not when
         # the workers hear of it: a job canceled (or lost) right after the commit keeps them,
         # and a restore in another process, which cannot re-commit them, starts after them

@@ -14,7 +14,6 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from storage.session import CheckpointSession
 

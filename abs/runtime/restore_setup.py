@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import dataclasses
-import sys
 from typing import Any
 
 from ..errors import ConfigError
@@ -95,7 +94,7 @@ class RestoreSetup:
             return first_id, {}
         if manifest.stats.get("parallelism") not in (None, self.P):
             log.info(f"[abs] rescaling checkpoint {cid} from parallelism {manifest.stats.get('parallelism')} "
-                  f"to {self.P}")
+                     f"to {self.P}")
         self.restored_from = cid
         if self.restarts:
             self.restarts[-1]["restored_from"] = cid
@@ -214,14 +213,14 @@ class RestoreSetup:
         for uid, ids in out.repeated.items():
             rs.repeated.setdefault(uid, set()).update(ids)
             log.warning(f"job {self.flow.name!r}: sink {uid!r} will publish again the output it committed "
-                  f"for checkpoint(s) {out.describe(ids)} (allow_repeated_output=True), {restoring}")
+                        f"for checkpoint(s) {out.describe(ids)} (allow_repeated_output=True), {restoring}")
         by_uid = {n.uid: n.spec["sink"] for n in self.flow.nodes if n.kind == "sink"}
         for uid in out.rollback:
             done = by_uid[uid].rollback(target)
             if done.checkpoints:
                 rs.rolled_back.setdefault(uid, set()).update(done.checkpoints)
                 log.info(f"{job}: sink {uid!r}: rolled back {done.items} {done.unit} committed by checkpoint(s) "
-                      f"{id_ranges(done.checkpoints)}, {restoring}")
+                         f"{id_ranges(done.checkpoints)}, {restoring}")
         for uid, ids in out.drop_collected.items():
             kept = [(b, i) for b, i in zip(self._collected.get(uid, []), self._collected_ids.get(uid, [])) if i <= target]
             dropped = len(self._collected.get(uid, [])) - len(kept)
@@ -230,7 +229,7 @@ class RestoreSetup:
             self._staged = {k: v for k, v in self._staged.items() if collect_key_id(k) <= target}
             rs.rolled_back.setdefault(uid, set()).update(ids)
             log.info(f"{job}: sink {uid!r}: rolled back {dropped} collected batches of checkpoint(s) {id_ranges(ids)}, "
-                  f"{restoring}")
+                     f"{restoring}")
 
     def _assign_splits(self) -> dict:
         """Fresh start: every split of every source from its initial offset, round robin."""

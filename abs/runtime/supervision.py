@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import secrets
 import subprocess
-import sys
 import threading
 import time
 from multiprocessing.connection import Listener, wait
@@ -259,7 +258,7 @@ class Supervision:
         self._gc.drain()  # the restore reads the root as the last GC left it
         first_line = self._summary(exc)
         log.info(f"[abs] job {self.flow.name!r}: {first_line}; restart {attempt} of "
-              f"{self.restart.max_restarts} in {delay:.1f} s from the latest complete checkpoint")
+                 f"{self.restart.max_restarts} in {delay:.1f} s from the latest complete checkpoint")
         time.sleep(delay)  # the restart strategy's back-off (lifecycle.failover decided it)
         self.restarts.append({
             "attempt": attempt,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pyarrow as pa

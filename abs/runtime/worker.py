@@ -24,11 +24,10 @@ import pyarrow as pa
 from storage.session import with_written
 
 from ..dataflow import FORWARD, Dataflow
-from ..errors import ConfigError
 from ..keygroups import key_group_range
 from ..state import ColumnDelta, PickledDelta
 from .channels import InputGate, LocalSender, RemoteSender, accept_channel, connect_channel, decode
-from .operators import KeyedOp, OpSnapshot, SinkOp, build_operator
+from .operators import KeyedOp, OpSnapshot, build_operator
 from .plan import PhysicalPlan, compile_plan, task_key
 from ..faults import WORKER_POINTS, trip
 from . import messages as m
@@ -265,7 +264,7 @@ class Worker:
 
     def connect(self, peers: list) -> None:
         """Open one connection per outgoing remote channel, accept the incoming ones."""
-        spec, P, i = self.spec, self.spec.parallelism, self.index
+        P, i = self.spec.parallelism, self.index
         self.fault("before_connect", None)
         incoming = []  # (task, channel) expected from other workers
         for t in self.plan.tasks:
