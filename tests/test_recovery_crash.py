@@ -53,16 +53,15 @@ def assert_exactly_once(out: str) -> None:
 
 
 def run_with(tmp_path, *faults: Fault, restarts: int = 2, storage: str | None = None, paced: bool = True,
-             **kwargs) -> abs.JobResult:
+             storage_options: dict | None = None, **runtime_options) -> abs.JobResult:
     out = str(tmp_path / "out")
     result = abs.run(
         flow(out, paced),
         parallelism=2,
         checkpoint=abs.CheckpointConfig(interval=0.25, retained=2),
-        storage=storage or str(tmp_path / "snap"),
+        storage=storage or str(tmp_path / "snap"), storage_options=storage_options,
         restart=abs.RestartStrategy(max_restarts=restarts, delay=0.1),
-        faults=faults,
-        **kwargs,
+        runtime=abs.RuntimeOptions(faults=faults, **runtime_options),
     )
     assert result.status == "FINISHED"
     assert_exactly_once(out)
@@ -127,7 +126,7 @@ def test_a_worker_hung_while_starting_is_found_by_heartbeat_not_the_startup_time
 def test_without_restarts_the_failure_names_the_worker_and_advises_the_restore(tmp_path):
     with pytest.raises(abs.WorkerLostError, match=r"worker 1 .*signal 9.*gave up after 0 restart.*restore='latest'"):
         abs.run(flow(str(tmp_path / "out")), parallelism=2, checkpoint=abs.CheckpointConfig(interval=0.25),
-                storage=str(tmp_path / "snap"), faults=[Fault("process", "task1#1", nth=5)])
+                storage=str(tmp_path / "snap"), runtime=abs.RuntimeOptions(faults=[Fault("process", "task1#1", nth=5)]))
 
 
 def test_storage_write_failures_fail_only_that_checkpoint_and_the_job_goes_on(tmp_path):

@@ -210,7 +210,7 @@ def test_restart_falling_back_past_a_torn_manifest_rolls_back_collected_rows_and
         storage_options={"target_protocol": "file", "faults": [
             {"op": "write", "nth": 3, "action": "tear_silent", "path_glob": "*/checkpoints/.chk-*"}]},
         restart=abs.RestartStrategy(max_restarts=2, delay=0.1),
-        faults=[Fault("after_commit", "task0#0", nth=3)],
+        runtime=abs.RuntimeOptions(faults=[Fault("after_commit", "task0#0", nth=3)]),
     )
     assert result.status == "FINISHED" and len(result.restarts) == 1
     assert result.restarts[0]["restored_from"] == 2
@@ -343,7 +343,7 @@ def test_a_restart_before_the_first_checkpoint_restores_the_savepoint_the_run_st
     result = abs.run(job(4_000), parallelism=2, storage=str(tmp_path / "new"), restore=saved,
                      checkpoint=abs.CheckpointConfig(interval=None),  # no checkpoint before the crash
                      restart=abs.RestartStrategy(max_restarts=1, delay=0.0),
-                     faults=[Fault("process", "task1#0", nth=3)])
+                     runtime=abs.RuntimeOptions(faults=[Fault("process", "task1#0", nth=3)]))
     assert result.status == "FINISHED" and len(result.restarts) == 1
     assert result.restarts[0]["restored_from"] == result.restored_from is not None
     final = collections.defaultdict(int)

@@ -266,7 +266,7 @@ def test_killed_worker_fails_the_job_and_leaves_no_partial_checkpoint(tmp_path):
     flow = counting_flow(slow_source())
     with pytest.raises(abs.WorkerLostError, match="worker"):
         abs.run(flow, parallelism=3, checkpoint=abs.CheckpointConfig(interval=0.2, retained=100),
-                storage=str(tmp_path), faults=(("after_sync_snapshot", "task1#1", 1),))
+                storage=str(tmp_path), runtime=abs.RuntimeOptions(faults=(("after_sync_snapshot", "task1#1", 1),)))
     store = SnapshotStore.open(str(tmp_path))
     # the worker died in its first snapshot: every checkpoint needed its ack, none is complete
     assert store.list_checkpoints() == []

@@ -87,7 +87,7 @@ def test_worker_killed_inside_a_spark_task_recovers_with_exact_output(spark, tmp
         restart=abs.RestartStrategy(max_restarts=2, delay=0.1),
         # a real SIGKILL of worker 1 (the child process of Spark task 1) right after the 2nd
         # checkpoint's manifest is committed, before the workers hear of it
-        faults=[Fault("after_commit", "task1#1", nth=2)],
+        runtime=abs.RuntimeOptions(faults=[Fault("after_commit", "task1#1", nth=2)]),
     )
     assert result.status == "FINISHED"
     assert len(result.restarts) == 1, result.restarts
@@ -103,7 +103,7 @@ def test_collect_sink_is_exactly_once_across_a_restart_on_spark(spark, tmp_path)
         checkpoint=abs.CheckpointConfig(interval=0.2),
         storage=str(tmp_path / "snap"),
         restart=abs.RestartStrategy(max_restarts=1, delay=0.1),
-        faults=[Fault("process", "task1#0", nth=80)],
+        runtime=abs.RuntimeOptions(faults=[Fault("process", "task1#0", nth=80)]),
     )
     assert len(result.restarts) == 1
     assert per_key_counts(result.collected("out")) == EXPECTED

@@ -283,7 +283,7 @@ def test_stream_source_on_the_spark_launcher_survives_a_killed_task_exactly_once
         executor=abs.SparkExecutor(spark, num_workers=2),
         checkpoint=abs.CheckpointConfig(interval=0.2, retained=3), storage=str(tmp_path / "snap"),
         restart=abs.RestartStrategy(max_restarts=2, delay=0.1),
-        faults=[Fault("after_commit", "task1#1", nth=2)],
+        runtime=abs.RuntimeOptions(faults=[Fault("after_commit", "task1#1", nth=2)]),
     )
     assert result.status == "FINISHED"
     assert len(result.restarts) == 1 and result.restarts[0]["restored_from"] == 2
@@ -298,7 +298,7 @@ def test_stream_source_kill_9_mid_stream_replays_exactly(spark, tmp_path):
         checkpoint=abs.CheckpointConfig(interval=0.2, retained=2), storage=snap,
         restart=abs.RestartStrategy(max_restarts=2, delay=0.1),
         # about 360 batches reach each keyed subtask (3 chunks per partition): crash 2/3 of the way
-        faults=[Fault("process", "task1#0", nth=240)],
+        runtime=abs.RuntimeOptions(faults=[Fault("process", "task1#0", nth=240)]),
     )
     assert result.status == "FINISHED"
     assert len(result.restarts) == 1 and "signal 9" in result.restarts[0]["error"]
@@ -439,7 +439,7 @@ def test_micro_batch_source_file_stream_kill_9_mid_stream_exact_and_staging_clea
         checkpoint=abs.CheckpointConfig(interval=0.2, retained=2), storage=snap,
         restart=abs.RestartStrategy(max_restarts=2, delay=0.1),
         # about 48 batches reach each keyed subtask (parts of 75 rows in 3 chunks, split by key)
-        faults=[Fault("process", "task1#1", nth=24)],
+        runtime=abs.RuntimeOptions(faults=[Fault("process", "task1#1", nth=24)]),
     )
     assert result.status == "FINISHED"
     assert len(result.restarts) == 1 and "signal 9" in result.restarts[0]["error"]
