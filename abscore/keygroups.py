@@ -15,7 +15,7 @@ The one implementation of this math: the runtime (``abs``), the restore planner
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -36,6 +36,7 @@ __all__ = [
     "key_group",
     "key_groups",
     "KeyGroupRange",
+    "KeyGroupSet",
     "key_group_range",
     "subtask_for_key_group",
     "routing_table",
@@ -121,6 +122,96 @@ class KeyGroupRange:
 
     def __str__(self) -> str:
         return f"[{self.start}, {self.end}]" if len(self) else "[]"
+
+
+class KeyGroupSet:
+    """The key groups one subtask owns while a job runs: a range at start, any set once live
+    reconfiguration moved key groups in or out (``abs.reconfig``). Reads like
+    :class:`KeyGroupRange` (``in``, iteration in ascending order, ``len``, ``start``/``end``:
+    the lowest and highest owned) and keeps a boolean mask for vectorised membership tests.
+    Mutated only by the subtask's own thread (:meth:`add`, :meth:`discard`)."""
+
+    __slots__ = ("max_parallelism", "mask", "_sorted")
+
+    def __init__(self, max_parallelism: int, key_groups: Iterable[int] = ()) -> None:
+        self.max_parallelism = max_parallelism
+        self.mask = np.zeros(max_parallelism, dtype=bool)
+        for kg in key_groups:
+            self._check(kg)
+            self.mask[kg] = True
+        self._sorted: tuple[int, ...] | None = None
+
+    @classmethod
+    def of(cls, max_parallelism: int, owned: "KeyGroupRange | KeyGroupSet | Iterable[int]") -> "KeyGroupSet":
+        """``owned`` itself when it is a set of the same key space (so that two views of one
+        subtask's state share one ownership), else a new set of its key groups."""
+        if isinstance(owned, KeyGroupSet) and owned.max_parallelism == max_parallelism:
+            return owned
+        return cls(max_parallelism, owned)
+
+    def _check(self, kg: object) -> None:
+        if type(kg) is not int or not 0 <= kg < self.max_parallelism:
+            raise ParallelismError(
+                f"key group {kg!r} is out of range for max parallelism {self.max_parallelism}; "
+                f"key groups are in [0, {self.max_parallelism - 1}]"
+            )
+
+    def add(self, kg: int) -> None:
+        self._check(kg)
+        self.mask[kg] = True
+        self._sorted = None
+
+    def discard(self, kg: int) -> None:
+        self._check(kg)
+        self.mask[kg] = False
+        self._sorted = None
+
+    def _groups(self) -> tuple[int, ...]:
+        if self._sorted is None:
+            self._sorted = tuple(np.flatnonzero(self.mask).tolist())
+        return self._sorted
+
+    def __contains__(self, kg: object) -> bool:
+        return isinstance(kg, int) and 0 <= kg < self.max_parallelism and bool(self.mask[kg])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._groups())
+
+    def __len__(self) -> int:
+        return len(self._groups())
+
+    @property
+    def start(self) -> int:
+        g = self._groups()
+        return g[0] if g else 0
+
+    @property
+    def end(self) -> int:
+        g = self._groups()
+        return g[-1] if g else -1
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to a set or range holding the same key groups."""
+        if isinstance(other, (KeyGroupSet, KeyGroupRange)):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    def __str__(self) -> str:
+        g = self._groups()
+        if not g:
+            return "[]"
+        parts, first, prev = [], g[0], g[0]
+        for kg in g[1:]:
+            if kg != prev + 1:
+                parts.append(f"{first}" if first == prev else f"{first}-{prev}")
+                first = kg
+            prev = kg
+        parts.append(f"{first}" if first == prev else f"{first}-{prev}")
+        return "{" + ",".join(parts) + "}"
+
+    __repr__ = __str__
 
 
 def key_group_range(max_parallelism: int, parallelism: int, subtask: int) -> KeyGroupRange:

@@ -108,6 +108,8 @@ class CheckpointSession:
         self._confirmed: dict[str, Chains] = {}  # operator -> the chains to build on
         self._pending: dict[int, dict[str, Chains]] = {}  # checkpoint -> operator -> chains it wrote
         self._bases: dict[Slot, tuple[FileRef, Any]] = {}  # see write()
+        # operator -> [(key group, last checkpoint captured before it moved)]: see forget()
+        self._moved: dict[str, list[tuple[int, int]]] = {}
 
     # ------------------------------------------------------------------ chains
     def declare(self, operator: str, states: Iterable[str]) -> None:
@@ -140,12 +142,32 @@ class CheckpointSession:
         checkpoint wrote none for it (e.g. it was aborted here)."""
         written = self._pending.get(checkpoint_id, {}).pop(operator, None)
         if written is not None:
+            moved = self._moved.get(operator)
+            if moved:
+                for kg, captured in moved:
+                    if checkpoint_id <= captured:  # written before the key group moved
+                        for by_kg in written.values():
+                            by_kg.pop(kg, None)
+                moved[:] = [(kg, captured) for kg, captured in moved if captured >= checkpoint_id]
             self._confirmed[operator] = written
         for cid in [c for c in self._pending if c <= checkpoint_id]:
             self._pending[cid].pop(operator, None)
             if not self._pending[cid]:
                 del self._pending[cid]
         return written is not None
+
+    def forget(self, operator: str, key_group: int, captured: int) -> None:
+        """Key group ``key_group`` of ``operator`` moved out of this subtask, or into it
+        (live reconfiguration) after checkpoint ``captured`` was the last one captured here:
+        no chain of it is built on from now on. Checkpoints up to ``captured`` wrote what
+        they captured (the key group at its owner then) and may still complete: their chains
+        of it are dropped when they are confirmed, so an old owner never names the key group
+        again and a new owner writes it whole as a base of its own."""
+        for by_kg in self._confirmed.get(operator, {}).values():
+            by_kg.pop(key_group, None)
+        self._moved.setdefault(operator, []).append((key_group, captured))
+        for slot in [s for s in self._bases if s[0] == operator and s[2] == key_group]:
+            del self._bases[slot]
 
     def abort(self, checkpoint_id: int, operator: str) -> None:
         """Checkpoint ``checkpoint_id`` was aborted: forget ``operator``'s chains it wrote."""

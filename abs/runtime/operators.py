@@ -22,6 +22,7 @@ from ..errors import GraphError, StateError
 from ..keygroups import KeyGroupRange, key_groups
 from ..connectors.sinks import CollectSink, SinkWriter
 from ..state import AggregateBackend, KeyedBackend, KeyedStateBackend
+from ..state.handover import adopt_key_group, export_key_group, release_key_group
 
 __all__ = ["OpSnapshot", "OperatorRuntime", "build_operator", "KeyExtractor", "UserFunctionError"]
 
@@ -258,6 +259,7 @@ class KeyedOp(OperatorRuntime):
         self.chains.declare(node.uid, (s.name for s in node.spec.get("state", ())))
         self.full_pending: set[int] = set()
         self.need_full = False  # restored from another root: the next snapshot must be full
+        self.last_captured = 0  # the newest checkpoint this subtask snapshotted
 
     def restore(self, chains: dict, read_chain: Callable[[list], pa.Table], same_root: bool = True) -> int:
         """Load this subtask's key groups: ``chains`` (state -> kg -> [FileRef]) holds exactly
@@ -287,6 +289,7 @@ class KeyedOp(OperatorRuntime):
         return nbytes
 
     def snapshot(self, checkpoint_id: int, full: bool = False) -> OpSnapshot:
+        self.last_captured = checkpoint_id
         full = full or self.need_full
         if self.need_full:
             self.full_pending.add(checkpoint_id)
@@ -312,6 +315,30 @@ class KeyedOp(OperatorRuntime):
     def notify_abort(self, checkpoint_id: int) -> None:
         self.chains.abort(checkpoint_id, self.uid)
         self.backend.abort(checkpoint_id)
+
+    # ------------------------------------------------------------------ live reconfiguration
+    def _movable_backend(self) -> KeyedStateBackend:
+        return self.backend  # type: ignore[return-value]
+
+    def hand_out(self, kg: int, *, full: bool) -> tuple[dict[str, pa.Table], dict[str, list]]:
+        """Key group ``kg`` leaves this subtask: its state (what changed since the last
+        confirmed checkpoint, or all of it with ``full`` or when that checkpoint's chains are
+        not this root's) and the chains that state builds on (state -> chain; empty when
+        full). The key group is forgotten here (:mod:`abs.state.handover`)."""
+        full = full or self.need_full
+        chains = {} if full else {state: list(by_kg[kg]) for state, by_kg in self.confirmed_chains.items()
+                                  if kg in by_kg}
+        backend = self._movable_backend()
+        tables = export_key_group(backend, kg, full=full)
+        release_key_group(backend, kg)
+        self.chains.forget(self.uid, kg, self.last_captured)
+        return tables, chains
+
+    def take_in(self, kg: int, base: dict[str, pa.Table], changes: dict[str, pa.Table]) -> None:
+        """Key group ``kg`` joins this subtask: ``base`` (state -> the resolved chain the
+        changes build on) then ``changes`` (state -> delta table) from :meth:`hand_out`."""
+        adopt_key_group(self._movable_backend(), kg, base, changes)
+        self.chains.forget(self.uid, kg, self.last_captured)
 
 
 class ProcessOp(KeyedOp):
@@ -388,6 +415,10 @@ class AggregateOp(KeyedOp):
 
         self.aggregator = Aggregator(node, self.backend, columnar=self.columnar)
         self.backend = self.aggregator.backend
+
+    def _movable_backend(self) -> KeyedStateBackend:
+        self.backend.migrate_to_dict()  # key groups move in the dict backend's encoding
+        return self.backend.dict_backend
 
     def process(self, batch: pa.RecordBatch) -> None:
         self.records_in += batch.num_rows

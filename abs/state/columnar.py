@@ -48,7 +48,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from abs.errors import StateError
-from abs.keygroups import KeyGroupRange, key_groups
+from abs.keygroups import KeyGroupRange, KeyGroupSet, key_groups
 
 from .capture import FrozenSlots, SlotsDelta
 from .encoding import ENCODING_ARROW, META_KEY_ENCODING, META_STATE_KIND, META_VALUE_ENCODING, check_restore_table
@@ -118,7 +118,7 @@ class ColumnarKeyedState:
                  key_group_range: KeyGroupRange, inits: dict | None = None) -> None:
         self.operator_uid = operator_uid
         self.max_parallelism = max_parallelism
-        self.key_group_range = key_group_range
+        self.key_group_range = KeyGroupSet.of(max_parallelism, key_group_range)
         self.n = 0
         self.capacity = 1024
         self.keys = np.zeros(self.capacity, np.int64)
@@ -237,7 +237,7 @@ class ColumnarKeyedState:
                 start[inverse] = ends[miss]  # duplicates of a key share its probe end
             kgs = key_groups(new, self.max_parallelism)
             rng = self.key_group_range
-            bad = (kgs < rng.start) | (kgs > rng.end)
+            bad = ~rng.mask[kgs]
             if bad.any():
                 i = int(np.flatnonzero(bad)[0])
                 raise StateError(

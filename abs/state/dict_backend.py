@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from abs.columns import OBJECTS, Column
 from abs.errors import ConfigError, StateError
-from abs.keygroups import KeyGroupRange, check_max_parallelism, key_group
+from abs.keygroups import KeyGroupRange, KeyGroupSet, check_max_parallelism, key_group
 
 from .capture import ColumnDelta, PendingDelta, PickledDelta
 from .descriptors import KINDS, StateDescriptor
@@ -72,7 +72,7 @@ class KeyedStateBackend:
         key_group_range: KeyGroupRange,
     ) -> None:
         check_max_parallelism(max_parallelism)
-        if not isinstance(key_group_range, KeyGroupRange) or key_group_range.end >= max_parallelism:
+        if not isinstance(key_group_range, (KeyGroupRange, KeyGroupSet)) or key_group_range.end >= max_parallelism:
             raise ConfigError(
                 f"operator {operator_uid!r}: key group range {key_group_range} is not a "
                 f"KeyGroupRange within [0, {max_parallelism - 1}]; compute it with "
@@ -82,7 +82,9 @@ class KeyedStateBackend:
         self.current_kg: Any = None
         self.operator_uid = operator_uid
         self.max_parallelism = max_parallelism
-        self.key_group_range = key_group_range
+        # the key groups owned now: a range at start, any set after live reconfiguration
+        # moved key groups (abs.state.handover)
+        self.key_group_range = KeyGroupSet.of(max_parallelism, key_group_range)
         self._slots: dict[str, StateSlot] = {}
         for d in descriptors:
             if not isinstance(d, tuple(KINDS.values())):
@@ -258,7 +260,7 @@ class KeyedStateBackend:
     def _take_dirty(self, checkpoint_id: int) -> None:
         """Move the current dirty sets into the pending record of ``checkpoint_id``."""
         self._check_capture_id(checkpoint_id)
-        rng = range(self.key_group_range.start, self.key_group_range.end + 1)
+        rng = self.key_group_range
         taken: dict[str, dict[int, set]] = {}
         for name, slot in self._slots.items():
             dirty = slot.dirty
