@@ -32,7 +32,7 @@ from .connectors.file_source import FileSource
 from .connectors.sinks import CollectSink, Sink, SinkWriter
 from .connectors.sources import END, GeneratorSource, Source, SourceReader
 from .state import ListState, MapState, ReducingState, ValueState
-from .errors import ParallelismError, RepeatedOutputError
+from .errors import ParallelismError, ReconfigurationError, RepeatedOutputError
 from .connectors.sinks import SinkRollback
 
 __all__ = [
@@ -77,6 +77,7 @@ __all__ = [
     "WorkerLostError",
     "RepeatedOutputError",
     "ParallelismError",
+    "ReconfigurationError",
     "SinkRollback",
 ]
 __version__ = "0.1.0"

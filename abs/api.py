@@ -184,12 +184,16 @@ class JobHandle:
         return dest
 
     def _request_checkpoint(self, timeout: float) -> int:
-        if not self._thread.is_alive():
-            raise JobFailedError(f"job {self._driver.flow.name!r} is not running ({self.status})")
-        reply: "queue.Queue[Any]" = queue.Queue()
         from .runtime.messages import CheckpointRequest
 
-        self._driver.requests.put(CheckpointRequest(reply))
+        return self._ask(CheckpointRequest(queue.Queue()), timeout, "checkpoint")
+
+    def _ask(self, request: Any, timeout: float, what: str) -> Any:
+        """Put ``request`` to the driver and wait for what it puts on ``request.reply``."""
+        if not self._thread.is_alive():
+            raise JobFailedError(f"job {self._driver.flow.name!r} is not running ({self.status})")
+        reply = request.reply
+        self._driver.requests.put(request)
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -203,14 +207,46 @@ class JobHandle:
                     break
                 except queue.Empty:
                     raise JobFailedError(
-                        f"job {self._driver.flow.name!r} ended ({self.status}) before the requested checkpoint "
-                        "was taken; request checkpoints and savepoints while the job runs"
+                        f"job {self._driver.flow.name!r} ended ({self.status}) before the requested {what} "
+                        "was done; request checkpoints, savepoints and reconfigurations while the job runs"
                     ) from None
             if time.monotonic() > deadline:
-                raise JobFailedError(f"checkpoint did not complete within {timeout:.0f} s") from None
+                raise JobFailedError(f"{what} did not complete within {timeout:.0f} s") from None
         if isinstance(value, BaseException):
             raise value
         return value
+
+    # ------------------------------------------------------------------ live reconfiguration
+    def move(self, key_groups: Any, to: int, *, strategy: str = "all_at_once", batch: int | None = None,
+             timeout: float = 300.0) -> Any:
+        """Move ``key_groups`` (an iterable of key group ids) to worker ``to`` while the job
+        runs; returns the reconfiguration's record once every key group is installed at its
+        new owner. ``strategy``: ``"all_at_once"`` (one step), ``"batched"`` with ``batch=n``
+        (n key groups per step) or ``"fluid"`` (one key group per step). Raises
+        :class:`abs.ReconfigurationError` for a request that cannot be carried out (nothing
+        is changed then)."""
+        return self._reconfigure("move", (list(key_groups) if not isinstance(key_groups, int) else [key_groups], to),
+                                 strategy, batch, timeout)
+
+    def rebalance(self, assignment: Any, *, strategy: str = "all_at_once", batch: int | None = None,
+                  timeout: float = 300.0) -> Any:
+        """Give key groups new owners: ``assignment`` is a list with one worker per key group,
+        or a dict ``{key_group: worker}`` of the changes; see :meth:`move`."""
+        return self._reconfigure("rebalance", (assignment,), strategy, batch, timeout)
+
+    def assignment(self) -> Any:
+        """The key-group assignment in force (:class:`abs.reconfig.Assignment`)."""
+        return self._driver.assignment
+
+    def reconfigurations(self) -> list:
+        """Every reconfiguration of this job so far, oldest first: its steps, key groups,
+        bytes moved and timings (:class:`abs.reconfig.ReconfigurationRecord`)."""
+        return list(getattr(self._driver, "reconfigurations", []))
+
+    def _reconfigure(self, kind: str, args: tuple, strategy: str, batch: Any, timeout: float) -> Any:
+        from .runtime.messages import ReconfigRequest
+
+        return self._ask(ReconfigRequest(kind, args, strategy, batch, queue.Queue()), timeout, "reconfiguration")
 
     def cancel(self) -> JobResult:
         """Stop the job (no final checkpoint) and return its result."""

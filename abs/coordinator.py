@@ -235,6 +235,10 @@ class CheckpointCoordinator:
         self._pending: dict[int, PendingCheckpoint] = {}
         self._requests: deque[str] = deque()
         self._outbox: list[Action] = []
+        # set by the driver while a live reconfiguration step is in flight: a periodic
+        # checkpoint waits for the step's end (a task that aligns a barrier while key groups
+        # are on their way to it waits for them, which would stall its other keys too)
+        self.defer_periodic = False
         self._start = clock()
         self._last_trigger = self._start
         self._last_end: float | None = None
@@ -326,7 +330,7 @@ class CheckpointCoordinator:
                 actions += self._fail(p.checkpoint_id, reason, now, counts=True)
         while self._requests and self._may_trigger_request():
             self._trigger(self._requests.popleft(), now)
-        if self._expected and self.policy.may_trigger_periodic(
+        if self._expected and not self.defer_periodic and self.policy.may_trigger_periodic(
             now, len(self._pending), self._last_trigger, self._last_end
         ):
             self._trigger(CHECKPOINT, now)

@@ -28,6 +28,7 @@ __all__ = [
     "StateError",
     "AlignmentError",
     "MissingExtraError",
+    "ReconfigurationError",
 ]
 
 
@@ -124,3 +125,10 @@ class AlignmentError(AbsError, RuntimeError):
     message names the channel and the checkpoint.
     """
 
+
+
+class ReconfigurationError(ConfigError):
+    """A live reconfiguration (``JobHandle.move``, ``rebalance``) that cannot be carried out:
+    an unknown key group, a worker index out of range, a strategy without its batch size, one
+    while another runs, or a job that restarted or ended before it was done. Nothing was
+    changed by a refused request. Remedy: as the message says."""

@@ -17,6 +17,13 @@ Fault points (``Fault.point``):
 ``before_connect``        a worker has its peers' addresses and opens no channel yet (its
                           peers are connecting to it): a peer killed while workers connect
 ``after_connect``         every channel of a worker is connected, its state is not restored
+``before_handover``       (live reconfiguration) an old owner aligned a step, its key group is
+                          not exported yet
+``after_routing_switch``  a task forwarded a step's marker and routes to the new owners
+``during_transfer``       an old owner exported and forgot a key group, its state is not sent
+``before_install``        a new owner has a key group's state, not loaded yet
+``after_install``         a new owner loaded a key group and processed its held records, the
+                          driver does not know yet
 
 The two connect points belong to a worker, not to a task: ``Fault.task`` ``"task<t>#<i>"``
 (any ``t``) names worker ``i``, ``"*"`` every worker.
@@ -44,6 +51,11 @@ FAULT_POINTS = (
     "restore",
     "before_connect",
     "after_connect",
+    "before_handover",
+    "after_routing_switch",
+    "during_transfer",
+    "before_install",
+    "after_install",
 )
 
 WORKER_POINTS = ("before_connect", "after_connect")

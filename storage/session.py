@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import pyarrow as pa
 
+from .errors import InvalidChainError
 from .manifest import FileRef, Lineage, Manifest
 from .store import KeyGroupWrite
 
@@ -78,15 +79,24 @@ def merge_acks(acks: Iterable[Mapping[str, Any]]) -> tuple[dict, dict, dict]:
     """``(keyed, source_offsets, sink_transactions)`` of a manifest from the acks of one
     checkpoint (mappings, or objects with these attributes; each with ``"keyed"``: operator -> state -> key group -> chain,
     ``"source_offsets"``: operator -> split -> offset, ``"sink_transactions"``: operator ->
-    subtask -> transactions); later acks add to and override earlier ones per key group,
-    split and subtask."""
+    subtask -> transactions); later acks add to and override earlier ones per split and
+    subtask. A key group named by two acks is refused (:class:`InvalidChainError`): each key
+    group has one owner in a checkpoint, also while live reconfiguration moves it."""
     keyed: dict = {}
     offsets: dict = {}
     sinks: dict = {}
     for ack in acks:
         for uid, states in _part(ack, "keyed").items():
             for state, by_kg in states.items():
-                keyed.setdefault(uid, {}).setdefault(state, {}).update(by_kg)
+                merged = keyed.setdefault(uid, {}).setdefault(state, {})
+                twice = sorted(set(merged) & set(by_kg))
+                if twice:
+                    raise InvalidChainError(
+                        f"operator {uid!r}, state {state!r}: key group(s) {twice} are in the snapshots of two "
+                        "subtasks of one checkpoint; the checkpoint is not committed (a bug of the runtime: "
+                        "report it)"
+                    )
+                merged.update(by_kg)
         for uid, offs in _part(ack, "source_offsets").items():
             offsets.setdefault(uid, {}).update(offs)
         for uid, by_sub in _part(ack, "sink_transactions").items():

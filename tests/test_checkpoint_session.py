@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from storage import (CheckpointSession, CompactionPolicy, FileRef, KeyGroupCapture, Lineage, SnapshotStore,
                      StoragePaths)
+from storage.errors import InvalidChainError
 from storage.session import merge_acks, with_written
 
 META = {b"abs.key_encoding": b"arrow", b"abs.value_encoding": b"arrow"}
@@ -144,7 +145,14 @@ def test_the_acks_of_a_checkpoint_make_its_manifest(memory_root):
     assert as_dict(store.read_key_group(stored, "op", "n", 3)) == {3: 3}
 
 
-def test_a_later_ack_overrides_an_earlier_one_per_key_group_split_and_subtask():
+def test_a_later_ack_overrides_an_earlier_one_per_split_and_subtask():
     keyed, offsets, sinks = merge_acks([ack({"op": {"n": {0: [ref(1, 0)]}}}, {"src": {"s": 1}}, {"k": {"0": [1]}}),
-                                        ack({"op": {"n": {0: [ref(2, 0)]}}}, {"src": {"s": 2}}, {"k": {"0": [2]}})])
-    assert keyed == {"op": {"n": {0: [ref(2, 0)]}}} and offsets == {"src": {"s": 2}} and sinks == {"k": {"0": [2]}}
+                                        ack({"op": {"n": {1: [ref(2, 1)]}}}, {"src": {"s": 2}}, {"k": {"0": [2]}})])
+    assert keyed == {"op": {"n": {0: [ref(1, 0)], 1: [ref(2, 1)]}}}
+    assert offsets == {"src": {"s": 2}} and sinks == {"k": {"0": [2]}}
+
+
+def test_a_key_group_in_two_acks_is_refused():
+    """Each key group has one owner in a checkpoint, also while live reconfiguration moves it."""
+    with pytest.raises(InvalidChainError, match=r"key group\(s\) \[0\] are in the snapshots of two subtasks"):
+        merge_acks([ack({"op": {"n": {0: [ref(1, 0)]}}}, {}, {}), ack({"op": {"n": {0: [ref(2, 0)]}}}, {}, {})])

@@ -484,3 +484,19 @@ def test_random_event_sequences_keep_the_invariants(max_concurrent, interval, mi
         assert set(coord.pending_ids()) == set(triggered) - ended
     finished = [r.checkpoint_id for r in coord.completed + coord.failed]
     assert len(finished) == len(set(finished)) and set(finished) == ended
+
+
+def test_periodic_checkpoints_wait_while_a_reconfiguration_step_runs():
+    coord, clock = make(interval=1.0)
+    clock.advance(1.0)
+    assert triggers(coord.tick()) == [1]
+    complete(coord, 1)
+    coord.defer_periodic = True
+    clock.advance(5.0)
+    assert triggers(coord.tick()) == []  # due, but a step is in flight
+    assert coord.request() == 2  # an explicit request still goes
+    assert triggers(coord.tick()) == [2]
+    complete(coord, 2)
+    clock.advance(5.0)
+    coord.defer_periodic = False
+    assert triggers(coord.tick()) == [3]

@@ -54,8 +54,12 @@ SAMPLES = {
     m.WriteSnapshot: m.WriteSnapshot(7, [m.WriteJob("count", "n", 3, [], np.arange(4), False)]),
     m.WriteDone: m.WriteDone([[REF]], 0.25),
     m.WriteFailed: m.WriteFailed("OSError: disk full"),
+    m.StartStep: m.StartStep(3, ((1, 0), (2, 1)), 6),
+    m.Preload: m.Preload(3, 6, {"count": {"n": {3: [REF]}}}),
+    m.KeyGroupHandover: m.KeyGroupHandover(3, "count", 3, 0, 1, {"n": b"ipc"}, {"n": [REF]}, False),
+    m.KeyGroupInstalled: m.KeyGroupInstalled(3, "count", 3, 1, 10),
 }
-IN_PROCESS = {m.CheckpointRequest, m.CancelRequest, m.UploadJob}  # never cross a process boundary
+IN_PROCESS = {m.CheckpointRequest, m.CancelRequest, m.UploadJob, m.ReconfigRequest, m.InstallState}  # never cross a process boundary
 
 
 def all_message_classes() -> set[type]:

@@ -97,3 +97,12 @@ def test_every_name_the_readme_shows_imports_as_written():
         except (ImportError, AttributeError) as exc:
             missing.append(f"{name}: {exc}")
     assert not missing, "names in the README that do not import:\n" + "\n".join(missing)
+
+
+def test_the_live_reconfiguration_example_moves_key_groups_and_stays_exact(tmp_path):
+    (block,) = [b for b in BLOCKS if "job.move(" in b]
+    out = _run(block, tmp_path)
+    assert "before: w0: 0-7; w1: 8-15" in out, out
+    assert re.search(r"moved key groups \(0, 1, 2, 3\) in \d+ ms, [\d,]+ bytes handed over", out), out
+    assert "after:  w0: 0-1,4-7; w1: 2-3,8-15 (2 steps)" in out, out
+    assert "FINISHED 200000 rows; key 7 counted 200" in out, out

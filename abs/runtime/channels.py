@@ -1,8 +1,8 @@
 """Channels: framing of stream elements, input gates with bounded per-channel buffers, and
 senders (local: straight into the downstream gate; remote: framed over TCP).
 
-Elements on a channel are Arrow record batches, :class:`Barrier`, :class:`CancelMarker`
-and :data:`EOS`, strictly FIFO per channel.
+Elements on a channel are Arrow record batches, :class:`Barrier`, :class:`CancelMarker`,
+:class:`StepMarker` and :data:`EOS`, strictly FIFO per channel.
 
 A remote channel's in-flight data is bounded on both sides of its TCP connection
 (:func:`connect_channel`, :func:`accept_channel`): the gate holds at most its capacity of
@@ -24,6 +24,7 @@ import pyarrow as pa
 __all__ = [
     "Barrier",
     "CancelMarker",
+    "StepMarker",
     "EOS",
     "encode",
     "decode",
@@ -56,6 +57,19 @@ class CancelMarker:
     checkpoint_id: int
 
 
+@dataclasses.dataclass(frozen=True)
+class StepMarker:
+    """Reconfiguration step ``step`` (:mod:`abs.reconfig`): every record before it on a
+    channel went to the key groups' old owners, every record after it goes to their new ones.
+    ``moves``: (key group, new owner) pairs, so that every task derives its new routing;
+    ``base``: the newest complete checkpoint when the driver started the step (taken as its
+    completion notice, as :attr:`Barrier.base`)."""
+
+    step: int
+    moves: tuple[tuple[int, int], ...]
+    base: int = 0
+
+
 class _Eos:
     def __repr__(self) -> str:
         return "EOS"
@@ -65,7 +79,7 @@ EOS = _Eos()
 
 # the type tag is padded to 8 bytes so that the Arrow IPC body that follows stays 8-byte
 # aligned in the receive buffer (compute kernels warn about, and copy, unaligned buffers)
-_BATCH, _BARRIER, _CANCEL, _EOS = b"B" * 8, b"R" * 8, b"C" * 8, b"E" * 8
+_BATCH, _BARRIER, _CANCEL, _EOS, _STEP = b"B" * 8, b"R" * 8, b"C" * 8, b"E" * 8, b"S" * 8
 _TAG = 8
 _ID = struct.Struct("<q")
 _IDS = struct.Struct("<qq")
@@ -87,6 +101,9 @@ def encode(item: Any) -> Any:
         return _BARRIER + _IDS.pack(item.checkpoint_id, item.base)
     if isinstance(item, CancelMarker):
         return _CANCEL + _ID.pack(item.checkpoint_id)
+    if isinstance(item, StepMarker):
+        flat = [v for pair in item.moves for v in pair]
+        return _STEP + _IDS.pack(item.step, item.base) + _ID.pack(len(item.moves)) + struct.pack(f"<{len(flat)}q", *flat)
     if item is EOS:
         return _EOS
     raise TypeError(f"cannot send {type(item).__name__} on a channel")
@@ -100,6 +117,11 @@ def decode(frame: bytes) -> Any:
         return Barrier(*_IDS.unpack_from(frame, _TAG))
     if kind == _CANCEL:
         return CancelMarker(_ID.unpack_from(frame, _TAG)[0])
+    if kind == _STEP:
+        step, base = _IDS.unpack_from(frame, _TAG)
+        (n,) = _ID.unpack_from(frame, _TAG + _IDS.size)
+        flat = struct.unpack_from(f"<{2 * n}q", frame, _TAG + _IDS.size + _ID.size)
+        return StepMarker(step, tuple(zip(flat[0::2], flat[1::2])), base)
     if kind == _EOS:
         return EOS
     raise ValueError(f"corrupt channel frame (type byte {kind!r})")

@@ -90,6 +90,7 @@ class CheckpointCompletion:
         # the checkpoint just committed is still pending in the coordinator, but its manifest
         # now names every file it needs: its base is not live on its account
         live_bases = {self._bases[m] for m in self.coord.pending_ids() if m in self._bases and m != self._last_completed_id}
+        live_bases |= self.reconfig_live_bases()  # what new owners read moved key groups from
         for cid in list(self._manifests):
             if cid in live_bases:
                 in_flight.extend(self._manifests[cid].files().values())

@@ -43,6 +43,7 @@ from .completion import CheckpointCompletion
 from .executors import LocalExecutor
 from .failures import should_restart
 from .plan import compile_plan
+from .reconfigure import LiveReconfiguration
 from .restore import check_restore_option
 from .restore_setup import RESTORE_WORDS, RestoreSetup, RestoreState
 from .results import CheckpointStats, JobResult
@@ -70,7 +71,7 @@ class _Attempt:
     trigger_times: dict = dataclasses.field(default_factory=dict)
 
 
-class JobDriver(RestoreSetup, Supervision, CheckpointCompletion):
+class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfiguration):
     """One job: its attempts, their message loops, its checkpoints' commits."""
 
     def __init__(
@@ -128,7 +129,7 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion):
         self.startup_timeout = startup_timeout
         self.heartbeat_timeout = heartbeat_timeout
         self.plan = compile_plan(flow)
-        self.requests: "queue.Queue[Any]" = queue.Queue()  # CheckpointRequest / CancelRequest
+        self.requests: "queue.Queue[Any]" = queue.Queue()  # CheckpointRequest / CancelRequest / ReconfigRequest
         self.store = None
         self._collected: dict[str, list[bytes]] = {}
         self._staged: dict[str, tuple[str, list[bytes]]] = {}  # CollectSink epochs awaiting commit
@@ -188,6 +189,7 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion):
                 spec = self._spec(restore_info, attempt)
                 assignments = self._assignments(restore_info)
                 self._open_sources(restore_info, attempt)
+                self._reconfig_reset()
                 self._launch(spec, assignments, procs, conns)
                 self._t_started = time.monotonic()
                 self.status = "RUNNING"
@@ -216,6 +218,7 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion):
                 self._teardown(procs, conns)
                 self._close_sources()
                 self._gc.drain()  # when run() returns, retention has been applied
+        self._reconfig_ended()
         self._gc.close()  # no thread left behind per job
         self.result = JobResult(
             job_name=self.flow.name,
@@ -342,6 +345,8 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion):
             case m.TaskDone():
                 run.life.on_task_done(msg.task)
                 coord.on_task_finished(msg.task)
+            case m.KeyGroupHandover() | m.KeyGroupInstalled():
+                self._on_reconfig_message(run, msg)
             case m.Heartbeat():
                 pass  # a starting worker's (see worker.main); a running one sends Metrics
             case m.TaskFailed():
@@ -421,6 +426,9 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion):
             if isinstance(req, m.CancelRequest):
                 self._broadcast(run, m.Stop())
                 raise _Canceled()
+            if isinstance(req, m.ReconfigRequest):
+                self._serve_reconfig(run, req)
+                continue
             if not isinstance(req, m.CheckpointRequest):
                 raise m.unexpected(req, f"job {self.flow.name!r}: the driver", "its JobHandle")
             reply = req.reply

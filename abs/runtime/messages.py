@@ -33,6 +33,12 @@ from ..errors import AbsError
 __all__ = [
     "Ack",
     "CancelRequest",
+    "InstallState",
+    "KeyGroupHandover",
+    "KeyGroupInstalled",
+    "Preload",
+    "ReconfigRequest",
+    "StartStep",
     "CheckpointRequest",
     "CheckpointAborted",
     "CheckpointCompleted",
@@ -292,6 +298,83 @@ class CancelRequest:
     """Stop the job without a final checkpoint."""
 
     reply: Any  # queue.Queue
+
+
+@_message
+class ReconfigRequest:
+    """Move key groups (:mod:`abs.reconfig`): ``kind`` "move" (``args``: key groups, worker) or
+    "rebalance" (``args``: the assignment); the reconfiguration's record (or the error) is put
+    on ``reply`` once its last step is installed."""
+
+    kind: str
+    args: tuple
+    strategy: str
+    batch: Any
+    reply: Any  # queue.Queue
+
+
+# ---------------------------------------------------------------------- live reconfiguration
+# driver -> worker -> source tasks: StartStep; driver -> new owners: Preload, then the
+# KeyGroupHandover the old owner sent the driver; installer thread -> task: InstallState;
+# new owner -> driver: KeyGroupInstalled (see abs.reconfig)
+@_message
+class StartStep:
+    """Source tasks inject :class:`~abs.runtime.channels.StepMarker` ``step``."""
+
+    step: int
+    moves: tuple  # ((key group, new owner), ...)
+    base: int  # the newest complete checkpoint when the step started
+
+
+@_message
+class Preload:
+    """Read these chains ahead (Rhino): the state of key groups this worker is about to gain,
+    as of checkpoint ``checkpoint_id``; the handover then carries only the changes since."""
+
+    step: int
+    checkpoint_id: int
+    chains: dict  # operator uid -> state -> key group -> [FileRef]
+
+
+@_message
+class KeyGroupHandover:
+    """Key group ``key_group`` of operator ``operator`` leaves worker ``source`` for worker
+    ``target`` at step ``step``: ``changes`` (state -> Arrow IPC stream of a delta table) over
+    ``chains`` (state -> the chain they build on; empty when the changes are everything)."""
+
+    step: int
+    operator: str
+    key_group: int
+    source: int
+    target: int
+    changes: dict
+    chains: dict
+    full: bool
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(b) for b in self.changes.values())
+
+
+@_message
+class InstallState:
+    """For the task running ``operator``: the state of ``key_group``, read and decoded."""
+
+    step: int
+    operator: str
+    key_group: int
+    base: dict  # state -> resolved table of the chain
+    changes: dict  # state -> delta table
+    read_bytes: int  # bytes read from storage for the base (0 when preloaded)
+
+
+@_message
+class KeyGroupInstalled:
+    step: int
+    operator: str
+    key_group: int
+    worker: int
+    read_bytes: int
 
 
 # ---------------------------------------------------------------------- task -> uploader (in one worker)

@@ -26,8 +26,10 @@ from ..alignment import AbortCheckpoint, BarrierAligner, EndOfInput, TriggerSnap
 from ..dataflow import BROADCAST, FORWARD, KEY_BY, REBALANCE
 from ..connectors.sources import END
 from . import messages as m
-from .channels import EOS, Barrier, CancelMarker, InputGate
-from .operators import KeyExtractor, OperatorRuntime, OpSnapshot, SinkOp, UserFunctionError
+from .channels import EOS, Barrier, CancelMarker, InputGate, StepMarker
+from ..reconfig.aligner import StepAligner
+from ..reconfig.holding import Holding
+from .operators import KeyedOp, KeyExtractor, OperatorRuntime, OpSnapshot, SinkOp, UserFunctionError
 from .plan import OutputPlan, TaskPlan, task_key
 
 __all__ = ["Task", "ExchangeWriter"]
@@ -39,7 +41,7 @@ class ExchangeWriter:
     def __init__(self, out: OutputPlan, senders: list, routing: np.ndarray, max_parallelism: int, uid: str) -> None:
         self.partition = out.partition
         self.senders = senders
-        self.routing = routing
+        self.routing = np.array(routing, dtype=np.int64)  # this writer's own: switched at its step markers
         self.extractor = KeyExtractor(uid, out.key, max_parallelism) if out.partition == KEY_BY else None
         self._rr = 0
 
@@ -71,6 +73,18 @@ class ExchangeWriter:
         for s in self.senders:
             s.send(item)
 
+    def switch(self, marker: StepMarker) -> None:
+        """Emit step ``marker`` on every channel, then route its key groups to their new
+        owners: every record this writer sent before goes to the old owner, every later one
+        to the new owner (one thread emits records and markers, so nothing comes between)."""
+        self.send_all(marker)
+        for kg, target in marker.moves:
+            self.routing[kg] = target
+
+
+class _Stopped(Exception):
+    """The worker stopped the task while it waited for key groups' state."""
+
 
 class Task(threading.Thread):
     def __init__(
@@ -99,6 +113,13 @@ class Task(threading.Thread):
         self.bases: dict[int, int] = {}  # checkpoint id -> its base (see Barrier.base)
         self.last_completed = 0
         self.finished = threading.Event()
+        # live reconfiguration (abs.reconfig): step markers align like barriers; a keyed head
+        # holds the rows of key groups it gains until their state is installed
+        self.steps = StepAligner(gate.num_channels)
+        self._marker: StepMarker | None = None  # the step being aligned
+        self.keyed = self.head if isinstance(self.head, KeyedOp) else None
+        self.holding = Holding(self.keyed.extractor.max_parallelism) if self.keyed is not None else None
+        self._early: list = []  # installs of a step this task has not aligned yet
 
     # ------------------------------------------------------------------ entry
     def run(self) -> None:
@@ -108,7 +129,10 @@ class Task(threading.Thread):
             if self.reader is not None:
                 self._run_source()
             else:
-                self._run_inputs()
+                try:
+                    self._run_inputs()
+                except _Stopped:
+                    pass  # as a Stop read from the gate
             for op in self.ops.values():
                 op.close()
             self.worker.task_finished(self)
@@ -137,6 +161,12 @@ class Task(threading.Thread):
                         self._snapshot(cid, base, source_offsets=offsets)
                         if self.mode == "stop_the_world":
                             paused = True
+                    case m.StartStep(step=step, moves=moves, base=base):
+                        self._catch_up(base)
+                        marker = StepMarker(step, moves, base)
+                        for out in self.outputs:
+                            out.switch(marker)
+                        self.worker.fault("after_routing_switch", self)
                     case m.Resume():
                         paused = False
                     case m.Finish():
@@ -167,9 +197,12 @@ class Task(threading.Thread):
     # ------------------------------------------------------------------ inputs
     def _run_inputs(self) -> None:
         aligner = BarrierAligner(self.gate.num_channels)
+        steps = self.steps
         head = self.head
+        holding = self.holding
         while True:
-            got = self.gate.take(aligner.blocked, 0.05)
+            blocked = aligner.blocked if steps.aligning is None else aligner.blocked | steps.blocked
+            got = self.gate.take(blocked, 0.05)
             if got is None:
                 continue
             channel, item = got
@@ -178,10 +211,17 @@ class Task(threading.Thread):
                     return
                 if isinstance(item, m.CheckpointAborted):
                     self._act(aligner.abort(item.checkpoint_id))
+                if isinstance(item, m.InstallState):
+                    self._install(item)
+                    continue
                 self._control(item)
                 continue
             if isinstance(item, pa.RecordBatch):
                 self.worker.fault("process", self)
+                if holding:
+                    item = holding.split(item, head.extractor.key_groups(item))
+                    if item is None:
+                        continue
                 head.process(item)
             elif isinstance(item, Barrier):
                 if aligner.aligning is None:
@@ -191,16 +231,85 @@ class Task(threading.Thread):
                     return
                 if aligner.aligning is not None:
                     self.worker.fault("during_alignment", self)
+            elif isinstance(item, StepMarker):
+                self._marker = item
+                if steps.on_marker(channel, item.step):
+                    self._apply_step(item)
             elif isinstance(item, CancelMarker):
                 if self._act(aligner.on_cancel(channel, item.checkpoint_id)):
                     return
             elif item is EOS:
+                if steps.on_end_of_stream(channel):
+                    self._apply_step(self._marker)
                 if self._act(aligner.on_end_of_stream(channel)):
                     return
+
+    # ------------------------------------------------------------------ reconfiguration
+    def _apply_step(self, marker: StepMarker | None) -> None:
+        """Step ``marker`` is aligned: hand over the key groups this task loses, hold the rows
+        of those it gains, forward the marker and switch the routing (abs.reconfig)."""
+        assert marker is not None
+        self._catch_up(marker.base)
+        keyed = self.keyed
+        if keyed is not None:
+            mine = keyed.backend.key_group_range
+            for kg, target in marker.moves:
+                if target != self.subtask and kg in mine:
+                    self.worker.fault("before_handover", self)
+                    tables, chains = keyed.hand_out(kg, full=not self.worker.checkpointing)
+                    self.worker.hand_over(self, marker.step, keyed.uid, kg, target, tables, chains)
+                elif target == self.subtask and kg not in mine:
+                    self.holding.hold(kg)
+        for out in self.outputs:
+            out.switch(marker)
+        self.worker.fault("after_routing_switch", self)
+        early, self._early = self._early, []
+        for install in early:
+            self._install(install)
+
+    def _install(self, install: m.InstallState) -> None:
+        """The state of a key group this task gains arrived: load it, then process its held
+        rows in arrival order."""
+        keyed = self.keyed
+        if keyed is None or install.operator != keyed.uid:
+            raise m.unexpected(install, f"task {self.key}", "its worker", "the state of this task's operator")
+        if install.step > self.steps.last_aligned:
+            self._early.append(install)  # before the step: the key group is still its old owner's
+            return
+        self.worker.fault("before_install", self)
+        keyed.take_in(install.key_group, install.base, install.changes)
+        for batch in self.holding.release(install.key_group):
+            keyed.process(batch)
+        self.worker.fault("after_install", self)
+        self.worker.installed(self, install)
+
+    def _await_installs(self) -> None:
+        """Wait (on control events only) until every key group this task gains is installed:
+        a checkpoint taken before would miss them, at the old owner and here. The old owners
+        hand them over when they align the step, which came before (markers and barriers
+        travel in one order on every channel), so this wait ends."""
+        deferred: list = []
+        while self.holding:
+            got = self.gate.take(frozenset(range(self.gate.num_channels)), 0.05)
+            if got is None:
+                continue
+            _channel, item = got
+            if isinstance(item, m.InstallState):
+                self._install(item)
+            elif isinstance(item, m.Stop):
+                raise _Stopped()
+            elif isinstance(item, m.CheckpointCompleted):
+                self._control(item)
+            else:
+                deferred.append(item)
+        for item in deferred:
+            self.gate.put_control(item)
 
     def _act(self, actions: Any) -> bool:
         """Carry out aligner actions; True when every input has ended."""
         for action in actions:
+            if isinstance(action, (TriggerSnapshot, EndOfInput)) and self.holding:
+                self._await_installs()
             if isinstance(action, TriggerSnapshot):
                 started = self.alignment_started.pop(action.checkpoint_id, time.monotonic())
                 base = self.bases.pop(action.checkpoint_id, 0)

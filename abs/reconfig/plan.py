@@ -1,0 +1,189 @@
+"""Pure planning of a reconfiguration: the key-group assignment, the checks a request must
+pass, and the steps a strategy cuts a change into.
+
+An *assignment* maps every key group ``0 .. M-1`` to the worker that owns it. A change is a
+target assignment over the same workers; :func:`plan_steps` returns the moves that turn one
+into the other, grouped into steps:
+
+* ``"all_at_once"``: one step with every move;
+* ``"batched"``: steps of ``batch`` moves each (the last may be smaller);
+* ``"fluid"``: one key group per step, the next once the previous is installed.
+
+Moves are ordered by key group, so a plan is a pure function of its inputs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+from ..errors import ReconfigurationError
+from ..keygroups import routing_table
+
+__all__ = ["Assignment", "Move", "Step", "STRATEGIES", "ReconfigurationError", "plan_steps",
+           "move_target", "rebalance_target", "check_strategy"]
+
+STRATEGIES = ("all_at_once", "batched", "fluid")
+
+
+@dataclass(frozen=True)
+class Move:
+    """Key group ``key_group`` moves from worker ``source`` to worker ``target``."""
+
+    key_group: int
+    source: int
+    target: int
+
+
+@dataclass(frozen=True)
+class Step:
+    """Step ``index`` (1-based within its reconfiguration) of a reconfiguration: its moves."""
+
+    index: int
+    moves: tuple[Move, ...]
+
+    @property
+    def key_groups(self) -> tuple[int, ...]:
+        return tuple(mv.key_group for mv in self.moves)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Owner (worker index) of every key group; ``workers``: how many workers there are."""
+
+    owners: tuple[int, ...]
+    workers: int
+
+    @classmethod
+    def initial(cls, max_parallelism: int, parallelism: int) -> "Assignment":
+        """Contiguous ranges, as a job starts (``abs.keygroups.key_group_range``)."""
+        return cls(tuple(int(w) for w in routing_table(max_parallelism, parallelism)), parallelism)
+
+    @property
+    def max_parallelism(self) -> int:
+        return len(self.owners)
+
+    def key_groups_of(self, worker: int) -> tuple[int, ...]:
+        return tuple(kg for kg, w in enumerate(self.owners) if w == worker)
+
+    def applied(self, moves: Iterable[Move]) -> "Assignment":
+        owners = list(self.owners)
+        for mv in moves:
+            if owners[mv.key_group] != mv.source:
+                raise ReconfigurationError(
+                    f"key group {mv.key_group} is owned by worker {owners[mv.key_group]}, not worker "
+                    f"{mv.source}; the move was planned against another assignment (a bug: report it)"
+                )
+            owners[mv.key_group] = mv.target
+        return Assignment(tuple(owners), self.workers)
+
+    def describe(self) -> str:
+        """Compact ranges per worker, e.g. ``w0: 0-31,40; w1: 32-39,41-63``."""
+        parts = []
+        for w in range(self.workers):
+            kgs = self.key_groups_of(w)
+            parts.append(f"w{w}: {_ranges(kgs) or '-'}")
+        return "; ".join(parts)
+
+
+def _ranges(kgs: Sequence[int]) -> str:
+    out: list[str] = []
+    start = prev = None
+    for kg in kgs:
+        if start is None:
+            start = prev = kg
+        elif kg == prev + 1:
+            prev = kg
+        else:
+            out.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = prev = kg
+    if start is not None:
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+    return ",".join(out)
+
+
+def check_strategy(strategy: object, batch: object) -> int:
+    """The batch size ``strategy`` implies (1 for fluid, 0 for all at once)."""
+    if strategy not in STRATEGIES:
+        raise ReconfigurationError(
+            f"strategy={strategy!r} is not a reconfiguration strategy; use one of {', '.join(STRATEGIES)}"
+        )
+    if strategy == "batched":
+        if type(batch) is not int or batch < 1:
+            raise ReconfigurationError(
+                f"strategy='batched' needs batch=N, a positive int (key groups per step); got batch={batch!r}"
+            )
+        return batch
+    if batch is not None:
+        raise ReconfigurationError(f"batch={batch!r} is only for strategy='batched' (strategy={strategy!r})")
+    return 1 if strategy == "fluid" else 0
+
+
+def _check_worker(worker: object, workers: int, what: str) -> int:
+    if type(worker) is not int or not 0 <= worker < workers:
+        raise ReconfigurationError(
+            f"{what}={worker!r} is not a worker of this job; use a worker index in [0, {workers - 1}]"
+        )
+    return worker
+
+
+def _check_key_group(kg: object, max_parallelism: int) -> int:
+    if type(kg) is not int or not 0 <= kg < max_parallelism:
+        raise ReconfigurationError(
+            f"key group {kg!r} does not exist; this job has key groups 0 .. {max_parallelism - 1} "
+            f"(max_parallelism={max_parallelism})"
+        )
+    return kg
+
+
+def move_target(current: Assignment, key_groups: Iterable[int], to: int) -> Assignment:
+    """The assignment after moving ``key_groups`` to worker ``to``."""
+    to = _check_worker(to, current.workers, "to")
+    kgs = list(key_groups) if not isinstance(key_groups, (str, bytes)) else None
+    if not kgs:
+        raise ReconfigurationError(f"move({key_groups!r}, to={to}): name at least one key group to move")
+    owners = list(current.owners)
+    for kg in kgs:
+        owners[_check_key_group(kg, current.max_parallelism)] = to
+    return Assignment(tuple(owners), current.workers)
+
+
+def rebalance_target(current: Assignment, assignment: Mapping[int, int] | Sequence[int]) -> Assignment:
+    """The assignment a ``rebalance`` asks for: a full owner list (one worker per key group) or
+    a mapping key group -> worker for the key groups that change."""
+    M = current.max_parallelism
+    owners = list(current.owners)
+    if isinstance(assignment, Mapping):
+        items = list(assignment.items())
+    elif isinstance(assignment, Sequence) and not isinstance(assignment, (str, bytes)):
+        if len(assignment) != M:
+            raise ReconfigurationError(
+                f"rebalance: a full assignment lists one worker per key group ({M}), got {len(assignment)}; "
+                "pass a list of that length or a dict {key_group: worker} of the changes"
+            )
+        items = list(enumerate(assignment))
+    else:
+        raise ReconfigurationError(
+            f"rebalance: expected a list of {M} worker indexes or a dict {{key_group: worker}}, got "
+            f"{type(assignment).__name__}"
+        )
+    for kg, w in items:
+        owners[_check_key_group(kg, M)] = _check_worker(w, current.workers, f"worker of key group {kg}")
+    return Assignment(tuple(owners), current.workers)
+
+
+def plan_steps(current: Assignment, target: Assignment, strategy: str = "all_at_once",
+               batch: int | None = None) -> tuple[Step, ...]:
+    """The steps that turn ``current`` into ``target`` (see the module docstring). No step when
+    nothing changes."""
+    size = check_strategy(strategy, batch)
+    if target.max_parallelism != current.max_parallelism or target.workers != current.workers:
+        raise ReconfigurationError(
+            f"the target assignment has {target.max_parallelism} key groups over {target.workers} workers, "
+            f"the job {current.max_parallelism} over {current.workers}"
+        )
+    moves = [Move(kg, a, b) for kg, (a, b) in enumerate(zip(current.owners, target.owners)) if a != b]
+    if not moves:
+        return ()
+    if size == 0:
+        size = len(moves)
+    return tuple(Step(i + 1, tuple(moves[k:k + size])) for i, k in enumerate(range(0, len(moves), size)))

@@ -1,0 +1,164 @@
+"""Live reconfiguration in the driver: requests of the job's handle, steps injected at the
+sources, handovers relayed from old owners to new ones, installs counted (see
+:mod:`abs.reconfig` for the protocol).
+
+:class:`LiveReconfiguration` is a part of :class:`~abs.runtime.driver.JobDriver`; it works on
+the driver's own attributes (``flow``, ``P``, ``store``, ``_manifests``, ...). While a
+reconfiguration runs, every checkpoint from the one its first step builds on stays out of
+GC's reach (:meth:`reconfig_live_bases`): new owners read the moved key groups' chains from
+it.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..reconfig.coordinator import Reconfiguration, ReconfigurationRecord
+from ..reconfig.plan import (Assignment, ReconfigurationError, move_target, plan_steps, rebalance_target,
+                             check_strategy)
+from . import messages as m
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LiveReconfiguration", "KEYED_KINDS"]
+
+KEYED_KINDS = ("process", "reduce", "aggregate")
+"""Node kinds whose operators keep keyed state (their key groups move)."""
+
+
+class LiveReconfiguration:
+    """The reconfiguration part of :class:`~abs.runtime.driver.JobDriver`."""
+
+    def _reconfig_reset(self) -> None:
+        """At each attempt's start: the assignment the workers start with (contiguous ranges; a
+        restore puts every key group back at its default owner)."""
+        running = getattr(self, "_reconf", None)
+        if running is not None:
+            running.fail("the job restarted during the reconfiguration; every key group is back at its "
+                         "default owner")
+            self._reply_reconfig(running)
+        self.assignment = Assignment.initial(self.flow.max_parallelism, self.P)
+        self._reconf: Reconfiguration | None = None
+        self._reconf_reply: Any = None
+        self._reconf_base: int | None = None
+        if not hasattr(self, "reconfigurations"):
+            self.reconfigurations: list[ReconfigurationRecord] = []
+            self._next_step_id = 1
+
+    def _reconfig_ended(self) -> None:
+        """The job ended: a reconfiguration still running fails (its caller is told)."""
+        running = getattr(self, "_reconf", None)
+        if running is not None:
+            running.fail(f"the job ended ({self.status}) before the reconfiguration was done")
+            self._reply_reconfig(running)
+            self._reconf = None
+
+    def reconfig_live_bases(self) -> set[int]:
+        """Checkpoints GC must keep while a reconfiguration runs (see the module docstring)."""
+        base = self._reconf_base
+        if self._reconf is None or base is None:
+            return set()
+        return {cid for cid in self._manifests if cid >= base}
+
+    # ------------------------------------------------------------------ requests
+    def _serve_reconfig(self, run: Any, req: m.ReconfigRequest) -> None:
+        try:
+            if run.life.sources_exhausted:
+                raise ReconfigurationError(f"job {self.flow.name!r} is finishing (its input has ended): nothing "
+                                           "is left to move key groups for")
+            reconf = self._plan_reconfig(req)
+        except ReconfigurationError as exc:
+            req.reply.put(exc)
+            return
+        self._reconf, self._reconf_reply = reconf, req.reply
+        self.reconfigurations.append(reconf.record)
+        self._reconf_base = self._last_completed_id
+        log.info(f"job {self.flow.name!r}: reconfiguration {reconf.record.id} ({req.kind}, {req.strategy}): "
+                 f"{reconf.record.before} -> {reconf.record.after}, {len(reconf.steps)} step(s)")
+        self._start_step(run)
+
+    def _plan_reconfig(self, req: m.ReconfigRequest) -> Reconfiguration:
+        if self._reconf is not None:
+            raise ReconfigurationError(
+                f"job {self.flow.name!r}: reconfiguration {self._reconf.record.id} is still running; wait for it "
+                "(the call that started it returns when it is done) and ask again"
+            )
+        keyed = [n.uid for n in self.flow.nodes if n.kind in KEYED_KINDS]
+        if not keyed:
+            raise ReconfigurationError(
+                f"job {self.flow.name!r} has no keyed operator (process, reduce, aggregate): there are no key "
+                "groups to move"
+            )
+        check_strategy(req.strategy, req.batch)
+        if req.kind == "move":
+            key_groups, to = req.args
+            target = move_target(self.assignment, key_groups, to)
+        elif req.kind == "rebalance":
+            (assignment,) = req.args
+            target = rebalance_target(self.assignment, assignment)
+        else:
+            raise ReconfigurationError(f"unknown reconfiguration {req.kind!r}")
+        steps = plan_steps(self.assignment, target, req.strategy, req.batch)
+        rid = len(self.reconfigurations) + 1
+        return Reconfiguration(rid, req.kind, req.strategy, self.assignment, target, steps, keyed,
+                               self._next_step_id, self.clock)
+
+    def _reply_reconfig(self, reconf: Reconfiguration) -> None:
+        reply, self._reconf_reply = self._reconf_reply, None
+        if reply is None:
+            return
+        if reconf.record.status == "COMPLETED":
+            reply.put(reconf.record)
+        else:
+            reply.put(ReconfigurationError(f"reconfiguration {reconf.record.id} failed: {reconf.record.error}"))
+
+    # ------------------------------------------------------------------ steps
+    def _start_step(self, run: Any) -> None:
+        reconf = self._reconf
+        assert reconf is not None
+        nxt = reconf.start_next()
+        if nxt is None:
+            return
+        sid, step = nxt
+        self._next_step_id = reconf.next_step_id
+        base = self._last_completed_id
+        manifest = self._manifests.get(base) if base else None
+        if manifest is not None:  # Rhino: the new owners read the moved key groups' chains now
+            by_target: dict[int, dict] = {}
+            for mv in step.moves:
+                for uid, states in manifest.keyed.items():
+                    for state, by_kg in states.items():
+                        chain = by_kg.get(mv.key_group)
+                        if chain:
+                            by_target.setdefault(mv.target, {}).setdefault(uid, {}).setdefault(state, {})[
+                                mv.key_group] = list(chain)
+                            reconf.on_full_size(sum(ref.bytes for ref in chain))
+            for target, chains in by_target.items():
+                run.conns[target].send(m.Preload(sid, base, chains))
+        moves = tuple((mv.key_group, mv.target) for mv in step.moves)
+        run.coord.defer_periodic = True  # see CheckpointCoordinator.defer_periodic
+        self._broadcast(run, m.StartStep(sid, moves, base))
+
+    def _on_reconfig_message(self, run: Any, msg: Any) -> None:
+        reconf = self._reconf
+        if reconf is None:
+            raise m.unexpected(msg, f"job {self.flow.name!r}: the driver", f"worker {getattr(msg, 'source', '?')}",
+                               "no reconfiguration message: none runs")
+        if isinstance(msg, m.KeyGroupHandover):
+            reconf.on_handover(msg.nbytes, msg.full)
+            run.conns[msg.target].send(msg)  # relayed to the new owner's installer
+            return
+        if reconf.on_installed(msg.operator, msg.key_group, msg.read_bytes):
+            # a periodic checkpoint that fell due during the step goes now, between two steps
+            run.coord.defer_periodic = False
+            self._handle(run, run.coord.tick())
+            if reconf.done:
+                self.assignment = reconf.assignment
+                self._reconf = None
+                self._reconf_base = None
+                log.info(f"job {self.flow.name!r}: reconfiguration {reconf.record.id} done in "
+                         f"{reconf.record.duration:.3f} s, {reconf.record.bytes_moved} bytes moved")
+                self._reply_reconfig(reconf)
+            else:
+                self.assignment = reconf.assignment
+                self._start_step(run)

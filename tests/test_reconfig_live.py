@@ -1,0 +1,183 @@
+"""Live reconfiguration of running jobs (abs.reconfig): key groups move between the workers of
+a keyed counting job while records flow, with and without checkpoints.
+
+Every record increments its key's count and emits it, so the output tells exactly what
+happened: each key's emitted counts must be 1..n once each (a record processed twice, or at
+an owner without the key's state, repeats a count; a lost record leaves a gap), and n must be
+the key's number of records.
+"""
+from __future__ import annotations
+
+import collections
+
+import pyarrow as pa
+import pytest
+
+import abs
+from abs.keygroups import key_group
+from abs.faults import Fault
+from abs.reconfig import Assignment
+from storage import SnapshotStore
+from pacing import PacedSource
+
+M = 16
+NUM_KEYS = 101
+TOTAL = 24_000
+HOLD = 20_000  # per source reader's share: each holds at HOLD/4 until the gate opens
+
+
+def count_fn(ctx, row):
+    n = ctx.state.n
+    c = (n.value() or 0) + 1
+    n.update(c)
+    ctx.emit({"key": ctx.key, "count": c})
+
+
+def counting_flow(gate: str) -> abs.Dataflow:
+    flow = abs.Dataflow("live-counts", max_parallelism=M)
+    src = abs.GeneratorSource(TOTAL, num_keys=NUM_KEYS, num_splits=4, batch_size=50, rate=4000)
+    # every reader stops at HOLD / 4 records until the test opens the gate: the job is still
+    # running (and records are still flowing until then) while the test reconfigures it
+    src = PacedSource(src, TOTAL, hold=HOLD // 4, gate=gate)
+    flow.source("src", src).key_by("key").process(
+        "count", count_fn, state=[abs.ValueState("n", pa.int64())]).sink("out", abs.CollectSink())
+    return flow
+
+
+def check_counts(table: pa.Table) -> None:
+    per_key = collections.defaultdict(list)
+    for k, c in zip(table.column("key").to_pylist(), table.column("count").to_pylist()):
+        per_key[k].append(c)
+    want = collections.Counter(i % NUM_KEYS for i in range(TOTAL))
+    assert set(per_key) == set(want)
+    for k, counts in per_key.items():
+        assert sorted(counts) == list(range(1, want[k] + 1)), f"key {k} (key group {key_group(k, M)})"
+
+
+def _reconfigure(job) -> None:
+    first = job.move([0, 1, 2, 3], to=1)
+    assert first.status == "COMPLETED" and first.key_groups == (0, 1, 2, 3)
+    assert len(first.steps) == 1
+    owners = job.assignment().owners
+    assert [owners[kg] for kg in range(4)] == [1, 1, 1, 1]
+    fluid = job.move([12, 13, 14], to=0, strategy="fluid")
+    assert [s.key_groups for s in fluid.steps] == [(12,), (13,), (14,)]
+    batched = job.rebalance({0: 0, 1: 0, 9: 0, 12: 1, 5: 1}, strategy="batched", batch=2)
+    assert len(batched.steps) == 3
+    assert job.assignment().owners[9] == 0 and job.assignment().owners[5] == 1
+    assert [r.id for r in job.reconfigurations()] == [1, 2, 3]
+
+
+def test_moves_without_storage_keep_every_count_exact(tmp_path):
+    gate = str(tmp_path / "gate")
+    job = abs.submit(counting_flow(gate), parallelism=2)
+    try:
+        _reconfigure(job)
+        recs = job.reconfigurations()
+        assert all(s.full_handovers == 1 * len(s.key_groups) for r in recs for s in r.steps)
+    finally:
+        open(gate, "w").close()
+    result = job.wait(timeout=300)
+    check_counts(result.collected("out"))
+
+
+def test_moves_during_checkpoints_keep_every_count_and_checkpoint_exact(tmp_path):
+    gate = str(tmp_path / "gate")
+    root = str(tmp_path / "root")
+    job = abs.submit(counting_flow(gate), parallelism=2, storage=root,
+                     checkpoint=abs.CheckpointConfig(interval=0.05, retained=1))
+    try:
+        job.trigger_checkpoint()
+        _reconfigure(job)
+        recs = job.reconfigurations()
+        deltas = [s for r in recs for s in r.steps if s.full_handovers < len(s.key_groups)]
+        assert deltas, "at least one handover built on a checkpoint"
+        job.trigger_checkpoint()
+    finally:
+        open(gate, "w").close()
+    result = job.wait(timeout=300)
+    assert result.status == "FINISHED" and not result.failed_checkpoints
+    check_counts(result.collected("out"))
+    # the last checkpoint holds every key's final count once
+    store = SnapshotStore.open(root)
+    cid = result.last_checkpoint
+    manifest = store.read_manifest(cid)
+    got = {}
+    for kg in manifest.keyed["count"]["n"]:
+        t = store.read_key_group(manifest, "count", "n", kg)
+        got.update(zip(t.column("key").to_pylist(), t.column("value").to_pylist()))
+    assert got == dict(collections.Counter(i % NUM_KEYS for i in range(TOTAL)))
+
+
+def test_bad_requests_are_refused_and_change_nothing(tmp_path):
+    gate = str(tmp_path / "gate")
+    job = abs.submit(counting_flow(gate), parallelism=2)
+    try:
+        before = job.assignment()
+        assert before == Assignment.initial(M, 2)
+        with pytest.raises(abs.ReconfigurationError, match="key group 99 does not exist"):
+            job.move([99], to=0)
+        with pytest.raises(abs.ReconfigurationError, match="to=5 is not a worker"):
+            job.move([1], to=5)
+        with pytest.raises(abs.ReconfigurationError, match="batch=N"):
+            job.move([1], to=1, strategy="batched")
+        with pytest.raises(abs.ReconfigurationError, match="not a reconfiguration strategy"):
+            job.move([1], to=1, strategy="slowly")
+        with pytest.raises(abs.ReconfigurationError, match="nothing to move"):
+            job.move([0], to=0)
+        with pytest.raises(abs.ReconfigurationError, match="one worker per key group"):
+            job.rebalance([0, 1])
+        assert job.assignment() == before and job.reconfigurations() == []
+    finally:
+        open(gate, "w").close()
+    check_counts(job.wait(timeout=300).collected("out"))
+
+
+# ----------------------------------------------------------------------------- crashes
+@pytest.mark.parametrize("point", ["after_routing_switch", "before_handover", "during_transfer", "before_install",
+                                   "after_install"])
+def test_a_kill_during_a_reconfiguration_restores_exactly(tmp_path, point):
+    """A worker is killed (SIGKILL) at ``point`` of the first handover; the job restores the
+    latest checkpoint (every key group at its default owner) and its output and final
+    checkpoint are exact."""
+    gate = str(tmp_path / "gate")
+    root = str(tmp_path / "root")
+    job = abs.submit(counting_flow(gate), parallelism=2, storage=root,
+                     checkpoint=abs.CheckpointConfig(interval=0.05, retained=1),
+                     restart=abs.RestartStrategy(max_restarts=1, delay=0.1),
+                     runtime=abs.RuntimeOptions(faults=(Fault(point, "*", nth=1),)))
+    try:
+        job.trigger_checkpoint()
+        try:
+            job.move(range(8), to=1)
+        except abs.ReconfigurationError as exc:
+            assert "restarted" in str(exc) or "ended" in str(exc)
+        except abs.JobFailedError:
+            pass  # the request met the attempt's end
+    finally:
+        open(gate, "w").close()
+    result = job.wait(timeout=300)
+    assert result.status == "FINISHED" and len(result.restarts) == 1
+    check_counts(result.collected("out"))
+    recs = job.reconfigurations()
+    assert recs and recs[0].status == "FAILED" and "restarted" in recs[0].error
+    assert job.assignment() == Assignment.initial(M, 2)
+
+
+# ----------------------------------------------------------------------------- on Spark
+def test_moves_on_the_spark_executor(tmp_path, spark):
+    """The workers of a Spark barrier stage move key groups the same way (channels between
+    Spark tasks, the driver's connections to them)."""
+    gate = str(tmp_path / "gate")
+    job = abs.submit(counting_flow(gate), executor=abs.SparkExecutor(spark, num_workers=2),
+                     storage=str(tmp_path / "root"), checkpoint=abs.CheckpointConfig(interval=0.1, retained=1))
+    try:
+        job.trigger_checkpoint()
+        rec = job.move(range(8), to=1, strategy="batched", batch=3)
+        assert rec.status == "COMPLETED" and len(rec.steps) == 3
+        assert job.assignment().key_groups_of(0) == ()
+    finally:
+        open(gate, "w").close()
+    result = job.wait(timeout=300)
+    assert result.status == "FINISHED"
+    check_counts(result.collected("out"))
