@@ -30,7 +30,7 @@ from typing import Any, Iterator
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
-from .errors import StorageUnavailableError
+from .errors import CorruptManifestError, StorageUnavailableError
 from .paths import validate_relative_path
 
 __all__ = ["RootIO", "OBJECT_STORE_PROTOCOLS", "protocols_of", "absolute_url"]
@@ -173,6 +173,20 @@ class RootIO:
                 with open(full, "rb") as f:
                     return f.read()
             return bytes(self.fs.cat_file(full))
+
+    def get_document(self, rel: str, limit: int, *, source: str | None = None) -> bytes:
+        """A whole small document (manifest, ``_job.json``, pin) of at most ``limit`` bytes; a
+        larger file is read only to ``limit + 1`` bytes (the parser then refuses it), and on
+        local disk not at all. ``source`` names it in the error."""
+        if self.local:
+            with self.errors(f"reading {rel}"), open(self.full(rel), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size > limit:
+                    raise CorruptManifestError(
+                        f"{source or f'{self.url}: {rel}'}: {size} bytes, more than the {limit} it may have; refusing to read it; "
+                        "it is corrupt; restore from another checkpoint", reason=f"larger than {limit} bytes")
+                return f.read(size + 1)
+        return self.get_range(rel, 0, limit + 1)
 
     def get_range(self, rel: str, offset: int, length: int) -> bytes:
         """``length`` bytes at ``offset`` of a file (fewer when the file ends sooner)."""

@@ -15,7 +15,7 @@ expired pin is ignored and deleted by the next GC, so a holder killed with ``kil
 nothing for longer than its lease.
 
 The decisions are pure (:class:`PinRecord`, :func:`holds`); :class:`PinLease` (built by
-:meth:`SnapshotStore.pin`) does the I/O.
+:meth:`SnapshotStore.pin`) and :func:`read_pins` do the I/O.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from .paths import StoragePaths, new_token
 if TYPE_CHECKING:
     from .backend import RootIO
 
-__all__ = ["PinRecord", "PinLease", "DEFAULT_PIN_TTL", "holds", "parse_pin"]
+__all__ = ["PinRecord", "PinLease", "DEFAULT_PIN_TTL", "holds", "parse_pin", "read_pins"]
 
 PIN_VERSION = 1
 DEFAULT_PIN_TTL = 600.0
@@ -102,6 +102,24 @@ def parse_pin(raw: bytes, path: str) -> PinRecord:
 def holds(pins: Iterable[PinRecord], checkpoint_id: int, now: float) -> bool:
     """Whether a live pin among ``pins`` holds ``checkpoint_id``."""
     return any(p.live(now) and p.covers(checkpoint_id) for p in pins)
+
+
+def read_pins(io: "RootIO", paths: Iterable[str]) -> tuple[list[PinRecord], dict[str, str]]:
+    """The pins among ``paths`` of the root (parsed), and the pin files that do not read
+    (path -> reason). A pin released while they are read is skipped."""
+    pins: list[PinRecord] = []
+    bad: dict[str, str] = {}
+    for path in sorted(paths):
+        parsed = StoragePaths.parse(path)
+        if parsed is None or parsed.category != "pin":
+            continue
+        try:
+            pins.append(parse_pin(io.get_document(path, _MAX_PIN_BYTES), path))
+        except FileNotFoundError:
+            continue  # released meanwhile
+        except CorruptManifestError as exc:
+            bad[path] = exc.reason
+    return pins, bad
 
 
 class PinLease:

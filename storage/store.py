@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -41,7 +40,7 @@ from .format import (DEFAULT_DECODE_LIMITS, KEY_COLUMN, OP_COLUMN, WRITE_CHECKSU
                      checksum_hex, decode_table, delta_for_file, encode_table, is_values_image, iter_batches,
                      normalize_delta, sort_by_key, stream_schema, values_image)
 from .gc import GcPlan, plan_gc
-from .pins import DEFAULT_PIN_TTL, PinLease, PinRecord, parse_pin
+from .pins import DEFAULT_PIN_TTL, PinLease, PinRecord, read_pins
 from .ids import CheckpointId, SubtaskIndex
 from .manifest import (FORMAT_VERSION, MAX_INT, MAX_MANIFEST_BYTES, FileRef, Manifest, chain_problems, manifest_problems,
                        parse_json_document)
@@ -251,7 +250,7 @@ class SnapshotStore:
     def read_job(self) -> dict[str, Any] | None:
         """The stored job fingerprint (``_job.json``), or ``None`` when the root is unclaimed."""
         try:
-            raw = self._get_small(StoragePaths.JOB)
+            raw = self._io.get_document(StoragePaths.JOB, MAX_MANIFEST_BYTES)
         except FileNotFoundError:
             return None
         source = f"{self.url}: _job.json"
@@ -324,7 +323,7 @@ class SnapshotStore:
         """The id :meth:`record_committed` wrote last; ``None`` when there is no record.
         Raises :class:`CorruptManifestError` when the record does not parse."""
         try:
-            raw = self._get_small(StoragePaths.COMMIT_RECORD, 1 << 12)
+            raw = self._io.get_document(StoragePaths.COMMIT_RECORD, 1 << 12)
         except FileNotFoundError:
             return None
         try:
@@ -413,7 +412,7 @@ class SnapshotStore:
         if cached is not None:
             return cached
         source = f"{self.url}: checkpoint {checkpoint_id}: manifest {path}"
-        raw = self._get_small(path, source=source)
+        raw = self._io.get_document(path, MAX_MANIFEST_BYTES, source=source)
         manifest = Manifest.from_json(raw, source=source)
         if manifest.checkpoint_id != checkpoint_id:
             raise CorruptManifestError(
@@ -423,20 +422,6 @@ class SnapshotStore:
         with self._lock:
             self._manifests[path] = manifest
         return manifest
-
-    def _get_small(self, rel: str, limit: int = MAX_MANIFEST_BYTES, *, source: str | None = None) -> bytes:
-        """A whole JSON document (manifest, ``_job.json``, pin) of at most ``limit`` bytes; a
-        larger file is read only to ``limit + 1`` bytes (the parser then refuses it).
-        ``source`` names it in the error."""
-        if self._io.local:
-            with self._io.errors(f"reading {rel}"), open(self._io.full(rel), "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size > limit:
-                    raise CorruptManifestError(
-                        f"{source or f'{self.url}: {rel}'}: {size} bytes, more than the {limit} it may have; refusing to read it; "
-                        "it is corrupt; restore from another checkpoint", reason=f"larger than {limit} bytes")
-                return f.read(size + 1)
-        return self._io.get_range(rel, 0, limit + 1)
 
     # ================================================================== writing
     def _put(self, path: str, encoded: EncodedFile, kind: FileKind, checkpoint_id: int) -> FileRef:
@@ -934,7 +919,7 @@ class SnapshotStore:
         if as_of is not None and protect_newer_than is None:
             protect_newer_than = as_of
         manifests, errors = self._scan_manifests(paths)
-        pins, bad_pins = self._read_pins(p for p in listing if p.startswith(StoragePaths.PINS_DIR + "/"))
+        pins, bad_pins = read_pins(self._io, (p for p in listing if p.startswith(StoragePaths.PINS_DIR + "/")))
         return plan_gc(listing, manifests, retain=retain, in_flight=list(in_flight),
                        protect_newer_than=protect_newer_than,
                        unreadable={c: getattr(e, "reason", str(e)) for c, e in errors.items()
@@ -942,25 +927,9 @@ class SnapshotStore:
                        newer_format={c: str(e) for c, e in errors.items() if isinstance(e, UnsupportedFormatError)},
                        pins=pins, bad_pins=bad_pins, now=self._clock())
 
-    def _read_pins(self, paths: Iterable[str]) -> tuple[list[PinRecord], dict[str, str]]:
-        """The pins among ``paths`` (parsed), and the pin files that do not read (path -> reason)."""
-        pins: list[PinRecord] = []
-        bad: dict[str, str] = {}
-        for path in sorted(paths):
-            parsed = StoragePaths.parse(path)
-            if parsed is None or parsed.category != "pin":
-                continue
-            try:
-                pins.append(parse_pin(self._get_small(path, 1 << 16), path))
-            except FileNotFoundError:
-                continue  # released meanwhile
-            except CorruptManifestError as exc:
-                bad[path] = exc.reason
-        return pins, bad
-
     def pins(self) -> list[PinRecord]:
         """The pins of this root that read (live or expired; see :mod:`storage.pins`)."""
-        return self._read_pins(self._io.list(StoragePaths.PINS_DIR))[0]
+        return read_pins(self._io, self._io.list(StoragePaths.PINS_DIR))[0]
 
     def pin(self, first: int, last: int | None = None, *, ttl: float = DEFAULT_PIN_TTL, holder: str = "") -> PinLease:
         """Hold checkpoints ``first .. last`` (``last=None``: every id from ``first`` on) against
