@@ -27,7 +27,7 @@ import pyarrow as pa
 
 from .errors import InvalidChainError
 from .manifest import FileRef, Lineage, Manifest
-from .store import KeyGroupWrite
+from .store_write import KeyGroupWrite
 
 __all__ = ["CheckpointSession", "KeyGroupCapture", "merge_acks", "with_written"]
 
@@ -39,7 +39,7 @@ Slot = tuple[str, str, int]  # (operator, state, key group)
 class KeyGroupCapture:
     """One key group's capture at one checkpoint, for :meth:`CheckpointSession.write`.
 
-    ``delta``, ``complete``, ``image``: as for :class:`storage.store.KeyGroupWrite` (``delta``
+    ``delta``, ``complete``, ``image``: as for :class:`storage.store_write.KeyGroupWrite` (``delta``
     may be a zero-argument callable). ``image_keys``: for a capture that can be a full image,
     a zero-argument callable returning the object that holds the image's keys (or ``None``):
     the same object (by identity) at two checkpoints means the same keys, which lets the

@@ -2,12 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import fsspec
 import fsspec.core
@@ -15,76 +13,39 @@ import pyarrow as pa
 from fsspec import AbstractFileSystem
 
 from .backend import RootIO, protocols_of
-from .chain_decision import CaptureFacts, ChainAction, ChainDecision, ChainFacts, Fact, decide_chain
-from .chains import CompactionPolicy, resolve_chain
+from .chains import CompactionPolicy
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
-    CorruptFileError,
     CorruptManifestError,
-    DeltaSchemaError,
     FingerprintError,
-    InvalidChainError,
     InvalidPathError,
     JobMismatchError,
     MissingExtraError,
-    MissingFileError,
     RootNotSharedError,
-    StateNotFoundError,
     StorageConfigError,
     StorageError,
     UnsupportedFormatError,
 )
 from .extras import extra_for_url, missing_extra_message, missing_module
-from .format import (DEFAULT_DECODE_LIMITS, KEY_COLUMN, OP_COLUMN, WRITE_CHECKSUM_ALGORITHM, DecodeLimits, EncodedFile,
-                     checksum_hex, decode_table, delta_for_file, encode_table, is_values_image, iter_batches,
-                     normalize_delta, sort_by_key, stream_schema, values_image)
+from .format import DEFAULT_DECODE_LIMITS, WRITE_CHECKSUM_ALGORITHM, DecodeLimits, EncodedFile
 from .gc import GcPlan, plan_gc
 from .pins import DEFAULT_PIN_TTL, PinLease, PinRecord, read_pins
-from .ids import CheckpointId, SubtaskIndex
-from .manifest import (FORMAT_VERSION, MAX_INT, MAX_MANIFEST_BYTES, FileRef, Manifest, chain_problems, manifest_problems,
-                       parse_json_document)
+from .ids import CheckpointId
+from .manifest import FORMAT_VERSION, MAX_INT, MAX_MANIFEST_BYTES, FileRef, Manifest, manifest_problems, parse_json_document
 from .paths import FileKind, StoragePaths, new_token
 from .savepoint import take_savepoint
 from .stats import storage_stats
+from .store_read import ChainReader, key_group_chain
+from .store_write import (PACK_LIMIT, KeyGroupWrite, KeyGroupWriter, put_file, write_channel_log, write_operator_state,
+                          write_table)
 from .verify import VerifyReport, check_files, lineage_problems, structural_problems
 
 __all__ = ["KeyGroupWrite", "SnapshotStore"]
 
-_RESTORE_HINT = "restore from an earlier checkpoint or a savepoint ('abs-snapshot verify ROOT' lists intact ones)"
-_REMOTE_READERS = 8  # files of one chain fetched at once from an object store
-_SCHEMA_PREFIX = 16 << 10  # bytes read to find a file's schema (its first IPC message)
-_REMOTE_ENCODERS = 8  # key groups encoded at once for an object store (zstd and Arrow release the GIL)
-PACK_LIMIT = 64 << 20
-"""A packed file is closed once it holds this many bytes (the last key group may cross it)."""
-
-
 def _category(path: str) -> str | None:
     parsed = StoragePaths.parse(path)
     return None if parsed is None else parsed.category
-
-
-class KeyGroupWrite(NamedTuple):
-    """One key group's changes for :meth:`SnapshotStore.write_key_groups` (the arguments of
-    :meth:`SnapshotStore.write_key_group`)."""
-
-    operator: str
-    state: str
-    key_group: int
-    prev_chain: Sequence[FileRef]
-    delta: "pa.Table | Callable[[], pa.Table]"
-    complete: bool = False
-    image: Callable[[], pa.Table | None] | None = None
-    over_base: FileRef | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Planned:
-    """A key group's file to be written: its chain is ``prefix + [the file]``."""
-
-    kind: Literal["base", "delta"]
-    encoded: EncodedFile
-    prefix: list[FileRef]
 
 
 class SnapshotStore:
@@ -104,6 +65,14 @@ class SnapshotStore:
         self._lock = threading.Lock()
         self._manifests: dict[str, Manifest] = {}
         self._job: dict[str, Any] | None = None
+
+    @property
+    def _reader(self) -> ChainReader:
+        return ChainReader(self._io, self.decode_limits)
+
+    @property
+    def _writer(self) -> KeyGroupWriter:
+        return KeyGroupWriter(self._io, self._reader, self.policy, self.pack_limit, self._check_key_group)
 
     # ================================================================== opening
     @classmethod
@@ -424,20 +393,6 @@ class SnapshotStore:
         return manifest
 
     # ================================================================== writing
-    def _put(self, path: str, encoded: EncodedFile, kind: FileKind, checkpoint_id: int) -> FileRef:
-        ref = FileRef(path=path, kind=kind, checkpoint_id=CheckpointId(checkpoint_id), rows=encoded.rows,
-                      bytes=encoded.size, checksum=encoded.checksum, checksum_algorithm=encoded.checksum_algorithm)
-        self._io.put(path, encoded.data)
-        return ref
-
-    def _write_table(self, path: str, table: pa.Table, kind: FileKind, checkpoint_id: int) -> FileRef:
-        return self._put(path, encode_table(table, kind), kind, checkpoint_id)
-
-    def _encode_base(self, delta: pa.Table) -> EncodedFile:
-        """A delta's live rows encoded as a base. Sorting first makes the usual case (unique
-        integer keys) resolve with one vectorized comparison instead of a distinct count."""
-        return encode_table(resolve_chain([sort_by_key(delta)], first_is_base=False), "base")
-
     def _check_key_group(self, key_group: int, what: str) -> None:
         job = self._known_job()
         if job is not None and not 0 <= key_group < int(job.get("max_parallelism", key_group + 1)):
@@ -487,8 +442,7 @@ class SnapshotStore:
         values.
         """
         job = KeyGroupWrite(operator, state, key_group, prev_chain, delta, complete, image, over_base)
-        planned = self._plan_key_group(checkpoint_id, job)
-        return planned if isinstance(planned, list) else self._put_single(checkpoint_id, job, planned)
+        return self._writer.write_key_group(checkpoint_id, job)
 
     def write_key_groups(self, checkpoint_id: int, jobs: Sequence["KeyGroupWrite"]) -> list[list[FileRef]]:
         """:meth:`write_key_group` for many key groups at once; returns the new chains in job order.
@@ -505,139 +459,15 @@ class SnapshotStore:
         key groups are encoded on several threads (zstd and Arrow release the GIL). The first
         failing job raises; files already written are garbage for GC.
         """
-        jobs = [job if isinstance(job, KeyGroupWrite) else KeyGroupWrite(*job) for job in jobs]
-        out: list[list[FileRef] | None] = [None] * len(jobs)
-        groups: dict[tuple[str, str], list[int]] = {}
-        for i, job in enumerate(jobs):
-            groups.setdefault((job.operator, job.state), []).append(i)
-        parallel = self._io.object_store and len(jobs) > 1
-        pool = ThreadPoolExecutor(_REMOTE_ENCODERS, thread_name_prefix="abs-encode") if parallel else None
-        plan = functools.partial(self._plan_key_group, checkpoint_id)
-        step = _REMOTE_ENCODERS * 2 if parallel else 1
-        try:
-            for (operator, state), members in groups.items():
-                members.sort(key=lambda i: jobs[i].key_group)
-                pack: list[tuple[int, KeyGroupWrite, _Planned]] = []
-                size = 0
-                for at in range(0, len(members), step):
-                    batch = members[at:at + step]
-                    planned = list(pool.map(plan, [jobs[i] for i in batch])) if pool else [plan(jobs[batch[0]])]
-                    for i, p in zip(batch, planned):
-                        if isinstance(p, list):
-                            out[i] = p
-                            continue
-                        pack.append((i, jobs[i], p))
-                        size += p.encoded.size
-                        if size >= self.pack_limit:
-                            self._put_pack(checkpoint_id, operator, state, pack, out)
-                            pack, size = [], 0
-                if pack:
-                    self._put_pack(checkpoint_id, operator, state, pack, out)
-        finally:
-            if pool is not None:
-                pool.shutdown(wait=True)
-        return out  # type: ignore[return-value]
-
-    def _put_single(self, checkpoint_id: int, job: "KeyGroupWrite", planned: "_Planned") -> list[FileRef]:
-        path = StoragePaths.state_file(checkpoint_id, job.operator, job.state, job.key_group, planned.kind)
-        return planned.prefix + [self._put(path, planned.encoded, planned.kind, checkpoint_id)]
-
-    def _put_pack(self, checkpoint_id: int, operator: str, state: str,
-                  members: list[tuple[int, "KeyGroupWrite", "_Planned"]], out: list) -> None:
-        if len(members) == 1:
-            i, job, planned = members[0]
-            out[i] = self._put_single(checkpoint_id, job, planned)
-            return
-        path = StoragePaths.packed_file(checkpoint_id, operator, state)
-        offset = 0
-        refs = []
-        for i, job, planned in members:
-            enc = planned.encoded
-            refs.append(FileRef(path=path, kind=planned.kind, checkpoint_id=CheckpointId(checkpoint_id), rows=enc.rows,
-                                bytes=enc.size, checksum=enc.checksum, checksum_algorithm=enc.checksum_algorithm,
-                                offset=offset, key_group=job.key_group))
-            offset += enc.size
-        self._io.put(path, b"".join(planned.encoded.data for _, _, planned in members))
-        for (i, _, planned), ref in zip(members, refs):
-            out[i] = planned.prefix + [ref]
-
-    def _plan_key_group(self, checkpoint_id: int, job: "KeyGroupWrite") -> "list[FileRef] | _Planned":
-        """What :meth:`write_key_group` writes for ``job``: the new chain when nothing is to be
-        written, else the encoded file and the part of the old chain it extends."""
-        operator, state, key_group, prev_chain, delta = job[:5]
-        what = f"checkpoint {checkpoint_id}: {operator}/{state} key group {key_group}"
-        if callable(delta):
-            delta = delta()
-        delta = normalize_delta(delta, what=what)
-        self._check_key_group(key_group, what)
-        chain = list(prev_chain)
-        if chain:
-            problems = chain_problems(chain, operator=operator, state=state, key_group=key_group,
-                                      max_checkpoint_id=checkpoint_id)
-            if problems:
-                raise InvalidChainError(
-                    f"{what}: the previous chain is malformed ({problems[0][1]}); refusing to extend it; "
-                    "pass the chain returned by the previous write_key_group or the last complete manifest"
-                )
-        return self._carry_out(what, chain, job, delta)
-
-    def _carry_out(self, what: str, chain: list[FileRef], job: "KeyGroupWrite",
-                   delta: pa.Table) -> "list[FileRef] | _Planned":
-        """Learn the facts :func:`decide_chain` asks for (encoding, calling the writer's image),
-        then encode what it decides; the encoded files it asked about are reused."""
-        facts = CaptureFacts(rows=delta.num_rows, complete=job.complete, over_base=job.over_base is not None,
-                             has_image=job.image is not None)
-        encoded: dict[Fact, EncodedFile | None] = {}
-        full: pa.Table | None = None
-        while True:
-            decision = decide_chain(self.policy, ChainFacts.of(chain, job.over_base), facts)
-            if isinstance(decision, ChainDecision):
-                break
-            fact = decision.fact
-            if fact is Fact.VALUES_IMAGE:
-                values = values_image(delta)
-                encoded[fact] = None if values is None else encode_table(values, "delta")
-                facts = facts.learn(fact, None if values is None else encoded[fact].size)  # type: ignore[union-attr]
-            elif fact is Fact.DELTA_BYTES:
-                encoded[fact] = encode_table(delta_for_file(delta), "delta")
-                facts = facts.learn(fact, encoded[fact].size)  # type: ignore[union-attr]
-            else:  # asked for only when the writer has an image
-                full = job.image() if job.image is not None else None
-                facts = facts.learn(fact, full is not None)
-        action = decision.action
-        if action is ChainAction.KEEP:
-            return chain
-        if action is ChainAction.DROP:
-            return []  # a full image without rows: the key group holds no state any more
-        prefix = chain[:decision.keep]
-        if action is ChainAction.VALUES_IMAGE:
-            return _Planned("delta", encoded[Fact.VALUES_IMAGE], prefix)  # type: ignore[arg-type]
-        if action is ChainAction.DELTA:
-            return _Planned("delta", encoded[Fact.DELTA_BYTES], prefix)  # type: ignore[arg-type]
-        if action is ChainAction.BASE:
-            return _Planned("base", self._encode_base(delta), prefix)
-        if action is ChainAction.COMPACT_FROM_IMAGE:  # decided only once the image exists
-            full = normalize_delta(full, what=f"{what} (full image)")  # type: ignore[arg-type]
-            return _Planned("base", self._encode_base(full), prefix)
-        tables = self._read_files(chain) + [delta]
-        try:
-            base = resolve_chain(tables, first_is_base=True)
-        except DeltaSchemaError as exc:
-            raise DeltaSchemaError(f"{what}: {exc}") from exc
-        return _Planned("base", encode_table(base, "base"), prefix)
+        return self._writer.write_key_groups(checkpoint_id, jobs)
 
     def write_operator_state(self, checkpoint_id: int, operator: str, subtask: int, table: pa.Table) -> FileRef:
         """Write the operator (non-keyed) state of one subtask."""
-        if not isinstance(table, pa.Table):
-            raise DeltaSchemaError(f"checkpoint {checkpoint_id}: operator state of {operator}[{subtask}] must be a pyarrow.Table")
-        path = StoragePaths.opstate_file(checkpoint_id, operator, SubtaskIndex(subtask))
-        return self._write_table(path, table, "opstate", checkpoint_id)
+        return write_operator_state(self._io, checkpoint_id, operator, subtask, table)
 
     def write_channel_log(self, checkpoint_id: int, task: str, table: pa.Table) -> FileRef:
         """Write the in-flight records a task logged on its back-edges for this checkpoint."""
-        if not isinstance(table, pa.Table):
-            raise DeltaSchemaError(f"checkpoint {checkpoint_id}: channel log of {task} must be a pyarrow.Table")
-        return self._write_table(StoragePaths.channel_file(checkpoint_id, task), table, "channel", checkpoint_id)
+        return write_channel_log(self._io, checkpoint_id, task, table)
 
     def commit(self, manifest: Manifest) -> Manifest:
         """Make checkpoint ``manifest.checkpoint_id`` complete by writing its manifest atomically.
@@ -676,55 +506,23 @@ class SnapshotStore:
             self._manifests[path] = stored
         return stored
 
+    # internal hooks for storage.savepoint, recovery and tests: write a file as is
+    def _put(self, path: str, encoded: EncodedFile, kind: FileKind, checkpoint_id: int) -> FileRef:
+        return put_file(self._io, path, encoded, kind, checkpoint_id)
+
+    def _write_table(self, path: str, table: pa.Table, kind: FileKind, checkpoint_id: int) -> FileRef:
+        return write_table(self._io, path, table, kind, checkpoint_id)
+
     # ================================================================== reading
     def read_bytes(self, ref: FileRef, *, checkpoint_id: int | None = None) -> bytes:
         """The raw bytes of a referenced file (or range of a packed file), after checking its
         size and checksum."""
-        try:
-            data = self._io.get(ref.path) if ref.offset is None else self._io.get_range(ref.path, ref.offset, ref.bytes)
-        except FileNotFoundError:
-            raise MissingFileError(
-                f"{self._whose(ref, checkpoint_id)} is missing; the checkpoint cannot be restored; {_RESTORE_HINT}"
-            ) from None
-        if len(data) != ref.bytes:
-            if ref.offset is not None:
-                try:
-                    real = f"{self._io.size(ref.path)} bytes"
-                except (FileNotFoundError, StorageError):
-                    real = "fewer bytes"
-                raise CorruptFileError(
-                    f"{self._whose(ref, checkpoint_id)} has {real}, but the manifest's range of key group "
-                    f"{ref.key_group} [{ref.offset}, {ref.offset + ref.bytes}) points past its end (torn or truncated "
-                    f"write, or a corrupt manifest); the checkpoint cannot be restored; {_RESTORE_HINT}"
-                )
-            raise CorruptFileError(
-                f"{self._whose(ref, checkpoint_id)} has {len(data)} bytes, the manifest says {ref.bytes} "
-                f"(torn or altered write); the checkpoint cannot be restored; {_RESTORE_HINT}"
-            )
-        if checksum_hex(data, ref.checksum_algorithm) != ref.checksum:
-            part = f": key group {ref.key_group}'s range [{ref.offset}, {ref.offset + ref.bytes})" \
-                if ref.offset is not None else ""
-            raise CorruptFileError(
-                f"{self._whose(ref, checkpoint_id)}{part} fails its {ref.checksum_algorithm} checksum; "
-                f"the file is corrupt; {_RESTORE_HINT}"
-            )
-        return data
+        return self._reader.read_bytes(ref, checkpoint_id=checkpoint_id)
 
     def read_schema(self, ref: FileRef) -> pa.Schema:
         """The Arrow schema of a referenced file, from its first bytes (no checksum check, no
         decoding): cheap enough to tell a values image (no ``key`` column) from a delta."""
-        head = min(ref.bytes, _SCHEMA_PREFIX)
-        source = f"{self.url}: file {ref.where}"
-        try:
-            data = self._io.get_range(ref.path, ref.offset or 0, head)
-        except FileNotFoundError:
-            raise MissingFileError(f"{self._whose(ref, None)} is missing; {_RESTORE_HINT}") from None
-        try:
-            return stream_schema(data, source=source)
-        except CorruptFileError:
-            if head == ref.bytes:
-                raise
-        return stream_schema(self.read_bytes(ref), source=source)  # a schema message longer than the prefix
+        return self._reader.read_schema(ref)
 
     def values_images(self, manifest: Manifest, unreadable: list[str] | None = None) -> set[str]:
         """:attr:`FileRef.id` of every values image of ``manifest`` (format 4: the delta right
@@ -732,129 +530,31 @@ class SnapshotStore:
         manifest does not record it: the schema of each chain's second file is read. With
         ``unreadable``, a file whose schema cannot be read is appended to it (and counted as
         no values image) instead of raising."""
-        seconds = list({chain[1].id: chain[1] for states in manifest.keyed.values() for chains in states.values()
-                        for chain in chains.values() if len(chain) > 1 and chain[1].kind == "delta"}.values())
-
-        def is_image(ref: FileRef) -> bool | None:
-            try:
-                return KEY_COLUMN not in self.read_schema(ref).names
-            except StorageError:
-                if unreadable is None:
-                    raise
-                return None
-
-        if self._io.object_store and len(seconds) > 1:
-            with ThreadPoolExecutor(max_workers=_REMOTE_READERS, thread_name_prefix="abs-read") as pool:
-                flags = list(pool.map(is_image, seconds))
-        else:
-            flags = [is_image(ref) for ref in seconds]
-        if unreadable is not None:
-            unreadable.extend(ref.id for ref, flag in zip(seconds, flags) if flag is None)
-        return {ref.id for ref, flag in zip(seconds, flags) if flag}
-
-    def _whose(self, ref: FileRef, checkpoint_id: int | None) -> str:
-        """``<root>: checkpoint N: file P (written by checkpoint M)`` for error messages."""
-        who = f"checkpoint {checkpoint_id if checkpoint_id is not None else ref.checkpoint_id}"
-        origin = f" (written by checkpoint {ref.checkpoint_id})" if checkpoint_id not in (None, ref.checkpoint_id) else ""
-        return f"{self.url}: {who}: file {ref.path}{origin}"
+        return self._reader.values_images(manifest, unreadable)
 
     def read_file(self, ref: FileRef, *, checkpoint_id: int | None = None) -> pa.Table:
         """Read one file as a table (verified). Deltas keep their ``op`` column (absent when
         every row is an upsert)."""
-        return self._decode(ref, self.read_bytes(ref, checkpoint_id=checkpoint_id))
-
-    def _decode(self, ref: FileRef, data: bytes, columns: list[str] | None = None) -> pa.Table:
-        table = decode_table(data, source=f"{self.url}: file {ref.where}", columns=columns, limits=self.decode_limits)
-        if table.num_rows != ref.rows:
-            raise CorruptFileError(
-                f"{self.url}: file {ref.path} has {table.num_rows} rows, the manifest says {ref.rows}; "
-                f"the file or manifest is corrupt; {_RESTORE_HINT}"
-            )
-        return table
+        return self._reader.read_file(ref, checkpoint_id=checkpoint_id)
 
     def read_chain(self, chain: Sequence[FileRef], *, checkpoint_id: int | None = None) -> pa.Table:
-        """Resolve a key group's chain: ``key`` + value columns, one row per live key."""
-        chain = list(chain)
-        if not chain:
-            raise InvalidChainError("read_chain got an empty chain; pass a chain from a manifest")
-        loc = chain[0].location()
-        if loc.operator is None or loc.state is None or loc.key_group is None:
-            raise InvalidChainError(f"read_chain: {chain[0].path} is not a state file; pass a key group's chain")
-        problems = chain_problems(chain, operator=loc.operator, state=loc.state, key_group=loc.key_group)
-        if problems:
-            raise InvalidChainError(f"read_chain: malformed chain ({problems[0][1]}); pass a chain from a manifest")
-        data = self._fetch(chain, checkpoint_id=checkpoint_id)
-        rest = [self._decode(ref, d) for ref, d in zip(chain[1:], data[1:])]
-        if not (rest and is_values_image(rest[0])):
-            return resolve_chain([self._decode(chain[0], data[0]), *rest], first_is_base=True)
-        # under a values image the base's values are dead: its keys alone are decoded, and the
-        # image's columns are checked against the schema of the base's file
-        base = self._decode(chain[0], data[0], [KEY_COLUMN])
-        schema = stream_schema(data[0], source=f"{self.url}: file {chain[0].path}")
-        return resolve_chain([base, *rest], first_is_base=True, base_schema=schema)
-
-    def _read_files(self, refs: Sequence[FileRef], *, checkpoint_id: int | None = None) -> list[pa.Table]:
-        """:meth:`read_file` of each ref, in order (fetched as :meth:`_fetch` does)."""
-        return [self._decode(ref, d) for ref, d in zip(refs, self._fetch(refs, checkpoint_id=checkpoint_id))]
-
-    def _fetch(self, refs: Sequence[FileRef], *, checkpoint_id: int | None = None) -> list[bytes]:
-        """:meth:`read_bytes` of each ref, in order. From an object store the files are fetched
-        (and verified) concurrently: there a request's latency, not the bytes, dominates.
-        Local and in-memory files are read one after the other. The first failing file in
-        chain order raises."""
-        if len(refs) < 2 or not self._io.object_store:
-            return [self.read_bytes(ref, checkpoint_id=checkpoint_id) for ref in refs]
-        with ThreadPoolExecutor(max_workers=min(len(refs), _REMOTE_READERS), thread_name_prefix="abs-read") as pool:
-            return list(pool.map(lambda ref: self.read_bytes(ref, checkpoint_id=checkpoint_id), refs))
+        """Resolve a key group's chain: ``key`` + value columns, one row per live key.
+        From an object store the chain's files are fetched concurrently."""
+        return self._reader.read_chain(chain, checkpoint_id=checkpoint_id)
 
     def read_key_group(self, manifest: Manifest, operator: str, state: str, key_group: int) -> pa.Table:
         """Resolved state of one key group at ``manifest``'s checkpoint."""
-        cid = manifest.checkpoint_id
-        chains = manifest.chains(operator, state)
-        if key_group not in chains:
-            raise StateNotFoundError(
-                f"checkpoint {cid}: {operator}/{state} has no chain for key group {key_group}; "
-                "the key group held no state at this checkpoint"
-            )
-        return self.read_chain(chains[key_group], checkpoint_id=cid)
+        return self._reader.read_key_group(manifest, operator, state, key_group)
 
     def iter_key_group(self, manifest: Manifest, operator: str, state: str, key_group: int) -> Iterator[pa.RecordBatch]:
         """:meth:`read_key_group` as record batches, decoded lazily where the chain allows it
         (a base alone: one batch at a time, so a reader that stops early decodes no more);
         a longer chain is resolved as a whole first."""
-        cid = manifest.checkpoint_id
-        chain = self.read_key_group_chain(manifest, operator, state, key_group)
-        if len(chain) > 1:
-            yield from self.read_chain(chain, checkpoint_id=cid).to_batches()
-            return
-        ref = chain[0]
-        problems = chain_problems(chain, operator=operator, state=state, key_group=key_group)
-        if problems:
-            raise InvalidChainError(f"checkpoint {cid}: malformed chain ({problems[0][1]}); {_RESTORE_HINT}")
-        data = self.read_bytes(ref, checkpoint_id=cid)
-        source = f"{self.url}: file {ref.where}"
-        if OP_COLUMN in stream_schema(data, source=source).names:  # a base of an old writer: resolve it
-            yield from self.read_chain(chain, checkpoint_id=cid).to_batches()
-            return
-        rows = 0
-        for batch in iter_batches(data, source=source, limits=self.decode_limits):
-            rows += batch.num_rows
-            if rows > ref.rows:
-                break
-            yield batch
-        if rows != ref.rows:
-            raise CorruptFileError(f"{self.url}: file {ref.where} has {'more than ' if rows > ref.rows else ''}{rows} "
-                                   f"rows, the manifest says {ref.rows}; the file or manifest is corrupt; {_RESTORE_HINT}")
+        return self._reader.iter_key_group(manifest, operator, state, key_group)
 
     def read_key_group_chain(self, manifest: Manifest, operator: str, state: str, key_group: int) -> list[FileRef]:
         """The chain of one key group; :class:`StateNotFoundError` names what exists."""
-        chains = manifest.chains(operator, state)
-        if key_group not in chains:
-            raise StateNotFoundError(
-                f"checkpoint {manifest.checkpoint_id}: {operator}/{state} has no chain for key group {key_group}; "
-                "the key group held no state at this checkpoint"
-            )
-        return list(chains[key_group])
+        return key_group_chain(manifest, operator, state, key_group)
 
     # ================================================================== verify
     def verify(self, checkpoint_id: int | None = None) -> VerifyReport:

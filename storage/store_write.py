@@ -1,0 +1,237 @@
+"""Writing a checkpoint's state files: key groups (each one's chain plan, then single or
+packed files), operator state and channel logs.
+
+For each key group, :func:`storage.chain_decision.decide_chain` decides what to write (keep
+the chain, drop it, a delta, a values image, a new base, or a compaction); this module learns
+the facts it asks for (encoded sizes, the writer's full image), encodes the file it decided
+on (a :class:`_Planned` file: the encoded bytes and the part of the old chain it extends), and
+writes the files: one per key group, or packed back to back into one file per (operator,
+state). Part of :class:`storage.store.SnapshotStore`, whose write methods build a
+:class:`KeyGroupWriter` with the store's current policy and pack limit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Literal, NamedTuple, Sequence
+
+import pyarrow as pa
+
+from .backend import RootIO
+from .chain_decision import CaptureFacts, ChainAction, ChainDecision, ChainFacts, Fact, decide_chain
+from .chains import CompactionPolicy, resolve_chain
+from .errors import DeltaSchemaError, InvalidChainError
+from .format import EncodedFile, delta_for_file, encode_table, normalize_delta, sort_by_key, values_image
+from .ids import CheckpointId, SubtaskIndex
+from .manifest import FileRef, chain_problems
+from .paths import FileKind, StoragePaths
+from .store_read import ChainReader
+
+__all__ = ["KeyGroupWrite", "KeyGroupWriter", "PACK_LIMIT", "put_file", "write_table",
+           "write_operator_state", "write_channel_log"]
+
+_REMOTE_ENCODERS = 8  # key groups encoded at once for an object store (zstd and Arrow release the GIL)
+PACK_LIMIT = 64 << 20
+"""A packed file is closed once it holds this many bytes (the last key group may cross it)."""
+
+
+class KeyGroupWrite(NamedTuple):
+    """One key group's changes for :meth:`SnapshotStore.write_key_groups` (the arguments of
+    :meth:`SnapshotStore.write_key_group`)."""
+
+    operator: str
+    state: str
+    key_group: int
+    prev_chain: Sequence[FileRef]
+    delta: "pa.Table | Callable[[], pa.Table]"
+    complete: bool = False
+    image: Callable[[], pa.Table | None] | None = None
+    over_base: FileRef | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Planned:
+    """A key group's file to be written: its chain is ``prefix + [the file]``."""
+
+    kind: Literal["base", "delta"]
+    encoded: EncodedFile
+    prefix: list[FileRef]
+
+
+def put_file(io: RootIO, path: str, encoded: EncodedFile, kind: FileKind, checkpoint_id: int) -> FileRef:
+    """Write an encoded file at ``path``; returns its reference."""
+    ref = FileRef(path=path, kind=kind, checkpoint_id=CheckpointId(checkpoint_id), rows=encoded.rows,
+                  bytes=encoded.size, checksum=encoded.checksum, checksum_algorithm=encoded.checksum_algorithm)
+    io.put(path, encoded.data)
+    return ref
+
+
+def write_table(io: RootIO, path: str, table: pa.Table, kind: FileKind, checkpoint_id: int) -> FileRef:
+    """Encode ``table`` as a file of ``kind`` and write it at ``path``."""
+    return put_file(io, path, encode_table(table, kind), kind, checkpoint_id)
+
+
+def write_operator_state(io: RootIO, checkpoint_id: int, operator: str, subtask: int, table: pa.Table) -> FileRef:
+    """:meth:`SnapshotStore.write_operator_state`."""
+    if not isinstance(table, pa.Table):
+        raise DeltaSchemaError(f"checkpoint {checkpoint_id}: operator state of {operator}[{subtask}] must be a pyarrow.Table")
+    path = StoragePaths.opstate_file(checkpoint_id, operator, SubtaskIndex(subtask))
+    return write_table(io, path, table, "opstate", checkpoint_id)
+
+
+def write_channel_log(io: RootIO, checkpoint_id: int, task: str, table: pa.Table) -> FileRef:
+    """:meth:`SnapshotStore.write_channel_log`."""
+    if not isinstance(table, pa.Table):
+        raise DeltaSchemaError(f"checkpoint {checkpoint_id}: channel log of {task} must be a pyarrow.Table")
+    return write_table(io, StoragePaths.channel_file(checkpoint_id, task), table, "channel", checkpoint_id)
+
+
+def _encode_base(delta: pa.Table) -> EncodedFile:
+    """A delta's live rows encoded as a base. Sorting first makes the usual case (unique
+    integer keys) resolve with one vectorized comparison instead of a distinct count."""
+    return encode_table(resolve_chain([sort_by_key(delta)], first_is_base=False), "base")
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyGroupWriter:
+    """Writes key groups into one root.
+
+    ``reader`` reads a chain back when it is compacted; ``check_key_group(key_group, what)``
+    refuses a key group outside the root's job.
+    """
+
+    io: RootIO
+    reader: ChainReader
+    policy: CompactionPolicy
+    pack_limit: int
+    check_key_group: Callable[[int, str], None]
+
+    def write_key_group(self, checkpoint_id: int, job: KeyGroupWrite) -> list[FileRef]:
+        """:meth:`SnapshotStore.write_key_group`: the new chain of one key group."""
+        planned = self._plan(checkpoint_id, job)
+        return planned if isinstance(planned, list) else self._put_single(checkpoint_id, job, planned)
+
+    def write_key_groups(self, checkpoint_id: int, jobs: Sequence[KeyGroupWrite]) -> list[list[FileRef]]:
+        """:meth:`SnapshotStore.write_key_groups`: the new chains in job order, the files of
+        one (operator, state) packed."""
+        jobs = [job if isinstance(job, KeyGroupWrite) else KeyGroupWrite(*job) for job in jobs]
+        out: list[list[FileRef] | None] = [None] * len(jobs)
+        groups: dict[tuple[str, str], list[int]] = {}
+        for i, job in enumerate(jobs):
+            groups.setdefault((job.operator, job.state), []).append(i)
+        parallel = self.io.object_store and len(jobs) > 1
+        pool = ThreadPoolExecutor(_REMOTE_ENCODERS, thread_name_prefix="abs-encode") if parallel else None
+        plan = functools.partial(self._plan, checkpoint_id)
+        step = _REMOTE_ENCODERS * 2 if parallel else 1
+        try:
+            for (operator, state), members in groups.items():
+                members.sort(key=lambda i: jobs[i].key_group)
+                pack: list[tuple[int, KeyGroupWrite, _Planned]] = []
+                size = 0
+                for at in range(0, len(members), step):
+                    batch = members[at:at + step]
+                    planned = list(pool.map(plan, [jobs[i] for i in batch])) if pool else [plan(jobs[batch[0]])]
+                    for i, p in zip(batch, planned):
+                        if isinstance(p, list):
+                            out[i] = p
+                            continue
+                        pack.append((i, jobs[i], p))
+                        size += p.encoded.size
+                        if size >= self.pack_limit:
+                            self._put_pack(checkpoint_id, operator, state, pack, out)
+                            pack, size = [], 0
+                if pack:
+                    self._put_pack(checkpoint_id, operator, state, pack, out)
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True)
+        return out  # type: ignore[return-value]
+
+    def _put_single(self, checkpoint_id: int, job: KeyGroupWrite, planned: _Planned) -> list[FileRef]:
+        path = StoragePaths.state_file(checkpoint_id, job.operator, job.state, job.key_group, planned.kind)
+        return planned.prefix + [put_file(self.io, path, planned.encoded, planned.kind, checkpoint_id)]
+
+    def _put_pack(self, checkpoint_id: int, operator: str, state: str,
+                  members: list[tuple[int, KeyGroupWrite, _Planned]], out: list) -> None:
+        if len(members) == 1:
+            i, job, planned = members[0]
+            out[i] = self._put_single(checkpoint_id, job, planned)
+            return
+        path = StoragePaths.packed_file(checkpoint_id, operator, state)
+        offset = 0
+        refs = []
+        for i, job, planned in members:
+            enc = planned.encoded
+            refs.append(FileRef(path=path, kind=planned.kind, checkpoint_id=CheckpointId(checkpoint_id), rows=enc.rows,
+                                bytes=enc.size, checksum=enc.checksum, checksum_algorithm=enc.checksum_algorithm,
+                                offset=offset, key_group=job.key_group))
+            offset += enc.size
+        self.io.put(path, b"".join(planned.encoded.data for _, _, planned in members))
+        for (i, _, planned), ref in zip(members, refs):
+            out[i] = planned.prefix + [ref]
+
+    def _plan(self, checkpoint_id: int, job: KeyGroupWrite) -> list[FileRef] | _Planned:
+        """What :meth:`write_key_group` writes for ``job``: the new chain when nothing is to be
+        written, else the encoded file and the part of the old chain it extends."""
+        operator, state, key_group, prev_chain, delta = job[:5]
+        what = f"checkpoint {checkpoint_id}: {operator}/{state} key group {key_group}"
+        if callable(delta):
+            delta = delta()
+        delta = normalize_delta(delta, what=what)
+        self.check_key_group(key_group, what)
+        chain = list(prev_chain)
+        if chain:
+            problems = chain_problems(chain, operator=operator, state=state, key_group=key_group,
+                                      max_checkpoint_id=checkpoint_id)
+            if problems:
+                raise InvalidChainError(
+                    f"{what}: the previous chain is malformed ({problems[0][1]}); refusing to extend it; "
+                    "pass the chain returned by the previous write_key_group or the last complete manifest"
+                )
+        return self._carry_out(what, chain, job, delta)
+
+    def _carry_out(self, what: str, chain: list[FileRef], job: KeyGroupWrite,
+                   delta: pa.Table) -> list[FileRef] | _Planned:
+        """Learn the facts :func:`decide_chain` asks for (encoding, calling the writer's image),
+        then encode what it decides; the encoded files it asked about are reused."""
+        facts = CaptureFacts(rows=delta.num_rows, complete=job.complete, over_base=job.over_base is not None,
+                             has_image=job.image is not None)
+        encoded: dict[Fact, EncodedFile | None] = {}
+        full: pa.Table | None = None
+        while True:
+            decision = decide_chain(self.policy, ChainFacts.of(chain, job.over_base), facts)
+            if isinstance(decision, ChainDecision):
+                break
+            fact = decision.fact
+            if fact is Fact.VALUES_IMAGE:
+                values = values_image(delta)
+                encoded[fact] = None if values is None else encode_table(values, "delta")
+                facts = facts.learn(fact, None if values is None else encoded[fact].size)  # type: ignore[union-attr]
+            elif fact is Fact.DELTA_BYTES:
+                encoded[fact] = encode_table(delta_for_file(delta), "delta")
+                facts = facts.learn(fact, encoded[fact].size)  # type: ignore[union-attr]
+            else:  # asked for only when the writer has an image
+                full = job.image() if job.image is not None else None
+                facts = facts.learn(fact, full is not None)
+        action = decision.action
+        if action is ChainAction.KEEP:
+            return chain
+        if action is ChainAction.DROP:
+            return []  # a full image without rows: the key group holds no state any more
+        prefix = chain[:decision.keep]
+        if action is ChainAction.VALUES_IMAGE:
+            return _Planned("delta", encoded[Fact.VALUES_IMAGE], prefix)  # type: ignore[arg-type]
+        if action is ChainAction.DELTA:
+            return _Planned("delta", encoded[Fact.DELTA_BYTES], prefix)  # type: ignore[arg-type]
+        if action is ChainAction.BASE:
+            return _Planned("base", _encode_base(delta), prefix)
+        if action is ChainAction.COMPACT_FROM_IMAGE:  # decided only once the image exists
+            full = normalize_delta(full, what=f"{what} (full image)")  # type: ignore[arg-type]
+            return _Planned("base", _encode_base(full), prefix)
+        tables = self.reader.read_files(chain) + [delta]
+        try:
+            base = resolve_chain(tables, first_is_base=True)
+        except DeltaSchemaError as exc:
+            raise DeltaSchemaError(f"{what}: {exc}") from exc
+        return _Planned("base", encode_table(base, "base"), prefix)
