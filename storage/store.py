@@ -1,51 +1,49 @@
-"""``SnapshotStore``: the snapshot root as the runtime, recovery and the CLI see it."""
+"""``SnapshotStore``: the snapshot root as the runtime, recovery and the CLI see it.
+
+The one public class of the storage layer's I/O. It holds the root's parts and delegates
+each concept to the module that owns it:
+
+- opening a root (fsspec set-up) and the shared-root probe: :mod:`storage.store_root`;
+- the job fingerprint ``_job.json``: :mod:`storage.store_job` (:class:`JobRecord`);
+- manifests (listing, reading, the commit, ids, the commit record):
+  :mod:`storage.store_manifests` (:class:`ManifestCatalog`);
+- writing key groups (chain plan, single and packed files), operator state and channel
+  logs: :mod:`storage.store_write`;
+- reading verified files and resolving chains: :mod:`storage.store_read`;
+- GC (gathering, planning, executing): :mod:`storage.store_gc` over :mod:`storage.gc`;
+  pins: :mod:`storage.pins`;
+- savepoints: :mod:`storage.savepoint`; verification: :mod:`storage.verify`.
+"""
 from __future__ import annotations
 
-import dataclasses
-import json
-import threading
+import functools
 import time
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
-import fsspec
 import fsspec.core
 import pyarrow as pa
 from fsspec import AbstractFileSystem
 
 from .backend import RootIO, protocols_of
 from .chains import CompactionPolicy
-from .errors import (
-    CheckpointExistsError,
-    CheckpointNotFoundError,
-    CorruptManifestError,
-    FingerprintError,
-    InvalidPathError,
-    JobMismatchError,
-    MissingExtraError,
-    RootNotSharedError,
-    StorageConfigError,
-    StorageError,
-    UnsupportedFormatError,
-)
-from .extras import extra_for_url, missing_extra_message, missing_module
-from .format import DEFAULT_DECODE_LIMITS, WRITE_CHECKSUM_ALGORITHM, DecodeLimits, EncodedFile
-from .gc import GcPlan, plan_gc
-from .pins import DEFAULT_PIN_TTL, PinLease, PinRecord, read_pins
+from .errors import CheckpointNotFoundError, StorageError
+from .format import DEFAULT_DECODE_LIMITS, DecodeLimits, EncodedFile
+from .gc import GcPlan
 from .ids import CheckpointId
-from .manifest import FORMAT_VERSION, MAX_INT, MAX_MANIFEST_BYTES, FileRef, Manifest, manifest_problems, parse_json_document
-from .paths import FileKind, StoragePaths, new_token
+from .manifest import FileRef, Manifest
+from .paths import FileKind, StoragePaths
+from .pins import DEFAULT_PIN_TTL, PinLease, PinRecord, read_pins
 from .savepoint import take_savepoint
-from .stats import storage_stats
+from .store_gc import execute_gc, plan_root_gc, run_gc
+from .store_job import JobRecord
+from .store_manifests import ManifestCatalog, next_checkpoint_id, record_committed, recorded_committed
 from .store_read import ChainReader, key_group_chain
+from .store_root import check_probe, delete_probe, open_root, write_probe
 from .store_write import (PACK_LIMIT, KeyGroupWrite, KeyGroupWriter, put_file, write_channel_log, write_operator_state,
                           write_table)
 from .verify import VerifyReport, check_files, lineage_problems, structural_problems
 
 __all__ = ["KeyGroupWrite", "SnapshotStore"]
-
-def _category(path: str) -> str | None:
-    parsed = StoragePaths.parse(path)
-    return None if parsed is None else parsed.category
 
 
 class SnapshotStore:
@@ -62,9 +60,9 @@ class SnapshotStore:
         self.decode_limits = decode_limits
         self.pack_limit = PACK_LIMIT
         self._clock = clock
-        self._lock = threading.Lock()
-        self._manifests: dict[str, Manifest] = {}
-        self._job: dict[str, Any] | None = None
+        self._job = JobRecord(io)
+        self._catalog = ManifestCatalog(io)
+        self._manifests = self._catalog.cache  # the parsed manifests by path
 
     @property
     def _reader(self) -> ChainReader:
@@ -72,7 +70,7 @@ class SnapshotStore:
 
     @property
     def _writer(self) -> KeyGroupWriter:
-        return KeyGroupWriter(self._io, self._reader, self.policy, self.pack_limit, self._check_key_group)
+        return KeyGroupWriter(self._io, self._reader, self.policy, self.pack_limit, self._job.check_key_group)
 
     # ================================================================== opening
     @classmethod
@@ -98,33 +96,8 @@ class SnapshotStore:
         ``decode_limits``: how far one state file may expand when read (see
         :class:`storage.format.DecodeLimits`).
         """
-        if not isinstance(url, str) or not url:
-            raise StorageConfigError(f"snapshot root {url!r} is not a URL or path; pass e.g. /data/ckpt or s3://bucket/prefix")
-        options = dict(storage_options or {})
-        try:
-            if fs is None:
-                fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True, **options)
-            else:
-                root = fs._strip_protocol(url)
-        except (ValueError, TypeError, ImportError, KeyError) as exc:
-            extra = extra_for_url(url) if isinstance(exc, ImportError) else None
-            if extra is not None:  # s3:// without s3fs
-                raise MissingExtraError(missing_extra_message(f"snapshot root {url}", extra, missing_module(exc))) from exc
-            raise StorageConfigError(
-                f"{url}: cannot build a file system for this URL and storage options ({type(exc).__name__}: {exc}); "
-                "check the URL scheme and the storage options"
-            ) from exc
-        if isinstance(root, list):
-            raise StorageConfigError(f"{url}: names several paths; a snapshot root is one directory or prefix")
-        store = cls(RootIO(fs, root, url, fsync=fsync), policy=policy, clock=clock, decode_limits=decode_limits)
-        if check:
-            try:
-                store._io.list(StoragePaths.CHECKPOINTS_DIR)
-            except TypeError as exc:  # some clients validate options lazily, on first use
-                raise StorageConfigError(
-                    f"{url}: the storage options were rejected ({exc}); fix them (e.g. --storage-option key=value)"
-                ) from exc
-        return store
+        io = open_root(url, storage_options, fs=fs, fsync=fsync, check=check)
+        return cls(io, policy=policy, clock=clock, decode_limits=decode_limits)
 
     @property
     def url(self) -> str:
@@ -145,7 +118,7 @@ class SnapshotStore:
 
     def exists(self) -> bool:
         """True when the root holds a job fingerprint or any manifest."""
-        return self._io.exists(StoragePaths.JOB) or bool(self._manifest_paths())
+        return self._io.exists(StoragePaths.JOB) or bool(self._catalog.paths())
 
     def list_files(self) -> dict[str, int]:
         """Every file under the root: relative path -> size in bytes."""
@@ -159,27 +132,15 @@ class SnapshotStore:
         worker that does not find the token there does not see the driver's root (a relative
         or machine-local path on a cluster, another process's ``memory://``).
         """
-        token = new_token()
-        self._io.put(StoragePaths.probe(token), token.encode())
-        return token
+        return write_probe(self._io)
 
     def check_probe(self, token: str, *, who: str = "this process") -> None:
         """Raise :class:`RootNotSharedError` unless the probe ``token`` is readable here."""
-        try:
-            seen = self._io.get(StoragePaths.probe(token))
-        except FileNotFoundError:
-            seen = None
-        if seen != token.encode():
-            what = "is missing" if seen is None else "holds another token"
-            raise RootNotSharedError(
-                f"{who} does not see the snapshot root {self.url!r} the driver writes to (the driver's probe file "
-                f"{StoragePaths.probe(token)} {what} there); use storage that the driver and every worker share: "
-                "an object store URL (s3://bucket/prefix) or a path mounted at the same place on every host"
-            )
+        check_probe(self._io, token, who=who)
 
     def delete_probe(self, token: str) -> None:
         """Remove the probe file (idempotent)."""
-        self._io.delete(StoragePaths.probe(token))
+        delete_probe(self._io, token)
 
     # ================================================================== job fingerprint
     def init_job(self, fingerprint: Mapping[str, Any]) -> None:
@@ -189,158 +150,40 @@ class SnapshotStore:
         (operators, state descriptors) is stored as given by the first writer and not compared
         here. Raises :class:`JobMismatchError` when the root belongs to another job.
         """
-        if not isinstance(fingerprint, Mapping):
-            raise FingerprintError(f"job fingerprint must be a dict, got {type(fingerprint).__name__}")
-        doc = dict(fingerprint)
-        name = doc.get("job_name", doc.get("name"))
-        max_par = doc.get("max_parallelism")
-        if not isinstance(name, str) or not name:
-            raise FingerprintError(f"{self.url}: job fingerprint lacks a 'job_name' string; add it")
-        if not isinstance(max_par, int) or isinstance(max_par, bool) or max_par < 1:
-            raise FingerprintError(f"{self.url}: job fingerprint has max_parallelism={max_par!r}; pass an integer >= 1")
-        doc.update(job_name=name, max_parallelism=max_par, format_version=FORMAT_VERSION)
-        try:
-            data = json.dumps(doc, indent=1, sort_keys=True, allow_nan=False).encode()
-        except (TypeError, ValueError) as exc:
-            raise FingerprintError(f"{self.url}: job fingerprint is not JSON-serialisable ({exc}); use plain JSON values") from exc
-        try:
-            self._io.put_new(StoragePaths.JOB, data, StoragePaths.job_temp())
-        except FileExistsError:
-            existing = self.read_job()
-            if existing is None:  # deleted between our attempt and the read
-                raise CorruptManifestError(f"{self.url}: _job.json vanished while being checked; retry") from None
-            self._check_same_job(existing, name, max_par, FORMAT_VERSION)
-            with self._lock:
-                self._job = existing
-            return
-        with self._lock:
-            self._job = json.loads(data)
+        self._job.init(fingerprint)
 
     def read_job(self) -> dict[str, Any] | None:
         """The stored job fingerprint (``_job.json``), or ``None`` when the root is unclaimed."""
-        try:
-            raw = self._io.get_document(StoragePaths.JOB, MAX_MANIFEST_BYTES)
-        except FileNotFoundError:
-            return None
-        source = f"{self.url}: _job.json"
-        doc = parse_json_document(raw, source=source, what="_job.json")
-        fix = "the root's job fingerprint is corrupt; restore it from a backup or use another storage root"
-        if not isinstance(doc, dict):
-            raise CorruptManifestError(f"{source}: is not a JSON object; {fix}", reason="not a JSON object")
-        for name in ("format_version", "max_parallelism"):
-            value = doc.get(name)
-            if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= MAX_INT:
-                raise CorruptManifestError(f"{source}: {name} is out of range ({str(value)[:20]}...); {fix}",
-                                           reason=f"{name} out of range")
-        version = doc.get("format_version")
-        if isinstance(version, int) and version > FORMAT_VERSION:
-            raise UnsupportedFormatError(
-                f"{self.url}: _job.json has storage format version {version}, this toolkit reads up to "
-                f"{FORMAT_VERSION}; upgrade to a release that supports format version {version}"
-            )
-        return doc
-
-    def _check_same_job(self, existing: Mapping[str, Any], name: str, max_par: int, version: int) -> None:
-        """Refuse another job. A root created by an older format version this code reads
-        (``_job.json`` is written once) is the same job: its new manifests carry the new version."""
-        old = (existing.get("job_name"), existing.get("max_parallelism"), existing.get("format_version"))
-        old_version = old[2]
-        same_format = old_version == version or (
-            isinstance(old_version, int) and not isinstance(old_version, bool) and 1 <= old_version <= FORMAT_VERSION)
-        if old[:2] != (name, max_par) or not same_format:
-            raise JobMismatchError(
-                f"{self.url}: this storage root belongs to job {old[0]!r} (max_parallelism {old[1]}, format {old[2]}), "
-                f"but job {name!r} (max_parallelism {max_par}, format {version}) tried to use it; refusing to mix them; "
-                "use another storage root, or restore / re-key the existing job's snapshots"
-            )
-
-    def _known_job(self) -> dict[str, Any] | None:
-        """The job fingerprint, read once per store (``{}`` remembers an unclaimed root)."""
-        with self._lock:
-            job = self._job
-        if job is None:
-            job = self.read_job() or {}
-            with self._lock:
-                self._job = job
-        return job or None
+        return self._job.read()
 
     # ================================================================== ids and listing
     def next_checkpoint_id(self) -> CheckpointId:
         """1 + the highest checkpoint id named by any file in the root (manifests, temporaries,
         state, operator-state and channel files of crashed attempts): ids are never reused."""
-        highest = 0
-        for path in self._io.list():
-            parsed = StoragePaths.parse(path)
-            if parsed is not None and parsed.checkpoint_id is not None:
-                highest = max(highest, parsed.checkpoint_id)
-        return CheckpointId(highest + 1)
+        return next_checkpoint_id(self._io)
 
     def manifest_ids(self) -> list[CheckpointId]:
         """Ids of every manifest file under ``checkpoints/``, sorted, whether it parses or not
         (:meth:`list_checkpoints` lists only those that parse)."""
-        return sorted(CheckpointId(cid) for cid in self._manifest_paths())
+        return sorted(CheckpointId(cid) for cid in self._catalog.paths())
 
     def record_committed(self, checkpoint_id: int) -> None:
         """Note ``checkpoint_id`` in ``_committed.json`` as the newest checkpoint whose sinks
         may have published output. Written after its manifest, before the sinks are told; it
         outlives a deleted newest manifest, so that a restore can tell that output above the
         checkpoint it restores exists (see :meth:`recorded_committed`)."""
-        doc = {"checkpoint_id": int(checkpoint_id), "format_version": FORMAT_VERSION}
-        self._io.put(StoragePaths.COMMIT_RECORD, json.dumps(doc).encode())
+        record_committed(self._io, checkpoint_id)
 
     def recorded_committed(self) -> CheckpointId | None:
         """The id :meth:`record_committed` wrote last; ``None`` when there is no record.
         Raises :class:`CorruptManifestError` when the record does not parse."""
-        try:
-            raw = self._io.get_document(StoragePaths.COMMIT_RECORD, 1 << 12)
-        except FileNotFoundError:
-            return None
-        try:
-            cid = json.loads(raw)["checkpoint_id"]
-            if not isinstance(cid, int) or isinstance(cid, bool) or cid < 1:
-                raise ValueError(f"checkpoint_id {cid!r} is not an id >= 1")
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CorruptManifestError(
-                f"{self.url}: {StoragePaths.COMMIT_RECORD} does not parse ({exc}); the record of the newest "
-                "committed checkpoint is lost; delete the file once the root's checkpoints are known to be intact",
-                reason="commit record does not parse",
-            ) from exc
-        return CheckpointId(cid)
-
-    def _manifest_paths(self) -> dict[int, str]:
-        out = {}
-        for path in self._io.list(StoragePaths.CHECKPOINTS_DIR):
-            parsed = StoragePaths.parse(path)
-            if parsed is not None and parsed.category == "manifest":
-                assert parsed.checkpoint_id is not None
-                out[parsed.checkpoint_id] = path
-        return out
-
-    def _load_manifests(self, paths: Mapping[int, str]) -> tuple[dict[int, Manifest], dict[int, str]]:
-        """Parse the given manifests; returns (parsed by id, unreadable id -> reason)."""
-        parsed, errors = self._scan_manifests(paths)
-        return parsed, {cid: str(exc) for cid, exc in errors.items()}
-
-    def _scan_manifests(self, paths: Mapping[int, str]) -> tuple[dict[int, Manifest], dict[int, StorageError]]:
-        """Parse the given manifests; returns (parsed by id, id -> the error of those that do not
-        read: :class:`CorruptManifestError` or :class:`UnsupportedFormatError`)."""
-        parsed: dict[int, Manifest] = {}
-        bad: dict[int, StorageError] = {}
-        for cid, path in sorted(paths.items()):
-            try:
-                parsed[cid] = self._read_manifest_path(cid, path)
-            except (CorruptManifestError, UnsupportedFormatError) as exc:
-                bad[cid] = exc
-            except FileNotFoundError:
-                continue  # deleted by a concurrent GC
-        return parsed, bad
+        return recorded_committed(self._io)
 
     def list_manifests(self) -> dict[CheckpointId, "Manifest | StorageError"]:
         """Every manifest in the root by id, parsed, or the error it reads with
         (:class:`CorruptManifestError`: corrupt, not trusted; :class:`UnsupportedFormatError`:
         written by a newer format). For listings that must show corrupt checkpoints too."""
-        parsed, bad = self._scan_manifests(self._manifest_paths())
-        return {CheckpointId(cid): parsed.get(cid) or bad[cid] for cid in sorted({*parsed, *bad})}
+        return self._catalog.list_manifests()
 
     def list_checkpoints(self) -> list[CheckpointId]:
         """Ids of complete checkpoints (manifest exists and parses; savepoints included), sorted.
@@ -348,16 +191,7 @@ class SnapshotStore:
         Manifests of a newer format count as complete (reading them raises
         :class:`UnsupportedFormatError`); manifests that do not parse do not.
         """
-        out = []
-        for cid, path in sorted(self._manifest_paths().items()):
-            try:
-                self._read_manifest_path(cid, path)
-            except UnsupportedFormatError:
-                pass
-            except (CorruptManifestError, FileNotFoundError):
-                continue
-            out.append(CheckpointId(cid))
-        return out
+        return self._catalog.complete_ids()
 
     def latest_checkpoint(self) -> CheckpointId | None:
         ids = self.list_checkpoints()
@@ -365,42 +199,9 @@ class SnapshotStore:
 
     def read_manifest(self, checkpoint_id: int) -> Manifest:
         """The manifest of a complete checkpoint; :class:`CheckpointNotFoundError` if none."""
-        path = StoragePaths.manifest(checkpoint_id)
-        try:
-            return self._read_manifest_path(checkpoint_id, path)
-        except FileNotFoundError:
-            known = self.list_checkpoints()
-            raise CheckpointNotFoundError(
-                f"{self.url}: checkpoint {checkpoint_id} does not exist or is incomplete (no {path}); "
-                f"complete checkpoints: {known[-10:] if known else 'none'}; pick one of those"
-            ) from None
-
-    def _read_manifest_path(self, checkpoint_id: int, path: str) -> Manifest:
-        with self._lock:
-            cached = self._manifests.get(path)
-        if cached is not None:
-            return cached
-        source = f"{self.url}: checkpoint {checkpoint_id}: manifest {path}"
-        raw = self._io.get_document(path, MAX_MANIFEST_BYTES, source=source)
-        manifest = Manifest.from_json(raw, source=source)
-        if manifest.checkpoint_id != checkpoint_id:
-            raise CorruptManifestError(
-                f"{source}: records checkpoint id {manifest.checkpoint_id}; the manifest is corrupt or misplaced; "
-                "restore from another checkpoint", reason=f"records checkpoint id {manifest.checkpoint_id}"
-            )
-        with self._lock:
-            self._manifests[path] = manifest
-        return manifest
+        return self._catalog.read(checkpoint_id)
 
     # ================================================================== writing
-    def _check_key_group(self, key_group: int, what: str) -> None:
-        job = self._known_job()
-        if job is not None and not 0 <= key_group < int(job.get("max_parallelism", key_group + 1)):
-            raise InvalidPathError(
-                f"{what}: key group {key_group} is outside [0, {job['max_parallelism']}) of job {job.get('job_name')!r}; "
-                "compute key groups with the job's max_parallelism"
-            )
-
     def write_key_group(
         self,
         checkpoint_id: int,
@@ -477,34 +278,7 @@ class SnapshotStore:
         :class:`CheckpointExistsError` if the id exists, :class:`JobMismatchError` if the manifest
         is of another job than ``_job.json``, :class:`CorruptManifestError` if it is malformed.
         """
-        if not isinstance(manifest, Manifest):
-            raise TypeError(f"commit expects a Manifest, got {type(manifest).__name__}")
-        cid = manifest.checkpoint_id
-        problems = manifest_problems(manifest)
-        if problems:
-            path, message = problems[0]
-            raise CorruptManifestError(
-                f"checkpoint {cid}: refusing to commit a malformed manifest: {path + ': ' if path else ''}{message} "
-                f"({len(problems)} problem(s)); fix the chains the runtime hands in"
-            )
-        job = self._known_job()
-        if job is not None:
-            self._check_same_job(job, manifest.job_name, manifest.max_parallelism, FORMAT_VERSION)
-        stored = dataclasses.replace(manifest, format_version=FORMAT_VERSION,
-                                     stats={**manifest.stats, **storage_stats(manifest)})
-        path = StoragePaths.manifest(cid)
-        text, stored.checksum = stored._encode()
-        stored.checksum_algorithm = WRITE_CHECKSUM_ALGORITHM
-        try:
-            self._io.put_new(path, text.encode(), StoragePaths.manifest_temp(cid))
-        except FileExistsError:
-            raise CheckpointExistsError(
-                f"{self.url}: checkpoint {cid} already has a manifest ({path}); ids are never reused; "
-                "take the next id from next_checkpoint_id()"
-            ) from None
-        with self._lock:
-            self._manifests[path] = stored
-        return stored
+        return self._catalog.commit(manifest, self._job)
 
     # internal hooks for storage.savepoint, recovery and tests: write a file as is
     def _put(self, path: str, encoded: EncodedFile, kind: FileKind, checkpoint_id: int) -> FileRef:
@@ -562,7 +336,7 @@ class SnapshotStore:
         checksum, chains are well formed, every referenced file exists with its recorded size,
         checksum and row count, and each manifest follows its recorded predecessor where that is
         still here (see :mod:`storage.verify`)."""
-        paths = self._manifest_paths()
+        paths = self._catalog.paths()
         if checkpoint_id is not None:
             if checkpoint_id not in paths:
                 raise CheckpointNotFoundError(
@@ -570,13 +344,13 @@ class SnapshotStore:
                     f"manifests present: {sorted(paths)[-10:] or 'none'}; pick one of those"
                 )
             paths = {checkpoint_id: paths[checkpoint_id]}
-        manifests, unreadable = self._load_manifests(paths)
+        manifests, unreadable = self._catalog.load(paths)
         listing = self._io.list()
         problems = structural_problems(manifests, unreadable)
         predecessors = {m.lineage.previous_id for m in manifests.values() if m.lineage and m.lineage.previous_id}
         present = dict(manifests)
-        present.update(self._load_manifests({p: StoragePaths.manifest(p) for p in predecessors - set(manifests)
-                                             if StoragePaths.manifest(p) in listing})[0])
+        present.update(self._catalog.load({p: StoragePaths.manifest(p) for p in predecessors - set(manifests)
+                                           if StoragePaths.manifest(p) in listing})[0])
         problems.extend(lineage_problems(manifests, present))
         file_problems, files, nbytes = check_files(manifests, listing, self._io.get)
         problems.extend(file_problems)
@@ -608,24 +382,26 @@ class SnapshotStore:
         passes the checkpoint whose commit asked for it, so that ``in_flight`` (computed at
         that commit) still covers every pending checkpoint the plan must spare.
         """
-        listing = self._io.list()
-        paths = {}
-        for path in listing:
-            parsed = StoragePaths.parse(path)
-            if parsed is not None and parsed.category == "manifest":
-                assert parsed.checkpoint_id is not None
-                if as_of is None or parsed.checkpoint_id <= as_of:
-                    paths[parsed.checkpoint_id] = path
-        if as_of is not None and protect_newer_than is None:
-            protect_newer_than = as_of
-        manifests, errors = self._scan_manifests(paths)
-        pins, bad_pins = read_pins(self._io, (p for p in listing if p.startswith(StoragePaths.PINS_DIR + "/")))
-        return plan_gc(listing, manifests, retain=retain, in_flight=list(in_flight),
-                       protect_newer_than=protect_newer_than,
-                       unreadable={c: getattr(e, "reason", str(e)) for c, e in errors.items()
-                                   if not isinstance(e, UnsupportedFormatError)},
-                       newer_format={c: str(e) for c, e in errors.items() if isinstance(e, UnsupportedFormatError)},
-                       pins=pins, bad_pins=bad_pins, now=self._clock())
+        return plan_root_gc(self._io, self._catalog, self._clock, retain, in_flight, protect_newer_than, as_of=as_of)
+
+    def gc(
+        self,
+        retain: int,
+        in_flight: Iterable[FileRef | str] = (),
+        protect_newer_than: int | None = None,
+        *,
+        dry_run: bool = False,
+        as_of: int | None = None,
+    ) -> GcPlan:
+        """Plan and (unless ``dry_run``) execute a GC: data files first, manifests last, each
+        delete idempotent. Returns the plan. ``as_of``: see :meth:`plan_gc`."""
+        in_flight = list(in_flight)
+        plan = functools.partial(self.plan_gc, retain, in_flight, protect_newer_than, as_of=as_of)
+        return run_gc(self._io, self._catalog, plan, dry_run=dry_run)
+
+    def execute_gc(self, plan: GcPlan) -> None:
+        """Carry out a plan from :meth:`plan_gc` (idempotent)."""
+        execute_gc(self._io, self._catalog, plan)
 
     def pins(self) -> list[PinRecord]:
         """The pins of this root that read (live or expired; see :mod:`storage.pins`)."""
@@ -643,39 +419,6 @@ class SnapshotStore:
         who = holder or "pin"
         return PinLease(self._io, self._clock, first, last, ttl=ttl,
                         holder=f"{who} ({socket.gethostname()} pid {os.getpid()})")
-
-    def gc(
-        self,
-        retain: int,
-        in_flight: Iterable[FileRef | str] = (),
-        protect_newer_than: int | None = None,
-        *,
-        dry_run: bool = False,
-        as_of: int | None = None,
-    ) -> GcPlan:
-        """Plan and (unless ``dry_run``) execute a GC: data files first, manifests last, each
-        delete idempotent. Returns the plan. ``as_of``: see :meth:`plan_gc`."""
-        in_flight = list(in_flight)
-        plan = self.plan_gc(retain, in_flight, protect_newer_than, as_of=as_of)
-        if not dry_run and not plan.empty:
-            # a pin taken while this plan was made (e.g. by a savepoint in another process)
-            # is honoured if it shows up before the deletes start: plan again
-            now_pinned = {p for p in self._io.list(StoragePaths.PINS_DIR) if _category(p) == "pin"}
-            if now_pinned - set(plan.pins) - set(plan.delete_pins) - {p for p, _ in plan.bad_pins}:
-                plan = self.plan_gc(retain, in_flight, protect_newer_than, as_of=as_of)
-            self.execute_gc(plan)
-        return plan
-
-    def execute_gc(self, plan: GcPlan) -> None:
-        """Carry out a plan from :meth:`plan_gc` (idempotent)."""
-        for path in plan.delete_files:
-            self._io.delete(path)
-        for path in plan.delete_manifests:
-            self._io.delete(path)
-            with self._lock:
-                self._manifests.pop(path, None)
-        for path in plan.delete_pins:
-            self._io.delete(path)
 
     # ================================================================== savepoints
     def savepoint(
@@ -710,8 +453,7 @@ class SnapshotStore:
             )
         path = StoragePaths.manifest(checkpoint_id)
         self._io.delete(path)
-        with self._lock:
-            self._manifests.pop(path, None)
+        self._catalog.forget(path)
 
     # internal hooks for storage.savepoint
     def _copy_in(self, data: bytes, ref: FileRef, path: str, checkpoint_id: int) -> FileRef:
@@ -720,4 +462,3 @@ class SnapshotStore:
 
     def _now(self) -> float:
         return self._clock()
-

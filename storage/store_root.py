@@ -1,0 +1,78 @@
+"""Opening a snapshot root: the fsspec file system for a URL and its storage options, the
+errors of a bad URL or missing extra, and the probe that proves a root is shared.
+
+Part of :class:`storage.store.SnapshotStore`: :meth:`SnapshotStore.open` builds its
+:class:`RootIO` with :func:`open_root`; its probe methods call the functions here.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import fsspec.core
+from fsspec import AbstractFileSystem
+
+from .backend import RootIO
+from .errors import MissingExtraError, RootNotSharedError, StorageConfigError
+from .extras import extra_for_url, missing_extra_message, missing_module
+from .paths import StoragePaths, new_token
+
+__all__ = ["open_root", "write_probe", "check_probe", "delete_probe"]
+
+
+def open_root(url: str, storage_options: Mapping[str, Any] | None, *, fs: AbstractFileSystem | None,
+              fsync: bool, check: bool) -> RootIO:
+    """The :class:`RootIO` of ``url`` (see :meth:`SnapshotStore.open` for the arguments)."""
+    if not isinstance(url, str) or not url:
+        raise StorageConfigError(f"snapshot root {url!r} is not a URL or path; pass e.g. /data/ckpt or s3://bucket/prefix")
+    options = dict(storage_options or {})
+    try:
+        if fs is None:
+            fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True, **options)
+        else:
+            root = fs._strip_protocol(url)
+    except (ValueError, TypeError, ImportError, KeyError) as exc:
+        extra = extra_for_url(url) if isinstance(exc, ImportError) else None
+        if extra is not None:  # s3:// without s3fs
+            raise MissingExtraError(missing_extra_message(f"snapshot root {url}", extra, missing_module(exc))) from exc
+        raise StorageConfigError(
+            f"{url}: cannot build a file system for this URL and storage options ({type(exc).__name__}: {exc}); "
+            "check the URL scheme and the storage options"
+        ) from exc
+    if isinstance(root, list):
+        raise StorageConfigError(f"{url}: names several paths; a snapshot root is one directory or prefix")
+    io = RootIO(fs, root, url, fsync=fsync)
+    if check:
+        try:
+            io.list(StoragePaths.CHECKPOINTS_DIR)
+        except TypeError as exc:  # some clients validate options lazily, on first use
+            raise StorageConfigError(
+                f"{url}: the storage options were rejected ({exc}); fix them (e.g. --storage-option key=value)"
+            ) from exc
+    return io
+
+
+def write_probe(io: RootIO) -> str:
+    """:meth:`SnapshotStore.write_probe`: write a probe file with a fresh token; returns it."""
+    token = new_token()
+    io.put(StoragePaths.probe(token), token.encode())
+    return token
+
+
+def check_probe(io: RootIO, token: str, *, who: str) -> None:
+    """:meth:`SnapshotStore.check_probe`: :class:`RootNotSharedError` unless ``token`` reads here."""
+    try:
+        seen = io.get(StoragePaths.probe(token))
+    except FileNotFoundError:
+        seen = None
+    if seen != token.encode():
+        what = "is missing" if seen is None else "holds another token"
+        raise RootNotSharedError(
+            f"{who} does not see the snapshot root {io.url!r} the driver writes to (the driver's probe file "
+            f"{StoragePaths.probe(token)} {what} there); use storage that the driver and every worker share: "
+            "an object store URL (s3://bucket/prefix) or a path mounted at the same place on every host"
+        )
+
+
+def delete_probe(io: RootIO, token: str) -> None:
+    """:meth:`SnapshotStore.delete_probe`: remove the probe file (idempotent)."""
+    io.delete(StoragePaths.probe(token))
