@@ -1,19 +1,33 @@
-"""File references and checkpoint manifests, with their JSON form (format versions 1 to 5)."""
+"""Checkpoint manifests and their lineage, with their JSON form (format versions 1 to 5), and
+the structural checks of a manifest (pure).
+
+File references (:mod:`storage.file_ref`) and the bounded JSON documents with the manifest
+checksum (:mod:`storage.manifest_json`) live next door and are handed on from here.
+"""
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Literal, Mapping
+from typing import Any, Iterator, Literal
 
 from abscore.keygroups import MAX_MAX_PARALLELISM as _MAX_MAX_PARALLELISM
 
-from .errors import CorruptManifestError, InvalidPathError, StateNotFoundError, UnsupportedFormatError
-from .format import CHECKSUM_ALGORITHMS, WRITE_CHECKSUM_ALGORITHM, checksum_hex, is_checksum
-from .ids import CheckpointId, KeyGroup
-from .paths import FileKind, ParsedPath, StoragePaths, validate_relative_path
+from .checksums import WRITE_CHECKSUM_ALGORITHM, is_checksum
+from .errors import CorruptManifestError, StateNotFoundError, UnsupportedFormatError
+from .file_ref import KEYED_KINDS, FileRef
+from .ids import CheckpointId
+from .manifest_json import (
+    MAX_INT,
+    MAX_JSON_DEPTH,
+    MAX_MANIFEST_BYTES,
+    _short,
+    json_depth_exceeds,
+    manifest_checksum,
+    parse_json_document,
+)
+from .paths import StoragePaths
 
 __all__ = [
     "FORMAT_VERSION",
@@ -39,200 +53,11 @@ file (``offset``, ``key_group``). Version 4: the delta right after a chain's bas
 carries a checksum of its own content and a lineage; pins (``pins/``) hold checkpoints
 against GC. See ``storage/FORMAT.md``."""
 
-MAX_MANIFEST_BYTES = 256 << 20
-"""A manifest or ``_job.json`` larger than this is refused before it is parsed (bounded memory).
-A manifest of 32,768 key groups with chains of 10 files per state is about 80 MiB per state."""
-
-MAX_JSON_DEPTH = 64
-"""Deepest nesting of arrays and objects a manifest or ``_job.json`` may have (a manifest's own
-structure is 7 deep; source offsets, sink transactions and stats are the runtime's small JSON
-values)."""
-
-MAX_INT = (1 << 63) - 1
-"""Largest id, size, offset or row count a manifest may hold (a signed 64-bit integer)."""
-
-_CHECKSUM_KEYS = ("checksum", "checksum_algorithm")
-
 ManifestKind = Literal["checkpoint", "savepoint"]
-KEYED_KINDS = ("base", "delta")
-_FILE_KINDS = ("base", "delta", "opstate", "channel")
-
-
-@dataclass(frozen=True)
-class FileRef:
-    """A file of a snapshot as the manifest records it.
-
-    ``path`` is relative to the root (validated: relative POSIX, no ``..``, and its name must
-    match ``kind`` and ``checkpoint_id``); ``checksum`` is the lower-case hex digest of the
-    whole file with ``checksum_algorithm`` (``sha256`` in format 1 manifests, which do not name
-    it); ``bytes`` its size; ``rows`` the number of rows of the Arrow table in it.
-
-    A *range* of a packed file (``state/<op>/<state>/packed/...``) has ``offset`` and
-    ``key_group`` set: the key group's file is the ``bytes`` bytes at ``offset`` of ``path``,
-    and ``checksum`` covers exactly those bytes. Several references then share one ``path``;
-    :attr:`id` tells them apart.
-    """
-
-    path: str
-    kind: FileKind
-    checkpoint_id: CheckpointId
-    rows: int
-    bytes: int
-    checksum: str
-    checksum_algorithm: str = "sha256"
-    offset: int | None = None
-    key_group: int | None = None
-
-    def __post_init__(self) -> None:
-        validate_relative_path(self.path)
-        if self.kind not in _FILE_KINDS:
-            raise InvalidPathError(f"file {self.path}: kind {self.kind!r} is not one of {_FILE_KINDS}")
-        for name in ("checkpoint_id", "rows", "bytes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_INT:
-                raise InvalidPathError(f"file {self.path}: {name}={_short(value)} is not an integer in [0, 2**63)")
-        if self.checksum_algorithm not in CHECKSUM_ALGORITHMS:
-            raise InvalidPathError(
-                f"file {self.path}: checksum algorithm {self.checksum_algorithm!r} is not one of {sorted(CHECKSUM_ALGORITHMS)}"
-            )
-        if not is_checksum(self.checksum, self.checksum_algorithm):
-            raise InvalidPathError(f"file {self.path}: checksum {self.checksum!r} is not a {self.checksum_algorithm} hex digest")
-        if (self.offset is None) != (self.key_group is None):
-            raise InvalidPathError(
-                f"file {self.path}: offset={self.offset!r} and key_group={self.key_group!r}: a range of a packed file "
-                "has both, a file of its own neither; refusing the reference"
-            )
-        if self.offset is not None:
-            for name, top in (("offset", MAX_INT - self.bytes), ("key_group", _MAX_MAX_PARALLELISM - 1)):
-                value = getattr(self, name)
-                if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= top:
-                    raise InvalidPathError(f"file {self.path}: {name}={_short(value)} is not an integer in [0, {top}]")
-        parsed = StoragePaths.parse(self.path)
-        category = "packed" if self.packed else self.kind
-        if (parsed is None or parsed.category != category or parsed.checkpoint_id != self.checkpoint_id
-                or (self.packed and self.kind not in ("base", "delta"))):
-            what = f"packed file of checkpoint {self.checkpoint_id} holding a {self.kind}" if self.packed \
-                else f"{self.kind} file of checkpoint {self.checkpoint_id}"
-            raise InvalidPathError(f"file {self.path}: the name does not denote a {what}; refusing the reference")
-
-    @property
-    def packed(self) -> bool:
-        """Whether this is a range of a packed file rather than a file of its own."""
-        return self.offset is not None
-
-    @property
-    def id(self) -> str:
-        """Unique among a root's references: the path, plus ``#kg-NNNN`` for a range of a packed file."""
-        return self.path if self.key_group is None else StoragePaths.range_id(self.path, self.key_group)
-
-    @property
-    def where(self) -> str:
-        """The file, and for a range of a packed file the bytes of it (for messages and listings)."""
-        return self.path if self.offset is None else f"{self.path} bytes [{self.offset}, {self.offset + self.bytes})"
-
-    def location(self) -> ParsedPath:
-        """Operator / state / key group / subtask / task encoded in the path (the key group of a
-        range of a packed file comes from the reference)."""
-        parsed = StoragePaths.parse(self.path)
-        assert parsed is not None  # validated in __post_init__
-        if self.key_group is not None:
-            return dataclasses.replace(parsed, category=self.kind, key_group=KeyGroup(self.key_group))
-        return parsed
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {
-            "path": self.path,
-            "kind": self.kind,
-            "checkpoint_id": self.checkpoint_id,
-            "rows": self.rows,
-            "bytes": self.bytes,
-            "checksum": self.checksum,
-            "checksum_algorithm": self.checksum_algorithm,
-        }
-        if self.offset is not None:
-            out["offset"] = self.offset
-            out["key_group"] = self.key_group
-        return out
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "FileRef":
-        if not isinstance(data, Mapping):
-            raise InvalidPathError(f"file reference {data!r} is not an object")
-        missing = {"path", "kind", "checkpoint_id", "rows", "bytes", "checksum"} - set(data)
-        if missing:
-            raise InvalidPathError(f"file reference {data.get('path', '?')!r} lacks {sorted(missing)}")
-        return cls(
-            path=data["path"], kind=data["kind"], checkpoint_id=CheckpointId(data["checkpoint_id"]),
-            rows=data["rows"], bytes=data["bytes"], checksum=data["checksum"],
-            checksum_algorithm=data.get("checksum_algorithm", "sha256"),
-            offset=data.get("offset"), key_group=data.get("key_group"),
-        )
 
 
 def _now() -> float:
     return time.time()
-
-
-def _short(value: Any) -> str:
-    """``repr`` of a value for a message, cut (a hostile manifest may hold huge values)."""
-    text = repr(value)
-    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
-
-
-def json_depth_exceeds(value: Any, limit: int) -> bool:
-    """Whether arrays/objects nest deeper than ``limit`` in ``value`` (iterative: no recursion)."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: Any = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
-        if depth > limit:
-            return True
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-    return False
-
-
-def parse_json_document(raw: str | bytes, *, source: str, what: str = "manifest",
-                        max_bytes: int = MAX_MANIFEST_BYTES) -> Any:
-    """Parse a manifest or ``_job.json`` with bounded cost: refuse more than ``max_bytes``
-    bytes, nesting deeper than :data:`MAX_JSON_DEPTH`, and what does not parse, with one
-    :class:`CorruptManifestError` naming ``source``."""
-    verdict = ("the checkpoint is incomplete or corrupt; restore from another checkpoint" if what == "manifest"
-               else "the root's job fingerprint is corrupt; restore it from a backup or use another storage root")
-    if len(raw) > max_bytes:
-        raise CorruptManifestError(
-            f"{source}: {len(raw)} bytes, more than the {max_bytes} a {what} may have; refusing to parse it; {verdict}",
-            reason=f"larger than {max_bytes} bytes")
-    try:
-        data = json.loads(raw)
-    except RecursionError:
-        data = None
-        deep = True
-    except (ValueError, UnicodeDecodeError) as exc:
-        reason = str(exc)[:200]
-        raise CorruptManifestError(f"{source}: does not parse as JSON ({reason}); {verdict}",
-                                   reason="does not parse as JSON") from None
-    else:
-        deep = json_depth_exceeds(data, MAX_JSON_DEPTH)
-    if deep:
-        raise CorruptManifestError(
-            f"{source}: arrays or objects nest deeper than {MAX_JSON_DEPTH} levels; refusing to read it; {verdict}",
-            reason=f"nested deeper than {MAX_JSON_DEPTH} levels")
-    return data
-
-
-def manifest_checksum(data: Mapping[str, Any], algorithm: str = WRITE_CHECKSUM_ALGORITHM) -> str:
-    """The checksum of a manifest: ``algorithm`` over its canonical encoding (UTF-8 of
-    ``json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
-    allow_nan=False)`` of the parsed document without its ``checksum`` and
-    ``checksum_algorithm`` keys)."""
-    body = {k: v for k, v in data.items() if k not in _CHECKSUM_KEYS}
-    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
-    return checksum_hex(text.encode("ascii"), algorithm)
 
 
 @dataclass(frozen=True)
