@@ -5,7 +5,8 @@ root ``abs.AbsError``), so code (and the ``abs-snapshot`` CLI) that already hand
 errors handles these too. :class:`ParallelismError` is the floor's error of the key-group
 math (:mod:`abscore.keygroups`), handed on here: it is a ``ConfigError``, not a
 :class:`RecoveryError`. Every class states its cause and its remedy; messages name the object
-(root, checkpoint, operator, file) and end with a verdict and an action.
+(root, checkpoint, operator, file) and end with a verdict and an action. The errors of the
+offline rewrites (:mod:`recovery.rewrite`, :mod:`recovery.spark`) close the module.
 
 This module must not import ``abs``, nor the rest of ``recovery`` (:mod:`recovery.report`
 imports it).
@@ -15,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from abscore.errors import ParallelismError
-from storage.errors import StorageError
+from storage.errors import StorageConfigError, StorageError
 
 __all__ = [
     "RecoveryError",
@@ -24,6 +25,13 @@ __all__ = [
     "NoUsableCheckpointError",
     "FingerprintFormatError",
     "ParallelismError",
+    "RewriteError",
+    "RewriteInputError",
+    "DestinationNotEmptyError",
+    "ExecutorStorageError",
+    "SparkNotInstalledError",
+    "MaxParallelismError",
+    "UnpickleRefusedError",
 ]
 
 
@@ -98,4 +106,50 @@ class FingerprintFormatError(RecoveryError, ValueError):
     [descriptor, ...]}]}``.
 
     Remedy: pass the dict returned by ``Dataflow.fingerprint()`` (``json.dump`` it for the CLI).
+    """
+
+
+# ============================================================================ offline rewrites
+class RewriteError(RecoveryError):
+    """An offline rewrite (compact / re-key) failed while reading, re-hashing or writing
+    state: a key stored in the wrong key group, key groups whose schemas cannot be merged, a
+    Spark task that failed. Nothing was committed: the destination holds no manifest.
+
+    Remedy: the message names the file, state or key; fix the source (or restore from another
+    checkpoint), delete the destination and run again.
+    """
+
+
+class RewriteInputError(RewriteError, StorageConfigError):
+    """The rewrite was asked for something it cannot do (bad arguments); nothing was written."""
+
+
+class DestinationNotEmptyError(RewriteInputError):
+    """The destination already holds files (or is the source root). Remedy: pass a new, empty
+    directory or prefix; ``abs-snapshot savepoint`` without ``--spark`` adds a savepoint to an
+    existing root of the same job."""
+
+
+class ExecutorStorageError(RewriteInputError):
+    """A root the Spark executors cannot reach (``memory://`` lives inside one process).
+    Remedy: use a path or URL every executor can open (local disk for ``local[*]``, S3, ...),
+    or the in-process commands (without ``--spark``)."""
+
+
+class SparkNotInstalledError(RewriteInputError):
+    """``--spark`` was given but pyspark cannot be imported. Remedy: ``pip install
+    'abs-snapshots[spark]'`` (and Java 17) in this Python, or run without ``--spark``."""
+
+
+class MaxParallelismError(RewriteInputError, ParallelismError):
+    """The new ``max_parallelism`` of a re-key is not an integer in ``[1, 32768]``."""
+
+
+class UnpickleRefusedError(RewriteInputError):
+    """A re-key met a state whose keys are pickled: hashing them again means unpickling them,
+    which runs code from the snapshot, and the caller did not allow it. Nothing was written
+    that a restore could see (no manifest).
+
+    Remedy: if you trust the root, pass ``--unpickle`` (CLI) or ``unpickle=True`` (Python);
+    otherwise do not re-key it. Compaction and savepoints never unpickle.
     """

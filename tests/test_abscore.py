@@ -230,7 +230,7 @@ def test_every_exported_error_class_derives_from_the_one_root():
     for name in ("abscore.errors.AbsError", "storage.errors.StorageError", "recovery.errors.RecoveryError",
                  "storage.errors.CorruptFileError", "recovery.errors.IncompatibleSnapshotError",
                  "abs.errors.JobFailedError", "abscore.errors.ParallelismError",
-                 "recovery.rewrite.MaxParallelismError"):
+                 "recovery.errors.MaxParallelismError"):
         assert name in classes, f"{name} is not exported"
     outside = sorted(name for name, cls in classes.items() if not issubclass(cls, AbsError) and name not in INTERNAL)
     assert outside == [], f"exported errors outside abs.AbsError: {outside}"
