@@ -10,7 +10,7 @@ garbled is *skipped with a reason*, never passed over in silence.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Literal, Mapping, Union
+from typing import Literal, Mapping, Union
 
 from storage import CheckpointId, SnapshotStore
 from storage.errors import CheckpointNotFoundError, CorruptManifestError
