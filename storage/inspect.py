@@ -224,6 +224,27 @@ def _state_lines(st: str, chains: dict[int, list[FileRef]], images: set[str], *,
     return out
 
 
+def _ranges(kgs: Sequence[int]) -> str:
+    parts: list[str] = []
+    for kg in kgs:
+        if parts and parts[-1][1] == kg - 1:
+            parts[-1][1] = kg
+        else:
+            parts.append([kg, kg])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in parts) or "-"
+
+
+def _assignment_line(m: Manifest) -> str:
+    """The owner of each key group when the checkpoint was taken."""
+    if m.assignment is None:
+        p = m.stats.get("parallelism")
+        return ("key-group assignment: contiguous ranges" + (f" of parallelism {p}" if isinstance(p, int) else ""))
+    owners = m.assignment
+    per = "; ".join(f"subtask {w}: {_ranges([kg for kg, o in enumerate(owners) if o == w])}"
+                    for w in range(max(owners) + 1))
+    return f"key-group assignment (moved by live reconfiguration): {per}"
+
+
 def show_lines(manifest: Manifest, *, files: bool = False, key_groups: bool = False,
                values_images: set[str] | None = None, unreadable: Sequence[str] = ()) -> list[str]:
     """A checkpoint summarised per operator and state (human units); ``key_groups`` adds a
@@ -236,6 +257,7 @@ def show_lines(manifest: Manifest, *, files: bool = False, key_groups: bool = Fa
         f"checkpoint {m.checkpoint_id} ({m.kind}{', pinned' if m.pinned else ''}) of job {m.job_name!r}, "
         f"max_parallelism {m.max_parallelism}, created {_iso(m.created_at)}, format {m.format_version}",
         *_stats_lines(m.stats),
+        _assignment_line(m),
     ]
     n_states = sum(len(states) for states in m.keyed.values())
     out.append(f"keyed state: {len(m.keyed)} operator(s), {n_states} state(s)" if m.keyed else "keyed state: none")

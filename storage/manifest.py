@@ -116,6 +116,9 @@ class Manifest:
     - ``source_offsets[operator][split_id]`` and ``sink_transactions[operator]``: JSON values.
     - ``stats``: free-form JSON; :meth:`SnapshotStore.commit` adds the storage figures
       (see :func:`storage.stats.storage_stats`).
+    - ``assignment``: the subtask that owned each key group when the checkpoint was taken,
+      when live reconfiguration had moved key groups (``None``: the contiguous ranges of
+      the job's parallelism). Optional; readers that do not know it ignore it.
     """
 
     checkpoint_id: CheckpointId
@@ -132,6 +135,7 @@ class Manifest:
     sink_transactions: dict[str, Any] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict)
     lineage: Lineage | None = None
+    assignment: tuple[int, ...] | None = None
     checksum: str | None = field(default=None, compare=False)
     """The manifest's own checksum as stored (set when read or committed; ``None`` for a
     manifest not yet committed and for manifests of format 4 and older)."""
@@ -205,6 +209,8 @@ class Manifest:
         }
         if self.lineage is not None:
             out["lineage"] = self.lineage.to_dict()
+        if self.assignment is not None:
+            out["assignment"] = list(self.assignment)
         return out
 
     def to_json(self, algorithm: str = WRITE_CHECKSUM_ALGORITHM) -> str:
@@ -350,6 +356,12 @@ class Manifest:
         if not isinstance(job_name, str):
             raise ValueError(f"job_name {_short(job_name)} is not a string")
         lineage = None if data.get("lineage") is None else Lineage.from_dict(data["lineage"])
+        assignment = data.get("assignment")
+        if assignment is not None:
+            if (not isinstance(assignment, list) or len(assignment) != max_par
+                    or not all(type(w) is int and 0 <= w < max_par for w in assignment)):
+                raise ValueError(f"assignment is not a list of {max_par} subtask indexes (one per key group)")
+            assignment = tuple(assignment)
         return cls(
             format_version=data["format_version"],
             checkpoint_id=CheckpointId(cid),
@@ -365,6 +377,7 @@ class Manifest:
             sink_transactions=data.get("sink_transactions", {}),
             stats=data.get("stats", {}),
             lineage=lineage,
+            assignment=assignment,
         )
 
 

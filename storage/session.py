@@ -228,10 +228,11 @@ class CheckpointSession:
     @staticmethod
     def manifest(checkpoint_id: int, acks: Iterable[Mapping[str, Any]], *, job_name: str,
                  max_parallelism: int, stats: Mapping[str, Any] | None = None,
-                 lineage: Lineage | None = None) -> Manifest:
+                 lineage: Lineage | None = None, assignment: Sequence[int] | None = None) -> Manifest:
         """The manifest of checkpoint ``checkpoint_id`` from the acks of its tasks (see
-        :func:`merge_acks`), to be committed with :meth:`SnapshotStore.commit`."""
+        :func:`merge_acks`), to be committed with :meth:`SnapshotStore.commit`; ``assignment``:
+        the owner of each key group when live reconfiguration had moved some."""
         keyed, offsets, sinks = merge_acks(acks)
         return Manifest(checkpoint_id=checkpoint_id, job_name=job_name, max_parallelism=max_parallelism,  # type: ignore[arg-type]
                         keyed=keyed, source_offsets=offsets, sink_transactions=sinks, stats=dict(stats or {}),
-                        lineage=lineage)
+                        lineage=lineage, assignment=None if assignment is None else tuple(assignment))

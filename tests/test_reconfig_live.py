@@ -14,6 +14,7 @@ import pyarrow as pa
 import pytest
 
 import abs
+import abs.reconfig.plan
 from abs.keygroups import key_group
 from abs.faults import Fault
 from abs.reconfig import Assignment
@@ -107,6 +108,18 @@ def test_moves_during_checkpoints_keep_every_count_and_checkpoint_exact(tmp_path
         t = store.read_key_group(manifest, "count", "n", kg)
         got.update(zip(t.column("key").to_pylist(), t.column("value").to_pylist()))
     assert got == dict(collections.Counter(i % NUM_KEYS for i in range(TOTAL)))
+    # its manifest records where each key group was, and abs-snapshot show says so
+    assert manifest.assignment == job.assignment().owners != Assignment.initial(M, 2).owners
+    from storage.inspect import show_lines
+
+    line = next(x for x in show_lines(manifest) if x.startswith("key-group assignment"))
+    assert line == ("key-group assignment (moved by live reconfiguration): "
+                    f"subtask 0: {_ranges(job.assignment().key_groups_of(0))}; "
+                    f"subtask 1: {_ranges(job.assignment().key_groups_of(1))}")
+
+
+def _ranges(kgs):
+    return abs.reconfig.plan._ranges(kgs)
 
 
 def test_bad_requests_are_refused_and_change_nothing(tmp_path):

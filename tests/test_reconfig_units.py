@@ -172,3 +172,22 @@ def test_the_routing_switches_exactly_at_the_marker():
     assert not moving_keys & set(after0)  # after it: never the old owner
     assert moving_keys <= set(after1) and not moving_keys & set(before1)
     assert sorted(after1) == keys  # worker 1 owns every key group after the step
+
+
+# ----------------------------------------------------------------------------- manifests
+def test_a_manifest_records_the_assignment_and_refuses_a_malformed_one():
+    import json
+
+    from storage import Manifest
+    from storage.errors import CorruptManifestError
+
+    owners = tuple([1] * 8 + [0] * 8)
+    m = Manifest(checkpoint_id=3, job_name="j", max_parallelism=M, assignment=owners)
+    back = Manifest.from_json(m.to_json())
+    assert back.assignment == owners
+    assert Manifest.from_json(Manifest(checkpoint_id=3, job_name="j", max_parallelism=M).to_json()).assignment is None
+    doc = json.loads(m.to_json())
+    doc.pop("checksum", None), doc.pop("checksum_algorithm", None)
+    doc["assignment"] = [0] * 3
+    with pytest.raises(CorruptManifestError, match="assignment is not a list of 16 subtask indexes"):
+        Manifest.from_dict(doc)

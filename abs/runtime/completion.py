@@ -50,6 +50,7 @@ class CheckpointCompletion:
                 "mode": self.config.mode,
             },
             lineage=Lineage.following(self.run_id, self._follows),
+            assignment=self.assignment_at.pop(a.checkpoint_id, None),
         )
         offsets, sinks = manifest.source_offsets, manifest.sink_transactions
         stored = self.store.commit(manifest)

@@ -376,6 +376,7 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
                     run.life.on_triggered(a.checkpoint_id)
                     base = self._last_completed_id
                     self._bases[a.checkpoint_id] = base
+                    self._record_assignment(a.checkpoint_id)
                     self._broadcast(run, m.TriggerCheckpoint(a.checkpoint_id, base))
                 case FailJob():
                     raise CheckpointFailedError(

@@ -41,6 +41,7 @@ class LiveReconfiguration:
         self._reconf: Reconfiguration | None = None
         self._reconf_reply: Any = None
         self._reconf_base: int | None = None
+        self.assignment_at: dict[int, tuple[int, ...]] = {}  # checkpoint id -> owners, when moved
         if not hasattr(self, "reconfigurations"):
             self.reconfigurations: list[ReconfigurationRecord] = []
             self._next_step_id = 1
@@ -52,6 +53,17 @@ class LiveReconfiguration:
             running.fail(f"the job ended ({self.status}) before the reconfiguration was done")
             self._reply_reconfig(running)
             self._reconf = None
+
+    def _record_assignment(self, checkpoint_id: int) -> None:
+        """Checkpoint ``checkpoint_id`` is about to be triggered: the assignment it holds is
+        the one after every step already sent to the sources (their markers go before its
+        barriers on every channel). Recorded in its manifest when it is not the default."""
+        owners = self.assignment
+        reconf = self._reconf
+        if reconf is not None and reconf.current is not None:
+            owners = owners.applied(reconf.current.moves)
+        if owners != Assignment.initial(self.flow.max_parallelism, self.P):
+            self.assignment_at[checkpoint_id] = owners.owners
 
     def reconfig_live_bases(self) -> set[int]:
         """Checkpoints GC must keep while a reconfiguration runs (see the module docstring)."""
