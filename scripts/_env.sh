@@ -19,7 +19,7 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   SECONDS=0
   # the full output goes to the log; the packages pip fetches are named as it goes, each once
   set +o pipefail
-  { "$VPY" -m pip install --upgrade pip && "$VPY" -m pip install -e ".[test,spark,s3]"; } 2>&1 | tee "$LOG" | awk '
+  { "$VPY" -m pip install --upgrade pip && "$VPY" -m pip install -e ".[test,spark,s3,bench]"; } 2>&1 | tee "$LOG" | awk '
     function flush() { if (line != "") { print "[setup]   fetched " line; line = ""; k = 0 } fflush() }
     /^Collecting / { name = $2; sub(/[<>=!~;\[].*/, "", name)
                      if (!seen[tolower(name)]++) { line = line (k++ ? ", " : "") name; n++; if (k == 8) flush() } }

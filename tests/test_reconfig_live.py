@@ -12,6 +12,8 @@ import collections
 
 import pyarrow as pa
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import abs
 import abs.reconfig.plan
@@ -144,6 +146,40 @@ def test_bad_requests_are_refused_and_change_nothing(tmp_path):
     finally:
         open(gate, "w").close()
     check_counts(job.wait(timeout=300).collected("out"))
+
+
+# ----------------------------------------------------------------------------- schedules
+schedules = st.lists(
+    st.tuples(st.sets(st.integers(0, M - 1), min_size=1, max_size=M), st.integers(0, 1),
+              st.sampled_from(["all_at_once", "batched", "fluid"])),
+    min_size=1, max_size=3)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schedule=schedules, checkpoints=st.booleans())
+def test_any_schedule_of_moves_gives_the_output_of_a_run_without_them(tmp_path_factory, schedule, checkpoints):
+    tmp = tmp_path_factory.mktemp("schedule")
+    gate = str(tmp / "gate")
+    options = dict(storage=str(tmp / "root"), checkpoint=abs.CheckpointConfig(interval=0.05, retained=1)) \
+        if checkpoints else {}
+    job = abs.submit(counting_flow(gate), parallelism=2, **options)
+    expected = Assignment.initial(M, 2)
+    try:
+        for kgs, to, strategy in schedule:
+            target = abs.reconfig.plan.move_target(expected, kgs, to)
+            if target == expected:
+                with pytest.raises(abs.ReconfigurationError, match="nothing to move"):
+                    job.move(sorted(kgs), to=to, strategy=strategy, batch=2 if strategy == "batched" else None)
+                continue
+            rec = job.move(sorted(kgs), to=to, strategy=strategy, batch=2 if strategy == "batched" else None)
+            assert rec.status == "COMPLETED"
+            expected = target
+            assert job.assignment() == expected
+    finally:
+        open(gate, "w").close()
+    result = job.wait(timeout=300)
+    assert result.status == "FINISHED" and not result.failed_checkpoints
+    check_counts(result.collected("out"))
 
 
 # ----------------------------------------------------------------------------- crashes
