@@ -26,7 +26,8 @@ from storage.session import with_written
 from ..dataflow import FORWARD, Dataflow
 from ..keygroups import key_group_range
 from ..state import ColumnDelta, PickledDelta
-from ..reconfig.transfer import pack, unpack
+from ..reconfig.transfer import pack
+from .installer import Installer
 from .channels import InputGate, LocalSender, RemoteSender, accept_channel, connect_channel, decode
 from .operators import KeyedOp, OpSnapshot, build_operator
 from .plan import PhysicalPlan, compile_plan, task_key
@@ -88,9 +89,7 @@ class Worker:
         self.restore_seconds = 0.0
         self.bytes_written = 0
         self._stopped = threading.Event()
-        # live reconfiguration: Preload and KeyGroupHandover messages, read by the installer
-        self._installs: "queue.Queue[Any]" = queue.Queue()
-        self._preloaded: dict[tuple, pa.Table] = {}  # chain (file ids) -> its resolved table
+        self.installer: Installer | None = None  # live reconfiguration: started by run()
 
     # ------------------------------------------------------------------ messaging
     def send_to_driver(self, msg: Any) -> None:
@@ -123,50 +122,6 @@ class Worker:
     def installed(self, task: Task, install: m.InstallState) -> None:
         self.send_to_driver(m.KeyGroupInstalled(install.step, install.operator, install.key_group, self.index,
                                                 install.read_bytes))
-
-    def _installer(self) -> None:
-        """Reads what key groups this worker gains build on (ahead, for a Preload; else when
-        their handover arrives) and gives their state to the task that runs the operator."""
-        while True:
-            msg = self._installs.get()
-            if msg is None:
-                return
-            try:
-                if isinstance(msg, m.Preload):
-                    for by_state in msg.chains.values():
-                        for by_kg in by_state.values():
-                            for chain in by_kg.values():
-                                self._read_base(chain, take=False)
-                    continue
-                read = 0
-                base = {}
-                for state, chain in msg.chains.items():
-                    table, nbytes = self._read_base(chain, take=True)
-                    base[state] = table
-                    read += nbytes
-                install = m.InstallState(msg.step, msg.operator, msg.key_group, base, unpack(msg.changes), read)
-                tasks = [t for t in self.tasks.values() if t.keyed is not None and t.keyed.uid == msg.operator]
-                if not tasks:
-                    raise m.unexpected(msg, f"worker {self.index}", "the driver", "the state of a keyed operator")
-                tasks[0].gate.put_control(install)
-            except Exception:  # noqa: BLE001 - reported to the driver, which fails the job
-                self.send_to_driver(m.TaskFailed(f"worker{self.index}", "<reconfiguration>", traceback.format_exc()))
-                return
-
-    def _read_base(self, chain: list, *, take: bool) -> tuple[pa.Table, int]:
-        """The resolved table of ``chain`` and the bytes read for it now (0 when preloaded);
-        ``take``: for an install (the preloaded copy is dropped), else kept for one."""
-        key = tuple(ref.id for ref in chain)
-        table = self._preloaded.pop(key, None) if take else self._preloaded.get(key)
-        if table is not None:
-            return table, 0
-        if self.store is None:
-            raise RuntimeError(f"worker {self.index}: a key group's state builds on stored chains, but this "
-                               "worker has no storage (a bug: handovers without storage carry the whole state)")
-        table = self.store.read_chain(chain)
-        if not take:
-            self._preloaded[key] = table
-        return table, sum(ref.bytes for ref in chain)
 
     def fault(self, point: str, task: Any) -> None:
         """Failure injection: crash or hang this process at the n-th hit of ``point``."""
@@ -426,7 +381,8 @@ class Worker:
     def run(self) -> None:
         uploader = threading.Thread(target=self._uploader, name="uploader", daemon=True)
         uploader.start()
-        threading.Thread(target=self._installer, name="installer", daemon=True).start()
+        self.installer = Installer(self.index, self.store, lambda: list(self.tasks.values()), self.send_to_driver)
+        self.installer.start()
         for task in self.tasks.values():
             task.start()
         threading.Thread(target=self._metrics_loop, daemon=True).start()
@@ -442,7 +398,7 @@ class Worker:
                 self.send_to_driver(m.TaskFailed(f"worker{self.index}", "<control>", traceback.format_exc()))
                 break
         self._uploads.put(None)
-        self._installs.put(None)
+        self.installer.stop()
         uploader.join(timeout=30)
         self.discard_writer()
         self.send_to_driver(m.Done(self.index, self._metrics()))
@@ -452,7 +408,7 @@ class Worker:
         An unknown message raises :class:`~abs.runtime.messages.ProtocolError`."""
         match msg:
             case m.Preload() | m.KeyGroupHandover():
-                self._installs.put(msg)
+                self.installer.put(msg)
             case m.TriggerCheckpoint() | m.Resume() | m.Finish() | m.StartStep():  # for the source tasks
                 for task in self.tasks.values():
                     if task.reader is not None:
