@@ -35,6 +35,7 @@ class _JobOptions:
     allow_non_restored_state: bool = False
     allow_repeated_output: bool = False
     runtime: RuntimeOptions | None = None
+    dashboard: Any = None  # True, "HOST:PORT" or an abs.observe.Dashboard: serve the job's page (abs.observe)
 
 
 # keywords that moved into RuntimeOptions; still taken by run/submit for one release
@@ -132,19 +133,31 @@ def run(flow: Dataflow, **options: Any) -> JobResult:
     (default: no restart). ``runtime``: an :class:`abs.RuntimeOptions` (heartbeat and startup
     timeouts of worker supervision, failure injection for tests); the keywords ``faults`` and
     ``heartbeat_timeout`` of earlier releases still work, with a ``DeprecationWarning``.
+    ``dashboard``: serve a live page of the job while it runs (``True``: on loopback, a free
+    port; ``"HOST:PORT"``; or an :class:`abs.observe.Dashboard`); its URL, with the token every
+    request needs, is logged when the job starts (see :mod:`abs.observe`).
     Returns a :class:`JobResult`; raises :class:`abs.JobFailedError` (with ``.result``) if
     the job fails.
     """
-    return _driver(flow, _job_options("run", options)).run()
+    o = _job_options("run", options)
+    if o.dashboard not in (None, False):  # the page's buttons go through a JobHandle
+        return JobHandle(_driver(flow, o), dashboard=o.dashboard).wait()
+    return _driver(flow, o).run()
 
 
 class JobHandle:
     """A running job (see :func:`submit`)."""
 
-    def __init__(self, driver: JobDriver) -> None:
+    def __init__(self, driver: JobDriver, dashboard: Any = None) -> None:
         self._driver = driver
         self._thread = threading.Thread(target=self._run, name=f"job-{driver.flow.name}", daemon=True)
         self._exc: BaseException | None = None
+        self.dashboard = None  # the job's abs.observe.DashboardServer while it runs (its .url), if asked for
+        if dashboard not in (None, False):
+            from .observe import Dashboard, start_dashboard
+
+            self.dashboard = start_dashboard(driver, Dashboard.parse(dashboard),
+                                             checkpoint=self.trigger_checkpoint, savepoint=self.savepoint)
         self._thread.start()
 
     def _run(self) -> None:
@@ -152,6 +165,9 @@ class JobHandle:
             self._driver.run()
         except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
             self._exc = exc
+        finally:
+            if self.dashboard is not None:
+                self.dashboard.stop()
 
     @property
     def status(self) -> str:
@@ -281,4 +297,5 @@ class JobHandle:
 @_takes_job_options
 def submit(flow: Dataflow, **options: Any) -> JobHandle:
     """Start ``flow`` in the background; see :func:`run` for the arguments."""
-    return JobHandle(_driver(flow, _job_options("submit", options)))
+    o = _job_options("submit", options)
+    return JobHandle(_driver(flow, o), dashboard=o.dashboard)

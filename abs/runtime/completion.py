@@ -9,6 +9,7 @@ import logging
 import time
 from typing import Any
 
+from ..observe.snapshot import KEEP_TASK_DETAILS, task_figures
 from . import messages as m
 from .cleanup import GcRequest
 from .restore_setup import collect_key_id
@@ -75,6 +76,9 @@ class CheckpointCompletion:
                 source.driver_checkpoint_complete(a.checkpoint_id, offsets.get(uid, {}))
             except Exception as exc:  # noqa: BLE001 - the checkpoint is complete either way
                 log.warning(f"source {uid!r}: checkpoint {a.checkpoint_id} completion hook failed: {exc}")
+        self.checkpoint_tasks[a.checkpoint_id] = task_figures(a.checkpoint_id, a.acks)  # for abs.observe
+        for old in sorted(self.checkpoint_tasks)[:-KEEP_TASK_DETAILS]:
+            del self.checkpoint_tasks[old]
         full = sum(r.bytes for r in manifest.files().values())
         self.completed.append(
             CheckpointStats(

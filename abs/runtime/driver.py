@@ -143,6 +143,7 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
         # per worker, the key groups it restored (uid -> state -> key groups), as it reported them
         self.restored_key_groups: list[dict] = [{} for _ in range(parallelism)]
         self.completed: list[CheckpointStats] = []
+        self.checkpoint_tasks: dict[int, dict] = {}  # recent checkpoints' per-task figures (abs.observe)
         self.failed: list[tuple[int, str]] = []
         self.restored_from: int | None = None
         self.status = "CREATED"

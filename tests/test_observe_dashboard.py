@@ -1,0 +1,130 @@
+"""The live dashboard of a running job (abs.observe): its JSON, its token, and the page in
+a real browser (Chromium through Playwright, see tests/browser.py)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+import abs
+from abs.errors import ConfigError
+from abs.observe import Dashboard
+from browser import browser_page
+from pacing import PacedSource
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def count_fn(ctx, row):
+    n = ctx.state.n
+    c = (n.value() or 0) + 1
+    n.update(c)
+    ctx.emit({"key": ctx.key, "count": c})
+
+
+def held_flow(gate: str) -> abs.Dataflow:
+    """Counts per key; each reader emits 500 records per completed checkpoint and stops at
+    5,000 until ``gate`` exists (never, here): the job runs, and checkpoints, until canceled."""
+    flow = abs.Dataflow("dashboard-counts")
+    src = PacedSource(abs.GeneratorSource(40_000, num_keys=64, num_splits=4, batch_size=100), 500, hold=5_000, gate=gate)
+    flow.source("src", src).key_by("key").process("count", count_fn, state=[abs.ValueState("n", pa.int64())]) \
+        .sink("out", abs.CollectSink())
+    return flow
+
+
+def get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+@pytest.fixture
+def running_job(tmp_path):
+    job = abs.submit(held_flow(str(tmp_path / "never-opened")), parallelism=2, storage=str(tmp_path / "root"),
+                     checkpoint=abs.CheckpointConfig(interval=0.5), dashboard=True)
+    try:
+        yield job
+    finally:
+        job.cancel()
+
+
+def test_dashboard_options_parse_and_refuse_bad_values():
+    assert Dashboard.parse(True) == Dashboard() and Dashboard.parse(None) is None and Dashboard.parse(False) is None
+    assert Dashboard.parse("0.0.0.0:8081") == Dashboard(host="0.0.0.0", port=8081)
+    for bad in ("nowhere", 8081, "host:port"):
+        with pytest.raises(ConfigError, match="dashboard must be"):
+            Dashboard.parse(bad)
+    with pytest.raises(ConfigError, match="port"):
+        Dashboard(port=70000)
+    with pytest.raises(ConfigError, match="16 characters"):
+        Dashboard(token="short")
+
+
+def test_every_request_without_the_job_token_is_refused(running_job):
+    server = running_job.dashboard
+    base = server.base_url
+    for path in ("/", "/api/job", "/metrics", "/api/job?token=wrong" + "x" * 20):
+        status, body = get(base + path)
+        assert status == 403 and b"token" in body, path
+    request = urllib.request.Request(base + "/api/checkpoint", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=60)
+    assert refused.value.code == 403
+    status, body = get(base + "/api/job?token=" + server.token)
+    job = json.loads(body)
+    assert status == 200 and job["job"] == "dashboard-counts" and job["parallelism"] == 2
+    assert [t["operators"][0]["uid"] for t in job["graph"]["tasks"]] == ["src", "count"]
+    assert job["graph"]["edges"] == [{"from": "task0", "to": "task1", "partition": "key_by"}]
+    # an Authorization header serves as well (a Prometheus scrape config's bearer token)
+    request = urllib.request.Request(base + "/api/job", headers={"Authorization": f"Bearer {server.token}"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        assert r.status == 200
+
+
+def test_the_page_shows_the_checkpoint_table_growing_and_a_triggered_checkpoint_completing(running_job, tmp_path):
+    server = running_job.dashboard
+    completed_rows = "#checkpoints tbody tr[data-status=COMPLETED]"
+    with browser_page(tmp_path) as page:
+        page.goto(server.url)
+        page.wait_for_function("document.getElementById('status').textContent === 'RUNNING'")
+        page.wait_for_function(f"document.querySelectorAll({completed_rows!r}).length >= 2")
+        seen = page.locator(completed_rows).count()
+        # the page refreshes by itself: more rows come without a reload
+        page.wait_for_function(f"document.querySelectorAll({completed_rows!r}).length > {seen}")
+        assert page.locator("#graph g.task").count() == 2
+
+        page.click("#trigger-checkpoint")
+        page.wait_for_function("/checkpoint \\d+ completed/.test(document.getElementById('action-result').textContent)")
+        triggered = int(re.search(r"checkpoint (\d+) completed", page.text_content("#action-result")).group(1))
+        assert triggered in [c.checkpoint_id for c in running_job._driver.completed]
+        row = page.locator(f"#checkpoints tbody tr[data-id='{triggered}'][data-status=COMPLETED]")
+        row.wait_for()
+        row.click()  # its per-task figures: 2 tasks x 2 subtasks
+        page.wait_for_function("document.querySelectorAll('#checkpoints tr.detail table.tasks tbody tr').length === 4")
+        stats = next(c for c in running_job._driver.completed if c.checkpoint_id == triggered)
+        cells = row.locator("td").all_text_contents()
+        assert cells[0] == str(triggered) and cells[9] == str(stats.files_written)
+
+        shot = tmp_path / "dashboard.png"
+        page.screenshot(path=str(shot), full_page=True)
+        assert shot.stat().st_size > 10_000
+        if os.environ.get("ABS_UPDATE_SCREENSHOTS"):  # the README's picture
+            shutil.copy(shot, DOCS / "dashboard.png")
+
+        page.click("#trigger-savepoint")
+        page.wait_for_function("/savepoint written to /.test(document.getElementById('action-result').textContent)")
+        location = page.text_content("#action-result").split("savepoint written to ", 1)[1]
+        assert "savepoints/sp-" in location
+        assert Path(location.removeprefix("file://")).exists()
+
+        refused = page.goto(server.base_url + "/?token=" + "0" * 32)
+        assert refused is not None and refused.status == 403
