@@ -6,12 +6,14 @@ import json
 import os
 import re
 import shutil
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 import abs
 from abs.errors import ConfigError
@@ -52,6 +54,10 @@ def running_job(tmp_path):
     job = abs.submit(held_flow(str(tmp_path / "never-opened")), parallelism=2, storage=str(tmp_path / "root"),
                      checkpoint=abs.CheckpointConfig(interval=0.5), dashboard=True)
     try:
+        deadline = time.monotonic() + 120
+        while job.status == "CREATED" and time.monotonic() < deadline:  # workers starting
+            time.sleep(0.02)
+        assert job.status == "RUNNING", job.status
         yield job
     finally:
         job.cancel()
@@ -85,9 +91,15 @@ def test_every_request_without_the_job_token_is_refused(running_job):
     assert [t["operators"][0]["uid"] for t in job["graph"]["tasks"]] == ["src", "count"]
     assert job["graph"]["edges"] == [{"from": "task0", "to": "task1", "partition": "key_by"}]
     # an Authorization header serves as well (a Prometheus scrape config's bearer token)
-    request = urllib.request.Request(base + "/api/job", headers={"Authorization": f"Bearer {server.token}"})
+    request = urllib.request.Request(base + "/metrics", headers={"Authorization": f"Bearer {server.token}"})
     with urllib.request.urlopen(request, timeout=60) as r:
-        assert r.status == 200
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+        scraped = {s.name: s.value for fam in text_string_to_metric_families(r.read().decode()) for s in fam.samples
+                   if s.labels.get("job") == "dashboard-counts" and "operator" not in s.labels}
+    assert scraped["abs_job_parallelism"] == 2 and scraped["abs_job_up"] == 1
+    # counted before and after the scrape: the job checkpoints all the while
+    assert job["checkpoints"]["counts"]["completed"] <= scraped["abs_job_checkpoints_completed_total"] \
+        <= len(running_job._driver.completed)
 
 
 def test_the_page_shows_the_checkpoint_table_growing_and_a_triggered_checkpoint_completing(running_job, tmp_path):

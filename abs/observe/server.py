@@ -105,6 +105,7 @@ class DashboardServer:
         self._snapshot = snapshot
         self._actions = {"checkpoint": checkpoint, "savepoint": savepoint}
         self._rates = _Rates(clock)
+        self._registry: Any = None  # the job's prometheus_client registry, made on the first scrape
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -159,9 +160,11 @@ class DashboardServer:
         return snap
 
     def metrics(self) -> tuple[bytes, str]:
-        from .prometheus import exposition
+        from .prometheus import PER_CHECKPOINT_SERIES, exposition, job_registry
 
-        return exposition(self._snapshot(DEFAULT_HISTORY))
+        if self._registry is None:
+            self._registry = job_registry(lambda: self.job(PER_CHECKPOINT_SERIES))
+        return exposition(self._registry)
 
     def act(self, name: str) -> tuple[int, dict]:
         fn = self._actions.get(name)

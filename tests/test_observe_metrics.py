@@ -1,0 +1,70 @@
+"""The Prometheus exposition of a job (abs.observe.prometheus), read back with
+prometheus_client's own parser."""
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from abs.observe.prometheus import METRICS, exposition, job_registry
+
+
+def snapshot() -> dict:
+    def cp(cid: int, duration: float) -> dict:
+        return {"checkpoint_id": cid, "trigger_time": cid * 1.0, "duration": duration, "alignment_time": 0.01,
+                "sync_time": 0.002, "async_time": 0.05, "bytes_written": 1000 * cid, "full_size": 5000 + cid,
+                "files_written": 2, "async_cpu": 0.01, "status": "COMPLETED",
+                "tasks": {"task1#0": {"alignment_s": 0.01, "sync_s": 0.002, "async_s": 0.05, "bytes_written": 700},
+                          "task1#1": {"alignment_s": 0.0, "sync_s": 0.001, "async_s": 0.04, "bytes_written": 300}}}
+    return {
+        "job": "wc", "status": "RUNNING", "parallelism": 2, "uptime_s": 12.5,
+        "graph": {"tasks": [{"task": "task0", "parallelism": 2, "operators": [{"uid": "src", "kind": "source"}]},
+                            {"task": "task1", "parallelism": 2, "operators": [{"uid": "count", "kind": "process"}]}],
+                  "edges": [{"from": "task0", "to": "task1", "partition": "key_by"}]},
+        "records_in": {"src": 900, "count": 880}, "throughput": {"src": 45.5},
+        "checkpoints": {"completed": [cp(i, 0.1 * i) for i in range(1, 13)], "failed": [{"checkpoint_id": 13, "reason": "x"}],
+                        "in_progress": [14], "counts": {"completed": 12, "failed": 1}},
+        "restarts": [{"attempt": 1, "error": "boom", "at": 3.0, "restored_from": 2}],
+    }
+
+
+def samples(text: str) -> dict:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_the_exposition_has_flink_like_names_with_job_labels_and_the_snapshot_values():
+    body, content_type = exposition(job_registry(snapshot))
+    assert content_type.startswith("text/plain")
+    got = samples(body.decode())
+    job = (("job", "wc"),)
+    assert got[("abs_job_checkpoints_completed_total", job)] == 12
+    assert got[("abs_job_checkpoints_failed_total", job)] == 1
+    assert got[("abs_job_checkpoints_in_progress", job)] == 1
+    assert got[("abs_job_restarts_total", job)] == 1
+    assert got[("abs_job_up", job + (("status", "RUNNING"),))] == 1
+    assert got[("abs_job_last_checkpoint_id", job)] == 12
+    assert got[("abs_job_last_checkpoint_duration_seconds", job)] == 1.2000000000000002
+    assert got[("abs_operator_records_in_total", (("job", "wc"), ("operator", "count")))] == 880
+    assert got[("abs_operator_records_in_per_second", (("job", "wc"), ("operator", "src")))] == 45.5
+    # per-checkpoint series for the newest ten only
+    per_cp = {dict(labels)["checkpoint"] for name, labels in got if name == "abs_checkpoint_duration_seconds"}
+    assert per_cp == {str(i) for i in range(3, 13)}
+    assert got[("abs_checkpoint_written_bytes", (("checkpoint", "7"), ("job", "wc"), ("status", "completed")))] == 7000
+    task = (("job", "wc"), ("operator", "count"), ("subtask", "1"), ("task", "task1"))
+    assert got[("abs_task_checkpoint_written_bytes", task)] == 300
+
+
+def test_every_documented_metric_is_exposed_and_every_exposed_one_documented():
+    text = exposition(job_registry(snapshot))[0].decode()
+    exposed = {fam.name + ("_total" if fam.type == "counter" else "") for fam in text_string_to_metric_families(text)}
+    assert exposed == {name for name, *_ in METRICS}
+
+
+def test_a_job_without_checkpoints_yet_exposes_its_counters_at_zero():
+    snap = snapshot()
+    snap["checkpoints"] = {"completed": [], "failed": [], "in_progress": [], "counts": {"completed": 0, "failed": 0}}
+    got = samples(exposition(job_registry(lambda: snap))[0].decode())
+    assert got[("abs_job_checkpoints_completed_total", (("job", "wc"),))] == 0
+    assert not [k for k in got if k[0] == "abs_job_last_checkpoint_id"]
