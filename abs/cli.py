@@ -148,6 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--unpickle", action="store_true",
                    help="allow unpickling pickled keys to hash them again (runs code from the snapshot: only for "
                         "roots you trust); without it a state with pickled keys is refused")
+
+    # its own arguments: -o is the output file here, as in most report tools
+    p = sub.add_parser("report", help="write an HTML report of the root's checkpoints (one file, opens offline)")
+    p.add_argument("root", metavar="ROOT", help="snapshot root: path, file://, memory://, s3://bucket/prefix")
+    p.add_argument("--output", "-o", required=True, metavar="FILE", help="the HTML file to write (e.g. report.html)")
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="fsspec storage option of ROOT (repeatable; JSON values; dotted keys nest)")
+    p.add_argument("--max-decoded-bytes", type=_size, metavar="SIZE", help=argparse.SUPPRESS)
     return parser
 
 
@@ -390,9 +398,28 @@ def _rekey(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from abs.observe.report import collect_report, render_report
+
+    data = collect_report(_open(args))
+    page = render_report(data)
+    try:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(page)
+    except OSError as exc:
+        raise StorageConfigError(f"--output {args.output}: cannot write the report ({exc.strerror or exc}); "
+                                 "pick a writable path") from exc
+    for cid, why in data.corrupt:
+        print(f"note: checkpoint {cid}: manifest does not read ({why}); left out of the report", file=sys.stderr)
+    _out([f"report of {len(data.checkpoints)} checkpoint(s) of job {data.job_name!r} ({data.checkpoints[0].checkpoint_id}"
+          f"..{data.newest}) written to {args.output}; open it in a browser (no server, no network needed)"])
+    return 0
+
+
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "ls": _ls, "show": _show, "dump": _dump, "verify": _verify, "gc": _gc,
     "check": _check, "rescale-preview": _rescale_preview, "savepoint": _savepoint, "rekey": _rekey,
+    "report": _report,
 }
 
 

@@ -1,0 +1,137 @@
+"""The offline HTML report of a snapshot root (abs.observe.report, ``abs-snapshot report``):
+its figures against the manifests, its bad-input errors, and the file in a real browser."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+import abs
+from abs.cli import main
+from abs.observe.report import TOP_KEY_GROUPS, collect_report, render_report
+from browser import browser_page
+from pacing import PacedSource
+from storage import SnapshotStore, StoragePaths
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def count_fn(ctx, row):
+    n = ctx.state.n
+    c = (n.value() or 0) + 1
+    n.update(c)
+    ctx.emit({"key": ctx.key, "count": c})
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> str:
+    """A root of several incremental checkpoints: each reader emits at most 1,300 of its
+    10,000 records per completed checkpoint, so the job takes eight or more of them."""
+    path = str(tmp_path_factory.mktemp("report") / "root")
+    flow = abs.Dataflow("report-counts")
+    src = PacedSource(abs.GeneratorSource(20_000, num_keys=300, num_splits=2, batch_size=100), 1_300)
+    flow.source("src", src).key_by("key").process("count", count_fn, state=[abs.ValueState("n", pa.int64())]) \
+        .sink("out", abs.CollectSink())
+    result = abs.run(flow, parallelism=2, storage=path, checkpoint=abs.CheckpointConfig(interval=0.05, retained=50))
+    assert len(result.completed_checkpoints) >= 8
+    return path
+
+
+def test_the_report_figures_are_the_manifests(root):
+    store = SnapshotStore.open(root)
+    data = collect_report(store)
+    ids = store.list_checkpoints()
+    assert [c.checkpoint_id for c in data.checkpoints] == ids and data.newest == ids[-1] and not data.corrupt
+    for row in data.checkpoints:
+        stats = store.read_manifest(row.checkpoint_id).stats
+        assert (row.bytes_written, row.full_size, row.files, row.max_chain_length) == \
+            (stats["bytes_written"], stats["full_size"], stats["files"], stats["max_chain_length"])
+        assert row.duration_s == stats["duration_s"] and row.alignment_s == stats["alignment_s"]
+    newest = store.read_manifest(ids[-1])
+    (state,) = data.states
+    chains = newest.keyed["count"]["n"]
+    assert (state.operator, state.state, state.key_groups) == ("count", "n", len(chains))
+    assert state.max_chain_length == max(len(c) for c in chains.values()) > 1  # incremental: deltas on bases
+    sizes = sorted((sum(r.bytes for r in chain) for chain in chains.values()), reverse=True)
+    assert [b for _, b in data.key_groups] == sizes[:TOP_KEY_GROUPS]
+    referenced = {r.path for cid in ids for r in store.read_manifest(cid).files().values()}
+    assert data.referenced_bytes == sum(size for p, size in store.list_files().items() if p in referenced)
+    assert data.garbage_bytes == 0
+
+
+def test_the_page_is_self_contained(root):
+    page = render_report(collect_report(SnapshotStore.open(root)))
+    assert "<script" not in page.lower() and "<link" not in page.lower()
+    assert "https://" not in page and "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
+    for chart in ("duration", "bytes", "chains", "amplification", "key-groups", "space"):
+        assert f'data-chart="{chart}"' in page
+
+
+def test_the_cli_writes_the_report_and_names_bad_roots_without_a_traceback(root, tmp_path, capsys):
+    out = tmp_path / "report.html"
+    assert main(["report", root, "-o", str(out)]) == 0
+    assert "written to" in capsys.readouterr().out and out.read_text().startswith("<!doctype html>")
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["report", str(empty), "-o", str(tmp_path / "e.html")]) == 2
+    err = capsys.readouterr().err
+    assert "holds no snapshots" in err and "Traceback" not in err
+    assert main(["report", str(tmp_path / "missing"), "-o", str(tmp_path / "m.html")]) == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+    broken = tmp_path / "broken"
+    shutil.copytree(root, broken)
+    ids = SnapshotStore.open(str(broken)).list_checkpoints()
+    (broken / StoragePaths.manifest(ids[-1])).write_bytes(b"{not json")
+    assert main(["report", str(broken), "-o", str(tmp_path / "b.html")]) == 0
+    assert f"checkpoint {ids[-1]}: manifest does not read" in capsys.readouterr().err
+    for cid in ids[:-1]:
+        (broken / StoragePaths.manifest(cid)).write_bytes(b"\x00garbage")
+    assert main(["report", str(broken), "-o", str(tmp_path / "b2.html")]) == 1
+    err = capsys.readouterr().err
+    assert "holds no checkpoint that reads" in err and "Traceback" not in err
+    assert not (tmp_path / "b2.html").exists()
+
+    assert main(["report", root, "-o", str(tmp_path / "no-such-dir" / "r.html")]) == 2
+    assert "cannot write the report" in capsys.readouterr().err
+
+
+def test_the_report_file_renders_its_charts_in_a_browser_with_the_manifests_numbers(root, tmp_path):
+    out = tmp_path / "report.html"
+    assert main(["report", root, "-o", str(out)]) == 0
+    store = SnapshotStore.open(root)
+    ids = store.list_checkpoints()
+    with browser_page(tmp_path) as page:
+        page.goto(out.as_uri())
+        charts = page.locator("svg.chart")
+        assert charts.count() == 6
+        for i in range(charts.count()):
+            chart = charts.nth(i)
+            box = chart.bounding_box()
+            assert box is not None and box["width"] > 300 and box["height"] > 50
+            marks = chart.locator("circle.point, rect.bar")
+            assert marks.count() > 0, chart.get_attribute("data-chart")
+            drawn = [m.bounding_box() for m in marks.all()]
+            assert any(b and b["width"] > 0 and b["height"] > 0 for b in drawn)
+        durations = page.eval_on_selector_all(
+            "svg[data-chart=duration] circle[data-series=duration]",
+            "cs => cs.map(c => [Number(c.dataset.x), Number(c.dataset.value)])")
+        assert durations == [[cid, store.read_manifest(cid).stats["duration_s"]] for cid in ids]
+        full = page.eval_on_selector_all("svg[data-chart=bytes] circle[data-series='full size']",
+                                         "cs => cs.map(c => Number(c.dataset.value))")
+        assert full == [store.read_manifest(cid).stats["full_size"] for cid in ids]
+        assert page.text_content("[data-kpi=checkpoints] b") == str(len(ids))
+        assert page.locator("#checkpoints tbody tr").count() == len(ids)
+        shot = tmp_path / "report.png"
+        page.screenshot(path=str(shot), full_page=True)
+        assert shot.stat().st_size > 10_000
+        if os.environ.get("ABS_UPDATE_SCREENSHOTS"):  # the README's picture, without this machine's path
+            data = dataclasses.replace(collect_report(store), root="file:///data/snapshots/report-counts")
+            (tmp_path / "readme.html").write_text(render_report(data), encoding="utf-8")
+            page.goto((tmp_path / "readme.html").as_uri())
+            page.screenshot(path=str(DOCS / "report.png"), full_page=True)
