@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--storage-option", "-o", action="append", default=[], metavar="KEY=VALUE",
                         help="fsspec storage option (repeatable; JSON values; dotted keys nest), "
                              "e.g. endpoint_url=http://127.0.0.1:9000")
+    common.add_argument("--quiet", "-q", action="store_true",
+                        help="no progress bars (they are drawn only when stderr is a terminal anyway)")
     limits = DEFAULT_DECODE_LIMITS
     common.add_argument("--max-decoded-bytes", type=_size, metavar="SIZE",
                         help=f"how far one state file may expand when decoded (default: {limits.max_ratio:g} times "
@@ -228,9 +230,18 @@ def _dump(args: argparse.Namespace) -> int:
     return 0
 
 
+def _progress(args: argparse.Namespace) -> Any:
+    """Progress bars on stderr for a long command, unless it is not a terminal or --quiet."""
+    from abs.observe.progress import terminal_progress
+
+    return terminal_progress(quiet=args.quiet)
+
+
 def _verify(args: argparse.Namespace) -> int:
     store = _open(args)
-    report = store.verify(_resolve_id(store, args, default_latest=False))
+    cid = _resolve_id(store, args, default_latest=False)
+    with _progress(args) as progress:
+        report = store.verify(cid, progress=progress)
     _out(report.lines())
     return 0 if report.ok else 1
 
@@ -240,7 +251,8 @@ def _gc(args: argparse.Namespace) -> int:
     guard = None
     if args.job_stopped:
         guard = max(store.next_checkpoint_id() - 1, 0)
-    plan = store.gc(args.retain, protect_newer_than=guard, dry_run=args.dry_run)
+    with _progress(args) as progress:
+        plan = store.gc(args.retain, protect_newer_than=guard, dry_run=args.dry_run, progress=progress)
     verb = "would delete" if args.dry_run else "deleted"
     _out([f"{verb} {p}" for p in plan.delete_files + plan.delete_manifests])
     _out([("dry run: " if args.dry_run else "") + plan.summary()])
@@ -370,7 +382,8 @@ def _savepoint(args: argparse.Namespace) -> int:
         return 0
     store = _open(args)
     options = _dest_options(args)
-    saved = store.savepoint(args.id, args.dest, options)
+    with _progress(args) as progress:
+        saved = store.savepoint(args.id, args.dest, options, progress=progress)
     files = saved.files()
     _out([f"savepoint {saved.checkpoint_id} of checkpoint {args.id} written to {args.dest} "
           f"({len(saved.paths())} file(s), {sum(r.bytes for r in files.values())} bytes); pinned until deleted; "
@@ -388,9 +401,10 @@ def _rekey(args: argparse.Namespace) -> int:
         if args.spark:
             saved = _rewrite_with_spark(args, args.max_parallelism)
         else:
-            saved = rekey_local(args.root, args.id, args.dest, max_parallelism=args.max_parallelism,
-                                storage_options=_root_options(args), dest_storage_options=_dest_options(args),
-                                unpickle=args.unpickle, decode_limits=_decode_limits(args))
+            with _progress(args) as progress:
+                saved = rekey_local(args.root, args.id, args.dest, max_parallelism=args.max_parallelism,
+                                    storage_options=_root_options(args), dest_storage_options=_dest_options(args),
+                                    unpickle=args.unpickle, decode_limits=_decode_limits(args), progress=progress)
     old = saved.stats.get("rewrite", {}).get("max_parallelism_from")
     _out([f"re-keyed checkpoint {args.id} of {args.root} from max_parallelism {old} to {saved.max_parallelism}: "
           f"savepoint {saved.checkpoint_id} written to {args.dest} ({_rewrite_summary(saved)}); restore it into a "

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import pyarrow as pa
 
 from abscore.keygroups import MAX_MAX_PARALLELISM, stable_hashes
+from abscore.progress import ProgressCallback, Tracker
 from storage import FileRef, Manifest
 from storage.format import DEFAULT_DECODE_LIMITS, DecodeLimits
 from storage.savepoint import copy_unkeyed
@@ -131,17 +132,30 @@ def rekey_local(
     dest_storage_options: Mapping[str, Any] | None = None,
     unpickle: bool = False,
     decode_limits: DecodeLimits = DEFAULT_DECODE_LIMITS,
+    progress: ProgressCallback | None = None,
 ) -> Manifest:
     """The re-key in this process, without Spark (all live rows are held in memory at once, as
     Arrow tables; use :func:`recovery.spark.rekey` for states larger than memory). Works on
     ``memory://`` roots too. Returns the committed savepoint manifest. ``unpickle``: allow
     unpickling pickled keys to hash them (runs code from the snapshot; see
-    :class:`UnpickleRefusedError`)."""
+    :class:`UnpickleRefusedError`). ``progress`` hears of each old key group read (stage
+    ``rekey: read``) and each new one written (``rekey: write``)."""
     job = plan_rewrite(root, checkpoint_id, dest, max_parallelism=max_parallelism, storage_options=storage_options,
                        dest_storage_options=dest_storage_options, for_spark=False, unpickle=unpickle,
                        decode_limits=decode_limits)
     buckets: dict[tuple[str, str, int], list[pa.Table]] = {}
-    for target, part in split_group(job.context, job.tasks):
+    read = Tracker(progress, "rekey: read", len(job.tasks), "key groups")
+
+    def counted(tasks: Iterable[KeyGroupTask]) -> Iterator[KeyGroupTask]:
+        for task in tasks:
+            yield task
+            read.advance()  # split_group asks for the next task once it has split this one
+
+    for target, part in split_group(job.context, counted(job.tasks)):
         buckets.setdefault(target, []).append(part)
-    refs = [write_rekeyed(job.context, target, buckets.pop(target)) for target in sorted(buckets)]
+    written = Tracker(progress, "rekey: write", len(buckets), "key groups")
+    refs = []
+    for target in sorted(buckets):
+        refs.append(write_rekeyed(job.context, target, buckets.pop(target)))
+        written.advance()
     return finish(job, refs, engine="local", tasks=1)

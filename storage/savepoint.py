@@ -23,6 +23,8 @@ from typing import Any, Mapping, Protocol, Sequence
 
 import pyarrow as pa
 
+from abscore.progress import ProgressCallback, Tracker
+
 from .backend import RootIO
 from .errors import CheckpointNotFoundError, MissingFileError, StorageError, StorageUnavailableError
 from .ids import CheckpointId
@@ -74,7 +76,7 @@ _DATA = ("base", "delta", "packed", "opstate", "channel")
 
 
 def take_savepoint(source: SavepointStore, checkpoint_id: int, dest: SavepointStore, *,
-                   source_pin: PinLease | None = None) -> Manifest:
+                   source_pin: PinLease | None = None, progress: ProgressCallback | None = None) -> Manifest:
     """Copy checkpoint ``checkpoint_id`` of ``source`` into ``dest`` as a savepoint; returns
     the committed savepoint manifest.
 
@@ -82,6 +84,7 @@ def take_savepoint(source: SavepointStore, checkpoint_id: int, dest: SavepointSt
     and stays the caller's to release); without it the checkpoint is pinned here for the
     copy. A checkpoint that GC removed before the pin took effect raises
     :class:`CheckpointNotFoundError` (or :class:`MissingFileError`) and leaves nothing in ``dest``.
+    ``progress`` hears of each key group copied (stage ``savepoint: copy``).
     """
     own = source_pin is None
     lease = source_pin
@@ -95,7 +98,7 @@ def take_savepoint(source: SavepointStore, checkpoint_id: int, dest: SavepointSt
     try:
         manifest = source.read_manifest(checkpoint_id)
         try:
-            return _copy(source, manifest, dest, lease)
+            return _copy(source, manifest, dest, lease, progress)
         except MissingFileError as exc:
             if StoragePaths.manifest(checkpoint_id) in source.list_files():
                 raise
@@ -109,7 +112,8 @@ def take_savepoint(source: SavepointStore, checkpoint_id: int, dest: SavepointSt
             lease.release()
 
 
-def _copy(source: SavepointStore, manifest: Manifest, dest: SavepointStore, lease: PinLease | None) -> Manifest:
+def _copy(source: SavepointStore, manifest: Manifest, dest: SavepointStore, lease: PinLease | None,
+          progress: ProgressCallback | None = None) -> Manifest:
     checkpoint_id = manifest.checkpoint_id
     job = source.read_job() or {"job_name": manifest.job_name, "max_parallelism": manifest.max_parallelism}
     dest.init_job(job)
@@ -121,6 +125,8 @@ def _copy(source: SavepointStore, manifest: Manifest, dest: SavepointStore, leas
         dest._io.put(marker, f"savepoint {sp_id} of {source.url} checkpoint {checkpoint_id}: copy in progress\n".encode())
         try:
             keyed: dict[str, dict[str, dict[int, list[FileRef]]]] = {}
+            tracker = Tracker(progress, "savepoint: copy", sum(len(c) for s in manifest.keyed.values() for c in s.values()),
+                              "key groups")
             for op, states in manifest.keyed.items():
                 for st, chains in states.items():
                     out = keyed.setdefault(op, {}).setdefault(st, {})
@@ -132,6 +138,7 @@ def _copy(source: SavepointStore, manifest: Manifest, dest: SavepointStore, leas
                         path = StoragePaths.state_file(sp_id, op, st, kg, "base")
                         written.append(path)
                         out[kg] = [dest._write_table(path, table, "base", sp_id)]
+                        tracker.advance()
 
             if lease is not None:
                 lease.renew()

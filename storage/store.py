@@ -24,6 +24,8 @@ import fsspec.core
 import pyarrow as pa
 from fsspec import AbstractFileSystem
 
+from abscore.progress import ProgressCallback
+
 from .backend import RootIO, protocols_of
 from .chains import CompactionPolicy
 from .errors import CheckpointNotFoundError, StorageError
@@ -331,11 +333,11 @@ class SnapshotStore:
         return key_group_chain(manifest, operator, state, key_group)
 
     # ================================================================== verify
-    def verify(self, checkpoint_id: int | None = None) -> VerifyReport:
+    def verify(self, checkpoint_id: int | None = None, *, progress: ProgressCallback | None = None) -> VerifyReport:
         """Check one checkpoint (or all manifests in the root): manifests parse and match their
         checksum, chains are well formed, every referenced file exists with its recorded size,
         checksum and row count, and each manifest follows its recorded predecessor where that is
-        still here (see :mod:`storage.verify`)."""
+        still here (see :mod:`storage.verify`). ``progress``: called per file checked."""
         paths = self._catalog.paths()
         if checkpoint_id is not None:
             if checkpoint_id not in paths:
@@ -352,7 +354,7 @@ class SnapshotStore:
         present.update(self._catalog.load({p: StoragePaths.manifest(p) for p in predecessors - set(manifests)
                                            if StoragePaths.manifest(p) in listing})[0])
         problems.extend(lineage_problems(manifests, present))
-        file_problems, files, nbytes = check_files(manifests, listing, self._io.get)
+        file_problems, files, nbytes = check_files(manifests, listing, self._io.get, progress=progress)
         problems.extend(file_problems)
         return VerifyReport(
             checkpoints=tuple(CheckpointId(c) for c in sorted(paths)),
@@ -392,16 +394,18 @@ class SnapshotStore:
         *,
         dry_run: bool = False,
         as_of: int | None = None,
+        progress: ProgressCallback | None = None,
     ) -> GcPlan:
         """Plan and (unless ``dry_run``) execute a GC: data files first, manifests last, each
-        delete idempotent. Returns the plan. ``as_of``: see :meth:`plan_gc`."""
+        delete idempotent. Returns the plan. ``as_of``: see :meth:`plan_gc`; ``progress``:
+        called per file deleted."""
         in_flight = list(in_flight)
         plan = functools.partial(self.plan_gc, retain, in_flight, protect_newer_than, as_of=as_of)
-        return run_gc(self._io, self._catalog, plan, dry_run=dry_run)
+        return run_gc(self._io, self._catalog, plan, dry_run=dry_run, progress=progress)
 
-    def execute_gc(self, plan: GcPlan) -> None:
-        """Carry out a plan from :meth:`plan_gc` (idempotent)."""
-        execute_gc(self._io, self._catalog, plan)
+    def execute_gc(self, plan: GcPlan, *, progress: ProgressCallback | None = None) -> None:
+        """Carry out a plan from :meth:`plan_gc` (idempotent); ``progress``: called per file deleted."""
+        execute_gc(self._io, self._catalog, plan, progress=progress)
 
     def pins(self) -> list[PinRecord]:
         """The pins of this root that read (live or expired; see :mod:`storage.pins`)."""
@@ -429,19 +433,20 @@ class SnapshotStore:
         *,
         fs: AbstractFileSystem | None = None,
         source_pin: PinLease | None = None,
+        progress: ProgressCallback | None = None,
     ) -> Manifest:
         """Write a self-contained, pinned copy of checkpoint ``checkpoint_id`` to ``dest_url``
         (may be this root). Without ``storage_options`` and ``fs``, a destination of the same
         protocol reuses this store's file system (and credentials). The checkpoint is pinned
         in this root while it is copied (``source_pin``: a lease the caller already holds on
-        it). See :func:`storage.savepoint.take_savepoint`."""
+        it). ``progress``: called per key group copied. See :func:`storage.savepoint.take_savepoint`."""
         if storage_options is None and fs is None:
             protocol = fsspec.core.split_protocol(dest_url)[0] or "file"
             if protocol in protocols_of(self._io.fs):
                 fs = self._io.fs
         dest = SnapshotStore.open(dest_url, storage_options, fs=fs, policy=self.policy, clock=self._clock,
                                   fsync=self._io.fsync)
-        return take_savepoint(self, checkpoint_id, dest, source_pin=source_pin)
+        return take_savepoint(self, checkpoint_id, dest, source_pin=source_pin, progress=progress)
 
     def delete_savepoint(self, checkpoint_id: int) -> None:
         """Unpin a savepoint by deleting its manifest; the next GC reclaims its files."""

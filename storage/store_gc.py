@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
+from abscore.progress import ProgressCallback, Tracker
+
 from .backend import RootIO
 from .errors import UnsupportedFormatError
 from .gc import GcPlan, plan_gc
@@ -51,7 +53,8 @@ def plan_root_gc(io: RootIO, catalog: ManifestCatalog, clock: Callable[[], float
                    pins=pins, bad_pins=bad_pins, now=clock())
 
 
-def run_gc(io: RootIO, catalog: ManifestCatalog, plan: Callable[[], GcPlan], *, dry_run: bool = False) -> GcPlan:
+def run_gc(io: RootIO, catalog: ManifestCatalog, plan: Callable[[], GcPlan], *, dry_run: bool = False,
+           progress: ProgressCallback | None = None) -> GcPlan:
     """:meth:`SnapshotStore.gc`: ``plan()`` (the store's :meth:`SnapshotStore.plan_gc` with the
     caller's arguments), and unless ``dry_run`` execute it; returns the plan executed."""
     planned = plan()
@@ -61,16 +64,22 @@ def run_gc(io: RootIO, catalog: ManifestCatalog, plan: Callable[[], GcPlan], *, 
         now_pinned = {p for p in io.list(StoragePaths.PINS_DIR) if _category(p) == "pin"}
         if now_pinned - set(planned.pins) - set(planned.delete_pins) - {p for p, _ in planned.bad_pins}:
             planned = plan()
-        execute_gc(io, catalog, planned)
+        execute_gc(io, catalog, planned, progress=progress)
     return planned
 
 
-def execute_gc(io: RootIO, catalog: ManifestCatalog, plan: GcPlan) -> None:
-    """:meth:`SnapshotStore.execute_gc`: carry out ``plan`` (idempotent)."""
+def execute_gc(io: RootIO, catalog: ManifestCatalog, plan: GcPlan, *, progress: ProgressCallback | None = None) -> None:
+    """:meth:`SnapshotStore.execute_gc`: carry out ``plan`` (idempotent); ``progress``: called
+    per file deleted."""
+    tracker = Tracker(progress, "gc: delete", len(plan.delete_files) + len(plan.delete_manifests)
+                      + len(plan.delete_pins), "files")
     for path in plan.delete_files:
         io.delete(path)
+        tracker.advance()
     for path in plan.delete_manifests:
         io.delete(path)
         catalog.forget(path)
+        tracker.advance()
     for path in plan.delete_pins:
         io.delete(path)
+        tracker.advance()

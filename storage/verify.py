@@ -14,6 +14,8 @@ from typing import Callable, Literal, Mapping
 
 import pyarrow as pa
 
+from abscore.progress import ProgressCallback, Tracker
+
 from .format import checksum_hex
 from .ids import CheckpointId
 from .manifest import FileRef, Manifest, manifest_problems
@@ -130,12 +132,14 @@ def check_files(
     read: Callable[[str], bytes],
     *,
     workers: int = 8,
+    progress: ProgressCallback | None = None,
 ) -> tuple[list[Problem], int, int]:
     """Check existence, size and checksum of every distinct referenced file; a packed file is
     read once and each referenced range of it checked on its own (a problem in one range
     names only the checkpoints that reference that range).
 
-    Returns (problems, files checked, bytes read). ``read`` fetches a file by relative path.
+    Returns (problems, files checked, bytes read). ``read`` fetches a file by relative path;
+    ``progress`` hears of each file checked (stage ``verify``).
     """
     users: dict[str, list[CheckpointId]] = {}  # by FileRef.id
     by_path: dict[str, dict[str, FileRef]] = {}
@@ -200,7 +204,15 @@ def check_files(
         return problems, len(data)
 
     paths = sorted(by_path)
+    tracker = Tracker(progress, "verify", len(paths), "files")
+
+    def check_counted(path: str) -> tuple[list[Problem], int]:
+        try:
+            return check(path)
+        finally:
+            tracker.advance()
+
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        results = list(pool.map(check, paths))
+        results = list(pool.map(check_counted, paths))
     problems = [p for ps, _ in results for p in ps]
     return problems, len(paths), sum(n for _, n in results)
