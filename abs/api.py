@@ -141,7 +141,12 @@ def run(flow: Dataflow, **options: Any) -> JobResult:
     """
     o = _job_options("run", options)
     if o.dashboard not in (None, False):  # the page's buttons go through a JobHandle
-        return JobHandle(_driver(flow, o), dashboard=o.dashboard).wait()
+        handle = JobHandle(_driver(flow, o), dashboard=o.dashboard)
+        try:
+            return handle.wait()
+        except KeyboardInterrupt:  # as run() without a dashboard: the job stops with the caller
+            handle._driver.requests.put(_cancel_request())
+            raise
     return _driver(flow, o).run()
 
 
@@ -292,6 +297,12 @@ class JobHandle:
             "failed_checkpoints": len(d.failed),
             "last_checkpoint": d.completed[-1].checkpoint_id if d.completed else None,
         }
+
+
+def _cancel_request() -> Any:
+    from .runtime.messages import CancelRequest
+
+    return CancelRequest(queue.Queue())
 
 
 @_takes_job_options

@@ -140,3 +140,58 @@ def test_the_page_shows_the_checkpoint_table_growing_and_a_triggered_checkpoint_
 
         refused = page.goto(server.base_url + "/?token=" + "0" * 32)
         assert refused is not None and refused.status == 403
+
+
+def test_task_figures_split_what_a_task_wrote_into_bases_and_deltas():
+    from types import SimpleNamespace
+
+    from abs.observe.snapshot import task_figures
+    from storage import FileRef, StoragePaths
+
+    def ref(cid: int, kind: str, kg: int, size: int) -> FileRef:
+        return FileRef(path=StoragePaths.state_file(cid, "count", "n", kg, kind, f"{cid:032x}"), kind=kind,
+                       checkpoint_id=cid, rows=1, bytes=size, checksum="a" * 32, checksum_algorithm="xxh3_128")
+
+    old_base, new_delta, new_base = ref(3, "base", 0, 100), ref(5, "delta", 0, 7), ref(5, "base", 1, 40)
+    ack = SimpleNamespace(keyed={"count": {"n": {0: [old_base, new_delta], 1: [new_base]}}}, alignment_time=0.5,
+                          sync_time=0.01, async_time=0.2, bytes_written=47, files_written=2)
+    figures = task_figures(5, {"task1#0": ack})["task1#0"]
+    assert figures == {"alignment_s": 0.5, "sync_s": 0.01, "async_s": 0.2, "bytes_written": 47, "files_written": 2,
+                       "base_bytes_written": 40, "delta_bytes_written": 7, "state_bytes": 147}
+
+
+def test_run_with_a_dashboard_returns_the_same_result_logs_the_url_and_stops_the_server(tmp_path, caplog):
+    flow = abs.Dataflow("dashboard-run")
+    flow.source("src", abs.GeneratorSource(2_000, num_keys=10, num_splits=2, batch_size=100)).key_by("key") \
+        .process("count", count_fn, state=[abs.ValueState("n", pa.int64())]).sink("out", abs.CollectSink())
+    with caplog.at_level("INFO", logger="abs.observe"):
+        result = abs.run(flow, parallelism=2, storage=str(tmp_path / "root"), checkpoint=abs.CheckpointConfig(),
+                         dashboard=True)
+    assert result.status == "FINISHED" and result.collected("out").num_rows == 2_000
+    (url,) = re.findall(r"dashboard at (http://127\.0\.0\.1:\d+/\?token=\S+)", caplog.text)
+    with pytest.raises(urllib.error.URLError):  # the server ended with the job
+        urllib.request.urlopen(url, timeout=10)
+
+
+def test_a_restart_shows_with_its_cause_in_the_json_and_the_metrics(tmp_path):
+    from abs.faults import Fault
+
+    job = abs.submit(held_flow(str(tmp_path / "never-opened")), parallelism=2, storage=str(tmp_path / "root"),
+                     checkpoint=abs.CheckpointConfig(interval=0.3), dashboard=True,
+                     restart=abs.RestartStrategy(max_restarts=1, delay=0.0),
+                     runtime=abs.RuntimeOptions(faults=[Fault("process", "task1#0", nth=20)]))
+    server = job.dashboard
+    try:
+        deadline = time.monotonic() + 180
+        snap: dict = {}
+        while time.monotonic() < deadline:  # the job restarts once the fault killed worker 0
+            snap = json.loads(get(server.base_url + "/api/job?token=" + server.token)[1])
+            if snap["restarts"] and snap["status"] == "RUNNING":
+                break
+            time.sleep(0.1)
+        (restart,) = snap["restarts"]
+        assert restart["attempt"] == 1 and "worker 0" in restart["error"], restart
+        status, body = get(server.base_url + "/metrics?token=" + server.token)
+        assert status == 200 and 'abs_job_restarts_total{job="dashboard-counts"} 1.0' in body.decode()
+    finally:
+        job.cancel()
