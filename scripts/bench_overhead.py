@@ -35,6 +35,7 @@ the same in both (dirty tracking runs whether or not checkpointing is on).
                                                [--paper-parallelism P [P ...]] [--path process|aggregate]
                                                [--state int64|string|untyped] [--no-stop-the-world]
                                                [--pin-cpus] [--windows N] [--window SECONDS] [--root DIR]
+                                               [--dashboard poll|browser]
 """
 from __future__ import annotations
 
@@ -221,6 +222,55 @@ def median_interval(costs: list[float], resamples: int = 10_000) -> tuple[float,
     return float(np.percentile(medians, 2.5)), float(np.percentile(medians, 97.5))
 
 
+class _PageOpen:
+    """The dashboard's page kept open on a job while it runs (``--dashboard``): ``poll`` makes
+    the page's own requests from a thread (``/api/job`` every second, as its refresh does, and
+    ``/metrics`` every 5 s, as a Prometheus scrape would): the server's cost alone, as when the
+    browser runs on another machine. ``browser``: a headless Chromium shows the page here; its
+    rendering then competes for this machine's cores too."""
+
+    def __init__(self, handle: "abs.JobHandle", mode: str) -> None:
+        import urllib.request
+
+        self.requests = 0
+        self._stop = threading.Event()
+        server = handle.dashboard
+        self._get = lambda path: urllib.request.urlopen(f"{server.base_url}{path}?token={server.token}", timeout=30).read()
+        self._url = server.url
+        self._thread = threading.Thread(target=self._browse if mode == "browser" else self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        n = 0
+        while not self._stop.wait(1.0):
+            self._get("/api/job")
+            if n % 5 == 0:
+                self._get("/metrics")
+            n += 1
+            self.requests += 1
+
+    def _browse(self) -> None:
+        import tempfile as _tmp
+
+        from playwright.sync_api import sync_playwright
+
+        args = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+        with _tmp.TemporaryDirectory() as profile, sync_playwright() as pw:
+            context = pw.chromium.launch_persistent_context(profile, executable_path=shutil.which("chromium") or
+                                                             "/usr/bin/chromium", headless=True, args=args)
+            page = context.new_page()
+            page.on("response", lambda r: setattr(self, "requests", self.requests + 1))
+            page.goto(self._url)
+            while not self._stop.wait(0.5):
+                pass
+            context.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def windows(args: argparse.Namespace) -> None:
     keys, width = 1_000_000, args.window
     count = args.windows or (4 if args.quick else 10)
@@ -228,12 +278,14 @@ def windows(args: argparse.Namespace) -> None:
         print(f"\n== 1b. ABS vs no checkpoints in alternating {width:.0f}-s windows of one job: {keys:,} keys in state, "
               f"parallelism {p}, path={args.path}" + (f", state={args.state}" if args.path == "process" else "")
               + (", workers pinned to CPUs" if args.pin_cpus else "")
+              + (f", dashboard open ({args.dashboard})" if args.dashboard else "")
               + f"; {count} ABS windows; storage under {args.root or tempfile.gettempdir()}", flush=True)
         root = tempfile.mkdtemp(prefix="abs-bench-", dir=args.root)
         handle = abs.submit(build(1 << 50, keys, args.path, args.batch_size, args.state), parallelism=p,
                             checkpoint=abs.CheckpointConfig(interval=None, retained=2), storage=root,
-                            executor=abs.LocalExecutor(pin_cpus=args.pin_cpus))
+                            executor=abs.LocalExecutor(pin_cpus=args.pin_cpus), dashboard=bool(args.dashboard))
         counts = _RecordsIn(handle, "sum")
+        page = _PageOpen(handle, args.dashboard) if args.dashboard else None
         try:
             t0 = time.monotonic()
             while counts.now() < 2 * keys or time.monotonic() - t0 < 4:  # every key in state, twice over
@@ -256,6 +308,9 @@ def windows(args: argparse.Namespace) -> None:
             time.sleep(0.6)  # the last window's counts reach the driver
         finally:
             counts.stop()
+            if page is not None:
+                page.stop()
+                print(f"  dashboard: {page.requests} answers served while the job ran", flush=True)
             result = handle.cancel()
             shutil.rmtree(root, ignore_errors=True)
         rates = [counts.rate(a, z) for _, a, z, _ in spans]
@@ -331,6 +386,9 @@ def main() -> int:
                     help="experiment 1b: ABS windows (default 10, 4 with --quick)")
     ap.add_argument("--window", type=float, default=4.0, metavar="SECONDS",
                     help="experiment 1b: length of each window, whole seconds (default 4)")
+    ap.add_argument("--dashboard", choices=("poll", "browser"), default=None,
+                    help="experiment 1b with the job's dashboard open: 'poll' makes the page's requests (every second) "
+                         "and a scrape every 5 s; 'browser' opens the page in a headless Chromium on this machine")
     ap.add_argument("--root", default=None, metavar="DIR",
                     help="directory for the runs' storage roots (default: the system's temporary directory); "
                          "e.g. a tmpfs, to see what the file system's per-file cost is")

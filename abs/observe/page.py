@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 
-__all__ = ["render_page", "REFRESH_MS"]
+__all__ = ["render_page", "REFRESH_MS", "HISTORY"]
 
 REFRESH_MS = 1000
+HISTORY = 50
+"""Completed checkpoints the page lists (the newest; its counts cover all)."""
 
 _PAGE = r"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
@@ -55,7 +57,7 @@ edges show how records are partitioned. Per-subtask busy and backpressured time 
 </main>
 <script>
 "use strict";
-const TOKEN = __TOKEN__, REFRESH = __REFRESH__;
+const TOKEN = __TOKEN__, REFRESH = __REFRESH__, HISTORY = __HISTORY__;
 const q = p => p + (p.includes("?") ? "&" : "?") + "token=" + encodeURIComponent(TOKEN);
 const open = new Set();
 function el(tag, attrs, ...kids) {
@@ -164,7 +166,7 @@ function draw(job) {
 }
 async function refresh() {
   try {
-    const r = await fetch(q("api/job"), {cache: "no-store"});
+    const r = await fetch(q("api/job?limit=" + HISTORY), {cache: "no-store"});
     if (!r.ok) throw new Error(r.status + " " + (await r.text()));
     draw(await r.json());
   } catch (e) {
@@ -190,6 +192,7 @@ refresh();
 """
 
 
-def render_page(token: str, refresh_ms: int = REFRESH_MS) -> str:
+def render_page(token: str, refresh_ms: int = REFRESH_MS, history: int = HISTORY) -> str:
     """The page, with the token it sends back on each request."""
-    return _PAGE.replace("__TOKEN__", json.dumps(token)).replace("__REFRESH__", str(int(refresh_ms)))
+    return (_PAGE.replace("__TOKEN__", json.dumps(token)).replace("__REFRESH__", str(int(refresh_ms)))
+            .replace("__HISTORY__", str(int(history))))
