@@ -347,7 +347,8 @@ def _rewrite_with_spark(args: argparse.Namespace, max_parallelism: int | None) -
                       storage_options=_root_options(args), dest_storage_options=_dest_options(args),
                       unpickle=getattr(args, "unpickle", False), decode_limits=_decode_limits(args))
     with rspark.spark_session(args.master or "local[*]", app_name=f"abs-snapshot {args.command}") as spark:
-        return rspark.execute(spark, job)
+        with _progress(args) as progress:
+            return rspark.execute(spark, job, progress=progress)
 
 
 def _rewrite_summary(saved: "Manifest") -> str:

@@ -63,6 +63,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, TypeVar
 
 from abscore.errors import AbsError
+from abscore.progress import ProgressCallback, ProgressEvent
 from storage import Manifest
 from storage import errors as storage_errors
 from storage.extras import install_command
@@ -116,6 +117,7 @@ def compact(
     storage_options: Mapping[str, Any] | None = None,
     dest_storage_options: Mapping[str, Any] | None = None,
     key_groups_per_task: int | None = None,
+    progress: ProgressCallback | None = None,
 ) -> Manifest:
     """Write checkpoint ``checkpoint_id`` of ``root`` as a self-contained savepoint into the
     empty root ``dest``, resolving every chain into a base on the Spark executors.
@@ -123,10 +125,11 @@ def compact(
     ``dest_storage_options=None``: a ``dest`` of the same protocol uses ``storage_options``.
     ``key_groups_per_task=None`` packs key groups into tasks by bytes. Returns the committed
     savepoint manifest (``stats["rewrite"]`` has the engine, task count and seconds).
+    ``progress``: see :func:`execute`.
     """
     job = plan(root, checkpoint_id, dest, storage_options=storage_options,
                dest_storage_options=dest_storage_options)
-    return execute(spark, job, key_groups_per_task=key_groups_per_task)
+    return execute(spark, job, key_groups_per_task=key_groups_per_task, progress=progress)
 
 
 def rekey(
@@ -141,6 +144,7 @@ def rekey(
     key_groups_per_task: int | None = None,
     output_partitions: int | None = None,
     unpickle: bool = False,
+    progress: ProgressCallback | None = None,
 ) -> Manifest:
     """Write checkpoint ``checkpoint_id`` of ``root`` into the empty root ``dest`` as a
     savepoint whose keys are re-hashed into ``max_parallelism`` key groups (1..32768).
@@ -151,11 +155,12 @@ def rekey(
 
     ``output_partitions``: Spark partitions of the shuffle (default: as many as input
     partitions). Returns the committed savepoint manifest; ``_job.json`` and the manifest
-    carry the new ``max_parallelism``.
+    carry the new ``max_parallelism``. ``progress``: see :func:`execute`.
     """
     job = plan(root, checkpoint_id, dest, max_parallelism=max_parallelism, storage_options=storage_options,
                dest_storage_options=dest_storage_options, unpickle=unpickle)
-    return execute(spark, job, key_groups_per_task=key_groups_per_task, output_partitions=output_partitions)
+    return execute(spark, job, key_groups_per_task=key_groups_per_task, output_partitions=output_partitions,
+                   progress=progress)
 
 
 def plan(
@@ -185,8 +190,11 @@ def execute(
     *,
     key_groups_per_task: int | None = None,
     output_partitions: int | None = None,
+    progress: ProgressCallback | None = None,
 ) -> Manifest:
-    """Run a planned rewrite on ``spark`` and commit it; returns the savepoint manifest."""
+    """Run a planned rewrite on ``spark`` and commit it; returns the savepoint manifest.
+    ``progress`` hears of each Spark stage of the rewrite as it runs (tasks done of its
+    tasks; stage ``"<kind>: Spark stage <id> (<operation>)"``), from the driver's status tracker."""
     if output_partitions is not None and (type(output_partitions) is not int or output_partitions < 1):
         raise RewriteInputError(f"output_partitions={output_partitions!r}; use an integer >= 1 or None")
     groups = rewrite.group_tasks(job.tasks, key_groups_per_task)
@@ -197,16 +205,70 @@ def execute(
     sc = spark.sparkContext
     sc.setJobDescription(f"abs-snapshot {what}")
     try:
-        if job.kind == "compact":
-            refs = _run(what, lambda: _compact_rdd(sc, job.context, groups).collect())
-            tasks = len(groups)
-        else:
-            outputs = _output_partitions(job, len(groups), output_partitions)
-            refs = _run(what, lambda: _rekey_rdd(sc, job, groups, outputs).collect())
-            tasks = len(groups) + outputs
+        with _StageProgress(sc, job.kind, progress):
+            if job.kind == "compact":
+                refs = _run(what, lambda: _compact_rdd(sc, job.context, groups).collect())
+                tasks = len(groups)
+            else:
+                outputs = _output_partitions(job, len(groups), output_partitions)
+                refs = _run(what, lambda: _rekey_rdd(sc, job, groups, outputs).collect())
+                tasks = len(groups) + outputs
     finally:
         sc.setJobDescription(None)  # type: ignore[arg-type]
     return rewrite.finish(job, refs, engine="spark", tasks=tasks)
+
+
+class _StageProgress:
+    """Reports the stages of the Spark jobs run inside it to ``progress``: it tags them with a
+    job group of their own and polls the driver's status tracker every ``interval`` seconds
+    in a thread, and once more at the end, so that every stage reports its last count even if
+    it ran between two polls. Nothing without a callback."""
+
+    def __init__(self, sc: Any, kind: str, progress: ProgressCallback | None, interval: float = 0.25) -> None:
+        import threading
+        import uuid
+
+        self.sc, self.kind, self.progress, self.interval = sc, kind, progress, interval
+        self.group = f"abs-snapshot-{kind}-{uuid.uuid4().hex[:12]}"
+        self._last: dict[int, tuple[int, int]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="abs-spark-progress", daemon=True)
+
+    def __enter__(self) -> "_StageProgress":
+        if self.progress is not None:
+            self.sc.setLocalProperty("spark.jobGroup.id", self.group)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.progress is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self.sc.setLocalProperty("spark.jobGroup.id", None)  # type: ignore[arg-type]
+        self.poll()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.poll()
+            except Exception:  # noqa: BLE001 - progress must never fail the rewrite
+                return
+
+    def poll(self) -> None:
+        tracker = self.sc.statusTracker()
+        stages = sorted({sid for jid in tracker.getJobIdsForGroup(self.group) or ()
+                         for sid in getattr(tracker.getJobInfo(jid), "stageIds", ()) or ()})
+        for sid in stages:
+            info = tracker.getStageInfo(sid)
+            if info is None or not info.numTasks:
+                continue
+            now = (int(info.numCompletedTasks), int(info.numTasks))
+            if self._last.get(sid) != now:
+                self._last[sid] = now
+                operation = str(info.name).split(" at ")[0]
+                assert self.progress is not None
+                self.progress(ProgressEvent(f"{self.kind}: Spark stage {sid} ({operation})", now[0], now[1], "tasks"))
 
 
 # ============================================================================ the Spark jobs

@@ -609,3 +609,18 @@ def test_cli_bad_input_exits_2_and_names_the_way_out(spark, synthetic, capsys, t
     code, _, err = run_cli(capsys, "savepoint", root, "3", str(tmp_path / "b"), "--spark")
     assert code == 2 and "--spark needs pyspark" in err and "pip install 'abs-snapshots[spark]'" in err
     assert "run without --spark" in err
+
+
+def test_a_spark_rewrite_reports_each_stage_until_all_its_tasks_are_done(spark, synthetic, tmp_path):
+    root, _model = synthetic
+    events: list = []
+    rspark.rekey(spark, root, 3, str(tmp_path / "sp"), max_parallelism=8, unpickle=True, key_groups_per_task=6,
+                 output_partitions=3, progress=events.append)
+    last: dict = {}
+    for e in events:
+        assert e.stage.startswith("rekey: Spark stage ") and e.unit == "tasks"
+        assert e.done >= last.get(e.stage, (0, 0))[0]  # counts only grow
+        last[e.stage] = (e.done, e.total)
+    assert len(last) >= 2, last  # the split and the write stage of the shuffle
+    assert all(done == total > 0 for done, total in last.values()), last
+    assert any(total == 3 for _, total in last.values())  # the write stage: one task per output partition
