@@ -195,3 +195,27 @@ def test_a_restart_shows_with_its_cause_in_the_json_and_the_metrics(tmp_path):
         assert status == 200 and 'abs_job_restarts_total{job="dashboard-counts"} 1.0' in body.decode()
     finally:
         job.cancel()
+
+
+def test_the_page_lists_live_reconfigurations_and_the_assignment_in_force(running_job, tmp_path):
+    server = running_job.dashboard
+    with browser_page(tmp_path) as page:
+        page.goto(server.url)
+        page.wait_for_function("document.getElementById('status').textContent === 'RUNNING'")
+        page.wait_for_function("document.getElementById('assignment').textContent.includes('w0: 0-63')")
+        rec = running_job.move(range(8), to=1, strategy="batched", batch=4)
+        page.wait_for_function("document.querySelector('#reconfigurations tbody').textContent.includes('COMPLETED')")
+        cells = page.locator("#reconfigurations tbody tr").first.locator("td").all_text_contents()
+        assert cells[:5] == ["1", "move, batched", "COMPLETED", "2", "8"]
+        assert cells[7] == rec.after == "w0: 8-63; w1: 0-7,64-127"
+        page.wait_for_function("document.getElementById('assignment').textContent.includes('w0: 8-63')")
+    job = json.loads(get(f"{server.base_url}/api/job?token={server.token}")[1])
+    (r,) = job["reconfigurations"]
+    assert r["status"] == "COMPLETED" and [s["key_groups"] for s in r["steps"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert r["bytes_moved"] == rec.bytes_moved > 0
+    metrics = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(get(f"{server.base_url}/metrics?token={server.token}")[1].decode())
+               for s in fam.samples}
+    assert metrics[("abs_job_reconfigurations_total", (("job", "dashboard-counts"), ("status", "COMPLETED")))] == 1
+    assert metrics[("abs_job_reconfiguration_steps_total", (("job", "dashboard-counts"),))] == 2
+    assert metrics[("abs_job_reconfiguration_moved_bytes_total", (("job", "dashboard-counts"),))] == rec.bytes_moved

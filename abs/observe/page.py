@@ -53,6 +53,7 @@ edges show how records are partitioned. Per-subtask busy and backpressured time 
 <th>alignment</th><th>sync</th><th>async</th><th>written</th><th>full size</th><th>files</th><th>tasks</th></tr></thead>
 <tbody></tbody></table><p class="muted">Click a row for each task's part (alignment, sync, async, bytes, delta vs full).</p></section>
 <section><h2>Failed checkpoints</h2><table id="failed"><thead><tr><th>id</th><th class="text">reason</th></tr></thead><tbody></tbody></table></section>
+<section><h2>Reconfigurations <span class="muted" id="assignment"></span></h2><table id="reconfigurations"><thead><tr><th>id</th><th class="text">what</th><th class="text">status</th><th>steps</th><th>key groups</th><th>duration</th><th>moved</th><th class="text">after</th></tr></thead><tbody></tbody></table></section>
 <section><h2>Restarts</h2><table id="restarts"><thead><tr><th>attempt</th><th>at</th><th class="text">cause</th><th>restored from</th></tr></thead><tbody></tbody></table></section>
 </main>
 <script>
@@ -159,6 +160,12 @@ function draw(job) {
     el("tr", {}, el("td", {}, f.checkpoint_id), el("td", {class: "text err"}, f.reason))));
   fill(document.querySelector("#restarts tbody"), job.restarts.map(r => el("tr", {}, el("td", {}, r.attempt),
     el("td", {}, secs(r.at)), el("td", {class: "text err"}, r.error), el("td", {}, r.restored_from == null ? "-" : r.restored_from))));
+  document.getElementById("assignment").textContent = job.assignment ? "in force: " + job.assignment : "";
+  fill(document.querySelector("#reconfigurations tbody"), (job.reconfigurations || []).slice().reverse().map(r =>
+    el("tr", {}, el("td", {}, r.id), el("td", {class: "text"}, r.kind + ", " + r.strategy),
+      el("td", {class: "text" + (r.status === "FAILED" ? " err" : "")}, r.status + (r.error ? ": " + r.error : "")),
+      el("td", {}, r.steps.length), el("td", {}, r.key_groups), el("td", {}, r.duration == null ? "-" : secs(r.duration)),
+      el("td", {}, bytes(r.bytes_moved)), el("td", {class: "text"}, r.after))));
   for (const [name, id] of [["checkpoint", "trigger-checkpoint"], ["savepoint", "trigger-savepoint"]]) {
     const b = document.getElementById(id); b.hidden = !(job.actions || []).includes(name);
     if (!b.dataset.busy) b.disabled = job.status !== "RUNNING";

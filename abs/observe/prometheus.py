@@ -32,6 +32,10 @@ METRICS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     ("abs_job_last_checkpoint_duration_seconds", "gauge", (), "trigger to commit of the newest completed checkpoint"),
     ("abs_job_last_checkpoint_size_bytes", "gauge", (), "full size of the newest completed checkpoint"),
     ("abs_job_last_checkpoint_written_bytes", "gauge", (), "bytes the newest completed checkpoint wrote (its increment)"),
+    ("abs_job_reconfigurations_total", "counter", ("status",),
+     "live reconfigurations (JobHandle.move / rebalance) by status: COMPLETED, FAILED, RUNNING"),
+    ("abs_job_reconfiguration_steps_total", "counter", (), "steps of live reconfigurations started"),
+    ("abs_job_reconfiguration_moved_bytes_total", "counter", (), "bytes handed over by live reconfigurations"),
     ("abs_operator_records_in_total", "counter", ("operator",), "records an operator received (all its subtasks)"),
     ("abs_operator_records_in_per_second", "gauge", ("operator",), "records per second an operator received, "
                                                                      "between the last two dashboard refreshes"),
@@ -103,6 +107,11 @@ class JobCollector(Collector):
             put("abs_job_last_checkpoint_duration_seconds", last["duration"])
             put("abs_job_last_checkpoint_size_bytes", last["full_size"])
             put("abs_job_last_checkpoint_written_bytes", last["bytes_written"])
+        recs = snap.get("reconfigurations", ())
+        for status in ("COMPLETED", "FAILED", "RUNNING"):
+            put("abs_job_reconfigurations_total", sum(r["status"] == status for r in recs), status)
+        put("abs_job_reconfiguration_steps_total", sum(len(r["steps"]) for r in recs))
+        put("abs_job_reconfiguration_moved_bytes_total", sum(r["bytes_moved"] for r in recs))
         for uid, n in sorted(snap.get("records_in", {}).items()):
             put("abs_operator_records_in_total", n, uid)
         for uid, rate in sorted(snap.get("throughput", {}).items()):

@@ -128,4 +128,24 @@ def job_snapshot(driver: Any, *, clock: Callable[[], float] = time.monotonic,
         },
         "restored_from": driver.restored_from,
         "restarts": [dict(r) for r in list(driver.restarts)],
+        "assignment": _assignment(driver),
+        "reconfigurations": [_reconfiguration(r) for r in _copied(lambda: list(getattr(driver, "reconfigurations", [])))],
+    }
+
+
+def _assignment(driver: Any) -> str | None:
+    """The key-group assignment in force, as ranges per worker (``Assignment.describe``)."""
+    a = getattr(driver, "assignment", None)
+    return None if a is None else a.describe()
+
+
+def _reconfiguration(rec: Any) -> dict[str, Any]:
+    """One live reconfiguration (``abs.reconfig.ReconfigurationRecord``) and its steps."""
+    return {
+        "id": rec.id, "kind": rec.kind, "strategy": rec.strategy, "status": rec.status, "error": rec.error,
+        "before": rec.before, "after": rec.after, "duration": rec.duration, "key_groups": len(rec.key_groups),
+        "bytes_moved": rec.bytes_moved,
+        "steps": [{"step": s.step, "key_groups": list(s.key_groups), "duration": s.duration,
+                   "bytes_moved": s.bytes_moved, "bytes_read": s.bytes_read, "full_bytes": s.full_bytes}
+                  for s in list(rec.steps)],
     }
