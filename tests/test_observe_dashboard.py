@@ -219,3 +219,42 @@ def test_the_page_lists_live_reconfigurations_and_the_assignment_in_force(runnin
     assert metrics[("abs_job_reconfigurations_total", (("job", "dashboard-counts"), ("status", "COMPLETED")))] == 1
     assert metrics[("abs_job_reconfiguration_steps_total", (("job", "dashboard-counts"),))] == 2
     assert metrics[("abs_job_reconfiguration_moved_bytes_total", (("job", "dashboard-counts"),))] == rec.bytes_moved
+
+
+def slow_fn(ctx, row):
+    time.sleep(0.001)  # a slow operator: its input channels fill, its upstream waits on them
+    ctx.emit({"key": ctx.key})
+
+
+def test_busy_and_backpressured_time_per_subtask(tmp_path):
+    """A slow keyed operator is busy nearly all the time and its source is backpressured;
+    the JSON, the metrics and the page's graph say so."""
+    flow = abs.Dataflow("slow")
+    flow.source("src", abs.GeneratorSource(None, num_keys=64, num_splits=2, batch_size=100)).key_by("key") \
+        .process("slow", slow_fn).sink("out", abs.CollectSink())
+    job = abs.submit(flow, parallelism=2, dashboard=True)
+    server = job.dashboard
+    try:
+        deadline = time.monotonic() + 120  # bounds a hang only: the figures come within a second or two
+        while True:
+            load = json.loads(get(f"{server.base_url}/api/job?token={server.token}")[1])["load"]
+            src = [load.get(f"task0#{i}") for i in range(2)]
+            slow = [load.get(f"task1#{i}") for i in range(2)]
+            if all(src + slow) and min(s["backpressured"] for s in src) > 0.5 and min(s["busy"] for s in slow) > 0.5:
+                break
+            assert time.monotonic() < deadline, load
+            time.sleep(0.2)
+        for shares in load.values():
+            assert shares["busy"] + shares["idle"] + shares["backpressured"] == pytest.approx(1.0)
+        metrics = {(s.name, s.labels.get("task"), s.labels.get("subtask")): s.value
+                   for fam in text_string_to_metric_families(get(f"{server.base_url}/metrics?token={server.token}")[1].decode())
+                   for s in fam.samples}
+        assert ("abs_task_backpressured_ratio", "task0", "0") in metrics
+        assert ("abs_task_busy_ratio", "task1", "1") in metrics
+        with browser_page(tmp_path) as page:
+            page.goto(server.url)
+            page.wait_for_function("document.querySelector('#graph g.task[data-task=task1] text.load')"
+                                   " && /busy \\d+%\\/\\d+%/.test(document.querySelector("
+                                   "'#graph g.task[data-task=task1] text.load').textContent)")
+    finally:
+        job.cancel()

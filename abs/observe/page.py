@@ -47,7 +47,8 @@ button:disabled{opacity:.5;cursor:wait}
 <section><h2>Overview</h2><div class="kpis" id="kpis"></div></section>
 <section><h2>Job graph</h2><svg id="graph" width="100%" height="140" role="img" aria-label="job graph"></svg>
 <p class="muted" id="graph-note">Boxes are tasks (chained operators) with their parallelism and records per second;
-edges show how records are partitioned. Per-subtask busy and backpressured time are not measured yet.</p></section>
+edges show how records are partitioned; under each, per subtask (#0/#1/...), the share of the last half second it was
+busy, and blocked on full output channels (backpressured).</p></section>
 <section><h2>Checkpoints <span class="muted" id="cp-counts"></span></h2>
 <table id="checkpoints"><thead><tr><th>id</th><th class="text">status</th><th>triggered at</th><th>duration</th>
 <th>alignment</th><th>sync</th><th>async</th><th>written</th><th>full size</th><th>files</th><th>tasks</th></tr></thead>
@@ -95,7 +96,7 @@ function drawGraph(job) {
   for (let pass = 0; pass < tasks.length; pass++)
     edges.forEach(e => { depth[e.to] = Math.max(depth[e.to], depth[e.from] + 1); });
   const cols = {}; tasks.forEach(t => (cols[depth[t.task]] = cols[depth[t.task]] || []).push(t));
-  const W = 210, H = 62, GX = 60, GY = 16, pos = {};
+  const W = 230, H = 78, GX = 60, GY = 16, pos = {};
   let maxRows = 1;
   Object.entries(cols).forEach(([d, ts]) => { maxRows = Math.max(maxRows, ts.length);
     ts.forEach((t, i) => pos[t.task] = {x: 10 + d * (W + GX), y: 10 + i * (H + GY)}); });
@@ -111,10 +112,17 @@ function drawGraph(job) {
     grp.append(svg("rect", {x: p.x, y: p.y, width: W, height: H, rx: 6, fill: "#eaf1fa", stroke: "#1f3a5f"}),
       svg("text", {x: p.x + 8, y: p.y + 18, "font-weight": 600, "font-size": 12}, ops.length > 30 ? ops.slice(0, 29) + "…" : ops),
       svg("text", {x: p.x + 8, y: p.y + 36, "font-size": 11}, t.task + "  ×" + t.parallelism + " subtasks"),
-      svg("text", {x: p.x + 8, y: p.y + 52, "font-size": 11, fill: "#2e5d8f"}, (n == null ? "-" : n.toLocaleString()) + " in · " + rate(r)));
+      svg("text", {x: p.x + 8, y: p.y + 52, "font-size": 11, fill: "#2e5d8f"}, (n == null ? "-" : n.toLocaleString()) + " in · " + rate(r)),
+      svg("text", {x: p.x + 8, y: p.y + 68, "font-size": 11, class: "load"}, loadLine(job.load || {}, t)));
     kids.push(grp); });
   g.replaceChildren(...kids);
   g.setAttribute("height", 20 + maxRows * (H + GY));
+}
+function loadLine(load, t) {
+  const subs = [...Array(t.parallelism).keys()].map(i => load[t.task + "#" + i]);
+  if (subs.every(s => !s)) return "load: -";
+  const pct = (s, k) => s ? Math.round(100 * s[k]) + "%" : "-";
+  return "busy " + subs.map(s => pct(s, "busy")).join("/") + " · backpressured " + subs.map(s => pct(s, "backpressured")).join("/");
 }
 function taskTable(cp) {
   const rows = Object.entries(cp.tasks || {}).sort().map(([task, f]) => el("tr", {},

@@ -46,6 +46,11 @@ METRICS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     ("abs_checkpoint_written_bytes", "gauge", ("checkpoint", "status"), "bytes written by the checkpoint"),
     ("abs_checkpoint_size_bytes", "gauge", ("checkpoint", "status"), "full size of the checkpoint"),
     ("abs_checkpoint_files_written", "gauge", ("checkpoint", "status"), "files written by the checkpoint"),
+    ("abs_task_busy_ratio", "gauge", ("operator", "task", "subtask"),
+     "share of the last half second a subtask was busy (neither waiting for input nor blocked on output)"),
+    ("abs_task_idle_ratio", "gauge", ("operator", "task", "subtask"), "share of it waiting for input"),
+    ("abs_task_backpressured_ratio", "gauge", ("operator", "task", "subtask"),
+     "share of it blocked on full output channels (Flink's backPressuredTimeMsPerSecond / 1000)"),
     ("abs_task_checkpoint_alignment_seconds", "gauge", ("operator", "task", "subtask"),
      "barrier alignment of a subtask in the newest completed checkpoint"),
     ("abs_task_checkpoint_sync_seconds", "gauge", ("operator", "task", "subtask"),
@@ -119,8 +124,12 @@ class JobCollector(Collector):
         for cp in completed[-PER_CHECKPOINT_SERIES:]:
             for name, key in _CHECKPOINT_FIELDS.items():
                 put(name, cp.get(key), cp["checkpoint_id"], "completed")
+        operators = {t["task"]: t["operators"][0]["uid"] for t in snap["graph"]["tasks"]}
+        for key, shares in sorted(snap.get("load", {}).items()):
+            task, _, subtask = key.partition("#")
+            for part in ("busy", "idle", "backpressured"):
+                put(f"abs_task_{part}_ratio", shares[part], operators.get(task, task), task, subtask)
         if completed:
-            operators = {t["task"]: t["operators"][0]["uid"] for t in snap["graph"]["tasks"]}
             for key, figures in sorted(completed[-1].get("tasks", {}).items()):
                 task, _, subtask = key.partition("#")
                 for name, field in _TASK_FIELDS.items():

@@ -75,6 +75,21 @@ def _graph(driver: Any) -> dict[str, Any]:
     return {"tasks": tasks, "edges": edges}
 
 
+def task_load(samples: Mapping[str, tuple]) -> dict[str, dict[str, float]]:
+    """Per subtask (``task<t>#<i>``) the shares of the time between its two latest load
+    samples it was busy, idle (waiting for input) and backpressured (blocked on full output
+    channels), each 0..1; subtasks with one sample so far are left out."""
+    out: dict[str, dict[str, float]] = {}
+    for key, (older, newer) in sorted(samples.items()):
+        if older is None or newer is None or newer[0] <= older[0]:
+            continue
+        span = newer[0] - older[0]
+        idle = min(max((newer[1] - older[1]) / span, 0.0), 1.0)
+        bp = min(max((newer[2] - older[2]) / span, 0.0), 1.0 - idle)
+        out[key] = {"busy": 1.0 - idle - bp, "idle": idle, "backpressured": bp}
+    return out
+
+
 def _records(driver: Any) -> dict[str, int]:
     total: dict[str, int] = {}
     for per_worker in _copied(lambda: list(dict(driver._records).values())):
@@ -119,6 +134,7 @@ def job_snapshot(driver: Any, *, clock: Callable[[], float] = time.monotonic,
         "uptime_s": 0.0 if started is None else clock() - started,
         "time": wall(),
         "graph": _graph(driver),
+        "load": task_load(_copied(lambda: dict(getattr(driver, "task_load", {})))),
         "records_in": _records(driver),
         "checkpoints": {
             "completed": [_checkpoint(s, details.get(s.checkpoint_id)) for s in completed],

@@ -16,6 +16,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
@@ -205,14 +206,19 @@ class InputGate:
 
 
 class LocalSender:
-    """A channel to a task in the same worker: elements are handed over without copying."""
+    """A channel to a task in the same worker: elements are handed over without copying.
+    ``blocked``: seconds spent in :meth:`send` (waiting while the receiver's buffer is full:
+    backpressure), read by the task's load figures."""
 
     def __init__(self, gate: InputGate, channel: int) -> None:
         self._gate = gate
         self._channel = channel
+        self.blocked = 0.0
 
     def send(self, item: Any) -> None:
+        t0 = time.perf_counter()
         self._gate.put(self._channel, item)
+        self.blocked += time.perf_counter() - t0
 
     def close(self) -> None:
         pass
@@ -223,9 +229,13 @@ class RemoteSender:
 
     def __init__(self, conn: Any) -> None:
         self._conn = conn
+        self.blocked = 0.0  # seconds in send_bytes: the socket buffers full (see LocalSender)
 
     def send(self, item: Any) -> None:
-        self._conn.send_bytes(encode(item))
+        frame = encode(item)
+        t0 = time.perf_counter()
+        self._conn.send_bytes(frame)
+        self.blocked += time.perf_counter() - t0
 
     def close(self) -> None:
         try:

@@ -138,6 +138,9 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
         # a sink that cannot roll back needs the commit record to see a deleted newest manifest
         self._record_commits = any(n.kind == "sink" and not n.spec["sink"].supports_rollback for n in flow.nodes)
         self._records: dict[int, dict] = {}
+        # task key -> its two latest Task.load() samples (older, newer): busy, idle and
+        # backpressured shares over the half second between them (abs.observe)
+        self.task_load: dict[str, tuple] = {}
         self._bytes_restored: list[int] = [0] * parallelism
         self._restore_seconds: list[float] = [0.0] * parallelism
         # per worker, the key groups it restored (uid -> state -> key groups), as it reported them
@@ -340,6 +343,8 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
                 self._on_collect(msg)
             case m.Metrics():
                 self._records[msg.index] = msg.metrics.records_in
+                for key, sample in msg.metrics.load.items():
+                    self.task_load[key] = (self.task_load.get(key, (None, None))[1], sample)
             case m.SourceExhausted():
                 if run.life.on_source_exhausted(msg.task):
                     self._t_exhausted = self.clock()

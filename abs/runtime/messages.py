@@ -271,6 +271,8 @@ class WorkerMetrics:
     records_in: dict  # operator uid -> records
     bytes_written: int = 0
     bytes_restored: int = 0
+    # task key -> (seconds since it started, of them idle, of them backpressured): Task.load()
+    load: dict = dataclasses.field(default_factory=dict)
 
 
 @_message

@@ -120,6 +120,10 @@ class Task(threading.Thread):
         self.keyed = self.head if isinstance(self.head, KeyedOp) else None
         self.holding = Holding(self.keyed.extractor.max_parallelism) if self.keyed is not None else None
         self._early: list = []  # installs of a step this task has not aligned yet
+        # load: seconds waiting for input (idle) since the task started; time blocked on full
+        # output channels (backpressured) is summed from its senders (see load())
+        self.started = time.perf_counter()
+        self.idle = 0.0
 
     # ------------------------------------------------------------------ entry
     def run(self) -> None:
@@ -151,7 +155,12 @@ class Task(threading.Thread):
         exhausted = paused = False
         wait = 0.0
         while True:
-            event = self.gate.wait_control(wait) if wait else self.gate.wait_control(0)
+            if wait:
+                t0 = time.perf_counter()
+                event = self.gate.wait_control(wait)
+                self.idle += time.perf_counter() - t0
+            else:
+                event = self.gate.wait_control(0)
             wait = 0.0
             if event is not None:
                 match event:
@@ -202,7 +211,9 @@ class Task(threading.Thread):
         holding = self.holding
         while True:
             blocked = aligner.blocked if steps.aligning is None else aligner.blocked | steps.blocked
+            t0 = time.perf_counter()
             got = self.gate.take(blocked, 0.05)
+            self.idle += time.perf_counter() - t0
             if got is None:
                 continue
             channel, item = got
@@ -243,6 +254,13 @@ class Task(threading.Thread):
                     self._apply_step(self._marker)
                 if self._act(aligner.on_end_of_stream(channel)):
                     return
+
+    def load(self) -> tuple[float, float, float]:
+        """Seconds since the task started, of them waiting for input (idle) and blocked on
+        full output channels (backpressured); the rest it was busy. Read by the worker's
+        metrics thread (plain float reads: a figure a moment old at worst)."""
+        backpressured = sum(getattr(s, "blocked", 0.0) for out in self.outputs for s in out.senders)
+        return time.perf_counter() - self.started, self.idle, backpressured
 
     # ------------------------------------------------------------------ reconfiguration
     def _apply_step(self, marker: StepMarker | None) -> None:

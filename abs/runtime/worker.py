@@ -432,7 +432,8 @@ class Worker:
         for task in self.tasks.values():
             for op in task.ops.values():
                 records[op.uid] = op.records_in
-        return m.WorkerMetrics(records, self.bytes_written, self.bytes_restored)
+        load = {task.key: task.load() for task in self.tasks.values()}
+        return m.WorkerMetrics(records, self.bytes_written, self.bytes_restored, load)
 
     def _metrics_loop(self) -> None:
         while not self._stopped.wait(0.5):
