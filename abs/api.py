@@ -94,6 +94,7 @@ def _driver(flow: Dataflow, o: _JobOptions) -> JobDriver:
         startup_timeout=runtime.startup_timeout,
         heartbeat_timeout=runtime.heartbeat_timeout,
         allow_repeated_output=o.allow_repeated_output,
+        progress=runtime.progress,
     )
 
 

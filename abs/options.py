@@ -152,12 +152,16 @@ class RuntimeOptions:
     restore. ``faults``: failure injection for tests and drills, :class:`abs.faults.Fault`
     objects or ``(point, task, nth[, attempt[, action]])`` tuples: the worker running
     ``task`` (``"task<t>#<subtask>"`` or ``"*"``) kills itself hard at the ``nth`` hit of
-    ``point``.
+    ``point``. ``progress``: how a restore's progress is shown: ``None`` (default) draws a
+    bar on stderr when it is a terminal, ``False`` never, or a callable that receives
+    :class:`abscore.progress.ProgressEvent` values (stage ``"restore"``, bytes read of the
+    bytes the restore plan assigned, summed over the workers).
     """
 
     heartbeat_timeout: float = 30.0
     startup_timeout: float = 120.0
     faults: Iterable[Any] = ()
+    progress: Any = None
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_timeout", "startup_timeout"):
@@ -168,6 +172,9 @@ class RuntimeOptions:
         if isinstance(self.faults, (str, bytes)) or not isinstance(self.faults, Iterable):
             raise ConfigError(f"RuntimeOptions(faults={self.faults!r}): expected a sequence of abs.faults.Fault "
                               "objects or (point, task, nth) tuples; pass faults=() for none")
+        if not (self.progress is None or self.progress is False or callable(self.progress)):
+            raise ConfigError(f"RuntimeOptions(progress={self.progress!r}): expected None (bars on a terminal), "
+                              "False (none) or a callable taking abscore.progress.ProgressEvent")
         from .faults import normalize_faults
 
         try:

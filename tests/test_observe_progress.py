@@ -128,3 +128,68 @@ def test_the_cli_draws_progress_on_a_terminal_and_stays_quiet_otherwise(root, ca
 
     assert main(["verify", root]) == 0
     assert capsys.readouterr().err == ""  # stderr is not a terminal here
+
+
+# ----------------------------------------------------------------------------- a job's restore
+RESTORE_JOB = """
+import sys
+import pyarrow as pa
+import abs
+
+def keep(ctx, row):
+    ctx.state.v.update(row["value"])
+
+flow = abs.Dataflow("restore-progress")
+flow.source("src", abs.GeneratorSource(200_000, num_keys=200_000, batch_size=8192)).key_by("key") \\
+    .process("keep", keep, state=[abs.ValueState("v", pa.int64())])
+mode = sys.argv[2]
+runtime = abs.RuntimeOptions(progress=False) if mode == "off" else abs.RuntimeOptions()
+if mode == "write":
+    abs.run(flow, parallelism=2, storage=sys.argv[1], checkpoint=abs.CheckpointConfig(interval=None))
+else:
+    abs.run(flow, parallelism=2, storage=sys.argv[1], restore="latest", runtime=runtime)
+"""
+
+
+def _job_on_a_terminal(script: str, *args: str) -> str:
+    leader, follower = pty.openpty()
+    env = dict(os.environ, COLUMNS="120", TERM="xterm-256color")
+    proc = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.DEVNULL, stderr=follower,
+                            stdin=subprocess.DEVNULL, env=env)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            data = os.read(leader, 65536)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(leader)
+    assert proc.wait(timeout=600) == 0, b"".join(chunks).decode(errors="replace")
+    return b"".join(chunks).decode(errors="replace")
+
+
+def test_a_restore_reports_the_bytes_read_of_the_bytes_assigned(tmp_path):
+    root = str(tmp_path / "root")
+    subprocess.run([sys.executable, "-c", RESTORE_JOB, root, "write"], check=True, timeout=600)
+    events = []
+    flow = abs.Dataflow("restore-progress")
+    flow.source("src", abs.GeneratorSource(200_000, num_keys=200_000, batch_size=8192)).key_by("key") \
+        .process("keep", _keep, state=[abs.ValueState("v", pa.int64())])
+    result = abs.run(flow, parallelism=2, storage=root, restore="latest",
+                     runtime=abs.RuntimeOptions(progress=events.append))
+    assert result.restored_from is not None
+    assert {e.stage for e in events} == {"restore"} and events[0].done == 0
+    total_kib = sum(result.bytes_restored_per_worker) // 1024
+    assert events[-1].done == events[-1].total == total_kib > 0
+    assert [e.done for e in events] == sorted(e.done for e in events)
+    # on a terminal: a bar; with progress=False: none
+    shown = _job_on_a_terminal(RESTORE_JOB, root, "auto")
+    assert "restore" in shown and "KiB" in shown, shown
+    assert "KiB" not in _job_on_a_terminal(RESTORE_JOB, root, "off")
+
+
+def _keep(ctx, row):
+    ctx.state.v.update(row["value"])

@@ -90,6 +90,7 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
         startup_timeout: float = 120.0,
         heartbeat_timeout: float = 60.0,
         allow_repeated_output: bool = False,
+        progress: Any = None,
     ) -> None:
         flow.validate()
         if not isinstance(parallelism, int) or parallelism < 1:
@@ -128,6 +129,7 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
         self.restarts: list[dict] = []
         self.startup_timeout = startup_timeout
         self.heartbeat_timeout = heartbeat_timeout
+        self.progress = progress  # restore progress: None (bars on a terminal), False, or a callback
         self.plan = compile_plan(flow)
         self.requests: "queue.Queue[Any]" = queue.Queue()  # CheckpointRequest / CancelRequest / ReconfigRequest
         self.store = None

@@ -261,14 +261,15 @@ class KeyedOp(OperatorRuntime):
         self.need_full = False  # restored from another root: the next snapshot must be full
         self.last_captured = 0  # the newest checkpoint this subtask snapshotted
 
-    def restore(self, chains: dict, read_chain: Callable[[list], pa.Table], same_root: bool = True) -> int:
+    def restore(self, chains: dict, read_chain: Callable[[list], pa.Table], same_root: bool = True,
+                on_read: Callable[[int], None] | None = None) -> int:
         """Load this subtask's key groups: ``chains`` (state -> kg -> [FileRef]) holds exactly
         them, as the driver's restore plan assigned them (``RestorePlan.keyed_chains``); a key
         group outside this subtask's range is a bug of the plan and fails the restore.
 
         ``same_root``: the chains live in the storage root this job writes to, so new deltas
         can build on them; otherwise (a savepoint elsewhere) the first checkpoint is full.
-        Returns bytes read."""
+        Returns bytes read; ``on_read(bytes)`` hears of each key group read (progress)."""
         outside = sorted({kg for by_kg in chains.values() for kg in by_kg if kg not in self.key_group_range})
         if outside:
             raise StateError(
@@ -282,7 +283,10 @@ class KeyedOp(OperatorRuntime):
                 continue  # compatibility is checked by the driver before anything runs
             for kg, chain in by_kg.items():
                 table = read_chain(chain)
-                nbytes += sum(ref.bytes for ref in chain)
+                read = sum(ref.bytes for ref in chain)
+                nbytes += read
+                if on_read is not None:
+                    on_read(read)
                 self.backend.restore(state, kg, table)
                 if same_root:
                     self.chains.restored(self.uid, state, kg, chain)

@@ -20,6 +20,7 @@ from ..errors import JobFailedError, StartupError, WorkerLostError
 from storage.errors import StorageError
 
 from . import messages as m
+from .restore_progress import RestoreProgress
 from .worker import WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,8 @@ def wait_for_exits(procs: list, seconds: float, check: Callable[[], None], clock
 
 class Supervision:
     """The supervision steps of :class:`~abs.runtime.driver.JobDriver` (see the module docstring)."""
+
+    _restore_tracker: RestoreProgress | None = None
 
     def _launch(self, spec: WorkerSpec, assignments: list, procs: list, conns: dict[int, Any]) -> None:
         """Start the workers and take them through the start-up handshake to the running
@@ -80,6 +83,7 @@ class Supervision:
                 conns[hello.index] = c
                 if hasattr(procs[hello.index], "bind_pid"):
                     procs[hello.index].bind_pid(hello.pid)
+            self._restore_tracker = RestoreProgress.start(self.progress, assignments)
             payload = cloudpickle.dumps(spec)
             for i, c in conns.items():
                 c.send(m.JobSpec(payload, assignments[i]))
@@ -88,6 +92,8 @@ class Supervision:
             for c in conns.values():
                 c.send(m.Peers(addresses))
             for i, ready in self._gather(conns, m.Ready, procs).items():
+                if self._restore_tracker is not None:
+                    self._restore_tracker.report(i, ready.stats.bytes_restored)
                 self._bytes_restored[i] = ready.stats.bytes_restored
                 self._restore_seconds[i] = ready.stats.restore_seconds
                 self.restored_key_groups[i] = ready.stats.key_groups
@@ -96,6 +102,9 @@ class Supervision:
         finally:
             listener.close()
             self._drop_probe()
+            if self._restore_tracker is not None:
+                self._restore_tracker.close()
+                self._restore_tracker = None
         return procs, conns
 
     def _drop_probe(self) -> None:
@@ -141,7 +150,10 @@ class Supervision:
                     del pending[i]
                 elif isinstance(msg, m.TaskFailed):
                     self._startup_failed(i, msg, procs, conns)
-                elif isinstance(msg, (m.Heartbeat, m.CollectCommit, m.Metrics)):
+                elif isinstance(msg, m.Heartbeat):
+                    if msg.restored_bytes and self._restore_tracker is not None:
+                        self._restore_tracker.report(i, msg.restored_bytes)
+                elif isinstance(msg, (m.CollectCommit, m.Metrics)):
                     pass  # alive; a restored CollectSink re-commits what this driver committed with the manifest
                 else:
                     raise m.unexpected(msg, f"job {self.flow.name!r}: the driver", f"worker {i}", kind.__name__)

@@ -86,6 +86,7 @@ class Worker:
         self._in_thread: InThreadWriter | None = None  # writes where there is no writer process
         self._fault_counts: dict[tuple, int] = {}
         self.bytes_restored = 0
+        self.restoring = 0  # bytes read so far while restoring (sent with the start-up heartbeats)
         self.restore_seconds = 0.0
         self.bytes_written = 0
         self._stopped = threading.Event()
@@ -357,7 +358,8 @@ class Worker:
                     same_root = spec.restore_url == spec.storage_url
                     chains = assignment.keyed_chains[node.uid]
                     t0 = time.perf_counter()
-                    self.bytes_restored += op.restore(chains, restore_store.read_chain, same_root)
+                    self.bytes_restored += op.restore(chains, restore_store.read_chain, same_root,
+                                                      on_read=self._restored)
                     self.restore_seconds += time.perf_counter() - t0
                     restored_kgs[node.uid] = {state: tuple(sorted(by_kg)) for state, by_kg in chains.items()}
                 ops[n] = op
@@ -376,6 +378,9 @@ class Worker:
                 reader = head.spec["source"].create_reader(splits, i, P)
             self.tasks[t.index] = Task(t, i, ops, self.gates[t.index], writers, self, reader)
         return m.RestoreStats(self.bytes_restored, self.restore_seconds, restored_kgs)
+
+    def _restored(self, nbytes: int) -> None:
+        self.restoring += nbytes
 
     # ------------------------------------------------------------------ control loop
     def run(self) -> None:
@@ -469,7 +474,8 @@ def main() -> None:
     # worker tells the driver it is alive, so a hung worker is found in heartbeat time
     send_lock = threading.Lock()
     starting = threading.Event()
-    threading.Thread(target=_startup_heartbeat, args=(conn, send_lock, starting, index), daemon=True).start()
+    state: dict[str, Any] = {}  # "worker" once it exists: its restore progress goes with the heartbeats
+    threading.Thread(target=_startup_heartbeat, args=(conn, send_lock, starting, index, state), daemon=True).start()
 
     def send(msg: Any) -> None:
         with send_lock:
@@ -481,6 +487,7 @@ def main() -> None:
             raise m.unexpected(job, f"worker {index}", "the driver", "JobSpec")
         spec: WorkerSpec = cloudpickle.loads(job.payload)
         worker = Worker(index, conn, spec, secret, job.assignment)
+        state["worker"] = worker
         worker._send_lock = send_lock  # one lock for every send on the driver connection
         worker.writer = writer
         worker.bind_host = boot.get("bind_host", "127.0.0.1")  # all interfaces on a cluster
@@ -516,11 +523,12 @@ def main() -> None:
     os._exit(0)
 
 
-def _startup_heartbeat(conn: Any, lock: threading.Lock, started: threading.Event, index: int) -> None:
+def _startup_heartbeat(conn: Any, lock: threading.Lock, started: threading.Event, index: int, state: dict) -> None:
     while not started.wait(STARTUP_HEARTBEAT_S):
+        worker = state.get("worker")
         with lock:
             try:
-                conn.send(m.Heartbeat(index))
+                conn.send(m.Heartbeat(index, worker.restoring if worker is not None else 0))
             except (OSError, EOFError):
                 return
 
