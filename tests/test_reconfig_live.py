@@ -181,6 +181,47 @@ def test_two_keyed_stages_move_together(tmp_path):
     assert out.column("seen").to_pylist() == out.column("count").to_pylist()
 
 
+def test_a_checkpoint_during_a_step_waits_for_the_key_groups_on_their_way(tmp_path):
+    """Every read of a state file takes a second, so the new owner's installs are slow; a
+    checkpoint triggered right after the step starts reaches the new owner while its key
+    groups are on their way. It must wait for them: a snapshot taken before would hold them
+    nowhere (the old owner has released them), and every checkpoint must hold every key group."""
+    import threading
+    import time
+
+    gate = str(tmp_path / "gate")
+    opts = {"target_protocol": "file",
+            "faults": [{"op": "read", "action": "delay", "seconds": 1.0, "times": None, "path_glob": "*/state/*"}]}
+    job = abs.submit(counting_flow(gate), parallelism=2, storage=f"faulty://{tmp_path}/root", storage_options=opts,
+                     checkpoint=abs.CheckpointConfig(interval=None, retained=100))
+    moved: list = []
+    try:
+        deadline = time.monotonic() + 120  # bounds a hang only
+        while job.metrics()["records_in"].get("count", 0) < 2_000:  # every key group holds state
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        first = job.trigger_checkpoint()
+        mover = threading.Thread(target=lambda: moved.append(job.move(range(8), to=1)))
+        mover.start()
+        deadline = time.monotonic() + 120  # bounds a hang only
+        while not (job.reconfigurations() and job.reconfigurations()[0].steps):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        during = job.trigger_checkpoint()
+        mover.join(timeout=300)
+        assert moved and moved[0].status == "COMPLETED"
+    finally:
+        open(gate, "w").close()
+    result = job.wait(timeout=300)
+    check_counts(result.collected("out"))
+    store = SnapshotStore.open(str(tmp_path / "root"))
+    every = sorted({key_group(k, M) for k in range(NUM_KEYS)})  # the key groups holding a key
+    for cid in store.list_checkpoints():
+        if cid >= first:
+            assert sorted(store.read_manifest(cid).keyed["count"]["n"]) == every, cid
+    assert during in store.list_checkpoints()
+
+
 # ----------------------------------------------------------------------------- schedules
 schedules = st.lists(
     st.tuples(st.sets(st.integers(0, M - 1), min_size=1, max_size=M), st.integers(0, 1),
