@@ -206,7 +206,7 @@ def _modules(package: str):
 # runtime (or stands for a file system's own error in fault-injection tests).
 INTERNAL = {
     "abs.runtime.channels.GateClosed": "a closed gate ends a task's loop; never leaves the worker",
-    "abs.runtime.operators.UserFunctionError": "carries a user function's error to the task, "
+    "abs.runtime.operator_base.UserFunctionError": "carries a user function's error to the task, "
                                                "which reports it as abs.OperatorError",
     "abs.runtime.writer.WriterHungError": "the worker declines the checkpoint and writes in-thread",
     "storage.testing.InjectedFaultError": "test helper: stands for an OSError of the file system",

@@ -95,7 +95,7 @@ class _OtherDiskExecutor(LocalExecutor):
 
     def launch(self, index: int, boot: dict) -> subprocess.Popen:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        cmd = [sys.executable, "-c", "from abs.runtime.worker import main; main()"]
+        cmd = [sys.executable, "-c", "from abs.runtime.worker_main import main; main()"]
         if index in self.workers:
             cmd = ["unshare", "-m", "sh", "-c", 'mount -t tmpfs tmpfs "$0" && exec "$@"', self.hidden, *cmd]
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env, close_fds=True)

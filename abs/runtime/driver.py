@@ -356,7 +356,7 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
             case m.KeyGroupHandover() | m.KeyGroupInstalled():
                 self._on_reconfig_message(run, msg)
             case m.Heartbeat():
-                pass  # a starting worker's (see worker.main); a running one sends Metrics
+                pass  # a starting worker's (see worker_main.main); a running one sends Metrics
             case m.TaskFailed():
                 # a task often fails only because a peer worker died (its channel broke):
                 # name the dead worker, not the collateral failure

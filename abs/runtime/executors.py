@@ -43,7 +43,7 @@ class LocalExecutor:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         proc = subprocess.Popen(
-            [sys.executable, "-c", "from abs.runtime.worker import main; main()"], stdin=subprocess.PIPE, env=env, close_fds=True
+            [sys.executable, "-c", "from abs.runtime.worker_main import main; main()"], stdin=subprocess.PIPE, env=env, close_fds=True
         )
         assert proc.stdin is not None
         proc.stdin.write((json.dumps(boot) + "\n").encode())

@@ -151,7 +151,7 @@ class Start:
 
 @_message
 class Heartbeat:
-    """A starting worker is alive (sent every ``worker.STARTUP_HEARTBEAT_S`` until :class:`Start`);
+    """A starting worker is alive (sent every ``worker_main.STARTUP_HEARTBEAT_S`` until :class:`Start`);
     ``restored_bytes``: what it has read of its state so far (restore progress)."""
 
     index: int

@@ -105,7 +105,7 @@ def _task_body(boots: list[dict], remote_hosts: bool) -> Callable[[Iterator[int]
         paths = boot.pop("pythonpath", None) or [p for p in sys.path if p]
         env["PYTHONPATH"] = os.pathsep.join(paths)
         proc = subprocess.Popen(
-            [sys.executable, "-c", "from abs.runtime.worker import main; main()"],
+            [sys.executable, "-c", "from abs.runtime.worker_main import main; main()"],
             stdin=subprocess.PIPE, env=env, close_fds=True, preexec_fn=die_with_parent,
         )
         assert proc.stdin is not None

@@ -1,0 +1,101 @@
+"""The entry point of a worker process (``python -c "from abs.runtime.worker_main import
+main; main()"``, started by an executor): reads its bootstrap JSON from stdin, connects to the
+driver, and takes the :class:`~abs.runtime.worker.Worker` through the start-up handshake of
+:mod:`abs.runtime.messages`, sending heartbeats (with its restore progress) until it starts."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import traceback
+from multiprocessing.connection import Client
+from typing import Any
+
+from . import messages as m
+from .worker import Worker, WorkerSpec
+from .writer import SnapshotWriter
+
+__all__ = ["main", "STARTUP_HEARTBEAT_S"]
+
+
+def main() -> None:
+    """Entry point of a worker process: reads its bootstrap JSON from stdin."""
+    boot = json.loads(sys.stdin.readline())
+    writer = SnapshotWriter.fork()  # before any thread exists (see abs.runtime.writer)
+    # LocalExecutor(pin_cpus=True): set while this is the only thread (threads inherit it);
+    # the writer, forked above, stays free
+    if boot.get("cpu") is not None:
+        os.sched_setaffinity(0, {boot["cpu"]})
+    secret = bytes.fromhex(boot["secret"])
+    index = boot["index"]
+    conn = Client(tuple(boot["driver"]), authkey=secret)
+    conn.send(m.Hello(index, os.getpid()))
+    job = conn.recv()
+    import cloudpickle
+
+    # while it starts (loading the job, restoring state: minutes for a large state), a
+    # worker tells the driver it is alive, so a hung worker is found in heartbeat time
+    send_lock = threading.Lock()
+    starting = threading.Event()
+    state: dict[str, Any] = {}  # "worker" once it exists: its restore progress goes with the heartbeats
+    threading.Thread(target=_startup_heartbeat, args=(conn, send_lock, starting, index, state), daemon=True).start()
+
+    def send(msg: Any) -> None:
+        with send_lock:
+            conn.send(msg)
+
+    phase = "loading the job"
+    try:
+        if not isinstance(job, m.JobSpec):
+            raise m.unexpected(job, f"worker {index}", "the driver", "JobSpec")
+        spec: WorkerSpec = cloudpickle.loads(job.payload)
+        worker = Worker(index, conn, spec, secret, job.assignment)
+        state["worker"] = worker
+        worker._send_lock = send_lock  # one lock for every send on the driver connection
+        worker.writer = writer
+        worker.bind_host = boot.get("bind_host", "127.0.0.1")  # all interfaces on a cluster
+        phase = "opening the storage root"
+        worker.build()
+        host, port = worker.listener.address[:2]
+        send(m.Listening((boot.get("advertise_host") or host, port)))
+        phase = "waiting for its peers' addresses"
+        peers = conn.recv()
+        if not isinstance(peers, m.Peers):
+            raise m.unexpected(peers, f"worker {index}", "the driver", "Peers")
+        phase = "connecting to its peers"
+        worker.connect(list(peers.addresses))
+        worker.fault("after_connect", None)
+        phase = "restoring its state" if job.assignment.keyed_chains else "creating its tasks"
+        stats = worker.create_tasks()
+        send(m.Ready(stats))
+    except Exception as exc:  # noqa: BLE001 - reported to the driver, whose restart strategy decides
+        from .failures import describe, is_permanent
+
+        try:
+            send(m.TaskFailed(f"worker{index}", "<startup>", traceback.format_exc(), phase, describe(exc),
+                              is_permanent(exc)))
+        except (OSError, EOFError):
+            pass  # the driver is gone or gave up on this attempt
+        sys.exit(1)
+    start = conn.recv()
+    starting.set()  # from here on the worker's metrics are its heartbeat
+    if not isinstance(start, m.Start):
+        sys.exit(0)
+    worker.run()
+    conn.close()
+    os._exit(0)
+
+
+def _startup_heartbeat(conn: Any, lock: threading.Lock, started: threading.Event, index: int, state: dict) -> None:
+    while not started.wait(STARTUP_HEARTBEAT_S):
+        worker = state.get("worker")
+        with lock:
+            try:
+                conn.send(m.Heartbeat(index, worker.restoring if worker is not None else 0))
+            except (OSError, EOFError):
+                return
+
+
+STARTUP_HEARTBEAT_S = 0.5
+"""How often a starting worker tells the driver it is alive (a running one sends metrics)."""
