@@ -45,6 +45,9 @@ class Installer:
                 return
             try:
                 if isinstance(msg, m.Preload):
+                    # what an earlier step preloaded and no handover took (the old owner's chain
+                    # had moved on by then) is not asked for again
+                    self._preloaded.clear()
                     for by_state in msg.chains.values():
                         for by_kg in by_state.values():
                             for chain in by_kg.values():
