@@ -19,6 +19,7 @@ from abs.connectors.sinks import Sink, SinkWriter
 from recovery import NoUsableCheckpointError
 from storage import SnapshotStore, StoragePaths
 from storage.errors import CorruptManifestError
+from pacing import PacedSource
 
 pytestmark = pytest.mark.integration
 
@@ -61,9 +62,12 @@ class _AppendWriter(SinkWriter):
                     f.write(json.dumps(row) + "\n")
 
 
-def flow(out: str, *, append: str | None = None, collect: bool = False) -> abs.Dataflow:
+def flow(out: str, *, append: str | None = None, collect: bool = False, gate: str | None = None) -> abs.Dataflow:
+    """``gate``: each source reader stops at a quarter of the input until that file exists."""
     f = abs.Dataflow("fallback")
     src = abs.GeneratorSource(TOTAL, num_keys=KEYS, num_splits=4, batch_size=100, rate=1_500)
+    if gate is not None:
+        src = PacedSource(src, TOTAL, hold=TOTAL // 4, gate=gate)
     counts = f.source("src", src).key_by("key").process("count", count_fn, state=[abs.ValueState("n", pa.int64())])
     counts.sink("out", FileSink(out, format="parquet"))
     if append is not None:
@@ -85,24 +89,26 @@ def finished_run(tmp_path, **kw) -> tuple[str, str, int]:
     """A fault-free run to the end whose newest checkpoint committed output; returns (root,
     output dir, newest checkpoint id).
 
-    The premise is a matter of timing, not of correctness: a periodic barrier that reaches
-    the sources after their last record but before the driver hears they are exhausted
-    takes the tail of the output, and the final checkpoint then commits none (seen about once
-    in 20 runs at load 15 on 2 cores). Such a run is set aside and the job runs again in a
-    fresh directory, at most three times."""
-    for attempt in range(3):
-        base = tmp_path / f"run{attempt}"
-        root, out = str(base / "snap"), str(base / "out")
-        if kw.get("append") and os.path.exists(kw["append"]):
-            os.remove(kw["append"])  # the append sink's file of a run set aside
-        base.mkdir()
-        result = abs.run(flow(out, **kw), parallelism=2, checkpoint=CHECKPOINTS, storage=root)
-        assert result.status == "FINISHED"
-        newest = SnapshotStore.open(root).latest_checkpoint()
-        # the premise: the newest checkpoint committed output, which a fallback would repeat
-        if newest in FileSink(out).committed_checkpoints():
-            return root, out, newest
-    raise AssertionError("the last epoch held no output in three runs")
+    The premise must not depend on timing: with periodic checkpoints, one whose barrier
+    reaches the sources after their last record but before the driver hears they are
+    exhausted takes the tail of the output, and the final checkpoint then commits none. So
+    this run has no periodic checkpoints: the test takes three while the sources wait at a
+    gate with most of the input still to come, then opens the gate, and the final checkpoint
+    is the only one after it: it commits the tail."""
+    root, out, gate = str(tmp_path / "snap"), str(tmp_path / "out"), str(tmp_path / "gate")
+    job = abs.submit(flow(out, gate=gate, **kw), parallelism=2, storage=root,
+                     checkpoint=abs.CheckpointConfig(interval=None, retained=20))
+    try:
+        for _ in range(3):
+            job.trigger_checkpoint()
+    finally:
+        open(gate, "w").close()
+    result = job.wait(timeout=300)
+    assert result.status == "FINISHED"
+    newest = SnapshotStore.open(root).latest_checkpoint()
+    # the premise: the newest checkpoint committed output, which a fallback would repeat
+    assert newest in FileSink(out).committed_checkpoints()
+    return root, out, newest
 
 
 def damage_manifest(root: str, cid: int, how: str) -> None:
