@@ -336,6 +336,9 @@ def _read_part(fs: Any, path: str, format: str) -> pa.Table:
     if format == "parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(io.BytesIO(data))
+        # one file in memory, read without the dataset scanner and its background threads:
+        # those have been seen to abort the interpreter at exit ("terminate called without an
+        # active exception", a known pyarrow issue) after a job's output was read
+        return pq.ParquetFile(pa.BufferReader(data)).read(use_threads=False)
     rows = [json.loads(line) for line in data.decode("utf-8").splitlines() if line]
     return pa.Table.from_pylist(rows)
