@@ -21,7 +21,7 @@ import numpy as np
 
 from .errors import ParallelismError
 from .hashing import NONE_HASH, TUPLE_SEED, fmix64, stable_hash, stable_hashes
-from .ids import KeyGroup, SubtaskIndex
+from .ids import KeyGroup, SubtaskIndex, id_ranges
 
 __all__ = [
     "DEFAULT_MAX_PARALLELISM",
@@ -200,16 +200,7 @@ class KeyGroupSet:
 
     def __str__(self) -> str:
         g = self._groups()
-        if not g:
-            return "[]"
-        parts, first, prev = [], g[0], g[0]
-        for kg in g[1:]:
-            if kg != prev + 1:
-                parts.append(f"{first}" if first == prev else f"{first}-{prev}")
-                first = kg
-            prev = kg
-        parts.append(f"{first}" if first == prev else f"{first}-{prev}")
-        return "{" + ",".join(parts) + "}"
+        return "{" + id_ranges(g, sep=",") + "}" if g else "[]"
 
     __repr__ = __str__
 

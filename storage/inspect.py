@@ -11,6 +11,8 @@ from typing import Any, Iterator, Sequence
 
 import pyarrow as pa
 
+from abscore.ids import id_ranges
+
 from .errors import CorruptManifestError, StorageError, UnsupportedFormatError
 from .format import is_pickled
 from .manifest import FileRef, Manifest
@@ -224,23 +226,13 @@ def _state_lines(st: str, chains: dict[int, list[FileRef]], images: set[str], *,
     return out
 
 
-def _ranges(kgs: Sequence[int]) -> str:
-    parts: list[str] = []
-    for kg in kgs:
-        if parts and parts[-1][1] == kg - 1:
-            parts[-1][1] = kg
-        else:
-            parts.append([kg, kg])
-    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in parts) or "-"
-
-
 def _assignment_line(m: Manifest) -> str:
     """The owner of each key group when the checkpoint was taken."""
     if m.assignment is None:
         p = m.stats.get("parallelism")
         return ("key-group assignment: contiguous ranges" + (f" of parallelism {p}" if isinstance(p, int) else ""))
     owners = m.assignment
-    per = "; ".join(f"subtask {w}: {_ranges([kg for kg, o in enumerate(owners) if o == w])}"
+    per = "; ".join(f"subtask {w}: {id_ranges((kg for kg, o in enumerate(owners) if o == w), sep=',') or '-'}"
                     for w in range(max(owners) + 1))
     return f"key-group assignment (moved by live reconfiguration): {per}"
 

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import abs
 import abs.reconfig.plan
+from abscore.ids import id_ranges
 from abs.keygroups import key_group
 from abs.faults import Fault
 from abs.reconfig import Assignment
@@ -116,12 +117,8 @@ def test_moves_during_checkpoints_keep_every_count_and_checkpoint_exact(tmp_path
 
     line = next(x for x in show_lines(manifest) if x.startswith("key-group assignment"))
     assert line == ("key-group assignment (moved by live reconfiguration): "
-                    f"subtask 0: {_ranges(job.assignment().key_groups_of(0))}; "
-                    f"subtask 1: {_ranges(job.assignment().key_groups_of(1))}")
-
-
-def _ranges(kgs):
-    return abs.reconfig.plan._ranges(kgs)
+                    f"subtask 0: {id_ranges(job.assignment().key_groups_of(0), sep=',')}; "
+                    f"subtask 1: {id_ranges(job.assignment().key_groups_of(1), sep=',')}")
 
 
 def test_bad_requests_are_refused_and_change_nothing(tmp_path):

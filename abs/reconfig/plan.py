@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 from ..errors import ReconfigurationError
+from abscore.ids import id_ranges
+
 from ..keygroups import routing_table
 
 __all__ = ["Assignment", "Move", "Step", "STRATEGIES", "ReconfigurationError", "plan_steps",
@@ -81,24 +83,8 @@ class Assignment:
         parts = []
         for w in range(self.workers):
             kgs = self.key_groups_of(w)
-            parts.append(f"w{w}: {_ranges(kgs) or '-'}")
+            parts.append(f"w{w}: {id_ranges(kgs, sep=',') or '-'}")
         return "; ".join(parts)
-
-
-def _ranges(kgs: Sequence[int]) -> str:
-    out: list[str] = []
-    start = prev = None
-    for kg in kgs:
-        if start is None:
-            start = prev = kg
-        elif kg == prev + 1:
-            prev = kg
-        else:
-            out.append(f"{start}" if start == prev else f"{start}-{prev}")
-            start = prev = kg
-    if start is not None:
-        out.append(f"{start}" if start == prev else f"{start}-{prev}")
-    return ",".join(out)
 
 
 def check_strategy(strategy: object, batch: object) -> int:

@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, Mapping, Sequence
 
+from abscore.ids import id_ranges
 from ..errors import ConfigError
 from ..options import RESTORE_KEYWORDS, Restore
 
@@ -60,22 +61,6 @@ def check_restore_option(restore: Any, storage: str | None) -> None:
             f"{what} needs storage= (the path or fsspec URL of the root whose checkpoints to restore); "
             "pass storage=..., or restore=<savepoint path> to restore a savepoint"
         )
-
-
-def id_ranges(ids: Iterable[int]) -> str:
-    """``[40, 41, 42, 44]`` -> ``"40-42, 44"``."""
-    out: list[str] = []
-    run: list[int] = []
-    for i in sorted(set(ids)):
-        if run and i == run[-1] + 1:
-            run.append(i)
-            continue
-        if run:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [i]
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ", ".join(out)
 
 
 @dataclass(frozen=True)
