@@ -263,7 +263,7 @@ class JobHandle:
     def reconfigurations(self) -> list:
         """Every reconfiguration of this job so far, oldest first: its steps, key groups,
         bytes moved and timings (:class:`abs.reconfig.ReconfigurationRecord`)."""
-        return list(getattr(self._driver, "reconfigurations", []))
+        return list(self._driver.reconfigurations)
 
     def _reconfigure(self, kind: str, args: tuple, strategy: str, batch: Any, timeout: float) -> Any:
         from .runtime.messages import ReconfigRequest

@@ -56,7 +56,7 @@ SAMPLES = {
     m.WriteFailed: m.WriteFailed("OSError: disk full"),
     m.StartStep: m.StartStep(3, ((1, 0), (2, 1)), 6),
     m.Preload: m.Preload(3, 6, {"count": {"n": {3: [REF]}}}),
-    m.KeyGroupHandover: m.KeyGroupHandover(3, "count", 3, 0, 1, {"n": b"ipc"}, {"n": [REF]}, False),
+    m.KeyGroupHandover: m.KeyGroupHandover(3, "count", 3, 0, 1, {"n": b"ipc"}, {"n": [REF]}),
     m.KeyGroupInstalled: m.KeyGroupInstalled(3, "count", 3, 1, 10),
 }
 IN_PROCESS = {m.CheckpointRequest, m.CancelRequest, m.UploadJob, m.ReconfigRequest, m.InstallState}  # never cross a process boundary

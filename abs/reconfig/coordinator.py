@@ -100,10 +100,6 @@ class Reconfiguration:
         self.record.steps.append(StepRecord(sid, step.key_groups, self.clock()))
         return sid, step
 
-    @property
-    def next_step_id(self) -> int:
-        return self._step_id
-
     def on_handover(self, nbytes: int, full: bool) -> None:
         rec = self.record.steps[-1]
         rec.bytes_moved += nbytes

@@ -164,6 +164,7 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
         self.result: JobResult | None = None
         self.error: BaseException | None = None
         self.clock: Callable[[], float] = time.monotonic  # the loop's time (the coordinator's too)
+        self._reconfig_init()
 
     def _spec(self, restore_info: dict, attempt: int = 0) -> WorkerSpec:
         return WorkerSpec(

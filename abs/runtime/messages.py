@@ -353,7 +353,11 @@ class KeyGroupHandover:
     target: int
     changes: dict
     chains: dict
-    full: bool
+
+    @property
+    def full(self) -> bool:
+        """The changes are the whole key group (nothing stored to build on)."""
+        return not self.chains
 
     @property
     def nbytes(self) -> int:

@@ -17,7 +17,7 @@ from storage.session import CheckpointSession
 
 from ..dataflow import Node
 from ..errors import GraphError, StateError
-from ..keygroups import KeyGroupRange
+from ..keygroups import KeyGroupSet
 from ..connectors.sinks import CollectSink, SinkWriter
 from ..state import AggregateBackend, KeyedBackend, KeyedStateBackend
 from ..state.handover import adopt_key_group, export_key_group, release_key_group
@@ -95,15 +95,19 @@ class KeyedOp(OperatorRuntime):
         super().__init__(node, ctx)
         key = node.inputs[0].key
         self.extractor = KeyExtractor(node.uid, key, ctx.max_parallelism)
-        self.key_group_range: KeyGroupRange = ctx.key_group_range
         self.backend = KeyedStateBackend(
-            node.uid, node.spec.get("state", ()), ctx.max_parallelism, self.key_group_range
+            node.uid, node.spec.get("state", ()), ctx.max_parallelism, ctx.key_group_range
         )
         self.chains = CheckpointSession()  # the chains of this subtask's key groups, confirmed and pending
         self.chains.declare(node.uid, (s.name for s in node.spec.get("state", ())))
         self.full_pending: set[int] = set()
         self.need_full = False  # restored from another root: the next snapshot must be full
         self.last_captured = 0  # the newest checkpoint this subtask snapshotted
+
+    @property
+    def key_group_range(self) -> KeyGroupSet:
+        """The key groups this subtask owns now (its backend's: live reconfiguration changes them)."""
+        return self.backend.key_group_range
 
     def restore(self, chains: dict, read_chain: Callable[[list], pa.Table], same_root: bool = True,
                 on_read: Callable[[int], None] | None = None) -> int:

@@ -29,30 +29,33 @@ KEYED_KINDS = ("process", "reduce", "aggregate")
 class LiveReconfiguration:
     """The reconfiguration part of :class:`~abs.runtime.driver.JobDriver`."""
 
-    def _reconfig_reset(self) -> None:
-        """At each attempt's start: the assignment the workers start with (contiguous ranges; a
-        restore puts every key group back at its default owner)."""
-        running = getattr(self, "_reconf", None)
-        if running is not None:
-            running.fail("the job restarted during the reconfiguration; every key group is back at its "
-                         "default owner")
-            self._reply_reconfig(running)
-        self.assignment = Assignment.initial(self.flow.max_parallelism, self.P)
+    def _reconfig_init(self) -> None:
+        """In the driver's constructor: no reconfiguration yet."""
+        self.reconfigurations: list[ReconfigurationRecord] = []
         self._reconf: Reconfiguration | None = None
         self._reconf_reply: Any = None
         self._reconf_base: int | None = None
+        self._reconfig_reset()
+
+    def _reconfig_reset(self) -> None:
+        """At each attempt's start: the assignment the workers start with (contiguous ranges; a
+        restore puts every key group back at its default owner)."""
+        self._reconfig_fail("the job restarted during the reconfiguration; every key group is back at its "
+                            "default owner")
+        self.assignment = Assignment.initial(self.flow.max_parallelism, self.P)
         self.assignment_at: dict[int, tuple[int, ...]] = {}  # checkpoint id -> owners, when moved
-        if not hasattr(self, "reconfigurations"):
-            self.reconfigurations: list[ReconfigurationRecord] = []
-            self._next_step_id = 1
 
     def _reconfig_ended(self) -> None:
         """The job ended: a reconfiguration still running fails (its caller is told)."""
-        running = getattr(self, "_reconf", None)
+        self._reconfig_fail(f"the job ended ({self.status}) before the reconfiguration was done")
+
+    def _reconfig_fail(self, why: str) -> None:
+        running = self._reconf
         if running is not None:
-            running.fail(f"the job ended ({self.status}) before the reconfiguration was done")
+            running.fail(why)
             self._reply_reconfig(running)
             self._reconf = None
+            self._reconf_base = None
 
     def _record_assignment(self, checkpoint_id: int) -> None:
         """Checkpoint ``checkpoint_id`` is about to be triggered: the assignment it holds is
@@ -113,7 +116,8 @@ class LiveReconfiguration:
         steps = plan_steps(self.assignment, target, req.strategy, req.batch)
         rid = len(self.reconfigurations) + 1
         return Reconfiguration(rid, req.kind, req.strategy, self.assignment, target, steps, keyed,
-                               self._next_step_id, self.clock)
+                               1 + max((s.step for r in self.reconfigurations for s in r.steps), default=0),
+                               self.clock)
 
     def _reply_reconfig(self, reconf: Reconfiguration) -> None:
         reply, self._reconf_reply = self._reconf_reply, None
@@ -132,7 +136,6 @@ class LiveReconfiguration:
         if nxt is None:
             return
         sid, step = nxt
-        self._next_step_id = reconf.next_step_id
         base = self._last_completed_id
         manifest = self._manifests.get(base) if base else None
         if manifest is not None:  # Rhino: the new owners read the moved key groups' chains now

@@ -259,7 +259,7 @@ class Task(threading.Thread):
         """Seconds since the task started, of them waiting for input (idle) and blocked on
         full output channels (backpressured); the rest it was busy. Read by the worker's
         metrics thread (plain float reads: a figure a moment old at worst)."""
-        backpressured = sum(getattr(s, "blocked", 0.0) for out in self.outputs for s in out.senders)
+        backpressured = sum(s.blocked for out in self.outputs for s in out.senders)
         return time.perf_counter() - self.started, self.idle, backpressured
 
     # ------------------------------------------------------------------ reconfiguration
@@ -270,7 +270,7 @@ class Task(threading.Thread):
         self._catch_up(marker.base)
         keyed = self.keyed
         if keyed is not None:
-            mine = keyed.backend.key_group_range
+            mine = keyed.key_group_range
             for kg, target in marker.moves:
                 if target != self.subtask and kg in mine:
                     self.worker.fault("before_handover", self)

@@ -116,7 +116,7 @@ class Worker:
     def hand_over(self, task: Task, step: int, operator: str, kg: int, target: int, tables: dict, chains: dict) -> None:
         """Key group ``kg`` left ``task``: its state goes to the driver, which relays it to the
         new owner (abs.reconfig)."""
-        msg = m.KeyGroupHandover(step, operator, kg, self.index, target, pack(tables), chains, not chains)
+        msg = m.KeyGroupHandover(step, operator, kg, self.index, target, pack(tables), chains)
         self.fault("during_transfer", task)
         self.send_to_driver(msg)
 
