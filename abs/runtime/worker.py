@@ -86,7 +86,6 @@ class Worker:
         self._in_thread: InThreadWriter | None = None  # writes where there is no writer process
         self._fault_counts: dict[tuple, int] = {}
         self.bytes_restored = 0
-        self.restoring = 0  # bytes read so far while restoring (sent with the start-up heartbeats)
         self.restore_seconds = 0.0
         self.bytes_written = 0
         self._stopped = threading.Event()
@@ -358,8 +357,8 @@ class Worker:
                     same_root = spec.restore_url == spec.storage_url
                     chains = assignment.keyed_chains[node.uid]
                     t0 = time.perf_counter()
-                    self.bytes_restored += op.restore(chains, restore_store.read_chain, same_root,
-                                                      on_read=self._restored)
+                    # counted per key group read: the start-up heartbeats carry the figure
+                    op.restore(chains, restore_store.read_chain, same_root, on_read=self._restored)
                     self.restore_seconds += time.perf_counter() - t0
                     restored_kgs[node.uid] = {state: tuple(sorted(by_kg)) for state, by_kg in chains.items()}
                 ops[n] = op
@@ -380,7 +379,7 @@ class Worker:
         return m.RestoreStats(self.bytes_restored, self.restore_seconds, restored_kgs)
 
     def _restored(self, nbytes: int) -> None:
-        self.restoring += nbytes
+        self.bytes_restored += nbytes
 
     # ------------------------------------------------------------------ control loop
     def run(self) -> None:

@@ -92,7 +92,7 @@ def _startup_heartbeat(conn: Any, lock: threading.Lock, started: threading.Event
         worker = state.get("worker")
         with lock:
             try:
-                conn.send(m.Heartbeat(index, worker.restoring if worker is not None else 0))
+                conn.send(m.Heartbeat(index, worker.bytes_restored if worker is not None else 0))
             except (OSError, EOFError):
                 return
 
