@@ -167,13 +167,12 @@ class LiveReconfiguration:
             # a periodic checkpoint that fell due during the step goes now, between two steps
             run.coord.defer_periodic = False
             self._handle(run, run.coord.tick())
+            self.assignment = reconf.assignment
             if reconf.done:
-                self.assignment = reconf.assignment
                 self._reconf = None
                 self._reconf_base = None
                 log.info(f"job {self.flow.name!r}: reconfiguration {reconf.record.id} done in "
                          f"{reconf.record.duration:.3f} s, {reconf.record.bytes_moved} bytes moved")
                 self._reply_reconfig(reconf)
             else:
-                self.assignment = reconf.assignment
                 self._start_step(run)
