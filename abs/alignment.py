@@ -278,6 +278,20 @@ class BarrierAligner:
         )
 
     # ------------------------------------------------------------------ events
+    def add_channel(self, channel: int) -> None:
+        """Channel ``channel`` (the next index) joins: live from now on, so every checkpoint
+        aligned from here waits for its barrier. The runtime adds a channel only between
+        alignments (a rescale's join step: every checkpoint before it is closed here, and the
+        channel's first element was that step's marker)."""
+        ctx = self._ctx
+        if channel != ctx.num_channels or self._state.aligning is not None or self._state is _FINISHED:
+            raise AlignmentError(
+                f"channel {channel} cannot join now (channels 0..{ctx.num_channels - 1}, {self!r}); channels "
+                "join between alignments, numbered in order (a runtime bug)"
+            )
+        ctx.num_channels += 1
+        ctx.live = ctx.live | {channel}
+
     def _check(self, channel: int, what: str) -> None:
         ctx = self._ctx
         if type(channel) is not int or not 0 <= channel < ctx.num_channels:

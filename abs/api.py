@@ -256,6 +256,18 @@ class JobHandle:
         or a dict ``{key_group: worker}`` of the changes; see :meth:`move`."""
         return self._reconfigure("rebalance", (assignment,), strategy, batch, timeout)
 
+    def rescale(self, workers: int, *, strategy: str = "all_at_once", batch: int | None = None,
+                timeout: float = 300.0) -> Any:
+        """Change the number of workers of the running job to ``workers`` without stopping it.
+        Growing, the executor starts the new workers, which join the dataflow at a step's
+        marker, and key groups move to them (the fewest moves that even the shares out);
+        shrinking, the leaving workers' key groups move to the others, their source splits
+        are handed over at their offsets, a checkpoint commits what their sinks wrote, and
+        they stop. ``strategy``/``batch`` as for :meth:`move`. Returns the reconfiguration's
+        record; raises :class:`abs.ReconfigurationError` for a request that cannot be carried
+        out (nothing is changed then)."""
+        return self._reconfigure("rescale", (workers,), strategy, batch, timeout)
+
     def assignment(self) -> Any:
         """The key-group assignment in force (:class:`abs.reconfig.Assignment`)."""
         return self._driver.assignment

@@ -372,6 +372,11 @@ class CheckpointCoordinator:
                 actions += self._fail(p.checkpoint_id, f"task failed: {task}", now, counts=False)
         return actions
 
+    def add_tasks(self, tasks: Iterable[str]) -> None:
+        """``tasks`` joined (a rescale): checkpoints triggered from now on wait for them too;
+        those in flight do not (their barriers were injected before the tasks joined)."""
+        self._expected.update(tasks)
+
     def on_task_finished(self, task: str) -> None:
         """``task`` finished: checkpoints triggered from now on do not wait for it. In-flight
         checkpoints still expect its ack (the runtime acks them as it finishes, or they time

@@ -30,11 +30,21 @@ class StepAligner:
         self.aligning: int | None = None
         self.arrived: set[int] = set()
         self.last_aligned = 0
+        self._joining: set[int] = set()
 
     @property
     def blocked(self) -> frozenset[int]:
         """Channels not to read from now (they delivered the step being aligned)."""
-        return frozenset(self.arrived) if self.aligning is not None else frozenset()
+        return frozenset(self.arrived | self._joining) if self.aligning is not None else frozenset()
+
+    def add_channel(self, channel: int) -> None:
+        """A channel joined (a rescale): it delivers the join step's marker first and counts
+        for every step from there. While an earlier step still aligns here (it never comes on
+        the new channel) the channel joins once that step is aligned."""
+        if self.aligning is not None:
+            self._joining.add(channel)
+        else:
+            self.live.add(channel)
 
     def on_marker(self, channel: int, step: int) -> bool:
         """Marker of ``step`` on ``channel``; True when the step is now aligned."""
@@ -61,5 +71,7 @@ class StepAligner:
             self.last_aligned = self.aligning  # type: ignore[assignment]
             self.aligning = None
             self.arrived = set()
+            self.live |= self._joining
+            self._joining = set()
             return True
         return False

@@ -113,17 +113,36 @@ class Reconfiguration:
         :attr:`assignment`)."""
         if self.current is None or (operator, kg) not in self._waiting:
             raise RuntimeError(f"install of key group {kg} of {operator!r} that no running step moves")
-        self._waiting.discard((operator, kg))
         self.record.steps[-1].bytes_read += read_bytes
-        if self._waiting:
+        return self.on_event((operator, kg))
+
+    def expect(self, *events: object) -> None:
+        """The current step also waits for ``events`` (a rescale's: source splits handed over,
+        a checkpoint, leaving workers stopped), each reported by :meth:`on_event`."""
+        self._waiting.update(events)
+
+    def waits_for(self, event: object) -> bool:
+        return event in self._waiting
+
+    def on_event(self, event: object) -> bool:
+        """``event`` the current step waited for happened; True when that completes the step."""
+        self._waiting.discard(event)
+        if self._waiting or self.current is None:
             return False
         self.assignment = self.assignment.applied(self.current.moves)
+        if self.current.phase == "retire":  # the leaving workers are gone
+            self.assignment = self.assignment.widened(self.current.workers)
         self.record.steps[-1].finished = self.clock()
         self.current = None
         if self._next >= len(self.steps):
             self.record.finished = self.clock()
             self.record.status = "COMPLETED"
         return True
+
+    @property
+    def idle(self) -> bool:
+        """The current step waits for nothing (e.g. a join without key groups to move)."""
+        return self.current is not None and not self._waiting
 
     def fail(self, error: str) -> None:
         self.record.status = "FAILED"

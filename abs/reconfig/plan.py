@@ -10,6 +10,14 @@ into the other, grouped into steps:
 * ``"fluid"``: one key group per step, the next once the previous is installed.
 
 Moves are ordered by key group, so a plan is a pure function of its inputs.
+
+A *rescale* (:func:`plan_rescale`) changes the number of workers as well. Growing from ``P``
+to ``P'`` workers: the first step also *joins* workers ``P .. P'-1`` (their channels enter
+the dataflow at its marker), then the key groups move to them, fewest moves first
+(:func:`rescale_target`: every worker keeps what it has up to its share). Shrinking: the key
+groups of workers ``P' .. P-1`` move to the others, then a *drain* step hands the leaving
+workers' source splits over and stops routing to them, and a *retire* step (after a checkpoint
+that commits what their sinks wrote) ends their channels; then they stop.
 """
 from __future__ import annotations
 
@@ -22,7 +30,11 @@ from abscore.ids import id_ranges
 from ..keygroups import routing_table
 
 __all__ = ["Assignment", "Move", "Step", "STRATEGIES", "ReconfigurationError", "plan_steps",
-           "move_target", "rebalance_target", "check_strategy"]
+           "move_target", "rebalance_target", "check_strategy", "rescale_target", "plan_rescale",
+           "JOIN", "DRAIN", "RETIRE"]
+
+JOIN, DRAIN, RETIRE = "join", "drain", "retire"
+"""Kinds of rescale steps (:attr:`Step.phase`); a step with no phase only moves key groups."""
 
 STRATEGIES = ("all_at_once", "batched", "fluid")
 
@@ -42,6 +54,8 @@ class Step:
 
     index: int
     moves: tuple[Move, ...]
+    workers: int = 0  # the number of workers from this step on (0: unchanged)
+    phase: str = ""  # JOIN, DRAIN, RETIRE, or "" (moves only)
 
     @property
     def key_groups(self) -> tuple[int, ...]:
@@ -77,6 +91,10 @@ class Assignment:
                 )
             owners[mv.key_group] = mv.target
         return Assignment(tuple(owners), self.workers)
+
+    def widened(self, workers: int) -> "Assignment":
+        """The same owners over ``workers`` workers (a rescale's view before and after)."""
+        return Assignment(self.owners, workers)
 
     def describe(self) -> str:
         """Compact ranges per worker, e.g. ``w0: 0-31,40; w1: 32-39,41-63``."""
@@ -173,3 +191,53 @@ def plan_steps(current: Assignment, target: Assignment, strategy: str = "all_at_
     if size == 0:
         size = len(moves)
     return tuple(Step(i + 1, tuple(moves[k:k + size])) for i, k in enumerate(range(0, len(moves), size)))
+
+
+def rescale_target(current: Assignment, workers: int) -> Assignment:
+    """The assignment over ``workers`` workers that moves the fewest key groups: each worker's
+    share is ``M // workers`` or one more (the lower workers take the extra ones); a worker
+    keeps its own key groups up to its share (its lowest first) and gives the rest, key groups
+    of workers that leave included, to the workers below their share, lowest key group first."""
+    M = current.max_parallelism
+    if type(workers) is not int or not 1 <= workers <= M:
+        raise ReconfigurationError(
+            f"rescale({workers!r}): the number of workers must be an int in [1, {M}] (max_parallelism={M}; "
+            "more workers than key groups would leave some without state: re-key offline to a larger "
+            "max_parallelism first)"
+        )
+    share = [M // workers + (1 if w < M % workers else 0) for w in range(workers)]
+    owners: list[int | None] = [None] * M
+    kept = [0] * workers
+    for kg, w in enumerate(current.owners):
+        if w < workers and kept[w] < share[w]:
+            owners[kg] = w
+            kept[w] += 1
+    free = [kg for kg in range(M) if owners[kg] is None]
+    w = 0
+    for kg in free:
+        while kept[w] >= share[w]:
+            w += 1
+        owners[kg] = w
+        kept[w] += 1
+    return Assignment(tuple(int(o) for o in owners), workers)  # type: ignore[arg-type]
+
+
+def plan_rescale(current: Assignment, workers: int, strategy: str = "all_at_once",
+                 batch: int | None = None) -> tuple[Assignment, tuple[Step, ...]]:
+    """The target assignment and the steps of a rescale to ``workers`` workers (see the module
+    docstring): growing, the first step joins the new workers (and carries the first moves);
+    shrinking, the moves are followed by a drain step and a retire step."""
+    check_strategy(strategy, batch)
+    P = current.workers
+    target = rescale_target(current, workers)
+    if workers == P:
+        raise ReconfigurationError(f"rescale({workers}): the job runs {P} workers already; nothing to change")
+    if workers > P:
+        moves = plan_steps(current.widened(workers), target, strategy, batch)
+        if not moves:  # no key group to move (cannot happen with workers <= M): join alone
+            return target, (Step(1, (), workers, JOIN),)
+        first = Step(1, moves[0].moves, workers, JOIN)
+        return target, (first,) + moves[1:]
+    moves = plan_steps(current, target.widened(P), strategy, batch)
+    n = len(moves)
+    return target, moves + (Step(n + 1, (), workers, DRAIN), Step(n + 2, (), workers, RETIRE))

@@ -64,11 +64,19 @@ class StepMarker:
     channel went to the key groups' old owners, every record after it goes to their new ones.
     ``moves``: (key group, new owner) pairs, so that every task derives its new routing;
     ``base``: the newest complete checkpoint when the driver started the step (taken as its
-    completion notice, as :attr:`Barrier.base`)."""
+    completion notice, as :attr:`Barrier.base`). A rescale's steps also carry ``workers``, the
+    number of workers from this step on, and their ``phase`` (:mod:`abs.reconfig.plan`: a join
+    adds the senders to the new workers at the marker, a drain stops spreading records over the
+    leaving ones, a retire ends the channels to them)."""
 
     step: int
     moves: tuple[tuple[int, int], ...]
     base: int = 0
+    workers: int = 0
+    phase: str = ""
+
+
+_PHASES = ("", "join", "drain", "retire")
 
 
 class _Eos:
@@ -104,7 +112,8 @@ def encode(item: Any) -> Any:
         return _CANCEL + _ID.pack(item.checkpoint_id)
     if isinstance(item, StepMarker):
         flat = [v for pair in item.moves for v in pair]
-        return _STEP + _IDS.pack(item.step, item.base) + _ID.pack(len(item.moves)) + struct.pack(f"<{len(flat)}q", *flat)
+        return (_STEP + _IDS.pack(item.step, item.base) + _IDS.pack(item.workers, _PHASES.index(item.phase))
+                + _ID.pack(len(item.moves)) + struct.pack(f"<{len(flat)}q", *flat))
     if item is EOS:
         return _EOS
     raise TypeError(f"cannot send {type(item).__name__} on a channel")
@@ -120,9 +129,10 @@ def decode(frame: bytes) -> Any:
         return CancelMarker(_ID.unpack_from(frame, _TAG)[0])
     if kind == _STEP:
         step, base = _IDS.unpack_from(frame, _TAG)
-        (n,) = _ID.unpack_from(frame, _TAG + _IDS.size)
-        flat = struct.unpack_from(f"<{2 * n}q", frame, _TAG + _IDS.size + _ID.size)
-        return StepMarker(step, tuple(zip(flat[0::2], flat[1::2])), base)
+        workers, phase = _IDS.unpack_from(frame, _TAG + _IDS.size)
+        (n,) = _ID.unpack_from(frame, _TAG + 2 * _IDS.size)
+        flat = struct.unpack_from(f"<{2 * n}q", frame, _TAG + 2 * _IDS.size + _ID.size)
+        return StepMarker(step, tuple(zip(flat[0::2], flat[1::2])), base, workers, _PHASES[phase])
     if kind == _EOS:
         return EOS
     raise ValueError(f"corrupt channel frame (type byte {kind!r})")
@@ -148,6 +158,17 @@ class InputGate:
     @property
     def num_channels(self) -> int:
         return len(self._queues)
+
+    def add_channel(self, notice: Any) -> int:
+        """A channel more (a worker joined a running job): its index; ``notice(index)`` is
+        queued as a control event in the same step, so the task hears of the channel before
+        anything arrives on it (control events go first)."""
+        with self._cond:
+            self._queues.append(collections.deque())
+            channel = len(self._queues) - 1
+            self._control.append(notice(channel))
+            self._cond.notify_all()
+            return channel
 
     def put(self, channel: int, item: Any) -> None:
         """Append to a channel; blocks while that channel's buffer is full (backpressure)."""

@@ -268,7 +268,7 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
         }
 
     def _records_total(self) -> dict[str, int]:
-        total: dict[str, int] = {}
+        total: dict[str, int] = dict(self._retired_records)  # workers that left (a rescale)
         for per_worker in self._records.values():
             for uid, n in per_worker.items():
                 total[uid] = total.get(uid, 0) + n
@@ -300,6 +300,7 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
                     "(heartbeat timeout); it is hung or overloaded"
                 )
             self._serve_requests(run)
+            self._rescale_tick(run)
             if self._after_round(run):
                 return
 
@@ -349,12 +350,15 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
                 for key, sample in msg.metrics.load.items():
                     self.task_load[key] = (self.task_load.get(key, (None, None))[1], sample)
             case m.SourceExhausted():
-                if run.life.on_source_exhausted(msg.task):
+                if self.is_stale_exhaustion(msg):
+                    pass  # splits were handed to it meanwhile (a rescale): it reads again
+                elif run.life.on_source_exhausted(msg.task):
                     self._t_exhausted = self.clock()
             case m.TaskDone():
                 run.life.on_task_done(msg.task)
                 coord.on_task_finished(msg.task)
-            case m.KeyGroupHandover() | m.KeyGroupInstalled():
+                self._on_leaving_done(run, msg.task)
+            case m.KeyGroupHandover() | m.KeyGroupInstalled() | m.PeersAdded() | m.SplitsHandover():
                 self._on_reconfig_message(run, msg)
             case m.Heartbeat():
                 pass  # a starting worker's (see worker_main.main); a running one sends Metrics

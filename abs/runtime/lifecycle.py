@@ -110,6 +110,27 @@ class JobLifecycle:
     def all_done(self) -> bool:
         return len(self.done) == len(self.tasks)
 
+    # ------------------------------------------------------------------ rescale
+    def add_tasks(self, tasks: Iterable[str], source_tasks: Iterable[str], workers: Iterable[int], now: float) -> None:
+        """Workers joined with their tasks (a rescale)."""
+        self.tasks = self.tasks | frozenset(tasks)
+        self.source_tasks = self.source_tasks | frozenset(source_tasks)
+        self.last_seen.update({w: now for w in workers})
+
+    def remove_tasks(self, tasks: Iterable[str], workers: Iterable[int]) -> None:
+        """Workers left with their tasks (a rescale's retire step)."""
+        gone = frozenset(tasks)
+        self.tasks -= gone
+        self.source_tasks -= gone
+        self.exhausted -= gone
+        self.done -= gone
+        for w in workers:
+            self.last_seen.pop(w, None)
+
+    def on_splits_gained(self, task: str) -> None:
+        """Source ``task`` was handed splits: it is reading again."""
+        self.exhausted.discard(task)
+
     # ------------------------------------------------------------------ events
     def on_seen(self, worker: int, now: float) -> None:
         """A message of ``worker`` arrived."""

@@ -32,6 +32,10 @@ from ..errors import AbsError
 
 __all__ = [
     "Ack",
+    "AddPeers",
+    "ChannelAdded",
+    "PeersAdded",
+    "SplitsHandover",
     "CancelRequest",
     "InstallState",
     "KeyGroupHandover",
@@ -105,6 +109,7 @@ class WorkerAssignment:
     source_splits: dict  # source uid -> {split: offset}
     keyed_chains: dict | None = None  # uid -> state -> key group -> [FileRef]; None: nothing to restore
     sink_transactions: dict | None = None  # sink uid -> [transaction handle]
+    key_groups: tuple | None = None  # the key groups it owns when not its default range (a joining worker: none)
 
 
 @_message
@@ -234,6 +239,7 @@ class Decline:
 @_message
 class SourceExhausted:
     task: str
+    splits_gained: int = 0  # how many split handovers the task had applied (a rescale's)
 
 
 @_message
@@ -328,6 +334,47 @@ class StartStep:
     step: int
     moves: tuple  # ((key group, new owner), ...)
     base: int  # the newest complete checkpoint when the step started
+    workers: int = 0  # a rescale's: the number of workers from this step on
+    phase: str = ""  # a rescale's: "join", "drain" or "retire" (abs.reconfig.plan)
+    split_moves: tuple = ()  # drain: ((source uid, from worker, to worker), ...): the splits to hand over
+
+
+# ---------------------------------------------------------------------- rescale (abs.reconfig)
+# A joining worker starts with the usual handshake (no splits, no key groups); meanwhile
+# driver -> running workers: AddPeers; each connects its channels to the new workers, accepts
+# theirs (every accepted channel reaches its task as ChannelAdded) and answers PeersAdded.
+# Drain: leaving source task -> driver -> new owner's source task: SplitsHandover.
+@_message
+class AddPeers:
+    """Workers ``first .. first + len(addresses) - 1`` joined: connect to them."""
+
+    first: int
+    addresses: tuple
+    workers: int  # the number of workers with them
+
+
+@_message
+class PeersAdded:
+    index: int
+
+
+@_message
+class ChannelAdded:
+    """For a task: input channel ``channel`` joined (from a new worker)."""
+
+    channel: int
+
+
+@_message
+class SplitsHandover:
+    """Source ``operator``'s splits ``splits`` ({split: offset}) leave worker ``source`` for
+    worker ``target`` at step ``step``."""
+
+    step: int
+    operator: str
+    source: int
+    target: int
+    splits: dict
 
 
 @_message

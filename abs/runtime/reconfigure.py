@@ -14,9 +14,10 @@ import logging
 from typing import Any
 
 from ..reconfig.coordinator import Reconfiguration, ReconfigurationRecord
-from ..reconfig.plan import (Assignment, ReconfigurationError, move_target, plan_steps, rebalance_target,
-                             check_strategy)
+from ..reconfig.plan import (DRAIN, JOIN, RETIRE, Assignment, ReconfigurationError, move_target, plan_rescale,
+                             plan_steps, rebalance_target, check_strategy)
 from . import messages as m
+from .rescale import Rescaling
 
 log = logging.getLogger(__name__)
 
@@ -26,11 +27,12 @@ KEYED_KINDS = ("process", "reduce", "aggregate")
 """Node kinds whose operators keep keyed state (their key groups move)."""
 
 
-class LiveReconfiguration:
+class LiveReconfiguration(Rescaling):
     """The reconfiguration part of :class:`~abs.runtime.driver.JobDriver`."""
 
     def _reconfig_init(self) -> None:
         """In the driver's constructor: no reconfiguration yet."""
+        self._rescale_init()
         self.reconfigurations: list[ReconfigurationRecord] = []
         self._reconf: Reconfiguration | None = None
         self._reconf_reply: Any = None
@@ -56,6 +58,13 @@ class LiveReconfiguration:
             self._reply_reconfig(running)
             self._reconf = None
             self._reconf_base = None
+        joining, self._joining = self._joining, None
+        if joining is not None:  # workers started for a join that never ran: stopped
+            for p in joining.procs:
+                p.kill()
+                p.wait()
+        self._drain_from = None
+        self._splits_relayed = {}
 
     def _record_assignment(self, checkpoint_id: int) -> None:
         """Checkpoint ``checkpoint_id`` is about to be triggered: the assignment it holds is
@@ -90,6 +99,13 @@ class LiveReconfiguration:
         self._reconf_base = self._last_completed_id
         log.info(f"job {self.flow.name!r}: reconfiguration {reconf.record.id} ({req.kind}, {req.strategy}): "
                  f"{reconf.record.before} -> {reconf.record.after}, {len(reconf.steps)} step(s)")
+        if reconf.steps[0].phase == JOIN:
+            try:
+                self._prepare_join(run, reconf.steps[0].workers)  # the join step starts once they are connected
+            except Exception as exc:
+                self._reconfig_fail(f"the new workers did not start: {type(exc).__name__}: {exc}")
+                raise
+            return
         self._start_step(run)
 
     def _plan_reconfig(self, req: m.ReconfigRequest) -> Reconfiguration:
@@ -99,7 +115,7 @@ class LiveReconfiguration:
                 "(the call that started it returns when it is done) and ask again"
             )
         keyed = [n.uid for n in self.flow.nodes if n.kind in KEYED_KINDS]
-        if not keyed:
+        if not keyed and req.kind != "rescale":
             raise ReconfigurationError(
                 f"job {self.flow.name!r} has no keyed operator (process, reduce, aggregate): there are no key "
                 "groups to move"
@@ -111,6 +127,14 @@ class LiveReconfiguration:
         elif req.kind == "rebalance":
             (assignment,) = req.args
             target = rebalance_target(self.assignment, assignment)
+        elif req.kind == "rescale":
+            (workers,) = req.args
+            self._check_rescale(workers)
+            target, steps = plan_rescale(self.assignment, workers, req.strategy, req.batch)
+            start = self.assignment.widened(max(self.P, workers))
+            return Reconfiguration(len(self.reconfigurations) + 1, req.kind, req.strategy, start, target, steps, keyed,
+                                   1 + max((s.step for r in self.reconfigurations for s in r.steps), default=0),
+                                   self.clock)
         else:
             raise ReconfigurationError(f"unknown reconfiguration {req.kind!r}")
         steps = plan_steps(self.assignment, target, req.strategy, req.batch)
@@ -152,9 +176,31 @@ class LiveReconfiguration:
                 run.conns[target].send(m.Preload(sid, base, chains))
         moves = tuple((mv.key_group, mv.target) for mv in step.moves)
         run.coord.defer_periodic = True  # see CheckpointCoordinator.defer_periodic
-        self._broadcast(run, m.StartStep(sid, moves, base))
+        split_moves: tuple = ()
+        if step.phase == DRAIN:
+            split_moves = self._split_moves(step.workers)
+            reconf.expect(*(("splits", uid, w) for uid, w, _to in split_moves))
+            if self.checkpointing:
+                reconf.expect(("checkpoint",))
+        elif step.phase == RETIRE:
+            leaving, _sources = self._task_keys(range(step.workers, self.P))
+            reconf.expect(*(("done", key) for key in leaving))
+            for key in leaving:  # checkpoints triggered after the retire step do not wait for them
+                run.coord.on_task_finished(key)
+        self._broadcast(run, m.StartStep(sid, moves, base, step.workers, step.phase, split_moves))
+        if step.phase == DRAIN and self.checkpointing and not split_moves:
+            self._drain_from = run.coord.next_id
+            self._request_drain_checkpoint(run)
+        if reconf.idle:  # nothing to wait for (e.g. a join when no operator keeps keyed state)
+            self._step_done(run)
 
     def _on_reconfig_message(self, run: Any, msg: Any) -> None:
+        if isinstance(msg, m.PeersAdded):
+            self._on_peers_added(run, msg.index)
+            return
+        if isinstance(msg, m.SplitsHandover):
+            self._on_splits(run, msg)
+            return
         reconf = self._reconf
         if reconf is None:
             raise m.unexpected(msg, f"job {self.flow.name!r}: the driver", f"worker {getattr(msg, 'source', '?')}",
@@ -164,15 +210,21 @@ class LiveReconfiguration:
             run.conns[msg.target].send(msg)  # relayed to the new owner's installer
             return
         if reconf.on_installed(msg.operator, msg.key_group, msg.read_bytes):
-            # a periodic checkpoint that fell due during the step goes now, between two steps
-            run.coord.defer_periodic = False
-            self._handle(run, run.coord.tick())
-            self.assignment = reconf.assignment
-            if reconf.done:
-                self._reconf = None
-                self._reconf_base = None
-                log.info(f"job {self.flow.name!r}: reconfiguration {reconf.record.id} done in "
-                         f"{reconf.record.duration:.3f} s, {reconf.record.bytes_moved} bytes moved")
-                self._reply_reconfig(reconf)
-            else:
-                self._start_step(run)
+            self._step_done(run)
+
+    def _step_done(self, run: Any) -> None:
+        """The current step is complete: the next one, or the end of the reconfiguration."""
+        reconf = self._reconf
+        assert reconf is not None
+        # a periodic checkpoint that fell due during the step goes now, between two steps
+        run.coord.defer_periodic = False
+        self._handle(run, run.coord.tick())
+        self.assignment = reconf.assignment
+        if reconf.done:
+            self._reconf = None
+            self._reconf_base = None
+            log.info(f"job {self.flow.name!r}: reconfiguration {reconf.record.id} done in "
+                     f"{reconf.record.duration:.3f} s, {reconf.record.bytes_moved} bytes moved")
+            self._reply_reconfig(reconf)
+        else:
+            self._start_step(run)

@@ -57,7 +57,7 @@ class Supervision:
         retried by the restart strategy like any other."""
         import cloudpickle
 
-        secret = secrets.token_bytes(32)
+        secret = self._secret = secrets.token_bytes(32)  # a rescale's joining workers get it too
         host = self.executor.driver_host() if hasattr(self.executor, "driver_host") else "127.0.0.1"
         listener = Listener((host, 0), authkey=secret)
         try:
@@ -88,7 +88,7 @@ class Supervision:
             for i, c in conns.items():
                 c.send(m.JobSpec(payload, assignments[i]))
             listening = self._gather(conns, m.Listening, procs)
-            addresses = tuple(listening[i].address for i in range(self.P))
+            addresses = self._addresses = tuple(listening[i].address for i in range(self.P))
             for c in conns.values():
                 c.send(m.Peers(addresses))
             for i, ready in self._gather(conns, m.Ready, procs).items():
@@ -280,6 +280,7 @@ class Supervision:
         })
         self.restored_from = None
         self._records = {}
+        self._retired_records = {}
         self._manifests = {}
         self._bases = {}
         self._last_completed_id = 0

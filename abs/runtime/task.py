@@ -14,6 +14,7 @@ checkpoint completes, and the snapshot is full and uploaded before the barrier i
 """
 from __future__ import annotations
 
+import collections
 import threading
 import time
 import traceback
@@ -31,6 +32,7 @@ from ..reconfig.aligner import StepAligner
 from ..reconfig.holding import Holding
 from .operators import KeyedOp, KeyExtractor, OperatorRuntime, OpSnapshot, SinkOp, UserFunctionError
 from .plan import OutputPlan, TaskPlan, task_key
+from .split_readers import SourceReaders
 
 __all__ = ["Task", "ExchangeWriter"]
 
@@ -38,16 +40,22 @@ __all__ = ["Task", "ExchangeWriter"]
 class ExchangeWriter:
     """Partitions a task's output over the channels of one exchange edge."""
 
-    def __init__(self, out: OutputPlan, senders: list, routing: np.ndarray, max_parallelism: int, uid: str) -> None:
+    def __init__(self, out: OutputPlan, senders: list, routing: np.ndarray, max_parallelism: int, uid: str,
+                 joining: "list | None" = None) -> None:
         self.partition = out.partition
         self.senders = senders
+        # rescale: senders to workers that join at the next join step (filled by the worker
+        # before the step starts), and how many of the senders get records (a drain stops
+        # records to the leaving workers; their channels still carry barriers until retired)
+        self.joining = joining if joining is not None else []
+        self.active = len(senders)
         self.routing = np.array(routing, dtype=np.int64)  # this writer's own: switched at its step markers
         self.extractor = KeyExtractor(uid, out.key, max_parallelism) if out.partition == KEY_BY else None
         self._rr = 0
 
     def __call__(self, batch: pa.RecordBatch) -> None:
         senders = self.senders
-        if self.partition == FORWARD or len(senders) == 1:
+        if self.partition == FORWARD or self.active == 1:
             senders[0].send(batch)
         elif self.partition == KEY_BY:
             sub = self.routing[self.extractor.key_groups(batch)]
@@ -63,10 +71,10 @@ class ExchangeWriter:
                     senders[s].send(shuffled.slice(start, c))
                 start += c
         elif self.partition == REBALANCE:
-            senders[self._rr % len(senders)].send(batch)
+            senders[self._rr % self.active].send(batch)
             self._rr += 1
         elif self.partition == BROADCAST:
-            for s in senders:
+            for s in senders[:self.active]:
                 s.send(batch)
 
     def send_all(self, item: Any) -> None:
@@ -76,8 +84,26 @@ class ExchangeWriter:
     def switch(self, marker: StepMarker) -> None:
         """Emit step ``marker`` on every channel, then route its key groups to their new
         owners: every record this writer sent before goes to the old owner, every later one
-        to the new owner (one thread emits records and markers, so nothing comes between)."""
+        to the new owner (one thread emits records and markers, so nothing comes between).
+        A rescale's marker also changes the senders: a join adds the channels to the new
+        workers (whose first element is this marker), a drain stops records to the leaving
+        workers, a retire ends the channels to them."""
         self.send_all(marker)
+        if marker.workers and self.partition != FORWARD:
+            if marker.phase == "join" and len(self.senders) < marker.workers:
+                new, self.joining[:] = list(self.joining), []
+                if len(self.senders) + len(new) != marker.workers:
+                    raise RuntimeError(f"join of {marker.workers} workers with {len(self.senders)} + {len(new)} "
+                                       "channels (a runtime bug)")
+                for s in new:
+                    s.send(marker)
+                self.senders.extend(new)
+            elif marker.phase == "retire":
+                for s in self.senders[marker.workers:]:
+                    s.send(EOS)
+                    s.close()
+                del self.senders[marker.workers:]
+            self.active = min(len(self.senders), marker.workers)
         for kg, target in marker.moves:
             self.routing[kg] = target
 
@@ -120,6 +146,12 @@ class Task(threading.Thread):
         self.keyed = self.head if isinstance(self.head, KeyedOp) else None
         self.holding = Holding(self.keyed.extractor.max_parallelism) if self.keyed is not None else None
         self._early: list = []  # installs of a step this task has not aligned yet
+        # rescale (abs.reconfig.plan): input channels from joining workers, which enter the
+        # barrier alignment at the join step's marker; a source's splits handed over to it
+        self._joined: list[int] = []
+        self._awaiting_splits: set[int] = set()
+        self.splits_gained = 0
+        self.aligner: BarrierAligner | None = None
         # load: seconds waiting for input (idle) since the task started; time blocked on full
         # output channels (backpressured) is summed from its senders (see load())
         self.started = time.perf_counter()
@@ -150,12 +182,15 @@ class Task(threading.Thread):
 
     # ------------------------------------------------------------------ sources
     def _run_source(self) -> None:
-        reader = self.reader
+        reader = self.reader = SourceReaders(self.reader)
         head = self.head
         exhausted = paused = False
         wait = 0.0
+        deferred: collections.deque = collections.deque()  # control events held while splits are awaited
         while True:
-            if wait:
+            if deferred and not self._awaiting_splits:
+                event = deferred.popleft()
+            elif wait:
                 t0 = time.perf_counter()
                 event = self.gate.wait_control(wait)
                 self.idle += time.perf_counter() - t0
@@ -163,6 +198,12 @@ class Task(threading.Thread):
                 event = self.gate.wait_control(0)
             wait = 0.0
             if event is not None:
+                if self._awaiting_splits and not isinstance(event, (m.SplitsHandover, m.Stop)):
+                    # a rescale hands splits to this task: nothing that snapshots or ends it
+                    # goes before they arrived (their offsets belong to every later checkpoint)
+                    deferred.append(event)
+                    wait = 0.005
+                    continue
                 match event:
                     case m.TriggerCheckpoint(checkpoint_id=cid, base=base):
                         self._catch_up(base)
@@ -170,12 +211,24 @@ class Task(threading.Thread):
                         self._snapshot(cid, base, source_offsets=offsets)
                         if self.mode == "stop_the_world":
                             paused = True
-                    case m.StartStep(step=step, moves=moves, base=base):
-                        self._catch_up(base)
-                        marker = StepMarker(step, moves, base)
+                    case m.StartStep():
+                        self._catch_up(event.base)
+                        marker = StepMarker(event.step, event.moves, event.base, event.workers, event.phase)
                         for out in self.outputs:
                             out.switch(marker)
                         self.worker.fault("after_routing_switch", self)
+                        if event.phase == "drain":
+                            self._drain_splits(event)
+                        elif event.phase == "retire" and self.subtask >= event.workers:
+                            self._end_of_input()  # a leaving worker's source: its channels end here
+                            reader.close()
+                            return
+                    case m.SplitsHandover():
+                        self._awaiting_splits.discard(event.source)
+                        source = self.worker.spec.flow.nodes[self.plan.head].spec["source"]
+                        reader.add(source.create_reader(event.splits, self.subtask, self.worker.spec.parallelism))
+                        self.splits_gained += 1
+                        exhausted = False
                     case m.Resume():
                         paused = False
                     case m.Finish():
@@ -203,9 +256,23 @@ class Task(threading.Thread):
                 head.records_in += batch.num_rows
                 head.emit(batch)
 
+    def _drain_splits(self, step: m.StartStep) -> None:
+        """A rescale's drain step: a leaving source task hands every split it reads to its new
+        owner (their offsets now: every record read so far went out before the step's
+        marker); the new owner waits for them before anything that snapshots or ends it."""
+        uid = self.head.uid
+        for op_uid, source, target in step.split_moves:
+            if op_uid != uid:
+                continue
+            if source == self.subtask:
+                offsets = self.reader.release()
+                self.worker.send_to_driver(m.SplitsHandover(step.step, uid, source, target, offsets))
+            elif target == self.subtask:
+                self._awaiting_splits.add(source)
+
     # ------------------------------------------------------------------ inputs
     def _run_inputs(self) -> None:
-        aligner = BarrierAligner(self.gate.num_channels)
+        aligner = self.aligner = BarrierAligner(self.gate.num_channels)
         steps = self.steps
         head = self.head
         holding = self.holding
@@ -224,6 +291,10 @@ class Task(threading.Thread):
                     self._act(aligner.abort(item.checkpoint_id))
                 if isinstance(item, m.InstallState):
                     self._install(item)
+                    continue
+                if isinstance(item, m.ChannelAdded):
+                    self.steps.add_channel(item.channel)
+                    self._joined.append(item.channel)
                     continue
                 self._control(item)
                 continue
@@ -268,6 +339,12 @@ class Task(threading.Thread):
         of those it gains, forward the marker and switch the routing (abs.reconfig)."""
         assert marker is not None
         self._catch_up(marker.base)
+        if marker.phase == "join" and self.aligner is not None:
+            # every checkpoint before the join is closed here (its barriers came before the
+            # marker on every old channel); the new channels count from the next one
+            for ch in self._joined:
+                self.aligner.add_channel(ch)
+            self._joined = []
         keyed = self.keyed
         if keyed is not None:
             mine = keyed.key_group_range
@@ -316,6 +393,9 @@ class Task(threading.Thread):
                 self._install(item)
             elif isinstance(item, m.Stop):
                 raise _Stopped()
+            elif isinstance(item, m.ChannelAdded):
+                self.steps.add_channel(item.channel)
+                self._joined.append(item.channel)
             elif isinstance(item, m.CheckpointCompleted):
                 self._control(item)
             else:

@@ -24,7 +24,7 @@ import pyarrow as pa
 from storage.session import with_written
 
 from ..dataflow import FORWARD, Dataflow
-from ..keygroups import key_group_range
+from ..keygroups import KeyGroupSet, key_group_range
 from ..state import ColumnDelta, PickledDelta
 from ..reconfig.transfer import pack
 from .installer import Installer
@@ -106,7 +106,7 @@ class Worker:
         self.send_to_driver(m.TaskFailed(task.key, uid, tb))
 
     def source_exhausted(self, task: Task) -> None:
-        self.send_to_driver(m.SourceExhausted(task.key))
+        self.send_to_driver(m.SourceExhausted(task.key, task.splits_gained))
 
     def decline(self, task: Task, checkpoint_id: int, reason: str) -> None:
         self.send_to_driver(m.Decline(checkpoint_id, task.key, reason))
@@ -290,6 +290,7 @@ class Worker:
         acceptor = threading.Thread(target=self._accept, args=(len(incoming), accepted), daemon=True)
         acceptor.start()
         self.senders: dict[tuple, list] = {}
+        self.joining: dict[tuple, list] = {}  # senders to joining workers, per writer (see add_peers)
         for t in self.plan.tasks:
             for out in t.outputs:
                 target = self.plan.tasks[out.target_task]
@@ -304,17 +305,59 @@ class Worker:
                         conn.send_bytes(json.dumps({"task": target.index, "channel": ch}).encode())
                         senders.append(RemoteSender(conn))
                 self.senders[(t.index, out.from_node, out.target_task, out.edge_index)] = senders
+                self.joining[(t.index, out.from_node, out.target_task, out.edge_index)] = []
         acceptor.join(timeout=60)
         if len(accepted) != len(incoming):
             raise RuntimeError(f"worker {i}: only {len(accepted)} of {len(incoming)} input channels connected")
         for (task, ch), conn in accepted.items():
             threading.Thread(target=self._receive, args=(conn, self.gates[task], ch), daemon=True).start()
+        # from now on a channel that connects comes from a worker joining the running job
+        self._joined_channels = threading.Semaphore(0)
+        threading.Thread(target=self._accept_joining, name="join-acceptor", daemon=True).start()
 
     def _accept(self, expected: int, accepted: dict) -> None:
         while len(accepted) < expected:
             conn = accept_channel(self.listener)
             hello = json.loads(conn.recv_bytes())
             accepted[(hello["task"], hello["channel"])] = conn
+
+    def _accept_joining(self) -> None:
+        """Channels of joining workers (a rescale): each becomes a new input channel of its
+        task's gate, announced to the task before its first element (ChannelAdded)."""
+        while True:
+            try:
+                conn = accept_channel(self.listener)
+                hello = json.loads(conn.recv_bytes())
+            except (OSError, EOFError):
+                return  # the listener closed: the worker stops
+            gate = self.gates[hello["task"]]
+            channel = gate.add_channel(m.ChannelAdded)
+            threading.Thread(target=self._receive, args=(conn, gate, channel), daemon=True).start()
+            self._joined_channels.release()
+
+    def add_peers(self, msg: m.AddPeers) -> None:
+        """Workers joined the running job: connect this worker's outgoing channels to them (the
+        senders wait in their writers' ``joining`` lists for the join step's marker) and wait
+        until each of their channels into this worker's tasks has connected."""
+        i, workers = self.index, msg.workers
+        expected = 0
+        for t in self.plan.tasks:
+            expected += sum(len(msg.addresses) for _e, _up, p in t.inputs if p != FORWARD)
+            for out in t.outputs:
+                if out.partition == FORWARD:
+                    continue
+                target = self.plan.tasks[out.target_task]
+                joining = self.joining[(t.index, out.from_node, out.target_task, out.edge_index)]
+                for k, address in enumerate(msg.addresses):
+                    conn = connect_channel(tuple(address), self.secret)
+                    ch = target.channel_of(out.edge_index, i, workers)
+                    conn.send_bytes(json.dumps({"task": target.index, "channel": ch}).encode())
+                    joining.append(RemoteSender(conn))
+        for _ in range(expected):
+            if not self._joined_channels.acquire(timeout=60):
+                raise RuntimeError(f"worker {i}: the channels of joining workers {msg.first}.. did not connect "
+                                   "within 60 s")
+        self.send_to_driver(m.PeersAdded(i))
 
     def _receive(self, conn: Any, gate: InputGate, channel: int) -> None:
         try:
@@ -330,11 +373,13 @@ class Worker:
         spec, P, i = self.spec, self.spec.parallelism, self.index
         assignment = self.assignment
         flow = spec.flow
+        owned = (key_group_range(flow.max_parallelism, P, i) if assignment.key_groups is None
+                 else KeyGroupSet(flow.max_parallelism, assignment.key_groups))
         ctx = _OperatorContext(
             subtask=i,
             parallelism=P,
             max_parallelism=flow.max_parallelism,
-            key_group_range=key_group_range(flow.max_parallelism, P, i),
+            key_group_range=owned,
             send_to_driver=self.send_to_driver,
             fault=self.fault,
         )
@@ -366,8 +411,9 @@ class Worker:
                 op.outputs = [ops[c].process for c in t.children.get(n, ())]
             writers = []
             for out in t.outputs:
-                senders = self.senders[(t.index, out.from_node, out.target_task, out.edge_index)]
-                w = ExchangeWriter(out, senders, routing, flow.max_parallelism, flow.nodes[out.target_node].uid)
+                key = (t.index, out.from_node, out.target_task, out.edge_index)
+                w = ExchangeWriter(out, self.senders[key], routing, flow.max_parallelism,
+                                   flow.nodes[out.target_node].uid, self.joining[key])
                 ops[out.from_node].outputs.append(w)
                 writers.append(w)
             reader = None
@@ -417,6 +463,12 @@ class Worker:
                 for task in self.tasks.values():
                     if task.reader is not None:
                         task.gate.put_control(msg)
+            case m.SplitsHandover():
+                for task in self.tasks.values():
+                    if task.reader is not None and task.head.uid == msg.operator:
+                        task.gate.put_control(msg)
+            case m.AddPeers():
+                self.add_peers(msg)
             case m.CheckpointAborted() | m.CheckpointCompleted():
                 for task in self.tasks.values():
                     task.gate.put_control(msg)
