@@ -56,6 +56,8 @@ FAULT_POINTS = (
     "during_transfer",
     "before_install",
     "after_install",
+    "during_split_handover",
+    "before_retire",
 )
 
 WORKER_POINTS = ("before_connect", "after_connect")

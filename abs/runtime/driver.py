@@ -360,6 +360,8 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
                 self._on_leaving_done(run, msg.task)
             case m.KeyGroupHandover() | m.KeyGroupInstalled() | m.PeersAdded() | m.SplitsHandover():
                 self._on_reconfig_message(run, msg)
+            case m.Done():
+                self._on_worker_done(run, i, msg)  # a worker leaving the job (a rescale)
             case m.Heartbeat():
                 pass  # a starting worker's (see worker_main.main); a running one sends Metrics
             case m.TaskFailed():

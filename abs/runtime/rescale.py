@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from multiprocessing.connection import Listener
 from typing import Any
 
@@ -201,35 +200,43 @@ class Rescaling:
 
     # ------------------------------------------------------------------ retire
     def _on_leaving_done(self, run: Any, task: str) -> None:
+        """A task of a leaving worker is done; once all are, the leaving workers shut down
+        (their last acks and their Done arrive through the loop like any message)."""
         reconf = self._reconf
-        if reconf is not None and reconf.waits_for(("done", task)):
-            if reconf.on_event(("done", task)):
-                self._retire(run, reconf.assignment.workers)
-                self._step_done(run)
+        if reconf is None or not reconf.waits_for(("done", task)):
+            return
+        if not any(isinstance(e, tuple) and e[0] == "done" and e[1] != task for e in reconf._waiting):
+            leaving = [w for w in sorted(run.conns) if w >= reconf.current.workers]
+            reconf.expect(*(("gone", w) for w in leaving))
+            for w in leaving:
+                run.conns[w].send(m.Shutdown())
+        if reconf.on_event(("done", task)):
+            self._step_done(run)
 
-    def _retire(self, run: Any, workers: int) -> None:
-        """Every task of the leaving workers is done: shut them down and forget them."""
-        leaving = [w for w in sorted(run.conns) if w >= workers]
-        conns = {w: run.conns[w] for w in leaving}
-        for c in conns.values():
-            c.send(m.Shutdown())
-        self._collect_done(conns, run.procs)
-        deadline = time.monotonic() + 30
-        for w in leaving:
-            proc = run.procs[w]
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except Exception:  # noqa: BLE001 - a worker that does not exit is killed
-                proc.kill()
-                proc.wait()
-            run.by_conn.pop(id(conns[w]), None)
-            run.conns.pop(w).close()
-            for uid, n in self._records.pop(w, {}).items():
-                self._retired_records[uid] = self._retired_records.get(uid, 0) + n
-        del run.procs[workers:]
-        keys, _sources = self._task_keys(range(workers, self.P))
-        run.life.remove_tasks(keys, leaving)
-        for key in keys:
-            self.task_load.pop(key, None)
-        log.info(f"job {self.flow.name!r}: workers {workers}..{self.P - 1} left")
-        self._resize(workers)
+    def _on_worker_done(self, run: Any, i: int, msg: m.Done) -> None:
+        """Worker ``i`` sent its last report: a leaving worker is gone."""
+        reconf = self._reconf
+        if reconf is None or not reconf.waits_for(("gone", i)):
+            raise m.unexpected(msg, f"job {self.flow.name!r}: the driver", f"worker {i}", "no Done: it is not leaving")
+        for uid, n in msg.metrics.records_in.items():
+            self._retired_records[uid] = self._retired_records.get(uid, 0) + n
+        self._records.pop(i, None)
+        proc = run.procs[i]
+        try:
+            proc.wait(30)
+        except Exception:  # noqa: BLE001 - a worker that does not exit is killed
+            proc.kill()
+            proc.wait()
+        conn = run.conns.pop(i)
+        run.by_conn.pop(id(conn), None)
+        conn.close()
+        if reconf.on_event(("gone", i)):
+            workers = reconf.assignment.workers
+            del run.procs[workers:]
+            keys, _sources = self._task_keys(range(workers, self.P))
+            run.life.remove_tasks(keys, range(workers, self.P))
+            for key in keys:
+                self.task_load.pop(key, None)
+            log.info(f"job {self.flow.name!r}: workers {workers}..{self.P - 1} left")
+            self._resize(workers)
+            self._step_done(run)

@@ -220,6 +220,7 @@ class Task(threading.Thread):
                         if event.phase == "drain":
                             self._drain_splits(event)
                         elif event.phase == "retire" and self.subtask >= event.workers:
+                            self.worker.fault("before_retire", self)
                             self._end_of_input()  # a leaving worker's source: its channels end here
                             reader.close()
                             return
@@ -266,6 +267,7 @@ class Task(threading.Thread):
                 continue
             if source == self.subtask:
                 offsets = self.reader.release()
+                self.worker.fault("during_split_handover", self)
                 self.worker.send_to_driver(m.SplitsHandover(step.step, uid, source, target, offsets))
             elif target == self.subtask:
                 self._awaiting_splits.add(source)

@@ -1,0 +1,220 @@
+"""Live rescale (JobHandle.rescale): workers join and leave a running keyed counting job while
+records flow, with and without checkpoints (the job and its exactness check are those of
+tests/test_reconfig_live.py: each key's emitted counts must be 1..n once each).
+
+The sources hold at a gate until the test opens it, so the job is still running, with records
+flowing, while it is rescaled; the sources' splits that a leaving worker read are read to
+their end by the worker they were handed to.
+"""
+from __future__ import annotations
+
+import collections
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import abs
+from abs.faults import Fault
+from abs.keygroups import key_group
+from abs.reconfig import Assignment
+from abs.reconfig.plan import rescale_target
+from storage import SnapshotStore
+from test_reconfig_live import M, NUM_KEYS, TOTAL, check_counts, counting_flow
+
+
+def _final_state(root: str, cid: int) -> dict:
+    store = SnapshotStore.open(root)
+    manifest = store.read_manifest(cid)
+    got: dict = {}
+    for kg in manifest.keyed["count"]["n"]:
+        t = store.read_key_group(manifest, "count", "n", kg)
+        keys = t.column("key").to_pylist()
+        assert not set(keys) & set(got), f"key group {kg} repeats keys"
+        got.update(zip(keys, t.column("value").to_pylist()))
+    return got
+
+
+def test_grow_without_storage_keeps_every_count_exact(tmp_path):
+    gate = str(tmp_path / "gate")
+    job = abs.submit(counting_flow(gate), parallelism=2)
+    try:
+        rec = job.rescale(3)
+        assert rec.status == "COMPLETED" and rec.kind == "rescale"
+        assert job.assignment() == rescale_target(Assignment.initial(M, 2), 3)
+        assert all(job.assignment().key_groups_of(w) for w in range(3))
+        assert rec.steps[0].key_groups, "the join step carries the first moves"
+    finally:
+        open(gate, "w").close()
+    result = job.wait(timeout=300)
+    assert result.status == "FINISHED" and result.parallelism == 3
+    assert result.records_in["count"] == TOTAL
+    check_counts(result.collected("out"))
+
+
+@pytest.mark.parametrize("strategy,batch", [("all_at_once", None), ("batched", 3), ("fluid", None)])
+def test_grow_then_shrink_with_checkpoints_is_exact(tmp_path, strategy, batch):
+    """2 -> 3 -> 1 workers while checkpoints run every 50 ms: the output, the final checkpoint
+    (every key's count once) and the assignment each manifest records are exact; the splits of
+    the workers that left are read to their end by the worker that took them over."""
+    gate = str(tmp_path / "gate")
+    root = str(tmp_path / "root")
+    job = abs.submit(counting_flow(gate), parallelism=2, storage=root,
+                     checkpoint=abs.CheckpointConfig(interval=0.05, retained=1))
+    try:
+        job.trigger_checkpoint()
+        grown = job.rescale(3, strategy=strategy, batch=batch)
+        assert grown.status == "COMPLETED"
+        after_grow = job.trigger_checkpoint()
+        shrunk = job.rescale(1, strategy=strategy, batch=batch)
+        assert shrunk.status == "COMPLETED"
+        assert [s for s in shrunk.steps if not s.key_groups], "drain and retire steps move no key group"
+        assert job.assignment() == Assignment.initial(M, 1)
+    finally:
+        open(gate, "w").close()
+    result = job.wait(timeout=300)
+    assert result.status == "FINISHED" and not result.failed_checkpoints and result.parallelism == 1
+    assert result.records_in == {"src": TOTAL, "count": TOTAL, "out": TOTAL}
+    check_counts(result.collected("out"))
+    assert _final_state(root, result.last_checkpoint) == dict(collections.Counter(i % NUM_KEYS for i in range(TOTAL)))
+    store = SnapshotStore.open(root)
+    if after_grow in store.list_checkpoints():
+        assert store.read_manifest(after_grow).assignment == rescale_target(Assignment.initial(M, 2), 3).owners
+
+
+@pytest.mark.parametrize("before,after", [(1, 2), (2, 1)])
+def test_one_to_two_and_back(tmp_path, before, after):
+    gate = str(tmp_path / "gate")
+    job = abs.submit(counting_flow(gate), parallelism=before, storage=str(tmp_path / "root"),
+                     checkpoint=abs.CheckpointConfig(interval=0.05, retained=1))
+    try:
+        assert job.rescale(after).status == "COMPLETED"
+        assert job.assignment() == Assignment.initial(M, after)
+    finally:
+        open(gate, "w").close()
+    result = job.wait(timeout=300)
+    assert result.status == "FINISHED" and result.parallelism == after
+    check_counts(result.collected("out"))
+
+
+def test_a_restore_after_a_rescale_continues_at_the_new_parallelism(tmp_path):
+    """A job grown to 3 workers ends; a new run restores its last checkpoint at 3 workers (each
+    key group at its default owner, whoever wrote it): its sources resume at their ends, so it
+    emits nothing again, and its own final checkpoint holds every key's count once."""
+    gate = str(tmp_path / "gate")
+    root = str(tmp_path / "root")
+    job = abs.submit(counting_flow(gate), parallelism=2, storage=root,
+                     checkpoint=abs.CheckpointConfig(interval=0.05, retained=2))
+    try:
+        job.rescale(3, strategy="batched", batch=4)
+    finally:
+        open(gate, "w").close()
+    first = job.wait(timeout=300)
+    assert SnapshotStore.open(root).read_manifest(first.last_checkpoint).assignment == job.assignment().owners
+    open(tmp_path / "gate2", "w").close()
+    again = abs.run(counting_flow(str(tmp_path / "gate2")), parallelism=3, storage=root, restore="latest",
+                    checkpoint=abs.CheckpointConfig(interval=0.5, retained=2))
+    assert again.restored_from == first.last_checkpoint and again.last_checkpoint > first.last_checkpoint
+    assert again.collected("out").num_rows == 0
+    assert _final_state(root, again.last_checkpoint) == dict(collections.Counter(i % NUM_KEYS for i in range(TOTAL)))
+
+
+def test_bad_rescale_requests_are_refused_and_change_nothing(tmp_path):
+    gate = str(tmp_path / "gate")
+    job = abs.submit(counting_flow(gate), parallelism=2)
+    try:
+        for workers, match in [(2, "runs 2 workers already"), (0, r"int in \[1, 16\]"), (M + 1, "max_parallelism=16"),
+                               ("3", "must be an int"), (3.0, "must be an int")]:
+            with pytest.raises(abs.ReconfigurationError, match=match):
+                job.rescale(workers)
+        with pytest.raises(abs.ReconfigurationError, match="batch=N"):
+            job.rescale(3, strategy="batched")
+        assert job.assignment() == Assignment.initial(M, 2) and job.reconfigurations() == []
+    finally:
+        open(gate, "w").close()
+    result = job.wait(timeout=300)
+    assert result.parallelism == 2
+    check_counts(result.collected("out"))
+
+
+# ----------------------------------------------------------------------------- schedules
+ops = st.lists(st.one_of(
+    st.tuples(st.just("rescale"), st.integers(1, 4), st.sampled_from(["all_at_once", "batched", "fluid"])),
+    st.tuples(st.just("move"), st.sets(st.integers(0, M - 1), min_size=1, max_size=6),
+              st.sampled_from(["all_at_once", "fluid"])),
+), min_size=1, max_size=3)
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schedule=ops, checkpoints=st.booleans())
+def test_any_schedule_of_rescales_and_moves_gives_the_output_of_a_run_without_them(tmp_path_factory, schedule,
+                                                                                   checkpoints):
+    tmp = tmp_path_factory.mktemp("schedule")
+    gate = str(tmp / "gate")
+    options = dict(storage=str(tmp / "root"), checkpoint=abs.CheckpointConfig(interval=0.05, retained=1)) \
+        if checkpoints else {}
+    job = abs.submit(counting_flow(gate), parallelism=2, **options)
+    workers = 2
+    try:
+        for op in schedule:
+            if op[0] == "rescale":
+                _kind, n, strategy = op
+                batch = 3 if strategy == "batched" else None
+                if n == workers:
+                    with pytest.raises(abs.ReconfigurationError, match="already"):
+                        job.rescale(n, strategy=strategy, batch=batch)
+                    continue
+                want = rescale_target(job.assignment(), n)
+                assert job.rescale(n, strategy=strategy, batch=batch).status == "COMPLETED"
+                assert job.assignment() == want
+                workers = n
+            else:
+                _kind, kgs, strategy = op
+                to = max(kgs) % workers
+                if all(job.assignment().owners[kg] == to for kg in kgs):
+                    continue
+                assert job.move(sorted(kgs), to=to, strategy=strategy).status == "COMPLETED"
+    finally:
+        open(gate, "w").close()
+    result = job.wait(timeout=300)
+    assert result.status == "FINISHED" and not result.failed_checkpoints and result.parallelism == workers
+    check_counts(result.collected("out"))
+
+
+# ----------------------------------------------------------------------------- crashes
+@pytest.mark.parametrize("before,after,fault", [
+    (2, 3, Fault("after_connect", "task0#2", nth=1)),  # the joining worker dies while it connects
+    (2, 3, Fault("after_routing_switch", "task1#2", nth=1)),  # a joined worker dies at the join step
+    (3, 2, Fault("during_split_handover", "*", nth=1)),  # a leaving source dies handing its splits over
+    (3, 2, Fault("before_retire", "*", nth=1)),  # a leaving source dies at the retire step
+])
+def test_a_kill_during_a_rescale_restores_exactly(tmp_path, before, after, fault):
+    """A worker is killed (SIGKILL) at a point of the rescale; the job restores its latest
+    checkpoint and its output is exact."""
+    gate = str(tmp_path / "gate")
+    job = abs.submit(counting_flow(gate), parallelism=before, storage=str(tmp_path / "root"),
+                     checkpoint=abs.CheckpointConfig(interval=0.05, retained=1),
+                     restart=abs.RestartStrategy(max_restarts=1, delay=0.1),
+                     runtime=abs.RuntimeOptions(faults=(fault,)))
+    try:
+        job.trigger_checkpoint()
+        try:
+            job.rescale(after)
+        except abs.ReconfigurationError as exc:
+            assert "restarted" in str(exc) or "did not start" in str(exc) or "ended" in str(exc)
+        except abs.JobFailedError:
+            pass  # the request met the attempt's end
+    finally:
+        open(gate, "w").close()
+    result = job.wait(timeout=300)
+    assert result.status == "FINISHED" and len(result.restarts) == 1
+    check_counts(result.collected("out"))
+
+
+def test_key_groups_of_counted_keys():
+    """The counting job's keys cover several key groups of every worker (else a rescale would
+    move empty key groups only and prove little)."""
+    kgs = {key_group(k, M) for k in range(NUM_KEYS)}
+    for workers in (1, 2, 3, 4):
+        owners = rescale_target(Assignment.initial(M, 2), workers).owners
+        assert all(any(owners[kg] == w for kg in kgs) for w in range(workers))
