@@ -218,3 +218,24 @@ def test_key_groups_of_counted_keys():
     for workers in (1, 2, 3, 4):
         owners = rescale_target(Assignment.initial(M, 2), workers).owners
         assert all(any(owners[kg] == w for kg in kgs) for w in range(workers))
+
+
+# ----------------------------------------------------------------------------- on Spark
+def test_rescale_on_the_spark_executor(tmp_path, spark):
+    """On Spark the job's first workers are one barrier stage (its size is fixed once
+    submitted); a joining worker runs as a Spark job of its own with one barrier task, and a
+    leaving worker's task ends when its worker stops."""
+    gate = str(tmp_path / "gate")
+    job = abs.submit(counting_flow(gate), executor=abs.SparkExecutor(spark, num_workers=2),
+                     storage=str(tmp_path / "root"), checkpoint=abs.CheckpointConfig(interval=0.1, retained=1))
+    try:
+        job.trigger_checkpoint()
+        assert job.rescale(3, strategy="batched", batch=3).status == "COMPLETED"
+        with pytest.raises(abs.ReconfigurationError, match="free task slot"):
+            job.rescale(6)  # local[4]: one slot is left
+        assert job.rescale(2).status == "COMPLETED"
+    finally:
+        open(gate, "w").close()
+    result = job.wait(timeout=300)
+    assert result.status == "FINISHED" and result.parallelism == 2
+    check_counts(result.collected("out"))

@@ -102,8 +102,10 @@ class LiveReconfiguration(Rescaling):
         if reconf.steps[0].phase == JOIN:
             try:
                 self._prepare_join(run, reconf.steps[0].workers)  # the join step starts once they are connected
+            except ReconfigurationError as exc:  # nothing changed: the job runs on
+                self._reconfig_fail(str(exc))
             except Exception as exc:
-                self._reconfig_fail(f"the new workers did not start: {type(exc).__name__}: {exc}")
+                self._reconfig_fail(f"the new workers failed while they connected: {type(exc).__name__}: {exc}")
                 raise
             return
         self._start_step(run)

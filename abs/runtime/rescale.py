@@ -29,9 +29,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
+import time
 from multiprocessing.connection import Listener
 from typing import Any
 
+from ..errors import WorkerLostError
 from ..reconfig.plan import ReconfigurationError
 from . import messages as m
 from .plan import task_key
@@ -69,6 +72,10 @@ class Rescaling:
                 "(it starts all of them at once); stop the job with a savepoint and restore it with the new "
                 "parallelism, or run on LocalExecutor"
             )
+        why = self.executor.check_launch(workers - self.P) if workers > self.P and hasattr(
+            self.executor, "check_launch") else None
+        if why:
+            raise ReconfigurationError(f"rescale({workers}): {why}")
 
     # ------------------------------------------------------------------ join
     def _task_keys(self, workers: range) -> tuple[list[str], list[str]]:
@@ -87,35 +94,51 @@ class Rescaling:
         listener = Listener((host, 0), authkey=self._secret)
         procs: list = []
         conns: dict[int, Any] = {}
+        told = False  # the running workers heard of the new ones: a failure from here fails the attempt
         try:
             for i in new:
                 procs.append(self.executor.launch(i, {"driver": list(listener.address), "secret": self._secret.hex(),
                                                       "index": i}))
-            for _ in new:
-                c = listener.accept()
+            view = list(run.procs) + procs  # index = worker index, for the start-up checks
+            accepted: list = []
+            acceptor = threading.Thread(target=lambda: [accepted.append(listener.accept()) for _ in new], daemon=True)
+            acceptor.start()
+            deadline = time.monotonic() + self.startup_timeout
+            while acceptor.is_alive() and time.monotonic() < deadline:
+                acceptor.join(0.1)
+                self._check_procs(view, run.conns)
+            if len(accepted) < len(new):
+                raise WorkerLostError(f"only {len(accepted)} of {len(new)} new workers connected within "
+                                      f"{self.startup_timeout:.0f} s")
+            for c in accepted:
                 hello = c.recv()
                 if not isinstance(hello, m.Hello) or hello.index not in new:
                     raise m.unexpected(hello, f"job {self.flow.name!r}: the driver", "a joining worker", "Hello")
                 conns[hello.index] = c
+                if hasattr(view[hello.index], "bind_pid"):
+                    view[hello.index].bind_pid(hello.pid)
             spec = dataclasses.replace(self._spec({}, self._attempt), parallelism=workers,
                                        routing=tuple(self.assignment.owners))
             payload = cloudpickle.dumps(spec)
             for i, c in conns.items():
                 c.send(m.JobSpec(payload, m.WorkerAssignment(i, {}, key_groups=())))
-            view = list(run.procs) + procs  # index = worker index, for the start-up checks
             listening = self._gather(conns, m.Listening, view)
             known = list(self._addresses) + [listening[i].address for i in new]
             for c in conns.values():
                 c.send(m.Peers(tuple(known)))
+            told = True
             self._broadcast(run, m.AddPeers(first, tuple(known[first:]), workers))
             self._gather(conns, m.Ready, view)
-        except BaseException:
+        except Exception as exc:
             for c in conns.values():
                 c.close()
             for p in procs:
                 p.kill()
                 p.wait()
-            raise
+            if told:
+                raise
+            raise ReconfigurationError(f"rescale({workers}): the new workers did not start ({type(exc).__name__}: "
+                                       f"{exc}); nothing was changed") from exc
         finally:
             listener.close()
         self._addresses = tuple(known)

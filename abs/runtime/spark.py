@@ -96,11 +96,12 @@ def _task_body(boots: list[dict], remote_hosts: bool) -> Callable[[Iterator[int]
         from pyspark import BarrierTaskContext
 
         ctx = BarrierTaskContext.get()
-        index = ctx.partitionId()
-        boot = dict(boots[index])
+        part = ctx.partitionId()
+        boot = dict(boots[part])
+        index = boot["index"]  # the worker's index in the job (a joining worker's stage has one task)
         if remote_hosts:
             boot["bind_host"] = "0.0.0.0"
-            boot["advertise_host"] = ctx.getTaskInfos()[index].address.rsplit(":", 1)[0]
+            boot["advertise_host"] = ctx.getTaskInfos()[part].address.rsplit(":", 1)[0]
         env = dict(os.environ)
         paths = boot.pop("pythonpath", None) or [p for p in sys.path if p]
         env["PYTHONPATH"] = os.pathsep.join(paths)
@@ -287,6 +288,24 @@ class SparkExecutor:
                           description=f"abs job {job_name!r}: {len(boots)} workers")
         self._stage = stage
         return [_SparkWorker(stage, i, self.local_master) for i in range(len(boots))]
+
+    def check_launch(self, count: int) -> str | None:
+        """Why ``count`` more workers cannot start now (a rescale), or None."""
+        total, free = free_task_slots(self.sc)
+        if count > free:
+            return (f"the Spark cluster ({self.sc.master}) has {free} free task slot(s) of {total}, and {count} more "
+                    "worker(s) need one each; give Spark more cores/executors or rescale to fewer workers")
+        return None
+
+    def launch(self, index: int, boot: dict) -> _SparkWorker:
+        """A worker that joins a running job (a rescale): a Spark job of its own with one
+        barrier task, beside the stage of the workers the job started with (a barrier stage's
+        size is fixed once submitted)."""
+        if self.local_master:
+            boot = dict(boot, pythonpath=[p for p in sys.path if p])
+        stage = _StageRun(self.spark, [dict(boot, index=index)], remote_hosts=not self.local_master,
+                          description=f"abs worker {index} joining a running job")
+        return _SparkWorker(stage, index, self.local_master)
 
     def __repr__(self) -> str:
         return f"SparkExecutor(master={self.spark.sparkContext.master!r}, num_workers={self.num_workers})"
