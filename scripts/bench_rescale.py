@@ -1,5 +1,6 @@
-"""Live reconfiguration benchmark: moving half the key groups of a running job, live (three
-strategies) against stop-and-restart, on the reference workload with a latency tracker.
+"""Live reconfiguration benchmark: rescaling a running job 1 -> 2 and 2 -> 1 workers and moving
+half its key groups, live (three strategies) against stop-and-restart, on the reference
+workload with a latency tracker.
 
 The job: string keys ``k{i % keys}``, a keyed running sum (``process``, ValueState int64),
 checkpoints every second, parallelism 2, input paced at ``--rate`` events/s so that latency
@@ -10,8 +11,10 @@ state, runs steady for a few seconds, is reconfigured, runs steady again:
 * ``stop-and-restart``: a checkpoint, cancel, and a new job restored from it (today's way to
   change where state lives; the key groups stay at their default owners, so this is the cost
   of any restart-based reconfiguration);
-* ``all_at_once``, ``batched`` (8 key groups per step), ``fluid`` (one per step): half the key
-  groups (half of each worker's, swapped) move with ``JobHandle.rebalance``.
+* ``all_at_once``, ``batched`` (8 key groups per step), ``fluid`` (one per step): for
+  ``--changes move``, half the key groups (half of each worker's, swapped) move with
+  ``JobHandle.rebalance``; for ``1to2`` and ``2to1``, ``JobHandle.rescale`` starts a worker
+  (which joins the running dataflow) or drains one and stops it.
 
 Records replayed after a restart are stamped when the restored job emits them again, so the
 latency columns of stop-and-restart leave out its wait; its stall column has it.
@@ -26,6 +29,7 @@ steady p99; bytes moved <= 1.2x the state changed since the last checkpoint (her
 key groups' changes, reported against their full size).
 
     .venv/bin/python scripts/bench_rescale.py [--keys 100000] [--rate 40000] [--rounds 1]
+        [--changes move,1to2,2to1]
 """
 from __future__ import annotations
 
@@ -158,29 +162,36 @@ def _wait_records(handle: Any, n: int, timeout: float = 300) -> None:
         time.sleep(0.05)
 
 
-def one_run(strategy: str, keys: int, rate: float) -> dict:
+CHANGES = {"move": (2, 2), "1to2": (1, 2), "2to1": (2, 1)}  # workers before, after
+
+
+def one_run(strategy: str, keys: int, rate: float, change: str = "move") -> dict:
+    p0, p1 = CHANGES[change]
     root = tempfile.mkdtemp(prefix="abs-bench-rescale-")
     lat_dir = os.path.join(root, "lat")
     os.makedirs(lat_dir)
     flow = build(keys, rate, lat_dir)
     cfg = abs.CheckpointConfig(interval=1.0, retained=2)
     store = os.path.join(root, "snap")
-    out: dict = {"strategy": strategy}
-    handle = abs.submit(flow, parallelism=2, checkpoint=cfg, storage=store)
+    out: dict = {"strategy": strategy, "change": change}
+    handle = abs.submit(flow, parallelism=p0, checkpoint=cfg, storage=store)
     try:
-        _wait_records(handle, 2 * keys)  # every key in state
+        _wait_records(handle, keys + 2 * 500 * 4)  # every key in state
         handle.trigger_checkpoint()
         time.sleep(STEADY_S)
         t_start = time.time()
         if strategy == "stop-and-restart":
             handle.trigger_checkpoint()
             handle.cancel()
-            handle = abs.submit(flow, parallelism=2, checkpoint=cfg, storage=store, restore="latest")
+            handle = abs.submit(flow, parallelism=p1, checkpoint=cfg, storage=store, restore="latest")
             _wait_records(handle, 1)
             out["bytes_moved"] = out["full_bytes"] = None
         else:
             batch = 8 if strategy == "batched" else None
-            rec = handle.rebalance(swap_halves(), strategy=strategy, batch=batch)
+            if change == "move":
+                rec = handle.rebalance(swap_halves(), strategy=strategy, batch=batch)
+            else:
+                rec = handle.rescale(p1, strategy=strategy, batch=batch)
             out["bytes_moved"] = rec.bytes_moved
             out["full_bytes"] = sum(s.full_bytes for s in rec.steps)
             out["steps"] = len(rec.steps)
@@ -236,7 +247,8 @@ def plot(run: dict, path: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("seconds from the reconfiguration's start")
     ax.set_ylabel("latency per 100 ms window (ms)")
-    ax.set_title(f"{run['strategy']}: half the key groups moved")
+    what = {"move": "half the key groups moved", "1to2": "rescale 1 -> 2 workers", "2to1": "rescale 2 -> 1 workers"}
+    ax.set_title(f"{run['strategy']}: {what[run['change']]}")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -249,38 +261,49 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=40_000, help="input events per second (all splits)")
     ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds of the four runs")
     ap.add_argument("--plots", default=None, help="directory for the PNG plots (default: a temporary one)")
+    ap.add_argument("--changes", default="move,1to2,2to1", help="comma-separated: move, 1to2, 2to1")
     args = ap.parse_args()
     plots = args.plots or tempfile.mkdtemp(prefix="abs-bench-rescale-plots-")
     os.makedirs(plots, exist_ok=True)
+    changes = args.changes.split(",")
+    for change in changes:
+        if change not in CHANGES:
+            ap.error(f"--changes: {change!r} is not one of {', '.join(CHANGES)}")
     strategies = ["stop-and-restart", "all_at_once", "batched", "fluid"]
-    print(f"== moving half of {M} key groups at parallelism 2: {args.keys:,} string keys in state, input {args.rate:,.0f} "
+    print(f"== {', '.join(changes)} with {M} key groups: {args.keys:,} string keys in state, input {args.rate:,.0f} "
           f"events/s, checkpoints every 1 s; {args.rounds} interleaved round(s); plots in {plots}", flush=True)
-    runs: dict[str, list[dict]] = {s: [] for s in strategies}
+    runs: dict[tuple, list[dict]] = {(c, s): [] for c in changes for s in strategies}
     for r in range(args.rounds):
+        for c in changes:
+            for s in strategies:
+                run = one_run(s, args.keys, args.rate, c)
+                runs[(c, s)].append(run)
+                plot(run, os.path.join(plots, f"rescale-{c}-{s}-{r + 1}.png"))
+    for c in changes:
+        p0, p1 = CHANGES[c]
+        print(f"-- {c}: {'half the key groups move between 2 workers' if c == 'move' else f'{p0} -> {p1} workers'}")
+        print(f"  {'strategy':<17}{'stall ms':>9}{'max ms':>9}{'p99 ms':>9}{'steady p99':>11}{'duration s':>11}"
+              f"{'moved KB':>10}{'full KB':>9}{'events/s during':>16}")
         for s in strategies:
-            run = one_run(s, args.keys, args.rate)
-            runs[s].append(run)
-            plot(run, os.path.join(plots, f"rescale-{s}-{r + 1}.png"))
-    print(f"  {'strategy':<17}{'stall ms':>9}{'max ms':>9}{'p99 ms':>9}{'steady p99':>11}{'duration s':>11}"
-          f"{'moved KB':>10}{'full KB':>9}{'events/s during':>16}")
-    for s in strategies:
-        for run in runs[s]:
-            moved = "-" if run["bytes_moved"] is None else f"{run['bytes_moved'] / 1024:,.0f}"
-            full = "-" if run["full_bytes"] is None else f"{run['full_bytes'] / 1024:,.0f}"
-            print(f"  {s:<17}{run['stall'] * 1000:>9.0f}{run['max'] * 1000:>9.0f}{run['p99'] * 1000:>9.0f}"
-                  f"{run['steady_p99'] * 1000:>11.0f}{run['duration']:>11.2f}{moved:>10}{full:>9}{run['throughput']:>16,.0f}")
-    restart_stall = float(np.median([r["stall"] for r in runs["stop-and-restart"]]))
-    for s in strategies[1:]:
-        stall = float(np.median([r["stall"] for r in runs[s]]))
-        ratio = stall / restart_stall if restart_stall else float("nan")
-        line = f"  {s}: longest stall {ratio:.3f} of stop-and-restart's (target <= 0.1: {'met' if ratio <= 0.1 else 'NOT met'})"
-        if s in ("batched", "fluid"):
-            lat = float(np.median([r["max"] / r["steady_p99"] for r in runs[s]]))
-            line += f"; max latency {lat:.1f}x the steady p99 (target <= 3: {'met' if lat <= 3 else 'NOT met'})"
-        moved = [r["bytes_moved"] / r["full_bytes"] for r in runs[s] if r["full_bytes"]]
-        if moved:
-            line += f"; bytes moved {float(np.median(moved)):.2f}x the moved key groups' full size"
-        print(line, flush=True)
+            for run in runs[(c, s)]:
+                moved = "-" if run["bytes_moved"] is None else f"{run['bytes_moved'] / 1024:,.0f}"
+                full = "-" if run["full_bytes"] is None else f"{run['full_bytes'] / 1024:,.0f}"
+                print(f"  {s:<17}{run['stall'] * 1000:>9.0f}{run['max'] * 1000:>9.0f}{run['p99'] * 1000:>9.0f}"
+                      f"{run['steady_p99'] * 1000:>11.0f}{run['duration']:>11.2f}{moved:>10}{full:>9}"
+                      f"{run['throughput']:>16,.0f}")
+        restart_stall = float(np.median([r["stall"] for r in runs[(c, "stop-and-restart")]]))
+        for s in strategies[1:]:
+            stall = float(np.median([r["stall"] for r in runs[(c, s)]]))
+            ratio = stall / restart_stall if restart_stall else float("nan")
+            line = (f"  {s}: longest stall {ratio:.3f} of stop-and-restart's (target <= 0.1: "
+                    f"{'met' if ratio <= 0.1 else 'NOT met'})")
+            if s in ("batched", "fluid"):
+                lat = float(np.median([r["max"] / r["steady_p99"] for r in runs[(c, s)]]))
+                line += f"; max latency {lat:.1f}x the steady p99 (target <= 3: {'met' if lat <= 3 else 'NOT met'})"
+            moved = [r["bytes_moved"] / r["full_bytes"] for r in runs[(c, s)] if r["full_bytes"]]
+            if moved:
+                line += f"; bytes moved {float(np.median(moved)):.2f}x the moved key groups' full size"
+            print(line, flush=True)
     return 0
 
 

@@ -105,4 +105,6 @@ def test_the_live_reconfiguration_example_moves_key_groups_and_stays_exact(tmp_p
     assert "before: w0: 0-7; w1: 8-15" in out, out
     assert re.search(r"moved key groups \(0, 1, 2, 3\) in \d+ ms, [\d,]+ bytes handed over", out), out
     assert "after:  w0: 0-1,4-7; w1: 2-3,8-15 (2 steps)" in out, out
-    assert "FINISHED 200000 rows; key 7 counted 200" in out, out
+    assert "grown:  w0: 0-1,4-7; w1: 2-3,8-10; w2: 11-15 (3 steps)" in out, out
+    assert "shrunk: w0: 0-1,4-7,11-12; w1: 2-3,8-10,13-15" in out, out
+    assert "FINISHED 800000 rows; key 7 counted 800" in out, out
