@@ -20,8 +20,9 @@ Records replayed after a restart are stamped when the restored job emits them ag
 latency columns of stop-and-restart leave out its wait; its stall column has it.
 
 Printed per run: the longest time the output made no progress (from the reconfiguration's
-start to 3 s after its end), the max and p99 latency in that span against the steady state's
-p99 before it, the reconfiguration's duration, bytes handed over against the moved key groups'
+start to 3 s after its end; beside it the longest in the 3 s before, the steady state's own),
+the max and p99 latency in that span against the steady state's p99 before it, the
+reconfiguration's duration, bytes handed over against the moved key groups'
 full size in the checkpoint they build on, and throughput during it. A plot per run (latency
 per 100-ms window over time) is saved next to the table (``--plots DIR``; needs matplotlib).
 Targets: live longest stall <= 1/10 of stop-and-restart's; fluid/batched max latency <= 3x the
@@ -210,6 +211,7 @@ def one_run(strategy: str, keys: int, rate: float, change: str = "move") -> dict
     span = (arrive >= t_start) & (arrive < t_end + STEADY_S)
     times = np.unique(arrive[span])
     gaps = np.diff(np.concatenate([[t_start], times]))
+    before = np.unique(arrive[(arrive >= t_start - STEADY_S) & (arrive < t_start)])
     out.update(
         duration=t_end - t_start,
         steady_p99=float(np.percentile(lat[steady], 99)),
@@ -217,6 +219,7 @@ def one_run(strategy: str, keys: int, rate: float, change: str = "move") -> dict
         p99=float(np.percentile(lat[span], 99)),
         max=float(lat[span].max()),
         stall=float(gaps.max()) if len(gaps) else float("nan"),
+        steady_stall=float(np.diff(before).max()) if len(before) > 1 else float("nan"),
         throughput=float(((arrive >= t_start) & (arrive < max(t_end, t_start + 0.1))).sum() / max(t_end - t_start, 0.1)),
         series=(arrive - t_start, lat),
     )
@@ -282,13 +285,14 @@ def main() -> int:
     for c in changes:
         p0, p1 = CHANGES[c]
         print(f"-- {c}: {'half the key groups move between 2 workers' if c == 'move' else f'{p0} -> {p1} workers'}")
-        print(f"  {'strategy':<17}{'stall ms':>9}{'max ms':>9}{'p99 ms':>9}{'steady p99':>11}{'duration s':>11}"
-              f"{'moved KB':>10}{'full KB':>9}{'events/s during':>16}")
+        print(f"  {'strategy':<17}{'stall ms':>9}{'steady stall':>13}{'max ms':>9}{'p99 ms':>9}{'steady p99':>11}"
+              f"{'duration s':>11}{'moved KB':>10}{'full KB':>9}{'events/s during':>16}")
         for s in strategies:
             for run in runs[(c, s)]:
                 moved = "-" if run["bytes_moved"] is None else f"{run['bytes_moved'] / 1024:,.0f}"
                 full = "-" if run["full_bytes"] is None else f"{run['full_bytes'] / 1024:,.0f}"
-                print(f"  {s:<17}{run['stall'] * 1000:>9.0f}{run['max'] * 1000:>9.0f}{run['p99'] * 1000:>9.0f}"
+                print(f"  {s:<17}{run['stall'] * 1000:>9.0f}{run['steady_stall'] * 1000:>13.0f}"
+                      f"{run['max'] * 1000:>9.0f}{run['p99'] * 1000:>9.0f}"
                       f"{run['steady_p99'] * 1000:>11.0f}{run['duration']:>11.2f}{moved:>10}{full:>9}"
                       f"{run['throughput']:>16,.0f}")
         restart_stall = float(np.median([r["stall"] for r in runs[(c, "stop-and-restart")]]))
