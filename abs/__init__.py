@@ -12,6 +12,7 @@ from abscore.logs import package_logger as _package_logger
 _package_logger("abs")  # warnings and notices reach stderr unless the application routes logging itself
 
 from .api import JobHandle, run, submit
+from .autoscale import Autoscale
 from .config import CheckpointConfig, RestartStrategy
 from .options import Restore, RuntimeOptions
 from .dataflow import Dataflow, KeyedStream, Stream
@@ -48,6 +49,7 @@ __all__ = [
     "RestartStrategy",
     "Restore",
     "RuntimeOptions",
+    "Autoscale",
     "SparkExecutor",
     "SparkStreamSource",
     "SparkMicroBatchSource",

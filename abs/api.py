@@ -6,9 +6,11 @@ import queue
 import threading
 import time
 import warnings
+import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Callable, TypeVar
 
+from .autoscale import Autoscale
 from .config import CheckpointConfig, RestartStrategy
 from .dataflow import Dataflow
 from .errors import ConfigError, JobFailedError
@@ -36,6 +38,7 @@ class _JobOptions:
     allow_repeated_output: bool = False
     runtime: RuntimeOptions | None = None
     dashboard: Any = None  # True, "HOST:PORT" or an abs.observe.Dashboard: serve the job's page (abs.observe)
+    autoscale: Any = None  # an abs.Autoscale: scale the running job by its load (abs.autoscale)
 
 
 # keywords that moved into RuntimeOptions; still taken by run/submit for one release
@@ -80,6 +83,9 @@ def _driver(flow: Dataflow, o: _JobOptions) -> JobDriver:
     if not isinstance(runtime, RuntimeOptions):
         raise ConfigError(f"runtime must be an abs.RuntimeOptions, got {type(runtime).__name__}; "
                           "pass runtime=abs.RuntimeOptions(...)")
+    if o.autoscale is not None and not isinstance(o.autoscale, Autoscale):
+        raise ConfigError(f"autoscale must be an abs.Autoscale, got {type(o.autoscale).__name__}; pass "
+                          "autoscale=abs.Autoscale(min_workers=..., max_workers=...)")
     return JobDriver(
         flow,
         parallelism=parallelism,
@@ -95,6 +101,7 @@ def _driver(flow: Dataflow, o: _JobOptions) -> JobDriver:
         heartbeat_timeout=runtime.heartbeat_timeout,
         allow_repeated_output=o.allow_repeated_output,
         progress=runtime.progress,
+        autoscale=o.autoscale,
     )
 
 
@@ -309,6 +316,10 @@ class JobHandle:
             "completed_checkpoints": len(d.completed),
             "failed_checkpoints": len(d.failed),
             "last_checkpoint": d.completed[-1].checkpoint_id if d.completed else None,
+            "workers": d.P,
+            # the first keyed stage, one sample per Autoscale.interval (when autoscaling)
+            "load": [dataclasses.asdict(s) for s in list(d.load_series)],
+            "autoscale_decisions": d.autoscale_report(),
         }
 
 

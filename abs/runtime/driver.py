@@ -43,6 +43,7 @@ from .completion import CheckpointCompletion
 from .executors import LocalExecutor
 from .failures import should_restart
 from .plan import compile_plan
+from .autoscaling import Autoscaling
 from .reconfigure import LiveReconfiguration
 from .restore import check_restore_option
 from .restore_setup import RESTORE_WORDS, RestoreSetup, RestoreState
@@ -71,7 +72,7 @@ class _Attempt:
     trigger_times: dict = dataclasses.field(default_factory=dict)
 
 
-class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfiguration):
+class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfiguration, Autoscaling):
     """One job: its attempts, their message loops, its checkpoints' commits."""
 
     def __init__(
@@ -91,6 +92,7 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
         heartbeat_timeout: float = 60.0,
         allow_repeated_output: bool = False,
         progress: Any = None,
+        autoscale: Any = None,
     ) -> None:
         flow.validate()
         if not isinstance(parallelism, int) or parallelism < 1:
@@ -165,6 +167,7 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
         self.error: BaseException | None = None
         self.clock: Callable[[], float] = time.monotonic  # the loop's time (the coordinator's too)
         self._reconfig_init()
+        self._autoscale_init(autoscale)
 
     def _spec(self, restore_info: dict, attempt: int = 0) -> WorkerSpec:
         return WorkerSpec(
@@ -244,6 +247,7 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
             skipped_checkpoints=list(self._restore_state.skipped),
             rolled_back={uid: sorted(ids) for uid, ids in self._restore_state.rolled_back.items()},
             repeated_output={uid: sorted(ids) for uid, ids in self._restore_state.repeated.items()},
+            autoscale_decisions=self.autoscale_report(),
             _collected=self._collected,
         )
         self._done.set()
@@ -301,6 +305,7 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
                 )
             self._serve_requests(run)
             self._rescale_tick(run)
+            self._autoscale_tick(run)
             if self._after_round(run):
                 return
 

@@ -47,6 +47,8 @@ class JobResult:
     skipped_checkpoints: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     rolled_back: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     repeated_output: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    # automatic scaling (abs.Autoscale): each decision, its reason and outcome, seconds from the start
+    autoscale_decisions: list[dict] = dataclasses.field(default_factory=list)
     _collected: dict[str, list[bytes]] = dataclasses.field(default_factory=dict, repr=False)
 
     def collected(self, uid: str) -> pa.Table:

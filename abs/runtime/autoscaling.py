@@ -1,0 +1,128 @@
+"""Automatic scaling in the driver: every ``Autoscale.interval`` seconds a
+:class:`~abs.autoscale.LoadSample` of the job's first keyed stage is made from what the
+workers already report (each task's busy/idle/backpressured time, each operator's records),
+fed to the pure :class:`~abs.autoscale.AutoscalePolicy`, and its decisions are carried out with
+the live reconfiguration (:meth:`JobHandle.rescale` / ``rebalance``: no restart). A decision
+that fails leaves the job where it was (the reconfiguration's own guarantee) and is reported.
+
+:class:`Autoscaling` is a part of :class:`~abs.runtime.driver.JobDriver`.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import queue
+from typing import Any
+
+from ..autoscale import Autoscale, AutoscalePolicy, Decision, LoadSample
+from . import messages as m
+from .plan import task_key
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Autoscaling", "SERIES_LENGTH"]
+
+SERIES_LENGTH = 600
+"""How many load samples the driver keeps (``JobHandle.metrics()["load"]``)."""
+
+
+@dataclasses.dataclass
+class _Carried:
+    decision: Decision
+    reply: "queue.Queue[Any]"
+    outcome: str = "RUNNING"
+
+
+class Autoscaling:
+    """The autoscaling part of :class:`~abs.runtime.driver.JobDriver` (module docstring)."""
+
+    def _autoscale_init(self, config: Autoscale | None) -> None:
+        self.autoscale = config
+        self.load_series: collections.deque = collections.deque(maxlen=SERIES_LENGTH)
+        self.autoscale_decisions: list[_Carried] = []
+        self._policy = AutoscalePolicy(config) if config is not None else None
+        keyed = [n for n in self.flow.nodes if n.kind in ("process", "reduce", "aggregate")]
+        self._scaled = keyed[0] if keyed else None
+        self._source_uids = [n.uid for n in self.flow.nodes if n.kind == "source"]
+        self._last_sample: tuple | None = None  # (time, per-worker counters) of the previous sample
+
+    def _sample(self, now: float) -> LoadSample | None:
+        """A sample of the first keyed stage since the previous one (None for the first)."""
+        node = self._scaled
+        if node is None:
+            return None
+        task = self.plan.task_of[node.index]
+        loads, processed, taken = [], [], 0
+        for w in range(self.P):
+            newest = self.task_load.get(task_key(task, w), (None, None))[1]
+            if newest is None:
+                return None  # a worker that has not reported yet (e.g. just joined)
+            loads.append(newest)
+            per_op = self._records.get(w, {})
+            processed.append(per_op.get(node.uid, 0))
+            taken += sum(per_op.get(uid, 0) for uid in self._source_uids)
+        counters = (now, loads, processed, taken + sum(self._retired_records.get(u, 0) for u in self._source_uids))
+        last, self._last_sample = self._last_sample, counters
+        if last is None or len(last[1]) != self.P or now <= last[0]:
+            return None
+        dt = now - last[0]
+        busy = []
+        for (e0, i0, b0), (e1, i1, b1) in zip(last[1], loads):
+            span = e1 - e0
+            busy.append(min(1.0, max(0.0, 1.0 - ((i1 - i0) + (b1 - b0)) / span)) if span > 0 else 0.0)
+        return LoadSample(now, tuple(busy), tuple(max(0, b - a) / dt for a, b in zip(last[2], processed)),
+                          max(0, counters[3] - last[3]) / dt)
+
+    def _autoscale_tick(self, run: Any) -> None:
+        """Every round of the driver's loop: a sample per interval (kept as the job's load
+        series, autoscaling or not), and the policy's decision."""
+        config = self.autoscale
+        now = self.clock()
+        interval = config.interval if config is not None else 1.0
+        if self._last_sample is not None and now - self._last_sample[0] < interval:
+            self._settle_decisions()
+            return
+        sample = self._sample(now)
+        self._settle_decisions()
+        if sample is None:
+            return
+        self.load_series.append(sample)
+        if config is None or self._reconf is not None or run.life.sources_exhausted:
+            return  # one reconfiguration at a time; none once the input has ended
+        self._policy.observe(sample)
+        decision = self._policy.decide(now)
+        if decision is None:
+            return
+        self._policy.decided(now)
+        reply: "queue.Queue[Any]" = queue.Queue()
+        carried = _Carried(decision, reply)
+        self.autoscale_decisions.append(carried)
+        log.info(f"job {self.flow.name!r}: autoscaling: {decision.kind} to {decision.workers} worker(s): "
+                 f"{decision.reason}")
+        if decision.kind == "rebalance":
+            req = m.ReconfigRequest("rebalance", (dict(decision.moves),), config.strategy, config.batch, reply)
+        else:
+            req = m.ReconfigRequest("rescale", (decision.workers,), config.strategy, config.batch, reply)
+        self._serve_reconfig(run, req)
+        self._last_sample = None  # the next sample starts after the reconfiguration began
+        self._settle_decisions()
+
+    def _settle_decisions(self) -> None:
+        for carried in self.autoscale_decisions:
+            if carried.outcome != "RUNNING":
+                continue
+            try:
+                got = carried.reply.get_nowait()
+            except queue.Empty:
+                continue
+            carried.outcome = "COMPLETED" if not isinstance(got, BaseException) else f"FAILED: {got}"
+            if isinstance(got, BaseException):
+                log.warning(f"job {self.flow.name!r}: autoscaling: {carried.decision.kind} to "
+                            f"{carried.decision.workers} worker(s) failed: {got}")
+
+    def autoscale_report(self) -> list[dict]:
+        """Every decision with its reason and outcome (``JobResult.autoscale_decisions``)."""
+        self._settle_decisions()
+        return [{"time": c.decision.time - self.t_start, "kind": c.decision.kind, "workers": c.decision.workers,
+                 "reason": c.decision.reason, "outcome": c.outcome} for c in self.autoscale_decisions]

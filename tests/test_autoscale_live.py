@@ -1,0 +1,63 @@
+"""Automatic scaling of a running job (abs.Autoscale): a keyed stage whose per-record work
+waits (an emulated remote call, so that more workers give more capacity even on two cores)
+gets more input than one worker can take; the job scales out by itself, without a restart,
+and its output stays exact."""
+from __future__ import annotations
+
+import collections
+import time
+
+import pyarrow as pa
+import pytest
+
+import abs
+
+NUM_KEYS = 53
+TOTAL = 20_000
+
+
+def slow_count(ctx, row):
+    time.sleep(0.001)  # a remote call per record: capacity ~1000 records/s per worker
+    n = ctx.state.n
+    c = (n.value() or 0) + 1
+    n.update(c)
+    ctx.emit({"key": ctx.key, "count": c})
+
+
+def flow() -> abs.Dataflow:
+    f = abs.Dataflow("autoscaled", max_parallelism=16)
+    src = abs.GeneratorSource(TOTAL, num_keys=NUM_KEYS, num_splits=4, batch_size=20, rate=450)  # 1,800/s
+    f.source("src", src).key_by("key").process(
+        "count", slow_count, state=[abs.ValueState("n", pa.int64())]).sink("out", abs.CollectSink())
+    return f
+
+
+def test_a_job_that_cannot_keep_up_scales_out_by_itself_and_stays_exact(tmp_path):
+    config = abs.Autoscale(min_workers=1, max_workers=3, stabilization=2.0, cooldown=3.0, interval=0.5,
+                           strategy="batched", batch=4)
+    job = abs.submit(flow(), parallelism=1, storage=str(tmp_path / "root"),
+                     checkpoint=abs.CheckpointConfig(interval=0.5, retained=1), autoscale=config)
+    result = job.wait(timeout=600)
+    assert result.status == "FINISHED" and not result.failed_checkpoints
+    decisions = result.autoscale_decisions
+    outs = [d for d in decisions if d["kind"] == "scale_out"]
+    assert outs and outs[0]["outcome"] == "COMPLETED", decisions
+    assert "needs" in outs[0]["reason"] and "busy" in outs[0]["reason"]
+    assert result.parallelism >= 2 and all(d["workers"] <= 3 for d in decisions)
+    times = [d["time"] for d in decisions]
+    assert all(b - a >= config.cooldown for a, b in zip(times, times[1:]))
+    # exact: each key counted 1..n once
+    per_key = collections.defaultdict(list)
+    out = result.collected("out")
+    for k, c in zip(out.column("key").to_pylist(), out.column("count").to_pylist()):
+        per_key[k].append(c)
+    want = collections.Counter(i % NUM_KEYS for i in range(TOTAL))
+    assert {k: sorted(v) for k, v in per_key.items()} == {k: list(range(1, n + 1)) for k, n in want.items()}
+    # the load series the decisions were made from is the job's metrics too
+    series = job.metrics()["load"]
+    assert series and max(s["busy"][0] for s in series) > 0.7
+
+
+def test_autoscale_must_be_an_autoscale():
+    with pytest.raises(abs.ConfigError, match="abs.Autoscale"):
+        abs.run(flow(), autoscale={"max_workers": 3})
