@@ -108,3 +108,11 @@ def test_the_live_reconfiguration_example_moves_key_groups_and_stays_exact(tmp_p
     assert "grown:  w0: 0-1,4-7; w1: 2-3,8-10; w2: 11-15 (3 steps)" in out, out
     assert "shrunk: w0: 0-1,4-7,11-12; w1: 2-3,8-10,13-15" in out, out
     assert "FINISHED 800000 rows; key 7 counted 800" in out, out
+
+
+def test_the_autoscaling_example_scales_out_by_itself(tmp_path):
+    (block,) = [b for b in BLOCKS if "autoscale=abs.Autoscale(" in b]
+    out = _run(block, tmp_path)
+    assert re.search(r"scale_out to [23]: input [\d,]+/s, lag \d+ records, busy .*needs [23] workers at 70% busy "
+                     r"\(COMPLETED\)", out), out
+    assert re.search(r"^FINISHED at [23] workers; 20000 rows$", out, re.M), out
