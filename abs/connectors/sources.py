@@ -74,6 +74,12 @@ class SourceReader(abc.ABC):
     def notify_checkpoint_complete(self, checkpoint_id: int, offsets: Mapping[str, Offset]) -> None:
         """Checkpoint ``checkpoint_id``, which stored ``offsets``, is durable (hook)."""
 
+    def lag(self) -> float | None:
+        """Records this reader is behind its input now, when it can tell (``None``: it cannot).
+        Read by the worker's metrics thread while the task polls: an estimate, never a lock.
+        Autoscaling sizes the job to work a lag off (``abs.Autoscale.catch_up``)."""
+        return None
+
     def close(self) -> None:
         """Release resources."""
 
@@ -216,6 +222,19 @@ class _GeneratorReader(SourceReader):
 
     def wait_hint(self) -> float:
         return self._wait
+
+    def lag(self) -> float | None:
+        """With a ``rate``: the records due by now (the rate since the reader started) that
+        were not emitted yet, at most what the splits still hold."""
+        src = self._src
+        if src.rate is None:
+            return None
+        due = (time.monotonic() - self._started) * src.rate * len(self._order) - self._emitted_since_start
+        left = 0
+        for s, o in self._offsets.items():
+            length = src.split_length(int(s))
+            left = None if length is None or left is None else left + max(0, length - o)
+        return max(0.0, due if left is None else min(due, left))
 
     def poll(self) -> "pa.RecordBatch | None | _End":
         import numpy as np

@@ -46,6 +46,7 @@ class Autoscaling:
         self._scaled = keyed[0] if keyed else None
         self._source_uids = [n.uid for n in self.flow.nodes if n.kind == "source"]
         self._last_sample: tuple | None = None  # (time, per-worker counters) of the previous sample
+        self._worker_metrics: dict[int, m.WorkerMetrics] = {}  # the latest of each worker
 
     def _sample(self, now: float) -> LoadSample | None:
         """A sample of the first keyed stage since the previous one (None for the first)."""
@@ -53,16 +54,24 @@ class Autoscaling:
         if node is None:
             return None
         task = self.plan.task_of[node.index]
-        loads, processed, taken = [], [], 0
+        M = self.flow.max_parallelism
+        loads, processed, taken, lags = [], [], 0, []
+        per_kg = [0] * M
         for w in range(self.P):
             newest = self.task_load.get(task_key(task, w), (None, None))[1]
-            if newest is None:
+            metrics = self._worker_metrics.get(w)
+            if newest is None or metrics is None:
                 return None  # a worker that has not reported yet (e.g. just joined)
             loads.append(newest)
-            per_op = self._records.get(w, {})
+            per_op = metrics.records_in
             processed.append(per_op.get(node.uid, 0))
             taken += sum(per_op.get(uid, 0) for uid in self._source_uids)
-        counters = (now, loads, processed, taken + sum(self._retired_records.get(u, 0) for u in self._source_uids))
+            if metrics.lag is not None:
+                lags.append(metrics.lag)
+            for kg, n in enumerate(metrics.key_group_records.get(node.uid, ())):
+                per_kg[kg] += n
+        taken += sum(self._retired_records.get(u, 0) for u in self._source_uids)
+        counters = (now, loads, processed, taken, per_kg)
         last, self._last_sample = self._last_sample, counters
         if last is None or len(last[1]) != self.P or now <= last[0]:
             return None
@@ -71,8 +80,11 @@ class Autoscaling:
         for (e0, i0, b0), (e1, i1, b1) in zip(last[1], loads):
             span = e1 - e0
             busy.append(min(1.0, max(0.0, 1.0 - ((i1 - i0) + (b1 - b0)) / span)) if span > 0 else 0.0)
+        # per key group: records since the last sample (a key group that moved counts where it
+        # is now; its old owner's count stays behind, so a negative difference reads as 0)
+        rates = {kg: max(0, b - a) / dt for kg, (a, b) in enumerate(zip(last[4], per_kg)) if b > a}
         return LoadSample(now, tuple(busy), tuple(max(0, b - a) / dt for a, b in zip(last[2], processed)),
-                          max(0, counters[3] - last[3]) / dt)
+                          max(0, taken - last[3]) / dt, float(sum(lags)), rates, tuple(self.assignment.owners))
 
     def _autoscale_tick(self, run: Any) -> None:
         """Every round of the driver's loop: a sample per interval (kept as the job's load

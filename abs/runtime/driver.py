@@ -352,6 +352,7 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
                 self._on_collect(msg)
             case m.Metrics():
                 self._records[msg.index] = msg.metrics.records_in
+                self._worker_metrics[msg.index] = msg.metrics
                 for key, sample in msg.metrics.load.items():
                     self.task_load[key] = (self.task_load.get(key, (None, None))[1], sample)
             case m.SourceExhausted():

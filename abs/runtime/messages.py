@@ -281,6 +281,8 @@ class WorkerMetrics:
     bytes_restored: int = 0
     # task key -> (seconds since it started, of them idle, of them backpressured): Task.load()
     load: dict = dataclasses.field(default_factory=dict)
+    lag: float | None = None  # records its sources are behind their input (None: none can tell)
+    key_group_records: dict = dataclasses.field(default_factory=dict)  # keyed operator uid -> records per key group
 
 
 @_message

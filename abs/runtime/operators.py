@@ -11,6 +11,7 @@ from __future__ import annotations
 import types
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import pyarrow as pa
 
 from storage.session import CheckpointSession
@@ -103,6 +104,8 @@ class KeyedOp(OperatorRuntime):
         self.full_pending: set[int] = set()
         self.need_full = False  # restored from another root: the next snapshot must be full
         self.last_captured = 0  # the newest checkpoint this subtask snapshotted
+        # records processed per key group (autoscaling finds hot key groups with it)
+        self.kg_records = np.zeros(ctx.max_parallelism, dtype=np.int64)
 
     @property
     def key_group_range(self) -> KeyGroupSet:
@@ -208,7 +211,9 @@ class ProcessOp(KeyedOp):
         self.records_in += n
         rows, columns = batch_rows(batch)
         keys = self.extractor.keys(batch, rows, columns)
-        kgs = self.extractor.key_groups(batch, rows).tolist()
+        kg_arr = self.extractor.key_groups(batch, rows)
+        self.kg_records += np.bincount(kg_arr, minlength=len(self.kg_records))
+        kgs = kg_arr.tolist()
         out: list = []
         ctx = self.context
         ctx.emit = out.append
@@ -235,7 +240,9 @@ class ReduceOp(KeyedOp):
         self.records_in += batch.num_rows
         rows, columns = batch_rows(batch)
         keys = self.extractor.keys(batch, rows, columns)
-        kgs = self.extractor.key_groups(batch, rows).tolist()
+        kg_arr = self.extractor.key_groups(batch, rows)
+        self.kg_records += np.bincount(kg_arr, minlength=len(self.kg_records))
+        kgs = kg_arr.tolist()
         fn = self.node.spec["fn"]
         backend, acc = self.backend, self.acc
         out = []

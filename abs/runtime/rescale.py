@@ -244,6 +244,7 @@ class Rescaling:
         for uid, n in msg.metrics.records_in.items():
             self._retired_records[uid] = self._retired_records.get(uid, 0) + n
         self._records.pop(i, None)
+        self._worker_metrics.pop(i, None)
         proc = run.procs[i]
         try:
             proc.wait(30)

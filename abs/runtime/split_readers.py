@@ -61,6 +61,10 @@ class SourceReaders(SourceReader):
         for r in self._readers:
             r.notify_checkpoint_complete(checkpoint_id, offsets)
 
+    def lag(self) -> float | None:
+        lags = [lag for r in self._readers if (lag := r.lag()) is not None]
+        return sum(lags) if lags else None
+
     def close(self) -> None:
         for r in self._readers:
             r.close()

@@ -281,6 +281,7 @@ class Supervision:
         self.restored_from = None
         self._records = {}
         self._retired_records = {}
+        self._worker_metrics = {}
         self._manifests = {}
         self._bases = {}
         self._last_completed_id = 0

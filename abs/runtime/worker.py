@@ -485,11 +485,18 @@ class Worker:
 
     def _metrics(self) -> m.WorkerMetrics:
         records = {}
+        per_kg = {}
+        lags = []
         for task in self.tasks.values():
             for op in task.ops.values():
                 records[op.uid] = op.records_in
+                if isinstance(op, KeyedOp):
+                    per_kg[op.uid] = op.kg_records.tolist()
+            if task.reader is not None and (lag := task.reader.lag()) is not None:
+                lags.append(lag)
         load = {task.key: task.load() for task in self.tasks.values()}
-        return m.WorkerMetrics(records, self.bytes_written, self.bytes_restored, load)
+        return m.WorkerMetrics(records, self.bytes_written, self.bytes_restored, load,
+                               sum(lags) if lags else None, per_kg)
 
     def _metrics_loop(self) -> None:
         while not self._stopped.wait(0.5):
