@@ -61,3 +61,25 @@ def test_a_job_that_cannot_keep_up_scales_out_by_itself_and_stays_exact(tmp_path
 def test_autoscale_must_be_an_autoscale():
     with pytest.raises(abs.ConfigError, match="abs.Autoscale"):
         abs.run(flow(), autoscale={"max_workers": 3})
+
+
+def test_a_kill_during_an_automatic_rescale_restores_exactly(tmp_path):
+    """A worker is killed (SIGKILL) at the routing switch of the first automatic rescale: the
+    job restores its latest checkpoint, the decision is reported as failed, and the output is
+    exact (autoscaling goes on after the restart)."""
+    from abs.faults import Fault
+
+    config = abs.Autoscale(min_workers=1, max_workers=3, stabilization=2.0, cooldown=3.0, interval=0.5)
+    result = abs.run(flow(), parallelism=1, storage=str(tmp_path / "root"),
+                     checkpoint=abs.CheckpointConfig(interval=0.5, retained=1), autoscale=config,
+                     restart=abs.RestartStrategy(max_restarts=1, delay=0.1),
+                     runtime=abs.RuntimeOptions(faults=(Fault("after_routing_switch", "*", nth=1),)))
+    assert result.status == "FINISHED" and len(result.restarts) == 1
+    first = result.autoscale_decisions[0]
+    assert first["kind"] == "scale_out" and first["outcome"].startswith("FAILED") and "restarted" in first["outcome"]
+    per_key = collections.defaultdict(list)
+    out = result.collected("out")
+    for k, c in zip(out.column("key").to_pylist(), out.column("count").to_pylist()):
+        per_key[k].append(c)
+    want = collections.Counter(i % NUM_KEYS for i in range(TOTAL))
+    assert {k: sorted(v) for k, v in per_key.items()} == {k: list(range(1, n + 1)) for k, n in want.items()}
