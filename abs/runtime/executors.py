@@ -2,7 +2,8 @@
 this machine (the embedded default); ``abs.runtime.spark`` has the Spark barrier-stage one.
 
 An executor has ``launch(index, boot) -> process`` (or ``launch_all(boots, job_name)``), and
-optionally ``check(parallelism, storage_url)`` and ``driver_host()``; a process has ``poll``,
+optionally ``check(parallelism, storage_url)``, ``driver_host()`` (where workers reach the driver)
+and ``driver_bind_host()`` (where it listens); a process has ``poll``,
 ``wait``, ``kill`` and ``pid`` like :class:`subprocess.Popen`."""
 from __future__ import annotations
 

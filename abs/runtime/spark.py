@@ -29,11 +29,19 @@ How it works
   cancels the stage's job group, restores the latest complete checkpoint and submits a new
   stage, under the job's :class:`abs.RestartStrategy`.
 * Slots: Spark waits (by default ~10 minutes) when a barrier stage needs more slots than the
-  cluster has. :class:`SparkExecutor` checks first and fails at once, naming the numbers.
+  cluster has. :class:`SparkExecutor` checks first and fails naming the numbers: on a local
+  master at once; on a cluster it counts the slots of the executors registered now (Spark's
+  ``defaultParallelism`` is at least 2 however few there are), and waits up to ``slot_wait``
+  seconds for executors that are still registering or being started again after one was
+  lost (when ``spark.cores.max`` or a fixed number of executors caps the application below
+  the need, only until the capped slots are there).
 * Addresses: on a ``local[N]`` master everything binds to 127.0.0.1. On a cluster the driver
-  listens on ``spark.driver.host`` and workers bind to all interfaces and publish the host
-  name Spark knows their executor by; storage must be a URL every executor can reach
-  (e.g. S3), which :class:`SparkExecutor` checks (``memory://`` is refused).
+  listens on ``spark.driver.bindAddress`` (else ``spark.driver.host``) and workers connect to
+  ``spark.driver.host``: the address Spark's own executors reach the driver at (both
+  overridable: ``driver_host=``, ``driver_bind_host=``); a loopback driver address with a
+  master elsewhere is refused with the setting to change. Workers bind to all interfaces and
+  publish the host name Spark knows their executor by; storage must be a URL every executor
+  can reach (e.g. S3), which :class:`SparkExecutor` checks (``memory://`` is refused).
 """
 from __future__ import annotations
 
@@ -56,7 +64,7 @@ from .writer import die_with_parent
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SparkExecutor", "free_task_slots"]
+__all__ = ["SparkExecutor", "driver_address_problem", "free_task_slots"]
 
 _SLOT_WAIT_S = 20.0  # how long a (re)launch waits for busy slots to free up
 _FAIL_RE = re.compile(r"abs worker (\d+) (?:exited with code|was killed by signal) (-?\d+)")
@@ -73,13 +81,15 @@ def _master_slots(master: str) -> int | None:
 
 
 def free_task_slots(sc: Any) -> tuple[int, int]:
-    """``(total, free)`` task slots of the cluster behind SparkContext ``sc``: cores divided by
-    ``spark.task.cpus``, minus the tasks running now."""
+    """``(total, free)`` task slots of the cluster behind SparkContext ``sc``: on a local master
+    its cores, on a cluster the slots of the executors registered now (what Spark's own barrier
+    check counts), divided by ``spark.task.cpus``; minus the tasks running now."""
     cpus_per_task = int(sc.getConf().get("spark.task.cpus", "1"))
     total = _master_slots(sc.master)
-    if total is None:
-        total = sc.defaultParallelism  # cluster managers: the executors' total cores
-    total //= max(1, cpus_per_task)
+    if total is not None:
+        total //= max(1, cpus_per_task)
+    else:
+        total = _registered_slots(sc)
     running = 0
     try:
         for info in sc._jsc.sc().statusTracker().getExecutorInfos():
@@ -87,6 +97,56 @@ def free_task_slots(sc: Any) -> tuple[int, int]:
     except Exception:  # noqa: BLE001 - a best-effort figure: not every deployment exposes it
         running = 0
     return total, max(0, total - running)
+
+
+def _registered_slots(sc: Any) -> int:
+    """Task slots of the executors registered now. ``defaultParallelism`` is no measure on a
+    cluster: it is at least 2 however few executors there are (or ``spark.default.parallelism``)."""
+    jsc = sc._jsc.sc()
+    try:
+        return int(jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile()))
+    except Exception:  # noqa: BLE001 - an internal API of Spark 3.1+; fall back to executor count x cores
+        executors = max(0, len(jsc.statusTracker().getExecutorInfos()) - 1)  # minus the driver
+        cores = int(sc.getConf().get("spark.executor.cores", "1"))
+        return executors * cores // max(1, int(sc.getConf().get("spark.task.cpus", "1")))
+
+
+def _max_slots(sc: Any) -> int | None:
+    """The most slots this application may ever get, when its configuration caps it
+    (``spark.cores.max`` on standalone and Mesos; ``spark.executor.instances`` x cores with
+    dynamic allocation off); ``None`` when nothing says."""
+    conf = sc.getConf()
+    cpus_per_task = max(1, int(conf.get("spark.task.cpus", "1")))
+    if conf.get("spark.cores.max", None):
+        return int(conf.get("spark.cores.max")) // cpus_per_task
+    if conf.get("spark.executor.instances", None) and conf.get("spark.executor.cores", None) \
+            and conf.get("spark.dynamicAllocation.enabled", "false").lower() != "true":
+        return int(conf.get("spark.executor.instances")) * int(conf.get("spark.executor.cores")) // cpus_per_task
+    return None
+
+
+def _host_of(master: str) -> str | None:
+    """The host of a ``spark://host:port`` master (the first of a list), else ``None``."""
+    m = re.match(r"spark://\[?([^\]:/,]+)", master)
+    return m.group(1) if m else None
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def driver_address_problem(master: str, driver_host: str) -> str | None:
+    """Why workers of a cluster behind ``master`` could not reach a driver listening on
+    ``driver_host``, or ``None``: a loopback driver address is only reachable when the master
+    (and so, on standalone, its workers) is on loopback too."""
+    if master.startswith("local"):
+        return None
+    master_host = _host_of(master)
+    if _is_loopback(driver_host) and (master_host is None or not _is_loopback(master_host)):
+        return (f"the driver's address is {driver_host!r} (loopback), which executors on other hosts cannot "
+                f"reach (master {master}); set spark.driver.host to an address of this machine that the "
+                "executors reach (e.g. the bridge or LAN address), or pass SparkExecutor(..., driver_host=...)")
+    return None
 
 
 def _task_body(boots: list[dict], remote_hosts: bool) -> Callable[[Iterator[int]], Iterator[tuple[int, int]]]:
@@ -209,12 +269,23 @@ class SparkExecutor:
     """Runs a job's ``num_workers`` workers as the tasks of one Spark barrier stage.
 
     ``spark``: an active ``SparkSession``. ``num_workers``: the job's parallelism (``abs.run``
-    uses it when ``parallelism`` is not given; both must agree when both are). ``driver_host``:
-    the address workers reach the driver at (default: 127.0.0.1 on a ``local`` master, else
-    ``spark.driver.host``).
+    uses it when ``parallelism`` is not given; both must agree when both are).
+
+    ``driver_host``: the address workers reach the driver at (default: 127.0.0.1 on a
+    ``local`` master, else ``spark.driver.host``: the address Spark's executors already reach
+    the driver at). ``driver_bind_host``: the address the driver listens on, when it differs
+    from the one workers reach (behind NAT, in a container: default
+    ``spark.driver.bindAddress``, else ``driver_host``). The driver's port is chosen freely.
+
+    ``slot_wait``: on a cluster, how many seconds a (re)launch waits for enough free task
+    slots (executors still registering, or started again after one was lost) before it fails
+    naming the free and needed slots (when the application's configuration caps it below the
+    need: ``spark.cores.max``, or ``spark.executor.instances`` x ``spark.executor.cores``, only
+    until the capped slots are there).
     """
 
-    def __init__(self, spark: Any, num_workers: int | None = None, *, driver_host: str | None = None) -> None:
+    def __init__(self, spark: Any, num_workers: int | None = None, *, driver_host: str | None = None,
+                 driver_bind_host: str | None = None, slot_wait: float = _SLOT_WAIT_S) -> None:
         require("spark", "abs.SparkExecutor")
         if spark is None:
             raise ConfigError(
@@ -226,9 +297,13 @@ class SparkExecutor:
         if num_workers is not None and (not isinstance(num_workers, int) or isinstance(num_workers, bool)
                                         or num_workers < 1):
             raise ConfigError(f"SparkExecutor: num_workers must be a positive integer, got {num_workers!r}")
+        if isinstance(slot_wait, bool) or not isinstance(slot_wait, (int, float)) or not 0 <= slot_wait < float("inf"):
+            raise ConfigError(f"SparkExecutor: slot_wait must be a number of seconds >= 0, got {slot_wait!r}")
         self.spark = spark
         self.num_workers = num_workers
         self._driver_host = driver_host
+        self._driver_bind_host = driver_bind_host
+        self.slot_wait = float(slot_wait)
         self._stage: _StageRun | None = None
 
     # -- what JobDriver asks of an executor ---------------------------------------------------
@@ -244,41 +319,74 @@ class SparkExecutor:
         return self.sc.master.startswith("local")
 
     def driver_host(self) -> str:
+        """The address the workers connect to the driver at."""
         if self._driver_host:
             return self._driver_host
         if self.local_master:
             return "127.0.0.1"
         return self.sc.getConf().get("spark.driver.host", "127.0.0.1")
 
-    def check(self, parallelism: int, storage_url: str | None) -> None:
-        """Refuse what cannot work before anything is submitted."""
+    def driver_bind_host(self) -> str:
+        """The address the driver listens on for its workers."""
+        if self._driver_bind_host:
+            return self._driver_bind_host
+        if self.local_master or self._driver_host:
+            return self.driver_host()
+        return self.sc.getConf().get("spark.driver.bindAddress", None) or self.driver_host()
+
+    def _wait_for_slots(self, needed: int, seconds: float) -> tuple[int, int]:
+        """Wait up to ``seconds`` for ``needed`` free slots; returns ``(total, free)`` then."""
+        deadline = time.monotonic() + seconds
+        total, free = free_task_slots(self.sc)
+        while free < needed and time.monotonic() < deadline:
+            time.sleep(0.2)
+            total, free = free_task_slots(self.sc)
+        return total, free
+
+    def check(self, parallelism: int, storage_url: str | None, *, wait: bool = True) -> None:
+        """Refuse what cannot work before anything is submitted. On a cluster, wait up to
+        ``slot_wait`` s for executors to register."""
         if self.num_workers is not None and self.num_workers != parallelism:
             raise ConfigError(
                 f"SparkExecutor(num_workers={self.num_workers}) but parallelism={parallelism}; pass one of them, "
                 "or the same number to both"
-            )
-        total, free = free_task_slots(self.sc)
-        if parallelism > free:
-            raise ConfigError(
-                f"SparkExecutor: the job needs {parallelism} task slots at once (one barrier stage of {parallelism} "
-                f"tasks), but the Spark cluster ({self.sc.master}) has {total} slot(s), {free} free; lower the "
-                "parallelism, free slots, or give Spark more cores/executors (e.g. master local[N] with "
-                f"N >= {parallelism}); Spark itself would wait for minutes before failing"
             )
         if storage_url is not None and storage_url.startswith("memory://"):
             raise ConfigError(
                 f"SparkExecutor: storage {storage_url!r} is process-local memory that Spark's workers cannot "
                 "reach; use a path on a shared file system or an object store URL such as s3://bucket/prefix"
             )
+        problem = None if self._driver_host else driver_address_problem(self.sc.master, self.driver_host())
+        if problem is not None:
+            raise ConfigError(f"SparkExecutor: {problem}")
+        total, free = free_task_slots(self.sc)
+        cap = None if self.local_master else _max_slots(self.sc)
+        if parallelism > free and wait and not self.local_master:
+            # executors may still be registering: wait for the slots, or (capped below the
+            # need) only for those the application can get, to name real numbers
+            total, free = self._wait_for_slots(parallelism if cap is None else min(cap, parallelism), self.slot_wait)
+        if parallelism > free:
+            if self.local_master:
+                hint = f"e.g. master local[N] with N >= {parallelism}"
+                waited = "Spark itself would wait for minutes before failing"
+            else:
+                hint = "more workers or cores, or spark.cores.max >= " + str(parallelism)
+                waited = (f"the application may use at most {cap} slot(s) (spark.cores.max / executor settings)"
+                          if cap is not None and cap < parallelism else
+                          f"waited {self.slot_wait:.0f} s for executors to register; Spark itself would wait "
+                          "for minutes before failing")
+            raise ConfigError(
+                f"SparkExecutor: the job needs {parallelism} task slots at once (one barrier stage of {parallelism} "
+                f"tasks), but the Spark cluster ({self.sc.master}) has {total} slot(s), {free} free; lower the "
+                f"parallelism, free slots, or give Spark more cores/executors ({hint}); {waited}"
+            )
 
     def launch_all(self, boots: list[dict], job_name: str) -> list[_SparkWorker]:
         """Submit the barrier stage; one handle per worker."""
-        # after a failure, the tasks of the previous stage may take a moment to be reaped:
-        # wait for their slots a little before refusing
-        deadline = time.monotonic() + _SLOT_WAIT_S
-        while free_task_slots(self.sc)[1] < len(boots) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        self.check(len(boots), None)
+        # after a failure, the tasks of the previous stage may take a moment to be reaped (and
+        # on a cluster, a lost executor to be started again): wait for slots before refusing
+        self._wait_for_slots(len(boots), self.slot_wait)
+        self.check(len(boots), None, wait=False)
         if self.local_master:
             # the same machine: workers import user code the way the driver does (on a
             # cluster, ship it with --py-files / SparkContext.addPyFile like any PySpark code)

@@ -59,9 +59,11 @@ class Supervision:
 
         secret = self._secret = secrets.token_bytes(32)  # a rescale's joining workers get it too
         host = self.executor.driver_host() if hasattr(self.executor, "driver_host") else "127.0.0.1"
-        listener = Listener((host, 0), authkey=secret)
+        bind = self.executor.driver_bind_host() if hasattr(self.executor, "driver_bind_host") else host
+        listener = Listener((bind, 0), authkey=secret)
         try:
-            boots = [{"driver": list(listener.address), "secret": secret.hex(), "index": i} for i in range(self.P)]
+            address = [host, listener.address[1]]  # where workers reach it (bind may be 0.0.0.0 or a NAT'd address)
+            boots = [{"driver": address, "secret": secret.hex(), "index": i} for i in range(self.P)]
             if hasattr(self.executor, "launch_all"):  # e.g. a Spark barrier stage: all workers at once
                 procs.extend(self.executor.launch_all(boots, self.flow.name))
             else:
