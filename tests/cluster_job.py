@@ -1,0 +1,164 @@
+"""The driver of one job on the test cluster (tests/test_spark_cluster.py), run as its own
+process: a process holds one SparkContext, and the rest of the suite shares a ``local[4]`` one.
+
+    python tests/cluster_job.py STATE_JSON SCENARIO WORK_DIR   # writes WORK_DIR/result.json
+
+Scenarios: ``same`` (the counting job on the local launcher and on the cluster, storage on
+the cluster's S3 server), ``kill-worker`` (an abs worker process killed with SIGKILL after a
+checkpoint), ``kill-executor`` (the Spark executor JVM of host 1 killed with SIGKILL while the
+job runs), ``slots`` (a job needing more slots than the cluster has).
+
+The job's functions live in this file, run as ``__main__``: cloudpickle ships them by value.
+"""
+from __future__ import annotations
+
+import collections
+import importlib.util
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+import uuid
+from pathlib import Path
+
+import pyarrow as pa
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import abs  # noqa: E402
+from abs.connectors.file_sink import FileSink, read_output  # noqa: E402
+from abs.faults import Fault  # noqa: E402
+from pacing import PacedSource  # noqa: E402
+
+TOTAL, KEYS = 30_000, 250
+
+
+def _cluster_module():
+    spec = importlib.util.spec_from_file_location("abs_cluster", HERE.parent / "scripts" / "cluster.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def count_fn(ctx, row):
+    n = ctx.state.n
+    c = (n.value() or 0) + 1
+    n.update(c)
+    # the network namespace of the process that counted: which "host" it ran on
+    ctx.emit({"key": ctx.key, "count": c, "net": os.readlink("/proc/self/ns/net")})
+
+
+def counting_flow(sink: abs.Sink, per_checkpoint: int) -> abs.Dataflow:
+    flow = abs.Dataflow("cluster-counts")
+    src = PacedSource(abs.GeneratorSource(TOTAL, num_keys=KEYS, num_splits=6, batch_size=250), per_checkpoint)
+    flow.source("src", src).key_by("key").process(
+        "count", count_fn, state=[abs.ValueState("n", pa.int64())]
+    ).sink("out", sink)
+    return flow
+
+
+def per_key_counts(table: pa.Table) -> dict:
+    per_key: dict = collections.defaultdict(list)
+    for k, c in zip(table.column("key").to_pylist(), table.column("count").to_pylist()):
+        per_key[str(k)].append(c)
+    return {k: sorted(v) for k, v in per_key.items()}
+
+
+def spark_session(state: dict):
+    from pyspark.sql import SparkSession
+
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    # the code the executors import: this checkout and the tests' helpers (on a real cluster:
+    # SparkContext.addPyFile / --py-files)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(HERE.parent), str(HERE)]
+    return (
+        SparkSession.builder.master(state["master_url"])
+        .appName("abs-cluster-test")
+        .config("spark.driver.host", state["driver_host"])
+        .config("spark.driver.bindAddress", state["driver_host"])
+        .config("spark.driver.memory", "512m")
+        .config("spark.executor.memory", "512m")
+        .config("spark.cores.max", str(state["cores"]))
+        .config("spark.ui.enabled", "false")
+        .config("spark.executorEnv.PYTHONPATH", os.pathsep.join(paths))
+        .getOrCreate()
+    )
+
+
+def storage(state: dict) -> tuple[str, dict]:
+    import fsspec
+
+    options = {"key": "testing", "secret": "testing", "endpoint_url": state["s3_endpoint"],
+               "config_kwargs": {"retries": {"max_attempts": 3}, "connect_timeout": 5}}
+    bucket = "abs-cluster"
+    fs = fsspec.filesystem("s3", skip_instance_cache=True, **options)
+    if not fs.exists(bucket):
+        fs.mkdir(bucket)
+    return f"s3://{bucket}/{uuid.uuid4().hex}", options
+
+
+def run_scenario(state: dict, scenario: str, work: Path) -> dict:
+    spark = spark_session(state)
+    root, options = storage(state)
+    checkpoint = abs.CheckpointConfig(interval=0.3, retained=3)
+    out: dict = {"driver_net": os.readlink("/proc/self/ns/net"), "storage": root}
+    if scenario == "slots":
+        try:
+            abs.run(counting_flow(abs.CollectSink(), 1000), executor=abs.SparkExecutor(spark, num_workers=state["cores"] + 1),
+                    checkpoint=checkpoint, storage=root, storage_options=options)
+            out["error"] = None
+        except abs.ConfigError as exc:
+            out["error"] = str(exc)
+        return out
+    if scenario == "same":
+        local = abs.run(counting_flow(abs.CollectSink(), 4000), parallelism=2, checkpoint=checkpoint,
+                        storage=str(work / "local"))
+        on_spark = abs.run(counting_flow(abs.CollectSink(), 4000), executor=abs.SparkExecutor(spark, num_workers=2),
+                           checkpoint=checkpoint, storage=root, storage_options=options)
+        table = on_spark.collected("out")
+        out.update(local=per_key_counts(local.collected("out")), spark=per_key_counts(table),
+                   status=on_spark.status, checkpoints=len(on_spark.completed_checkpoints),
+                   nets=sorted(set(table.column("net").to_pylist())))
+    else:
+        sink_dir = f"{root}/out"
+        faults = [Fault("after_commit", "task1#1", nth=2)] if scenario == "kill-worker" else []
+        handle = abs.submit(
+            counting_flow(FileSink(sink_dir, format="parquet", storage_options=options), 1000),
+            executor=abs.SparkExecutor(spark, num_workers=2, slot_wait=60.0),
+            checkpoint=checkpoint, storage=f"{root}/snap", storage_options=options,
+            restart=abs.RestartStrategy(max_restarts=2, delay=0.5),
+            runtime=abs.RuntimeOptions(faults=faults),
+        )
+        if scenario == "kill-executor":
+            cluster = _cluster_module()
+            deadline = time.monotonic() + 180
+            while (handle.metrics()["last_checkpoint"] or 0) < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            pids = cluster.executor_pids(state, 1)
+            out["killed_executors"] = pids
+            out["killed_after_checkpoint"] = handle.metrics()["last_checkpoint"]
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+        result = handle.wait(timeout=300)
+        out.update(status=result.status, restarts=[str(r.get("error", r))[:300] for r in result.restarts],
+                   restored_from=[r.get("restored_from") for r in result.restarts],
+                   spark=per_key_counts(read_output(sink_dir, "parquet", storage_options=options)))
+    return out
+
+
+def main() -> None:
+    state_file, scenario, work = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    state = json.loads(Path(state_file).read_text())
+    try:
+        out = run_scenario(state, scenario, work)
+    except BaseException:  # noqa: BLE001 - reported to the test in the result file
+        out = {"exception": traceback.format_exc()}
+    (work / "result.json").write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
