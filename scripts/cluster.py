@@ -344,21 +344,45 @@ def status(directory: str = DEFAULT_DIR) -> dict:
     return report
 
 
-def executor_pids(state: dict, host: int) -> list[int]:
-    """Pids of the Spark executor JVMs (``CoarseGrainedExecutorBackend``) that worker ``host``
-    of this cluster started (its children)."""
-    worker = state["processes"][state["hosts"][host]["worker"]]["pid"]
-    found = []
+def _children() -> dict[int, list[int]]:
+    """Every process's children, from /proc."""
+    kids: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
+        if entry.name.isdigit():
             fields = _stat(int(entry.name))
-            if fields is not None and int(fields[1]) == worker and b"CoarseGrainedExecutorBackend" in (entry / "cmdline").read_bytes():
-                found.append(int(entry.name))
-        except (OSError, ValueError):
-            continue
+            if fields is not None:
+                kids.setdefault(int(fields[1]), []).append(int(entry.name))
+    return kids
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def host_processes(state: dict, host: int, marker: bytes) -> list[int]:
+    """Pids of the processes below worker ``host``'s JVM (its executors, their Python workers
+    and what those start) whose command line contains ``marker``."""
+    kids = _children()
+    todo, found = list(kids.get(state["processes"][state["hosts"][host]["worker"]]["pid"], [])), []
+    while todo:
+        pid = todo.pop()
+        if marker in _cmdline(pid):
+            found.append(pid)
+        todo.extend(kids.get(pid, []))
     return found
+
+
+def executor_pids(state: dict, host: int) -> list[int]:
+    """Pids of the Spark executor JVMs (``CoarseGrainedExecutorBackend``) worker ``host`` runs."""
+    return host_processes(state, host, b"CoarseGrainedExecutorBackend")
+
+
+def abs_worker_hosts(state: dict) -> list[int]:
+    """The hosts running an abs worker process (a job's barrier task) now."""
+    return [i for i in range(len(state["hosts"])) if host_processes(state, i, b"abs.runtime.worker_main")]
 
 
 # ----------------------------------------------------------------------------- CLI

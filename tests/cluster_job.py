@@ -3,10 +3,11 @@ process: a process holds one SparkContext, and the rest of the suite shares a ``
 
     python tests/cluster_job.py STATE_JSON SCENARIO WORK_DIR   # writes WORK_DIR/result.json
 
-Scenarios: ``same`` (the counting job on the local launcher and on the cluster, storage on
-the cluster's S3 server), ``kill-worker`` (an abs worker process killed with SIGKILL after a
-checkpoint), ``kill-executor`` (the Spark executor JVM of host 1 killed with SIGKILL while the
-job runs), ``slots`` (a job needing more slots than the cluster has).
+Scenarios: ``same`` (a job needing more slots than the cluster has, then the counting job on
+the local launcher and on the cluster, storage on the cluster's S3 server), ``failover`` (an
+abs worker process killed with SIGKILL after a checkpoint, then a Spark executor JVM killed
+with SIGKILL in the restarted attempt), ``microbatch`` (a file stream through
+``SparkMicroBatchSource`` staged on S3, an executor JVM killed mid-stream).
 
 The job's functions live in this file, run as ``__main__``: cloudpickle ships them by value.
 """
@@ -34,6 +35,7 @@ from abs.faults import Fault  # noqa: E402
 from pacing import PacedSource  # noqa: E402
 
 TOTAL, KEYS = 30_000, 250
+MB_KEYS = 37  # keys of the micro-batch scenario's rows
 
 
 def _cluster_module():
@@ -101,20 +103,68 @@ def storage(state: dict) -> tuple[str, dict]:
     return f"s3://{bucket}/{uuid.uuid4().hex}", options
 
 
+def kill_executor_after_checkpoint(state: dict, handle: abs.JobHandle, checkpoint: int = 1) -> dict:
+    """Once the job completed checkpoint ``checkpoint``, SIGKILL the Spark executor JVM of a
+    host that runs one of its abs workers (the last such host)."""
+    cluster = _cluster_module()
+    deadline = time.monotonic() + 180
+    while (handle.metrics()["last_checkpoint"] or 0) < checkpoint and time.monotonic() < deadline:
+        time.sleep(0.05)
+    hosts = cluster.abs_worker_hosts(state)
+    pids = cluster.executor_pids(state, hosts[-1]) if hosts else []
+    after = handle.metrics()["last_checkpoint"]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    return {"killed_executors": pids, "killed_host": hosts[-1] if hosts else None, "killed_after_checkpoint": after}
+
+
+def write_json_files(directory: Path, files: int, rows: int) -> int:
+    directory.mkdir(parents=True)
+    for f in range(files):
+        with open(directory / f"part-{f:03d}.json", "w") as fh:
+            for i in range(f * rows, (f + 1) * rows):
+                fh.write(json.dumps({"id": i, "key": i % MB_KEYS, "name": f"row-{i}"}) + "\n")
+    return files * rows
+
+
+def run_microbatch(spark, state: dict, root: str, options: dict, work: Path) -> dict:
+    """A file stream through the micro-batch bridge, staged on S3, counted on the cluster's
+    workers; an executor JVM of a worker's host killed mid-stream."""
+    from abs.connectors.spark_microbatch import SparkMicroBatchSource
+
+    total = write_json_files(work / "in", files=4, rows=300)
+    df = (spark.readStream.schema("id long, key long, name string")
+          .option("maxFilesPerTrigger", 1).json(str(work / "in")))
+    src = SparkMicroBatchSource(df, staging=f"{root}/staging", storage_options=options,
+                                checkpoint_location=str(work / "spark-checkpoint"), num_splits=4,
+                                trigger={"availableNow": True}, batch_size=25)
+    flow = abs.Dataflow("cluster-microbatch")
+    flow.source("src", PacedSource(src, 100)).key_by("key").process(
+        "count", count_fn, state=[abs.ValueState("n", pa.int64())]
+    ).sink("out", FileSink(f"{root}/out", format="parquet", storage_options=options))
+    handle = abs.submit(flow, executor=abs.SparkExecutor(spark, num_workers=2, slot_wait=60.0),
+                        checkpoint=abs.CheckpointConfig(interval=0.3, retained=2), storage=f"{root}/snap",
+                        storage_options=options, restart=abs.RestartStrategy(max_restarts=2, delay=0.5))
+    out = kill_executor_after_checkpoint(state, handle)
+    result = handle.wait(timeout=300)
+    table = read_output(f"{root}/out", "parquet", storage_options=options)
+    out.update(status=result.status, restarts=[str(r.get("error", r))[:300] for r in result.restarts],
+               total=total, spark=per_key_counts(table), active_queries=len(spark.streams.active))
+    return out
+
+
 def run_scenario(state: dict, scenario: str, work: Path) -> dict:
     spark = spark_session(state)
     root, options = storage(state)
     checkpoint = abs.CheckpointConfig(interval=0.3, retained=3)
     out: dict = {"driver_net": os.readlink("/proc/self/ns/net"), "storage": root}
-    if scenario == "slots":
-        try:
-            abs.run(counting_flow(abs.CollectSink(), 1000), executor=abs.SparkExecutor(spark, num_workers=state["cores"] + 1),
-                    checkpoint=checkpoint, storage=root, storage_options=options)
-            out["error"] = None
-        except abs.ConfigError as exc:
-            out["error"] = str(exc)
-        return out
     if scenario == "same":
+        try:  # first: a job needing more slots than the cluster has
+            abs.run(counting_flow(abs.CollectSink(), 1000), executor=abs.SparkExecutor(spark, num_workers=state["cores"] + 1),
+                    checkpoint=checkpoint, storage=f"{root}/slots", storage_options=options)
+            out["slots_error"] = None
+        except abs.ConfigError as exc:
+            out["slots_error"] = str(exc)
         local = abs.run(counting_flow(abs.CollectSink(), 4000), parallelism=2, checkpoint=checkpoint,
                         storage=str(work / "local"))
         on_spark = abs.run(counting_flow(abs.CollectSink(), 4000), executor=abs.SparkExecutor(spark, num_workers=2),
@@ -123,30 +173,26 @@ def run_scenario(state: dict, scenario: str, work: Path) -> dict:
         out.update(local=per_key_counts(local.collected("out")), spark=per_key_counts(table),
                    status=on_spark.status, checkpoints=len(on_spark.completed_checkpoints),
                    nets=sorted(set(table.column("net").to_pylist())))
-    else:
+    elif scenario == "microbatch":
+        out.update(run_microbatch(spark, state, root, options, work))
+    elif scenario == "failover":
+        # attempt 0: a real SIGKILL of abs worker 1 right after checkpoint 2's manifest is
+        # committed; attempt 1: once it completed checkpoint 3, SIGKILL an executor JVM
         sink_dir = f"{root}/out"
-        faults = [Fault("after_commit", "task1#1", nth=2)] if scenario == "kill-worker" else []
         handle = abs.submit(
-            counting_flow(FileSink(sink_dir, format="parquet", storage_options=options), 1000),
+            counting_flow(FileSink(sink_dir, format="parquet", storage_options=options), 500),
             executor=abs.SparkExecutor(spark, num_workers=2, slot_wait=60.0),
             checkpoint=checkpoint, storage=f"{root}/snap", storage_options=options,
-            restart=abs.RestartStrategy(max_restarts=2, delay=0.5),
-            runtime=abs.RuntimeOptions(faults=faults),
+            restart=abs.RestartStrategy(max_restarts=3, delay=0.5),
+            runtime=abs.RuntimeOptions(faults=[Fault("after_commit", "task1#1", nth=2)]),
         )
-        if scenario == "kill-executor":
-            cluster = _cluster_module()
-            deadline = time.monotonic() + 180
-            while (handle.metrics()["last_checkpoint"] or 0) < 1 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            pids = cluster.executor_pids(state, 1)
-            out["killed_executors"] = pids
-            out["killed_after_checkpoint"] = handle.metrics()["last_checkpoint"]
-            for pid in pids:
-                os.kill(pid, signal.SIGKILL)
+        out.update(kill_executor_after_checkpoint(state, handle, checkpoint=3))
         result = handle.wait(timeout=300)
         out.update(status=result.status, restarts=[str(r.get("error", r))[:300] for r in result.restarts],
                    restored_from=[r.get("restored_from") for r in result.restarts],
                    spark=per_key_counts(read_output(sink_dir, "parquet", storage_options=options)))
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}: same, failover or microbatch")
     return out
 
 

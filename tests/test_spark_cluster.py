@@ -1,5 +1,7 @@
-"""Jobs on a real Spark standalone cluster (scripts/cluster.py): a master, two worker JVMs of
-one core each and an S3 server (moto) as the storage both "hosts" share. As root with
+"""Jobs on a real Spark standalone cluster (scripts/cluster.py): a master, three worker JVMs of
+one core each and an S3 server (moto) as the storage the "hosts" share. Jobs run two abs
+workers (one barrier stage of two tasks, on two hosts); the third core runs the tasks of a
+streaming query beside them. As root with
 ``ip netns`` (Linux), each worker runs in its own network namespace on a private bridge:
 the workers, the driver and the S3 server are different addresses and nothing crosses by
 loopback; elsewhere every daemon is on 127.0.0.1 (the run says which, and why).
@@ -9,9 +11,12 @@ SparkContext, and the rest of the suite shares a ``local[4]`` one.
 
 - the counting job gives the local launcher's results, its records counted in two
   different namespaces (hosts) when they exist, channels and the per-job secret across them;
-- an abs worker process killed with SIGKILL, then a Spark executor JVM killed with SIGKILL:
-  each time the job restores the latest checkpoint from S3 and its output is exact;
-- a job needing more slots than the cluster has fails at once, naming free and needed slots.
+- an abs worker process killed with SIGKILL, then (in the restarted attempt) a Spark executor
+  JVM killed with SIGKILL: each time the job restores the latest checkpoint from S3 and its
+  output is exact;
+- a job needing more slots than the cluster has fails at once, naming free and needed slots;
+- a Spark file stream through the micro-batch bridge, staged on S3, counted on the cluster's
+  workers, stays exactly-once across an executor JVM killed mid-stream.
 """
 from __future__ import annotations
 
@@ -48,7 +53,7 @@ cluster_script = _cluster_module()
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, request) -> Iterator[dict]:
-    """Two workers (one core, 1 GB each), netns when this machine allows it; stopped (and
+    """Three workers (one core, 1 GB each), netns when this machine allows it; stopped (and
     checked stopped) at the end of the module, whatever happened."""
     pytest.importorskip("pyspark")
     pytest.importorskip("moto.server")
@@ -56,12 +61,14 @@ def cluster(tmp_path_factory, request) -> Iterator[dict]:
         pytest.skip("the test cluster needs Linux and a Java runtime (java on PATH)")
     why_not = cluster_script.netns_available()
     directory = str(tmp_path_factory.mktemp("cluster"))
-    state = cluster_script.up(hosts=2, netns=why_not is None, directory=directory)
+    state = cluster_script.up(hosts=3, netns=why_not is None, directory=directory)
     mode = ("each worker in its own network namespace on a private bridge" if why_not is None else
             f"every daemon on 127.0.0.1 (no network namespaces: {why_not})")
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line(f"[cluster] {state['master_url']}: {mode}")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():
+            reporter.write_line(f"[cluster] {state['master_url']}: {mode}")
     state["mode"] = mode
     try:
         yield state
@@ -90,10 +97,17 @@ def run_driver(cluster: dict, scenario: str, work: Path) -> dict:
     return result
 
 
-def test_a_job_on_the_cluster_gives_the_local_launchers_results(cluster, tmp_path):
+@pytest.fixture(scope="module")
+def same_job(cluster, tmp_path_factory) -> dict:
+    """One driver: a job needing more slots than the cluster has, then the counting job on the
+    local launcher and on the cluster."""
+    return run_driver(cluster, "same", tmp_path_factory.mktemp("same"))
+
+
+def test_a_job_on_the_cluster_gives_the_local_launchers_results(cluster, same_job):
     status = cluster_script.status(cluster["dir"])
-    assert status["workers_alive"] == 2 and all(status["processes"].values()), status
-    result = run_driver(cluster, "same", tmp_path)
+    assert status["workers_alive"] == 3 and all(status["processes"].values()), status
+    result = same_job
     assert result["status"] == "FINISHED"
     assert result["checkpoints"] >= 2, "checkpoints are taken on S3 while the stage runs"
     assert result["spark"] == result["local"] == EXPECTED
@@ -104,33 +118,39 @@ def test_a_job_on_the_cluster_gives_the_local_launchers_results(cluster, tmp_pat
         assert len(result["nets"]) == 2 and result["driver_net"] not in result["nets"], (cluster["mode"], result["nets"])
 
 
-def test_a_worker_process_killed_on_the_cluster_recovers_with_exact_output(cluster, tmp_path):
-    # a real SIGKILL of worker 1 (the child process of Spark task 1, on one of the hosts)
-    # right after the 2nd checkpoint's manifest is committed on S3
-    result = run_driver(cluster, "kill-worker", tmp_path)
+def test_a_job_needing_more_slots_than_the_cluster_has_fails_naming_free_and_needed(cluster, same_job):
+    error = same_job["slots_error"] or ""
+    cores = cluster["cores"]
+    assert f"needs {cores + 1} task slots" in error and f"has {cores} slot(s), {cores} free" in error, error
+    assert "spark.cores.max" in error, error
+
+
+def test_a_killed_worker_process_then_a_killed_executor_jvm_recover_with_exact_output(cluster, tmp_path):
+    # attempt 0: a real SIGKILL of abs worker 1 (the child process of Spark task 1, on one of
+    # the hosts) right after checkpoint 2's manifest is committed on S3; attempt 1: once it
+    # completed checkpoint 3, SIGKILL of the executor JVM of a host running an abs worker (its
+    # task, Python worker and abs worker die with it; the master starts a new executor on
+    # that worker and the driver restores on a new barrier stage once the slots are back)
+    result = run_driver(cluster, "failover", tmp_path)
+    assert result["killed_executors"], "a host running an abs worker has an executor"
     assert result["status"] == "FINISHED"
-    assert len(result["restarts"]) == 1, result["restarts"]
-    assert result["restored_from"] == [2], "the second stage restored the latest checkpoint"
+    assert len(result["restarts"]) == 2, result["restarts"]
+    assert result["restored_from"][0] == 2, "the second stage restored the latest checkpoint"
+    assert result["restored_from"][1] >= result["killed_after_checkpoint"] >= 3, result
     assert result["spark"] == EXPECTED
 
 
-def test_a_spark_executor_jvm_killed_on_the_cluster_recovers_with_exact_output(cluster, tmp_path):
-    # SIGKILL of host 1's executor JVM after the first checkpoint: its task, Python worker and
-    # abs worker die with it; the master starts a new executor on that worker and the driver
-    # restores the checkpoint on a new barrier stage once the slots are back
-    result = run_driver(cluster, "kill-executor", tmp_path)
-    assert result["killed_executors"], "host 1 runs an executor of the job"
+def test_a_spark_file_stream_staged_on_s3_is_exactly_once_across_a_killed_executor(cluster, tmp_path):
+    # 4 JSON files of 300 rows, one micro-batch each (collected by the driver's foreachBatch
+    # and staged as Parquet on S3), read by two abs workers on two hosts; paced, so that the
+    # kill after the first checkpoint falls mid-stream
+    result = run_driver(cluster, "microbatch", tmp_path)
+    assert result["killed_executors"], "a host running an abs worker has an executor"
     assert result["status"] == "FINISHED"
     assert len(result["restarts"]) >= 1, result
-    assert result["restored_from"][0] >= result["killed_after_checkpoint"] >= 1
-    assert result["spark"] == EXPECTED
-
-
-def test_a_job_needing_more_slots_than_the_cluster_has_fails_naming_free_and_needed(cluster, tmp_path):
-    result = run_driver(cluster, "slots", tmp_path)
-    error = result["error"] or ""
-    assert "needs 3 task slots" in error and "has 2 slot(s), 2 free" in error, error
-    assert "spark.cores.max" in error, error
+    keys = collections.Counter(i % 37 for i in range(result["total"]))
+    assert result["spark"] == {str(k): list(range(1, n + 1)) for k, n in keys.items()}, "each row counted once"
+    assert result["active_queries"] == 0, "the streaming query is stopped when the job ends"
 
 
 # ------------------------------------------------------------------- without a cluster
