@@ -1,7 +1,10 @@
 """The driver of one job on the test cluster (tests/test_spark_cluster.py), run as its own
 process: a process holds one SparkContext, and the rest of the suite shares a ``local[4]`` one.
 
-    python tests/cluster_job.py STATE_JSON SCENARIO WORK_DIR   # writes WORK_DIR/result.json
+    python tests/cluster_job.py STATE_JSON WORK_DIR SCENARIO...   # writes WORK_DIR/result.json
+
+One Spark application runs the scenarios in turn (its executors start once); each one's
+result (or exception) is recorded under its name.
 
 Scenarios: ``same`` (a job needing more slots than the cluster has, then the counting job on
 the local launcher and on the cluster, storage on the cluster's S3 server), ``failover`` (an
@@ -153,9 +156,10 @@ def run_microbatch(spark, state: dict, root: str, options: dict, work: Path) -> 
     return out
 
 
-def run_scenario(state: dict, scenario: str, work: Path) -> dict:
-    spark = spark_session(state)
+def run_scenario(spark, state: dict, scenario: str, work: Path) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
     root, options = storage(state)
+    t0 = time.monotonic()
     checkpoint = abs.CheckpointConfig(interval=0.3, retained=3)
     out: dict = {"driver_net": os.readlink("/proc/self/ns/net"), "storage": root}
     if scenario == "same":
@@ -193,17 +197,25 @@ def run_scenario(state: dict, scenario: str, work: Path) -> dict:
                    spark=per_key_counts(read_output(sink_dir, "parquet", storage_options=options)))
     else:
         raise SystemExit(f"unknown scenario {scenario!r}: same, failover or microbatch")
+    out["seconds"] = round(time.monotonic() - t0, 1)
     return out
 
 
 def main() -> None:
-    state_file, scenario, work = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    state_file, work, scenarios = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
     state = json.loads(Path(state_file).read_text())
+    results: dict = {}
     try:
-        out = run_scenario(state, scenario, work)
+        spark = spark_session(state)
     except BaseException:  # noqa: BLE001 - reported to the test in the result file
-        out = {"exception": traceback.format_exc()}
-    (work / "result.json").write_text(json.dumps(out))
+        spark, results["session"] = None, {"exception": traceback.format_exc()}
+    for scenario in scenarios if spark is not None else []:
+        try:
+            results[scenario] = run_scenario(spark, state, scenario, work / scenario)
+        except BaseException:  # noqa: BLE001 - reported to the test; the next scenario still runs
+            results[scenario] = {"exception": traceback.format_exc()}
+        (work / "result.json").write_text(json.dumps(results))
+    (work / "result.json").write_text(json.dumps(results))
 
 
 if __name__ == "__main__":

@@ -4,10 +4,11 @@ workers (one barrier stage of two tasks, on two hosts); the third core runs the 
 streaming query beside them. As root with
 ``ip netns`` (Linux), each worker runs in its own network namespace on a private bridge:
 the workers, the driver and the S3 server are different addresses and nothing crosses by
-loopback; elsewhere every daemon is on 127.0.0.1 (the run says which, and why).
+loopback; elsewhere (or with ``ABS_TEST_CLUSTER_NETNS=off``) every daemon is on 127.0.0.1
+(the run says which, and why).
 
-Each job's driver is its own process (tests/cluster_job.py): a process holds one
-SparkContext, and the rest of the suite shares a ``local[4]`` one.
+The jobs' driver is its own process (tests/cluster_job.py, one Spark application for every
+scenario): a process holds one SparkContext, and the rest of the suite shares a ``local[4]`` one.
 
 - the counting job gives the local launcher's results, its records counted in two
   different namespaces (hosts) when they exist, channels and the per-job secret across them;
@@ -34,7 +35,8 @@ import numpy as np
 import pytest
 
 HERE = Path(__file__).resolve().parent
-pytestmark = [pytest.mark.integration, pytest.mark.cluster]
+# the first test also starts the cluster and runs the driver's scenarios (module fixtures)
+pytestmark = [pytest.mark.integration, pytest.mark.cluster, pytest.mark.timeout(600)]
 
 TOTAL, KEYS = 30_000, 250  # as in tests/cluster_job.py
 EXPECTED = {str(k): list(range(1, n + 1)) for k, n in collections.Counter((np.arange(TOTAL) % KEYS).tolist()).items()}
@@ -60,6 +62,8 @@ def cluster(tmp_path_factory, request) -> Iterator[dict]:
     if not sys.platform.startswith("linux") or shutil.which("java") is None:
         pytest.skip("the test cluster needs Linux and a Java runtime (java on PATH)")
     why_not = cluster_script.netns_available()
+    if os.environ.get("ABS_TEST_CLUSTER_NETNS", "").lower() in ("0", "off", "no"):
+        why_not = "turned off by ABS_TEST_CLUSTER_NETNS"
     directory = str(tmp_path_factory.mktemp("cluster"))
     state = cluster_script.up(hosts=3, netns=why_not is None, directory=directory)
     mode = ("each worker in its own network namespace on a private bridge" if why_not is None else
@@ -81,33 +85,38 @@ def cluster(tmp_path_factory, request) -> Iterator[dict]:
             assert not [ns for ns in state["namespaces"] if ns in names], "scripts/cluster down left a namespace"
 
 
-def run_driver(cluster: dict, scenario: str, work: Path) -> dict:
-    """Run tests/cluster_job.py SCENARIO against the cluster; its result as a dict."""
-    work.mkdir(parents=True, exist_ok=True)
+SCENARIOS = ("same", "failover", "microbatch")
+
+
+@pytest.fixture(scope="module")
+def driver(cluster, tmp_path_factory) -> dict:
+    """One driver process (one Spark application: its executors start once) runs the
+    scenarios of tests/cluster_job.py in turn against the cluster; their results by name."""
+    work = tmp_path_factory.mktemp("driver")
     state_file = Path(cluster["dir"]) / cluster_script.STATE_FILE
     env = dict(os.environ, PYSPARK_PYTHON=sys.executable)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p)
     with open(work / "driver.log", "wb") as log:
-        proc = subprocess.run([sys.executable, str(HERE / "cluster_job.py"), str(state_file), scenario, str(work)],
-                              stdout=log, stderr=subprocess.STDOUT, env=env, timeout=280)
-    tail = (work / "driver.log").read_text(errors="replace")[-3000:]
-    assert proc.returncode == 0 and (work / "result.json").exists(), f"the driver failed:\n{tail}"
-    result = json.loads((work / "result.json").read_text())
-    assert "exception" not in result, f"{result['exception']}\n--- driver log:\n{tail}"
-    return result
+        proc = subprocess.run([sys.executable, str(HERE / "cluster_job.py"), str(state_file), str(work), *SCENARIOS],
+                              stdout=log, stderr=subprocess.STDOUT, env=env, timeout=480)
+    results = json.loads((work / "result.json").read_text()) if (work / "result.json").exists() else {}
+    results["_log"] = (work / "driver.log").read_text(errors="replace")[-3000:]
+    results["_returncode"] = proc.returncode
+    return results
 
 
-@pytest.fixture(scope="module")
-def same_job(cluster, tmp_path_factory) -> dict:
-    """One driver: a job needing more slots than the cluster has, then the counting job on the
-    local launcher and on the cluster."""
-    return run_driver(cluster, "same", tmp_path_factory.mktemp("same"))
+def result_of(driver: dict, scenario: str) -> dict:
+    for failed in ("session", scenario):
+        if "exception" in driver.get(failed, {}):
+            pytest.fail(f"{failed}: {driver[failed]['exception']}\n--- driver log:\n{driver['_log']}")
+    assert scenario in driver, f"the driver (exit code {driver['_returncode']}) did not run {scenario!r}:\n{driver['_log']}"
+    return driver[scenario]
 
 
-def test_a_job_on_the_cluster_gives_the_local_launchers_results(cluster, same_job):
+def test_a_job_on_the_cluster_gives_the_local_launchers_results(cluster, driver):
     status = cluster_script.status(cluster["dir"])
     assert status["workers_alive"] == 3 and all(status["processes"].values()), status
-    result = same_job
+    result = result_of(driver, "same")
     assert result["status"] == "FINISHED"
     assert result["checkpoints"] >= 2, "checkpoints are taken on S3 while the stage runs"
     assert result["spark"] == result["local"] == EXPECTED
@@ -118,20 +127,20 @@ def test_a_job_on_the_cluster_gives_the_local_launchers_results(cluster, same_jo
         assert len(result["nets"]) == 2 and result["driver_net"] not in result["nets"], (cluster["mode"], result["nets"])
 
 
-def test_a_job_needing_more_slots_than_the_cluster_has_fails_naming_free_and_needed(cluster, same_job):
-    error = same_job["slots_error"] or ""
+def test_a_job_needing_more_slots_than_the_cluster_has_fails_naming_free_and_needed(cluster, driver):
+    error = result_of(driver, "same")["slots_error"] or ""
     cores = cluster["cores"]
     assert f"needs {cores + 1} task slots" in error and f"has {cores} slot(s), {cores} free" in error, error
     assert "spark.cores.max" in error, error
 
 
-def test_a_killed_worker_process_then_a_killed_executor_jvm_recover_with_exact_output(cluster, tmp_path):
+def test_a_killed_worker_process_then_a_killed_executor_jvm_recover_with_exact_output(driver):
     # attempt 0: a real SIGKILL of abs worker 1 (the child process of Spark task 1, on one of
     # the hosts) right after checkpoint 2's manifest is committed on S3; attempt 1: once it
     # completed checkpoint 3, SIGKILL of the executor JVM of a host running an abs worker (its
     # task, Python worker and abs worker die with it; the master starts a new executor on
     # that worker and the driver restores on a new barrier stage once the slots are back)
-    result = run_driver(cluster, "failover", tmp_path)
+    result = result_of(driver, "failover")
     assert result["killed_executors"], "a host running an abs worker has an executor"
     assert result["status"] == "FINISHED"
     assert len(result["restarts"]) == 2, result["restarts"]
@@ -140,11 +149,11 @@ def test_a_killed_worker_process_then_a_killed_executor_jvm_recover_with_exact_o
     assert result["spark"] == EXPECTED
 
 
-def test_a_spark_file_stream_staged_on_s3_is_exactly_once_across_a_killed_executor(cluster, tmp_path):
+def test_a_spark_file_stream_staged_on_s3_is_exactly_once_across_a_killed_executor(driver):
     # 4 JSON files of 300 rows, one micro-batch each (collected by the driver's foreachBatch
     # and staged as Parquet on S3), read by two abs workers on two hosts; paced, so that the
     # kill after the first checkpoint falls mid-stream
-    result = run_driver(cluster, "microbatch", tmp_path)
+    result = result_of(driver, "microbatch")
     assert result["killed_executors"], "a host running an abs worker has an executor"
     assert result["status"] == "FINISHED"
     assert len(result["restarts"]) >= 1, result
