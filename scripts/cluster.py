@@ -385,6 +385,31 @@ def abs_worker_hosts(state: dict) -> list[int]:
     return [i for i in range(len(state["hosts"])) if host_processes(state, i, b"abs.runtime.worker_main")]
 
 
+def kill_host(state: dict, host: int) -> list[int]:
+    """Lose "host" ``host`` at once: SIGKILL its worker JVM's process group (the worker, its
+    executors, their Python workers and what those started) and, with namespaces, every
+    process left in its namespace. Returns the pids killed."""
+    proc = state["processes"][state["hosts"][host]["worker"]]
+    # the group outlives its leader, and its id is not reused while a member lives
+    pids = [p for ps in _children().values() for p in ps if _pgid(p) == proc["pid"]]
+    ns = state["hosts"][host]["namespace"]
+    if ns:
+        listed = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+        pids += [int(p) for p in listed]
+    pids = sorted(set(pids))
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
+def _pgid(pid: int) -> int | None:
+    fields = _stat(pid)
+    return None if fields is None else int(fields[2])
+
+
 # ----------------------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/cluster", description=__doc__.split("\n\n")[0])

@@ -10,7 +10,9 @@ Scenarios: ``same`` (a job needing more slots than the cluster has, then the cou
 the local launcher and on the cluster, storage on the cluster's S3 server), ``failover`` (an
 abs worker process killed with SIGKILL after a checkpoint, then a Spark executor JVM killed
 with SIGKILL in the restarted attempt), ``microbatch`` (a file stream through
-``SparkMicroBatchSource`` staged on S3, an executor JVM killed mid-stream).
+``SparkMicroBatchSource`` staged on S3, an executor JVM killed mid-stream), ``kill-host``
+(every process of a host running an abs worker killed: the job goes on on the others; last,
+as the host stays lost).
 
 The job's functions live in this file, run as ``__main__``: cloudpickle ships them by value.
 """
@@ -195,8 +197,30 @@ def run_scenario(spark, state: dict, scenario: str, work: Path) -> dict:
         out.update(status=result.status, restarts=[str(r.get("error", r))[:300] for r in result.restarts],
                    restored_from=[r.get("restored_from") for r in result.restarts],
                    spark=per_key_counts(read_output(sink_dir, "parquet", storage_options=options)))
+    elif scenario == "kill-host":
+        # a whole "host" lost (its worker JVM, executor, Python and abs workers) after a
+        # checkpoint: the job restores on the hosts that remain
+        sink_dir = f"{root}/out"
+        handle = abs.submit(
+            counting_flow(FileSink(sink_dir, format="parquet", storage_options=options), 500),
+            executor=abs.SparkExecutor(spark, num_workers=2, slot_wait=60.0),
+            checkpoint=checkpoint, storage=f"{root}/snap", storage_options=options,
+            restart=abs.RestartStrategy(max_restarts=2, delay=0.5),
+        )
+        cluster = _cluster_module()
+        deadline = time.monotonic() + 180
+        while (handle.metrics()["last_checkpoint"] or 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        hosts = cluster.abs_worker_hosts(state)
+        out["killed_host"] = hosts[-1] if hosts else None
+        out["killed_after_checkpoint"] = handle.metrics()["last_checkpoint"]
+        out["killed"] = cluster.kill_host(state, hosts[-1]) if hosts else []
+        result = handle.wait(timeout=300)
+        out.update(status=result.status, restarts=[str(r.get("error", r))[:300] for r in result.restarts],
+                   restored_from=[r.get("restored_from") for r in result.restarts],
+                   spark=per_key_counts(read_output(sink_dir, "parquet", storage_options=options)))
     else:
-        raise SystemExit(f"unknown scenario {scenario!r}: same, failover or microbatch")
+        raise SystemExit(f"unknown scenario {scenario!r}: same, failover, microbatch or kill-host")
     out["seconds"] = round(time.monotonic() - t0, 1)
     return out
 

@@ -17,7 +17,8 @@ scenario): a process holds one SparkContext, and the rest of the suite shares a 
   output is exact;
 - a job needing more slots than the cluster has fails at once, naming free and needed slots;
 - a Spark file stream through the micro-batch bridge, staged on S3, counted on the cluster's
-  workers, stays exactly-once across an executor JVM killed mid-stream.
+  workers, stays exactly-once across an executor JVM killed mid-stream;
+- a whole host lost (every process of it killed): the job restores on the two others, exact.
 """
 from __future__ import annotations
 
@@ -85,7 +86,7 @@ def cluster(tmp_path_factory, request) -> Iterator[dict]:
             assert not [ns for ns in state["namespaces"] if ns in names], "scripts/cluster down left a namespace"
 
 
-SCENARIOS = ("same", "failover", "microbatch")
+SCENARIOS = ("same", "failover", "microbatch", "kill-host")  # kill-host last: the host stays lost
 
 
 @pytest.fixture(scope="module")
@@ -113,9 +114,12 @@ def result_of(driver: dict, scenario: str) -> dict:
     return driver[scenario]
 
 
-def test_a_job_on_the_cluster_gives_the_local_launchers_results(cluster, driver):
+def test_the_cluster_is_up_with_every_worker_registered(cluster):
     status = cluster_script.status(cluster["dir"])
     assert status["workers_alive"] == 3 and all(status["processes"].values()), status
+
+
+def test_a_job_on_the_cluster_gives_the_local_launchers_results(cluster, driver):
     result = result_of(driver, "same")
     assert result["status"] == "FINISHED"
     assert result["checkpoints"] >= 2, "checkpoints are taken on S3 while the stage runs"
@@ -160,6 +164,15 @@ def test_a_spark_file_stream_staged_on_s3_is_exactly_once_across_a_killed_execut
     keys = collections.Counter(i % 37 for i in range(result["total"]))
     assert result["spark"] == {str(k): list(range(1, n + 1)) for k, n in keys.items()}, "each row counted once"
     assert result["active_queries"] == 0, "the streaming query is stopped when the job ends"
+
+
+def test_a_whole_host_lost_mid_job_recovers_on_the_remaining_hosts_with_exact_output(driver):
+    result = result_of(driver, "kill-host")
+    assert result["killed"], "a host runs an abs worker"
+    assert result["status"] == "FINISHED"
+    assert len(result["restarts"]) == 1, result["restarts"]
+    assert result["restored_from"][0] >= result["killed_after_checkpoint"] >= 1
+    assert result["spark"] == EXPECTED
 
 
 # ------------------------------------------------------------------- without a cluster
