@@ -91,14 +91,15 @@ class Rescaling:
         first = self.P
         new = range(first, workers)
         host = self.executor.driver_host() if hasattr(self.executor, "driver_host") else "127.0.0.1"
-        listener = Listener((host, 0), authkey=self._secret)
+        bind = self.executor.driver_bind_host() if hasattr(self.executor, "driver_bind_host") else host
+        listener = Listener((bind, 0), authkey=self._secret)
+        address = [host, listener.address[1]]  # where the new workers reach it (as at start)
         procs: list = []
         conns: dict[int, Any] = {}
         told = False  # the running workers heard of the new ones: a failure from here fails the attempt
         try:
             for i in new:
-                procs.append(self.executor.launch(i, {"driver": list(listener.address), "secret": self._secret.hex(),
-                                                      "index": i}))
+                procs.append(self.executor.launch(i, {"driver": address, "secret": self._secret.hex(), "index": i}))
             view = list(run.procs) + procs  # index = worker index, for the start-up checks
             accepted: list = []
             acceptor = threading.Thread(target=lambda: [accepted.append(listener.accept()) for _ in new], daemon=True)
