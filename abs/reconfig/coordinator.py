@@ -124,6 +124,14 @@ class Reconfiguration:
     def waits_for(self, event: object) -> bool:
         return event in self._waiting
 
+    def waits_for_any(self, kind: str) -> bool:
+        """The current step still waits for an event ``(kind, ...)``."""
+        return bool(self.pending(kind))
+
+    def pending(self, kind: str) -> list:
+        """The events ``(kind, ...)`` the current step still waits for."""
+        return [e for e in self._waiting if isinstance(e, tuple) and e[0] == kind]
+
     def on_event(self, event: object) -> bool:
         """``event`` the current step waited for happened; True when that completes the step."""
         self._waiting.discard(event)

@@ -195,7 +195,7 @@ class Rescaling:
         run.conns[msg.target].send(msg)
         if reconf.on_event(event):
             self._step_done(run)
-        elif self.checkpointing and not any(isinstance(e, tuple) and e[0] == "splits" for e in reconf._waiting):
+        elif self.checkpointing and not reconf.waits_for_any("splits"):
             # every split is at its new owner: a checkpoint now commits what the leaving
             # workers' sinks wrote (its barriers come after the drain marker everywhere)
             self._drain_from = run.coord.next_id
@@ -229,7 +229,7 @@ class Rescaling:
         reconf = self._reconf
         if reconf is None or not reconf.waits_for(("done", task)):
             return
-        if not any(isinstance(e, tuple) and e[0] == "done" and e[1] != task for e in reconf._waiting):
+        if reconf.pending("done") == [("done", task)]:  # the last of them
             leaving = [w for w in sorted(run.conns) if w >= reconf.current.workers]
             reconf.expect(*(("gone", w) for w in leaving))
             for w in leaving:
