@@ -32,6 +32,16 @@ def flow() -> abs.Dataflow:
     return f
 
 
+def check_exact(result) -> None:
+    """Each key counted 1..n once (n: its records)."""
+    per_key = collections.defaultdict(list)
+    out = result.collected("out")
+    for k, c in zip(out.column("key").to_pylist(), out.column("count").to_pylist()):
+        per_key[k].append(c)
+    want = collections.Counter(i % NUM_KEYS for i in range(TOTAL))
+    assert {k: sorted(v) for k, v in per_key.items()} == {k: list(range(1, n + 1)) for k, n in want.items()}
+
+
 def test_a_job_that_cannot_keep_up_scales_out_by_itself_and_stays_exact(tmp_path):
     config = abs.Autoscale(min_workers=1, max_workers=3, stabilization=2.0, cooldown=3.0, interval=0.5,
                            strategy="batched", batch=4)
@@ -46,13 +56,7 @@ def test_a_job_that_cannot_keep_up_scales_out_by_itself_and_stays_exact(tmp_path
     assert result.parallelism >= 2 and all(d["workers"] <= 3 for d in decisions)
     times = [d["time"] for d in decisions]
     assert all(b - a >= config.cooldown for a, b in zip(times, times[1:]))
-    # exact: each key counted 1..n once
-    per_key = collections.defaultdict(list)
-    out = result.collected("out")
-    for k, c in zip(out.column("key").to_pylist(), out.column("count").to_pylist()):
-        per_key[k].append(c)
-    want = collections.Counter(i % NUM_KEYS for i in range(TOTAL))
-    assert {k: sorted(v) for k, v in per_key.items()} == {k: list(range(1, n + 1)) for k, n in want.items()}
+    check_exact(result)
     # the load series the decisions were made from is the job's metrics too
     series = job.metrics()["load"]
     assert series and max(s["busy"][0] for s in series) > 0.7
@@ -77,9 +81,4 @@ def test_a_kill_during_an_automatic_rescale_restores_exactly(tmp_path):
     assert result.status == "FINISHED" and len(result.restarts) == 1
     first = result.autoscale_decisions[0]
     assert first["kind"] == "scale_out" and first["outcome"].startswith("FAILED") and "restarted" in first["outcome"]
-    per_key = collections.defaultdict(list)
-    out = result.collected("out")
-    for k, c in zip(out.column("key").to_pylist(), out.column("count").to_pylist()):
-        per_key[k].append(c)
-    want = collections.Counter(i % NUM_KEYS for i in range(TOTAL))
-    assert {k: sorted(v) for k, v in per_key.items()} == {k: list(range(1, n + 1)) for k, n in want.items()}
+    check_exact(result)
