@@ -60,6 +60,22 @@ def test_a_job_that_cannot_keep_up_scales_out_by_itself_and_stays_exact(tmp_path
     # the load series the decisions were made from is the job's metrics too
     series = job.metrics()["load"]
     assert series and max(s["busy"][0] for s in series) > 0.7
+    # and the dashboard's snapshot and /metrics list the decisions
+    import json
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from abs.observe.prometheus import exposition, job_registry
+    from abs.observe.snapshot import job_snapshot
+
+    snap = json.loads(json.dumps(job_snapshot(job._driver)))
+    assert snap["autoscale"]["config"]["max_workers"] == 3 and snap["autoscale"]["decisions"] == decisions
+    body, _type = exposition(job_registry(lambda: job_snapshot(job._driver)))
+    samples = {(s.name, s.labels["kind"], s.labels["outcome"]): s.value
+               for fam in text_string_to_metric_families(body.decode()) for s in fam.samples
+               if s.name == "abs_job_autoscale_decisions_total"}
+    assert samples[("abs_job_autoscale_decisions_total", "scale_out", "COMPLETED")] == sum(
+        d["outcome"] == "COMPLETED" for d in outs)
 
 
 def test_autoscale_must_be_an_autoscale():

@@ -55,6 +55,7 @@ busy, and blocked on full output channels (backpressured).</p></section>
 <tbody></tbody></table><p class="muted">Click a row for each task's part (alignment, sync, async, bytes, delta vs full).</p></section>
 <section><h2>Failed checkpoints</h2><table id="failed"><thead><tr><th>id</th><th class="text">reason</th></tr></thead><tbody></tbody></table></section>
 <section><h2>Reconfigurations <span class="muted" id="assignment"></span></h2><table id="reconfigurations"><thead><tr><th>id</th><th class="text">what</th><th class="text">status</th><th>steps</th><th>key groups</th><th>duration</th><th>moved</th><th class="text">after</th></tr></thead><tbody></tbody></table></section>
+<section><h2>Autoscaling <span class="muted" id="autoscale-config"></span></h2><table id="autoscale"><thead><tr><th>at</th><th class="text">decision</th><th>workers</th><th class="text">outcome</th><th class="text">reason</th></tr></thead><tbody></tbody></table></section>
 <section><h2>Restarts</h2><table id="restarts"><thead><tr><th>attempt</th><th>at</th><th class="text">cause</th><th>restored from</th></tr></thead><tbody></tbody></table></section>
 </main>
 <script>
@@ -174,6 +175,13 @@ function draw(job) {
       el("td", {class: "text" + (r.status === "FAILED" ? " err" : "")}, r.status + (r.error ? ": " + r.error : "")),
       el("td", {}, r.steps.length), el("td", {}, r.key_groups), el("td", {}, r.duration == null ? "-" : secs(r.duration)),
       el("td", {}, bytes(r.bytes_moved)), el("td", {class: "text"}, r.after))));
+  const auto = job.autoscale || {decisions: [], config: null};
+  document.getElementById("autoscale-config").textContent = auto.config ?
+    "on: " + auto.config.min_workers + ".." + auto.config.max_workers + " workers, cool-down " + auto.config.cooldown + " s" : "off";
+  fill(document.querySelector("#autoscale tbody"), auto.decisions.slice().reverse().map(d =>
+    el("tr", {}, el("td", {}, secs(d.time)), el("td", {class: "text"}, d.kind.replace("_", " ")), el("td", {}, d.workers),
+      el("td", {class: "text" + (d.outcome.startsWith("FAILED") ? " err" : "")}, d.outcome),
+      el("td", {class: "text"}, d.reason))));
   for (const [name, id] of [["checkpoint", "trigger-checkpoint"], ["savepoint", "trigger-savepoint"]]) {
     const b = document.getElementById(id); b.hidden = !(job.actions || []).includes(name);
     if (!b.dataset.busy) b.disabled = job.status !== "RUNNING";

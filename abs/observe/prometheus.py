@@ -36,6 +36,9 @@ METRICS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
      "live reconfigurations (JobHandle.move / rebalance) by status: COMPLETED, FAILED, RUNNING"),
     ("abs_job_reconfiguration_steps_total", "counter", (), "steps of live reconfigurations started"),
     ("abs_job_reconfiguration_moved_bytes_total", "counter", (), "bytes handed over by live reconfigurations"),
+    ("abs_job_autoscale_decisions_total", "counter", ("kind", "outcome"),
+     "autoscaling decisions (abs.Autoscale) by kind (scale_out, scale_in, rebalance) and outcome (COMPLETED, FAILED, "
+     "RUNNING)"),
     ("abs_operator_records_in_total", "counter", ("operator",), "records an operator received (all its subtasks)"),
     ("abs_operator_records_in_per_second", "gauge", ("operator",), "records per second an operator received, "
                                                                      "between the last two dashboard refreshes"),
@@ -117,6 +120,12 @@ class JobCollector(Collector):
             put("abs_job_reconfigurations_total", sum(r["status"] == status for r in recs), status)
         put("abs_job_reconfiguration_steps_total", sum(len(r["steps"]) for r in recs))
         put("abs_job_reconfiguration_moved_bytes_total", sum(r["bytes_moved"] for r in recs))
+        decisions = (snap.get("autoscale") or {}).get("decisions", ())
+        for kind in ("scale_out", "scale_in", "rebalance"):
+            for outcome in ("COMPLETED", "FAILED", "RUNNING"):
+                n = sum(d["kind"] == kind and d["outcome"].split(":")[0] == outcome for d in decisions)
+                if n or (snap.get("autoscale") or {}).get("config"):
+                    put("abs_job_autoscale_decisions_total", n, kind, outcome)
         for uid, n in sorted(snap.get("records_in", {}).items()):
             put("abs_operator_records_in_total", n, uid)
         for uid, rate in sorted(snap.get("throughput", {}).items()):

@@ -146,7 +146,16 @@ def job_snapshot(driver: Any, *, clock: Callable[[], float] = time.monotonic,
         "restarts": [dict(r) for r in list(driver.restarts)],
         "assignment": _assignment(driver),
         "reconfigurations": [_reconfiguration(r) for r in _copied(lambda: list(getattr(driver, "reconfigurations", [])))],
+        "autoscale": _autoscale(driver),
     }
+
+
+def _autoscale(driver: Any) -> dict[str, Any]:
+    """The autoscaling settings (None when off) and every decision with its reason and outcome."""
+    config = getattr(driver, "autoscale", None)
+    report = getattr(driver, "autoscale_report", None)
+    return {"config": None if config is None else dataclasses.asdict(config),
+            "decisions": _copied(report) if report is not None else []}
 
 
 def _assignment(driver: Any) -> str | None:
