@@ -308,7 +308,12 @@ class JobHandle:
         return self._driver.result
 
     def metrics(self) -> dict:
-        """Live counters: records in per operator uid, checkpoints completed and failed."""
+        """Live counters: records in per operator uid, checkpoints completed and failed, the
+        number of workers, the load series of the first keyed stage (``load``: one
+        :class:`abs.autoscale.LoadSample` per second as a dict: per worker busy share and
+        records processed per second, input records per second, the sources' lag, records per
+        second per key group), autoscaling decisions, per task the fill of its input buffers,
+        and the state's bytes per key group in the newest complete checkpoint."""
         d = self._driver
         return {
             "status": d.status,
@@ -320,6 +325,10 @@ class JobHandle:
             # the first keyed stage, one sample per Autoscale.interval (when autoscaling)
             "load": [dataclasses.asdict(s) for s in list(d.load_series)],
             "autoscale_decisions": d.autoscale_report(),
+            # per task: the share of its input buffers in use (a full one backpressures its senders)
+            "queue_fill": {k: v for w in list(d._worker_metrics.values()) for k, v in w.queue_fill.items()},
+            # keyed operator uid -> key group -> bytes of its state in the newest complete checkpoint
+            "state_bytes": d.state_bytes(),
         }
 
 

@@ -58,8 +58,14 @@ def test_a_job_that_cannot_keep_up_scales_out_by_itself_and_stays_exact(tmp_path
     assert all(b - a >= config.cooldown for a, b in zip(times, times[1:]))
     check_exact(result)
     # the load series the decisions were made from is the job's metrics too
-    series = job.metrics()["load"]
+    metrics = job.metrics()
+    series = metrics["load"]
     assert series and max(s["busy"][0] for s in series) > 0.7
+    assert any(s["key_group_rates"] for s in series)
+    from abs.keygroups import key_group
+
+    held = {key_group(k, 16) for k in range(NUM_KEYS)}  # the key groups holding a key
+    assert set(metrics["state_bytes"]["count"]) == held and min(metrics["state_bytes"]["count"].values()) > 0
     # and the dashboard's snapshot and /metrics list the decisions
     import json
 

@@ -133,6 +133,20 @@ class Autoscaling:
                 log.warning(f"job {self.flow.name!r}: autoscaling: {carried.decision.kind} to "
                             f"{carried.decision.workers} worker(s) failed: {got}")
 
+    def state_bytes(self) -> dict:
+        """Keyed operator uid -> key group -> bytes of its chains (all states) in the newest
+        complete checkpoint (what a key group weighs when it moves)."""
+        manifest = self._manifests.get(self._last_completed_id) if self._last_completed_id else None
+        out: dict = {}
+        if manifest is None:
+            return out
+        for uid, states in manifest.keyed.items():
+            per = out.setdefault(uid, {})
+            for by_kg in states.values():
+                for kg, chain in by_kg.items():
+                    per[kg] = per.get(kg, 0) + sum(ref.bytes for ref in chain)
+        return out
+
     def autoscale_report(self) -> list[dict]:
         """Every decision with its reason and outcome (``JobResult.autoscale_decisions``)."""
         self._settle_decisions()

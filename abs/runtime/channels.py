@@ -220,6 +220,11 @@ class InputGate:
         with self._cond:
             return [len(q) for q in self._queues]
 
+    def fill(self) -> float:
+        """The share of the input buffers in use (0: nothing queued, 1: every channel full)."""
+        with self._cond:
+            return sum(len(q) for q in self._queues) / max(1, len(self._queues) * self._capacity)
+
     def close(self) -> None:
         with self._cond:
             self._closed = True

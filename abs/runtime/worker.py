@@ -495,8 +495,9 @@ class Worker:
             if task.reader is not None and (lag := task.reader.lag()) is not None:
                 lags.append(lag)
         load = {task.key: task.load() for task in self.tasks.values()}
+        fill = {task.key: task.gate.fill() for task in self.tasks.values() if task.reader is None}
         return m.WorkerMetrics(records, self.bytes_written, self.bytes_restored, load,
-                               sum(lags) if lags else None, per_kg)
+                               sum(lags) if lags else None, per_kg, fill)
 
     def _metrics_loop(self) -> None:
         while not self._stopped.wait(0.5):
