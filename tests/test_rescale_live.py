@@ -97,6 +97,22 @@ def test_one_to_two_and_back(tmp_path, before, after):
     check_counts(result.collected("out"))
 
 
+def test_workers_join_again_after_others_left(tmp_path):
+    """2 -> 1 -> 3: the workers that join after a shrink get the indexes (and the peers) of
+    the workers that are there, not of those that left."""
+    gate = str(tmp_path / "gate")
+    job = abs.submit(counting_flow(gate), parallelism=2)
+    try:
+        assert job.rescale(1).status == "COMPLETED"
+        assert job.rescale(3).status == "COMPLETED"
+        assert job.assignment() == rescale_target(Assignment.initial(M, 1), 3)
+    finally:
+        open(gate, "w").close()
+    result = job.wait(timeout=300)
+    assert result.status == "FINISHED" and result.parallelism == 3
+    check_counts(result.collected("out"))
+
+
 def test_a_restore_after_a_rescale_continues_at_the_new_parallelism(tmp_path):
     """A job grown to 3 workers ends; a new run restores its last checkpoint at 3 workers (each
     key group at its default owner, whoever wrote it): its sources resume at their ends, so it

@@ -124,7 +124,7 @@ class Rescaling:
             for i, c in conns.items():
                 c.send(m.JobSpec(payload, m.WorkerAssignment(i, {}, key_groups=())))
             listening = self._gather(conns, m.Listening, view)
-            known = list(self._addresses) + [listening[i].address for i in new]
+            known = list(self._addresses[:first]) + [listening[i].address for i in new]
             for c in conns.values():
                 c.send(m.Peers(tuple(known)))
             told = True
@@ -174,6 +174,7 @@ class Rescaling:
             del values[workers:]
             values.extend((empty if empty is not None else {}) for _ in range(workers - len(values)))
         self.P = workers
+        self._addresses = tuple(self._addresses[:workers])  # workers that left are no peers
 
     # ------------------------------------------------------------------ drain
     def _split_moves(self, workers: int) -> tuple:
