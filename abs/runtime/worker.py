@@ -301,8 +301,8 @@ class Worker:
                     if d == i:
                         senders.append(LocalSender(self.gates[target.index], ch))
                     else:
-                        conn = connect_channel(tuple(peers[d]), self.secret)
-                        conn.send_bytes(json.dumps({"task": target.index, "channel": ch}).encode())
+                        hello = json.dumps({"task": target.index, "channel": ch}).encode()
+                        conn = connect_channel(tuple(peers[d]), self.secret, hello)
                         senders.append(RemoteSender(conn))
                 self.senders[(t.index, out.from_node, out.target_task, out.edge_index)] = senders
                 self.joining[(t.index, out.from_node, out.target_task, out.edge_index)] = []

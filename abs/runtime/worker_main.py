@@ -13,6 +13,7 @@ from multiprocessing.connection import Client
 from typing import Any
 
 from . import messages as m
+from .channels import no_delay
 from .worker import Worker, WorkerSpec
 from .writer import SnapshotWriter
 
@@ -30,6 +31,7 @@ def main() -> None:
     secret = bytes.fromhex(boot["secret"])
     index = boot["index"]
     conn = Client(tuple(boot["driver"]), authkey=secret)
+    no_delay(conn)  # the hello goes out at once (see no_delay)
     conn.send(m.Hello(index, os.getpid()))
     job = conn.recv()
     import cloudpickle
