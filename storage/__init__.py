@@ -13,44 +13,40 @@ from abscore.logs import package_logger as _package_logger
 
 _package_logger("storage")  # warnings and notices reach stderr unless the application routes logging itself
 
-from . import errors
-from .chains import CompactionPolicy, resolve_chain
-from .errors import (
-    CheckpointExistsError,
-    CheckpointNotFoundError,
-    CorruptFileError,
-    CorruptManifestError,
-    DeltaSchemaError,
-    FingerprintError,
-    GcRefusedError,
-    InvalidChainError,
-    InvalidPathError,
-    JobMismatchError,
-    MissingFileError,
-    RootNotSharedError,
-    StateNotFoundError,
-    StorageConfigError,
-    StorageError,
-    StorageUnavailableError,
-    UnsupportedFormatError,
-)
-from .format import (
-    KEY_COLUMN,
-    META_KEY_ENCODING,
-    META_VALUE_ENCODING,
-    OP_COLUMN,
-    OP_DELETE,
-    OP_UPSERT,
-)
-from .gc import GcPlan, plan_gc
-from .ids import CheckpointId, KeyGroup, OperatorUid, StateName, SubtaskIndex
-from .manifest import FORMAT_VERSION, FileRef, Lineage, Manifest
-from .pins import PinLease, PinRecord
-from .paths import StoragePaths, decode_name, encode_name
-from .store import SnapshotStore
-from .session import CheckpointSession, KeyGroupCapture
+from typing import TYPE_CHECKING
 
-from .verify import Problem, VerifyReport
+from . import errors
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on first use (below)
+    from .chains import CompactionPolicy, resolve_chain
+    from .errors import (
+        CheckpointExistsError,
+        CheckpointNotFoundError,
+        CorruptFileError,
+        CorruptManifestError,
+        DeltaSchemaError,
+        FingerprintError,
+        GcRefusedError,
+        InvalidChainError,
+        InvalidPathError,
+        JobMismatchError,
+        MissingFileError,
+        RootNotSharedError,
+        StateNotFoundError,
+        StorageConfigError,
+        StorageError,
+        StorageUnavailableError,
+        UnsupportedFormatError,
+    )
+    from .format import KEY_COLUMN, META_KEY_ENCODING, META_VALUE_ENCODING, OP_COLUMN, OP_DELETE, OP_UPSERT
+    from .gc import GcPlan, plan_gc
+    from .ids import CheckpointId, KeyGroup, OperatorUid, StateName, SubtaskIndex
+    from .manifest import FORMAT_VERSION, FileRef, Lineage, Manifest
+    from .pins import PinLease, PinRecord
+    from .paths import StoragePaths, decode_name, encode_name
+    from .store import SnapshotStore
+    from .session import CheckpointSession, KeyGroupCapture
+    from .verify import Problem, VerifyReport
 
 __all__ = [
     "SnapshotStore",
@@ -101,3 +97,42 @@ __all__ = [
     "InvalidChainError",
     "GcRefusedError",
 ]
+
+_HOMES = {
+    ".chains": ("CompactionPolicy", "resolve_chain"),
+    ".errors": ("CheckpointExistsError", "CheckpointNotFoundError", "CorruptFileError", "CorruptManifestError",
+                "DeltaSchemaError", "FingerprintError", "GcRefusedError", "InvalidChainError", "InvalidPathError",
+                "JobMismatchError", "MissingFileError", "RootNotSharedError", "StateNotFoundError",
+                "StorageConfigError", "StorageError", "StorageUnavailableError", "UnsupportedFormatError"),
+    ".format": ("KEY_COLUMN", "META_KEY_ENCODING", "META_VALUE_ENCODING", "OP_COLUMN", "OP_DELETE", "OP_UPSERT"),
+    ".gc": ("GcPlan", "plan_gc"),
+    ".ids": ("CheckpointId", "KeyGroup", "OperatorUid", "StateName", "SubtaskIndex"),
+    ".manifest": ("FORMAT_VERSION", "FileRef", "Lineage", "Manifest"),
+    ".pins": ("PinLease", "PinRecord"),
+    ".paths": ("StoragePaths", "decode_name", "encode_name"),
+    ".store": ("SnapshotStore",),
+    ".session": ("CheckpointSession", "KeyGroupCapture"),
+    ".verify": ("Problem", "VerifyReport"),
+}
+_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
+
+
+def __getattr__(name: str):
+    """The public names load on first use: ``import storage.errors`` (as the runtime's error
+    tree does) then costs no more than that module, and a job without a storage root imports
+    neither the store nor fsspec."""
+    import importlib
+    import importlib.util
+
+    module = _HOME_OF.get(name)
+    if module is None:
+        if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            return importlib.import_module(f"{__name__}.{name}")  # a subpackage, as after the eager imports
+        raise AttributeError(f"module 'storage' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

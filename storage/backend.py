@@ -25,13 +25,13 @@ import errno
 import os
 import posixpath
 import threading
-from typing import Any, Iterator
-
-from fsspec import AbstractFileSystem
-from fsspec.implementations.local import LocalFileSystem
+from typing import TYPE_CHECKING, Any, Iterator
 
 from .errors import CorruptManifestError, StorageUnavailableError
 from .paths import validate_relative_path
+
+if TYPE_CHECKING:  # a RootIO is built over a file system the caller made: fsspec is loaded by then
+    from fsspec import AbstractFileSystem
 
 __all__ = ["RootIO", "OBJECT_STORE_PROTOCOLS", "protocols_of", "absolute_url"]
 
@@ -74,6 +74,8 @@ class RootIO:
         self.url = url
         self.fsync = fsync
         self.object_store = bool(protocols_of(fs) & OBJECT_STORE_PROTOCOLS)
+        from fsspec.implementations.local import LocalFileSystem
+
         self.local = isinstance(fs, LocalFileSystem)
         self._made_dirs: set[str] = set()
         self._lock = threading.Lock()

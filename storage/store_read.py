@@ -9,16 +9,18 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import pyarrow as pa
 
-from .backend import RootIO
 from .chains import resolve_chain
 from .errors import CorruptFileError, InvalidChainError, MissingFileError, StateNotFoundError, StorageError
 from .format import (KEY_COLUMN, OP_COLUMN, DecodeLimits, checksum_hex, decode_table, is_values_image, iter_batches,
                      stream_schema)
 from .manifest import FileRef, Manifest, chain_problems
+
+if TYPE_CHECKING:  # at run time only annotations name it: a job without a storage root skips fsspec
+    from .backend import RootIO
 
 __all__ = ["ChainReader", "RESTORE_HINT", "key_group_chain"]
 

@@ -14,11 +14,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Literal, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, Literal, NamedTuple, Sequence
 
 import pyarrow as pa
 
-from .backend import RootIO
 from .chain_decision import CaptureFacts, ChainAction, ChainDecision, ChainFacts, Fact, decide_chain
 from .chains import CompactionPolicy, resolve_chain
 from .errors import DeltaSchemaError, InvalidChainError
@@ -27,6 +26,9 @@ from .ids import CheckpointId, SubtaskIndex
 from .manifest import FileRef, chain_problems
 from .paths import FileKind, StoragePaths
 from .store_read import ChainReader
+
+if TYPE_CHECKING:  # at run time only annotations name it: a job without a storage root skips fsspec
+    from .backend import RootIO
 
 __all__ = ["KeyGroupWrite", "KeyGroupWriter", "PACK_LIMIT", "put_file", "write_table",
            "write_operator_state", "write_channel_log"]
