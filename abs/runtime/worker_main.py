@@ -1,6 +1,7 @@
 """The entry point of a worker process (``python -c "from abs.runtime.worker_main import
-main; main()"``, started by an executor): reads its bootstrap JSON from stdin, connects to the
-driver, and takes the :class:`~abs.runtime.worker.Worker` through the start-up handshake of
+main; main()"``, started by an executor, or ``main(boot)`` in a worker forked from the driver,
+see :mod:`abs.runtime.forked`): reads its bootstrap JSON from stdin, connects to the driver,
+and takes the :class:`~abs.runtime.worker.Worker` through the start-up handshake of
 :mod:`abs.runtime.messages`, sending heartbeats (with its restore progress) until it starts."""
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ from .writer import SnapshotWriter
 __all__ = ["main", "STARTUP_HEARTBEAT_S"]
 
 
-def main() -> None:
-    """Entry point of a worker process: reads its bootstrap JSON from stdin."""
-    boot = json.loads(sys.stdin.readline())
+def main(boot: dict | None = None) -> None:
+    """Entry point of a worker process: ``boot``, or its bootstrap JSON read from stdin."""
+    if boot is None:
+        boot = json.loads(sys.stdin.readline())
     writer = SnapshotWriter.fork()  # before any thread exists (see abs.runtime.writer)
     # LocalExecutor(pin_cpus=True): set while this is the only thread (threads inherit it);
     # the writer, forked above, stays free
