@@ -2,9 +2,17 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
+
+import pytest
+
+import abs
+from abs.runtime.forked import ForkedWorker, fork_refusal
 
 # Extras and heavy modules that a local job never needs: importing any of them costs start-up
 # time (pyspark alone: seconds) in the driver and in every worker.
@@ -18,6 +26,7 @@ JOB = textwrap.dedent(
 
     NEVER = {never!r}
     STORAGE = {storage!r}
+    START = {start!r}
 
     def loaded():
         return sorted(m for m in sys.modules if m.split(".")[0] in NEVER or (STORAGE is None and m == "fsspec"))
@@ -33,28 +42,79 @@ JOB = textwrap.dedent(
         flow.source("src", abs.GeneratorSource(200, num_keys=10, num_splits=2)).key_by("key").process(
             "count", count, state=[abs.ValueState("n", pa.int64())]).sink("out", abs.CollectSink())
         options = {{}} if STORAGE is None else {{"storage": STORAGE, "checkpoint": abs.CheckpointConfig()}}
-        result = abs.run(flow, parallelism=2, **options)
+        result = abs.run(flow, parallelism=2, executor=abs.LocalExecutor(start=START), **options)
         workers = sorted(set(result.collected("out").column("modules").to_pylist()))
         print(json.dumps({{"driver": loaded(), "workers": workers}}))
     """
 )
 
 
-def _modules_of_a_local_job(tmp_path, storage: str | None) -> dict:
+def _modules_of_a_local_job(tmp_path, storage: str | None, start: str = "auto") -> dict:
     script = tmp_path / "job.py"
-    script.write_text(JOB.format(never=NEVER_LOCAL, storage=storage))
+    script.write_text(JOB.format(never=NEVER_LOCAL, storage=storage, start=start))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_a_local_job_imports_no_spark_and_no_extras_in_driver_or_workers(tmp_path):
-    seen = _modules_of_a_local_job(tmp_path, str(tmp_path / "root"))
+@pytest.mark.parametrize("start", ["auto", "spawn"])
+def test_a_local_job_imports_no_spark_and_no_extras_in_driver_or_workers(tmp_path, start):
+    seen = _modules_of_a_local_job(tmp_path, str(tmp_path / "root"), start)
     assert seen["driver"] == [], f"the driver of a local job imported {seen['driver']}"
     assert seen["workers"] == ["[]"], f"the workers of a local job imported {seen['workers']}"
 
 
 def test_a_job_without_storage_imports_no_file_system_layer(tmp_path):
-    seen = _modules_of_a_local_job(tmp_path, None)
+    seen = _modules_of_a_local_job(tmp_path, None, "spawn")
     assert seen["driver"] == [], f"the driver of a job without storage imported {seen['driver']}"
     assert seen["workers"] == ["[]"], f"the workers of a job without storage imported {seen['workers']}"
+
+
+# ---------------------------------------------------------------- forked workers
+needs_fork = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="forked workers need Linux pidfds")
+
+
+@needs_fork
+def test_fork_is_refused_while_another_thread_runs():
+    release = threading.Event()
+    other = threading.Thread(target=release.wait, name="holder", daemon=True)
+    other.start()
+    try:
+        refusal = fork_refusal()
+        assert refusal is not None and "holder" in refusal
+    finally:
+        release.set()
+        other.join()
+
+
+def test_local_executor_refuses_an_unknown_start_method():
+    with pytest.raises(abs.ConfigError, match=r"start='forkserver'.*'auto'.*'spawn'"):
+        abs.LocalExecutor(start="forkserver")
+
+
+def _child(body) -> int:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            body()
+        finally:
+            os._exit(70)
+    return pid
+
+
+@needs_fork
+def test_a_forked_worker_reports_its_exit_code_and_its_kill_like_popen():
+    exits = ForkedWorker(_child(lambda: os._exit(3)))
+    assert exits.wait(timeout=60) == 3 and exits.poll() == 3
+    r, w = os.pipe()
+    blocked = ForkedWorker(_child(lambda: os.read(r, 1)))
+    try:
+        assert blocked.poll() is None
+        with pytest.raises(subprocess.TimeoutExpired):
+            blocked.wait(timeout=0.01)
+        blocked.kill()
+        assert blocked.wait(timeout=60) == -signal.SIGKILL
+        blocked.kill()  # reaped: a no-op, never a signal to a reused pid
+    finally:
+        os.close(r)
+        os.close(w)
