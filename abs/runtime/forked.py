@@ -41,7 +41,8 @@ def fork_refusal() -> str | None:
         return "this kernel refuses process descriptors (pidfd_open)"
     if threading.active_count() > 1:
         names = sorted(t.name for t in threading.enumerate() if t is not threading.current_thread())
-        return f"{len(names)} other thread(s) run in this process ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        return f"{len(names)} other thread(s) run in this process ({shown})"
     return None
 
 
