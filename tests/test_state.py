@@ -16,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from abs.errors import ConfigError, StateError
 from abs.keygroups import KeyGroupRange, key_group
+from abs.state.encoding import arrow_to_list
 from abs.state import (
     ColumnDelta,
     KeyedStateBackend,
@@ -541,6 +542,7 @@ def test_value_column_types():
 
 KINDS = [
     (ValueState("s", pa.int64()), lambda i: i * 10),
+    (ValueState("s", pa.string()), lambda i: None if i % 7 == 3 else f"v{i}"),
     (ValueState("s"), lambda i: {"any": [i, "thing"]}),
     (ListState("s", pa.string()), lambda i: [f"e{i}", "x"]),
     (ListState("s"), lambda i: [i, (i, "t")]),
@@ -574,6 +576,17 @@ def test_restore_round_trip(descriptor, make_value, keys):
     for kg, table in full["s"].items():
         dst.restore("s", kg, table.drop_columns(["op"]))
     assert contents(dst) == contents(src)
+
+
+@pytest.mark.parametrize("array", [
+    pa.array([1, 2, None]), pa.array([1, -2, 3]), pa.array([2**64 - 1], pa.uint64()), pa.array([1.5, None]),
+    pa.array([1.5, 2.0]), pa.array([1.5], pa.float32()), pa.array([True, False]), pa.array(["a", None, "b"]),
+    pa.array(["x"], pa.large_string()), pa.array([b"x", None]), pa.array([[1]], pa.list_(pa.int64())),
+], ids=lambda a: str(a.type))
+def test_arrow_to_list_gives_what_to_pylist_gives(array):
+    for column in (pa.chunked_array([array, array]), array, pa.chunked_array([], array.type)):
+        got, expected = arrow_to_list(column), column.to_pylist()
+        assert got == expected and [type(v) for v in got] == [type(v) for v in expected]
 
 
 def test_restore_rejects_bad_tables():

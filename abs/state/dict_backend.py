@@ -24,6 +24,7 @@ from .encoding import (
     META_KEY_ENCODING,
     META_VALUE_ENCODING,
     MISSING,
+    arrow_to_list,
     check_restore_table,
     decode_column,
     encode,
@@ -470,21 +471,28 @@ class KeyedStateBackend:
             for k, v in zip(keys, values):
                 if v:
                     d[k] = v
-        else:
+        elif d:
             d.update(zip(keys, values))
+        else:  # the usual restore, into an empty key group: a dict built at once, not grown
+            slot.data[kg] = dict(zip(keys, values))
 
     def _load_column(self, slot: StateSlot, kg: int, table: pa.Table, meta: dict) -> bool:
-        """Bulk-load an Arrow-encoded table with integer keys into an empty column; False when
-        the table or the column is not of that shape (the caller loads it key by key)."""
+        """Bulk-load an Arrow-encoded table with integer, string or binary keys into an empty
+        column; False when the table or the column is not of that shape (the caller loads it
+        key by key). String keys went key by key before: 1M of them with int64 values took
+        0.55 s of CPU."""
         if slot.arrow_type is None:
             return False  # an untyped column: Arrow values go in key by key, as Python objects
         if meta.get(META_KEY_ENCODING) != ENCODING_ARROW or meta.get(META_VALUE_ENCODING) != ENCODING_ARROW:
             return False
         key_col, value_col = table.column("key"), table.column("value")
-        if not pa.types.is_integer(key_col.type) or key_col.null_count:
+        kt = key_col.type
+        text = (pa.types.is_string(kt) or pa.types.is_large_string(kt) or pa.types.is_binary(kt)
+                or pa.types.is_large_binary(kt))
+        if not (pa.types.is_integer(kt) or text) or key_col.null_count:
             return False
         try:
-            keys = key_col.cast(pa.int64()).to_numpy()
+            keys = arrow_to_list(key_col) if text else key_col.cast(pa.int64()).to_numpy()
             values = value_col.cast(slot.arrow_type)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
             return False  # the key by key path names the value that does not fit

