@@ -14,7 +14,7 @@ fork (numpy, pyarrow and its allocator) reset their own thread pools and locks i
 
 The child then becomes what a fresh worker process is: it closes every inherited socket and
 pipe (the driver's listener, its connections to workers already running, a previous
-attempt's), flushes nothing it inherited twice (the driver flushes its streams before the
+attempt's), takes the default signal handlers back, flushes nothing it inherited twice (the driver flushes its streams before the
 fork), never returns into the driver's code and never runs the driver's exit handlers
 (``os._exit``). Regular files and terminals stay open: the application's log files keep
 working in the worker.
@@ -74,6 +74,7 @@ def fork_worker(boot: dict) -> "ForkedWorker":
         code = 1
         try:
             _close_inherited_connections()
+            _default_signal_handlers()
             main(boot)
             code = 0
         except SystemExit as exc:
@@ -101,6 +102,14 @@ def _close_inherited_connections() -> None:
             continue  # the directory's own descriptor, already closed
         if stat.S_ISSOCK(mode) or stat.S_ISFIFO(mode):
             os.close(fd)
+
+
+def _default_signal_handlers() -> None:
+    """The handlers a fresh interpreter has: the application's own (a cleanup on SIGTERM, a
+    custom SIGINT) belong to the driver, not to its workers."""
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class ForkedWorker:
