@@ -60,7 +60,10 @@ class Supervision:
         secret = self._secret = secrets.token_bytes(32)  # a rescale's joining workers get it too
         host = self.executor.driver_host() if hasattr(self.executor, "driver_host") else "127.0.0.1"
         bind = self.executor.driver_bind_host() if hasattr(self.executor, "driver_bind_host") else host
-        listener = Listener((bind, 0), authkey=secret)
+        # every worker may connect at the same moment (forked ones start within milliseconds):
+        # with the default backlog of 1, the kernel dropped the others' connection requests
+        # while the driver authenticated one, and they retried a second later
+        listener = Listener((bind, 0), authkey=secret, backlog=max(128, self.P))
         try:
             address = [host, listener.address[1]]  # where workers reach it (bind may be 0.0.0.0 or a NAT'd address)
             boots = [{"driver": address, "secret": secret.hex(), "index": i} for i in range(self.P)]
