@@ -114,9 +114,11 @@ def report(label: str, result: abs.JobResult, total_bytes: int, raw_mbs: float) 
     rates = [b / s / 1e6 for b, s in zip(per, secs) if s > 0]
     worst = max(per) / share
     ratio = np.mean(rates) / raw_mbs
+    together = sum(per) / max(secs) / 1e6 if secs and max(secs) > 0 else float("nan")
     print(f"  {label:<16} time to first record {result.timings['startup_s']:5.2f} s; "
           f"restore per worker {np.mean(rates):6.1f} MB/s (pyarrow raw read {raw_mbs:6.1f} MB/s, ratio {ratio:4.2f}, "
-          f"target >= {RATIO_TARGET}: {'met' if ratio >= RATIO_TARGET else 'NOT met'}); "
+          f"target >= {RATIO_TARGET}: {'met' if ratio >= RATIO_TARGET else 'NOT met'}; all {P} workers together "
+          f"{together:6.1f} MB/s, on {os.cpu_count()} CPUs); "
           f"bytes read per worker / share: max {worst:4.2f}, mean {np.mean(per) / share:4.2f} "
           f"(target <= 1.1: {'met' if worst <= 1.1 else 'NOT met'})", flush=True)
 
