@@ -92,7 +92,7 @@ class Rescaling:
         new = range(first, workers)
         host = self.executor.driver_host() if hasattr(self.executor, "driver_host") else "127.0.0.1"
         bind = self.executor.driver_bind_host() if hasattr(self.executor, "driver_bind_host") else host
-        listener = Listener((bind, 0), authkey=self._secret)
+        listener = Listener((bind, 0), authkey=self._secret, backlog=128)  # the new workers connect at once
         address = [host, listener.address[1]]  # where the new workers reach it (as at start)
         procs: list = []
         conns: dict[int, Any] = {}
