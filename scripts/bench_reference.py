@@ -1,0 +1,273 @@
+"""Reference benchmark: issue 23's headline workload, each figure beside its target.
+
+The workload: events ``i = 0 .. N-1`` with ``key = "k{i % K}"`` (string keys; integer keys
+``i % K`` as a second row) and ``value = i % 100``, a keyed running sum, checkpoints every
+1 s, parallelism 1 and 2, and the final per-key sums read back from the last checkpoint and
+checked exactly. N is ``--events`` (default 2,000,000), raised to K when K is larger, so
+that every key is in state.
+
+1. ``process`` with a ``ValueState`` (one Python call per record). Two rates: *end-to-end*
+   (``abs.run`` called to ``abs.run`` returned: start-up, processing, final checkpoint;
+   what a user waits for) and *processing* (the workers' start to the sources' end). Beside
+   them, in the same process and the same round, a plain Python dict loop over the same
+   events (the keys and values already Python lists; only the loop is timed).
+2. ``aggregate`` (vectorized, ``emit="none"``) on the same events, against pyarrow's
+   ``group_by(...).aggregate([("value", "sum")])`` (``use_threads=False``: one core, as one
+   worker has) over a table of the very batches the job's source produces.
+3. Checkpoint cost with large state: one job per row whose only checkpoint is the final one,
+   taken once the sources are done, with every key of the state changed (a full image of
+   K keys, nothing else running): its duration (trigger to manifest committed), ``aggregate``
+   against ``process`` at the same K.
+
+The machine is shared and noisy: every configuration runs once per round and the rounds
+interleave them, so that each round's figures share the machine's momentary speed; the
+ratios against the dict loop and group_by are taken within a round. Printed: medians and
+the range (min..max) over the rounds.
+
+    .venv/bin/python scripts/bench_reference.py [--quick] [--rounds N] [--events N] [--keys K [K ...]]
+        [--key-types string int] [--parallelism P [P ...]] [--checkpoint-keys K [K ...]]
+        [--only process aggregate checkpoint] [--root DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+import abs
+from storage import SnapshotStore
+
+SPLITS, BATCH = 8, 8192  # the source's splits and batch size (the reference loops see the same batches)
+
+# the issue's targets (string keys)
+PROCESS_P2_PROCESSING = 1_500_000
+PROCESS_P2_END_TO_END = 1_000_000
+PROCESS_P1_OF_DICT = 0.20
+AGGREGATE_OF_GROUP_BY = 0.30
+CHECKPOINT_SECONDS = {1_000_000: 0.3, 5_000_000: 1.2}
+
+
+class Events:
+    """The batch of global record indices ``idx``: ``key`` (``"k{i % keys}"`` or ``i % keys``),
+    ``value`` (``i % 100``); a pure function of the indices, as a replayable source needs."""
+
+    def __init__(self, keys: int, key_type: str) -> None:
+        self.keys = keys
+        self.key_type = key_type
+
+    def __call__(self, idx: np.ndarray) -> pa.RecordBatch:
+        key = pa.array(idx % self.keys)
+        if self.key_type == "string":
+            key = pc.binary_join_element_wise("k", key.cast(pa.string()), "")
+        return pa.RecordBatch.from_arrays([key, pa.array(idx % 100)], names=["key", "value"])
+
+
+def running_sum(ctx, event):
+    total = ctx.state.total
+    total.update((total.value() or 0) + event["value"])
+
+
+def build(path: str, events: int, keys: int, key_type: str) -> abs.Dataflow:
+    flow = abs.Dataflow(f"reference-{path}")
+    src = abs.GeneratorSource(events, num_keys=keys, num_splits=SPLITS, batch_size=BATCH,
+                              make_batch=Events(keys, key_type))
+    keyed = flow.source("events", src).key_by("key")
+    if path == "process":
+        keyed.process("sum", running_sum, state=[abs.ValueState("total", pa.int64())])
+    else:
+        keyed.aggregate("sum", {"total": ("value", "sum")}, emit="none")
+    return flow
+
+
+def source_batches(events: int, keys: int, key_type: str) -> list[pa.RecordBatch]:
+    """The batches the job's source emits (split by split; the order does not change a sum)."""
+    make = Events(keys, key_type)
+    out = []
+    for s in range(SPLITS):
+        idx = np.arange(s, events, SPLITS, dtype=np.int64)
+        out.extend(make(idx[at:at + BATCH]) for at in range(0, len(idx), BATCH))
+    return out
+
+
+def expected_sums(events: int, keys: int) -> np.ndarray:
+    idx = np.arange(events, dtype=np.int64)
+    return np.bincount(idx % keys, weights=idx % 100, minlength=keys).astype(np.int64)
+
+
+def sums_match(keys_col: pa.ChunkedArray | pa.Array, values: pa.ChunkedArray | pa.Array, expected: np.ndarray) -> bool:
+    """Whether (key, sum) rows hold exactly one row per key with its expected sum."""
+    if pa.types.is_string(keys_col.type):
+        keys_col = pc.utf8_slice_codeunits(keys_col, 1).cast(pa.int64())
+    k = np.asarray(keys_col.to_numpy() if isinstance(keys_col, pa.ChunkedArray) else keys_col.to_numpy(zero_copy_only=False))
+    v = np.asarray(values.to_numpy() if isinstance(values, pa.ChunkedArray) else values.to_numpy(zero_copy_only=False))
+    if len(k) != len(expected):
+        return False
+    order = np.argsort(k)
+    return bool(np.array_equal(k[order], np.arange(len(expected))) and np.array_equal(v[order], expected))
+
+
+def state_matches(root: str, expected: np.ndarray) -> bool:
+    store = SnapshotStore.open(root)
+    manifest = store.read_manifest(store.latest_checkpoint())
+    tables = [store.read_key_group(manifest, "sum", "total", kg) for kg in manifest.keyed["sum"]["total"]]
+    table = pa.concat_tables([t.select(["key", "value"]) for t in tables])
+    return sums_match(table.column("key"), table.column("value"), expected)
+
+
+@dataclass
+class JobRun:
+    end_to_end: float  # events/s, abs.run called to returned
+    processing: float  # events/s, workers started to sources exhausted
+    checkpoints: int
+    last_checkpoint_s: float  # duration of the last (final) checkpoint
+    verified: bool
+
+
+def run_job(path: str, events: int, keys: int, key_type: str, parallelism: int, interval: float | None,
+            expected: np.ndarray, root_dir: str | None) -> JobRun:
+    root = tempfile.mkdtemp(prefix="abs-reference-", dir=root_dir)
+    try:
+        flow = build(path, events, keys, key_type)
+        t0 = time.perf_counter()
+        result = abs.run(flow, parallelism=parallelism, storage=root,
+                         checkpoint=abs.CheckpointConfig(interval=interval, retained=2))
+        elapsed = time.perf_counter() - t0
+        cps = result.completed_checkpoints
+        return JobRun(end_to_end=events / elapsed, processing=events / result.timings["processing_s"],
+                      checkpoints=len(cps), last_checkpoint_s=cps[-1].duration if cps else float("nan"),
+                      verified=state_matches(root, expected))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def dict_loop_rate(batches: list[pa.RecordBatch]) -> float:
+    keys: list = []
+    values: list = []
+    for b in batches:
+        keys += b.column(0).to_pylist()
+        values += b.column(1).to_pylist()
+    t0 = time.perf_counter()
+    sums: dict = {}
+    get = sums.get
+    for k, v in zip(keys, values):
+        sums[k] = get(k, 0) + v
+    return len(keys) / (time.perf_counter() - t0)
+
+
+def group_by_rate(batches: list[pa.RecordBatch], expected: np.ndarray) -> tuple[float, bool]:
+    table = pa.Table.from_batches(batches)
+    table.slice(0, 1000).group_by("key", use_threads=False).aggregate([("value", "sum")])  # warm-up: first call set-up
+    t0 = time.perf_counter()
+    grouped = table.group_by("key", use_threads=False).aggregate([("value", "sum")])
+    rate = table.num_rows / (time.perf_counter() - t0)
+    return rate, sums_match(grouped.column("key"), grouped.column("value_sum"), expected)
+
+
+# ----------------------------------------------------------------------------- printing
+
+
+def k(x: float) -> str:
+    """A rate in events/s, short: 812k, 1.52M."""
+    return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.0f}k"
+
+
+def spread(xs: list[float], fmt=k) -> str:
+    """Median and range of the rounds' figures."""
+    if len(xs) == 1:
+        return fmt(xs[0])
+    return f"{fmt(float(np.median(xs)))} ({fmt(min(xs))}..{fmt(max(xs))})"
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:.1f} %"
+
+
+def secs(x: float) -> str:
+    return f"{x:.2f} s"
+
+
+def verdict(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+# ----------------------------------------------------------------------------- experiments
+
+
+def headline(args: argparse.Namespace, paths: list[str]) -> None:
+    for keys in args.keys:
+        events = max(args.events, keys)
+        expected = expected_sums(events, keys)
+        for key_type in args.key_types:
+            batches = source_batches(events, keys, key_type)
+            runs: dict[tuple[str, int], list[JobRun]] = {(p, par): [] for p in paths for par in args.parallelism}
+            loops: list[float] = []
+            groups: list[float] = []
+            groups_ok = True
+            for _ in range(args.rounds):
+                if "process" in paths:
+                    loops.append(dict_loop_rate(batches))
+                if "aggregate" in paths:
+                    rate, ok = group_by_rate(batches, expected)
+                    groups.append(rate)
+                    groups_ok &= ok
+                for (path, par), got in runs.items():
+                    got.append(run_job(path, events, keys, key_type, par, 1.0, expected, args.root))
+            print(f"\n== {events:,} events, {keys:,} {key_type} keys, keyed running sum, checkpoints every 1 s; "
+                  f"{args.rounds} round(s): median (min..max)", flush=True)
+            if loops:
+                print(f"  plain Python dict loop       {spread(loops)} events/s")
+            if groups:
+                print(f"  pyarrow group_by (1 thread)  {spread(groups)} events/s  sums verified: {'yes' if groups_ok else 'NO'}")
+            for (path, par), got in runs.items():
+                verified = sum(r.verified for r in got)
+                print(f"  {path:<9} p={par}  processing {spread([r.processing for r in got])}  end-to-end "
+                      f"{spread([r.end_to_end for r in got])} events/s  checkpoints {spread([r.checkpoints for r in got], str)}  "
+                      f"sums verified: {'yes' if verified == len(got) else 'NO'} ({verified}/{len(got)})", flush=True)
+                strings = key_type == "string"
+                if path == "process" and par == 1:
+                    share = [r.processing / loop for r, loop in zip(got, loops)]
+                    print(f"      processing / dict loop {spread(share, pct)}"
+                          + (f"   target >= {pct(PROCESS_P1_OF_DICT)}: {verdict(float(np.median(share)) >= PROCESS_P1_OF_DICT)}"
+                             if strings else ""))
+                if path == "process" and par == 2 and strings:
+                    proc = float(np.median([r.processing for r in got]))
+                    e2e = float(np.median([r.end_to_end for r in got]))
+                    print(f"      target processing >= {k(PROCESS_P2_PROCESSING)}: {verdict(proc >= PROCESS_P2_PROCESSING)}   "
+                          f"target end-to-end >= {k(PROCESS_P2_END_TO_END)}: {verdict(e2e >= PROCESS_P2_END_TO_END)}")
+                if path == "aggregate":
+                    share = [r.processing / g for r, g in zip(got, groups)]
+                    print(f"      processing / group_by  {spread(share, pct)}"
+                          + (f"   target >= {pct(AGGREGATE_OF_GROUP_BY)}: "
+                             f"{verdict(float(np.median(share)) >= AGGREGATE_OF_GROUP_BY)}" if strings else ""))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke test: 100,000 events over 10,000 keys, one round, parallelism 1")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds, each running every configuration once (default 3)")
+    ap.add_argument("--events", type=int, default=2_000_000, help="events per job (default 2,000,000; at least --keys)")
+    ap.add_argument("--keys", type=int, nargs="+", default=[100_000, 1_000_000, 5_000_000], metavar="K",
+                    help="distinct keys, one table each (default: 100000 1000000 5000000)")
+    ap.add_argument("--key-types", nargs="+", choices=("string", "int"), default=["string", "int"])
+    ap.add_argument("--parallelism", type=int, nargs="+", default=[1, 2], metavar="P")
+    ap.add_argument("--only", nargs="+", choices=("process", "aggregate"), default=["process", "aggregate"])
+    ap.add_argument("--root", default=None, metavar="DIR", help="directory for the jobs' storage roots")
+    args = ap.parse_args()
+    if args.quick:
+        args.events, args.keys, args.rounds, args.parallelism = 100_000, [10_000], 1, [1]
+    if args.rounds < 1 or args.events < 1 or min(args.keys) < 1 or min(args.parallelism) < 1:
+        ap.error("--rounds, --events, --keys and --parallelism must be positive")
+    headline(args, args.only)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

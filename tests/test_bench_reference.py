@@ -1,0 +1,27 @@
+"""The reference benchmark (scripts/bench_reference.py) runs: its --quick smoke test prints
+every row of the headline workload and verifies the final per-key sums of every job."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_reference.py"
+
+
+def test_quick_run_prints_every_row_with_its_sums_verified(tmp_path):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parent.parent), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--root", str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    for key_type in ("string", "int"):
+        assert f"10,000 {key_type} keys" in out
+    rows = [line for line in out.splitlines() if line.lstrip().startswith(("process ", "aggregate "))]
+    assert len(rows) == 4, out  # process and aggregate, string and int keys
+    assert all("sums verified: yes" in row for row in rows), out
+    assert out.count("plain Python dict loop") == 2 and out.count("pyarrow group_by") == 2
+    assert "sums verified: NO" not in out
+    assert "target >= 20.0 %" in out and "target >= 30.0 %" in out
