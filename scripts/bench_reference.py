@@ -27,6 +27,8 @@ the range (min..max) over the rounds.
     .venv/bin/python scripts/bench_reference.py [--quick] [--rounds N] [--events N] [--keys K [K ...]]
         [--key-types string int] [--parallelism P [P ...]] [--checkpoint-keys K [K ...]]
         [--only process aggregate checkpoint] [--root DIR]
+
+``--quick`` is a smoke test (tiny sizes, one round: its figures mean nothing).
 """
 from __future__ import annotations
 
@@ -248,24 +250,53 @@ def headline(args: argparse.Namespace, paths: list[str]) -> None:
                              f"{verdict(float(np.median(share)) >= AGGREGATE_OF_GROUP_BY)}" if strings else ""))
 
 
+def checkpoint_cost(args: argparse.Namespace) -> None:
+    """Section 3 of the module docstring: the final (full) checkpoint of K keys, aggregate vs process."""
+    for keys in args.checkpoint_keys:
+        expected = expected_sums(keys, keys)
+        for key_type in args.key_types:
+            runs: dict[str, list[JobRun]] = {"aggregate": [], "process": []}
+            for _ in range(args.rounds):
+                for path, got in runs.items():
+                    got.append(run_job(path, keys, keys, key_type, 1, None, expected, args.root))
+            agg = [r.last_checkpoint_s for r in runs["aggregate"]]
+            proc = [r.last_checkpoint_s for r in runs["process"]]
+            target = CHECKPOINT_SECONDS.get(keys)
+            ok = all(r.verified for got in runs.values() for r in got)
+            print(f"\n== a full checkpoint of {keys:,} {key_type} keys (every key changed; the final checkpoint of a "
+                  f"job of {keys:,} events, p=1); {args.rounds} round(s): median (min..max)", flush=True)
+            print(f"  checkpoint  aggregate {spread(agg, secs)}   process {spread(proc, secs)}   aggregate / process "
+                  f"{spread([a / p for a, p in zip(agg, proc)], lambda x: f'{x:.2f}x')}   sums verified: {'yes' if ok else 'NO'}"
+                  + (f"   target aggregate <= {secs(target)}: {verdict(float(np.median(agg)) <= target)}" if target else ""),
+                  flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
-                    help="a smoke test: 100,000 events over 10,000 keys, one round, parallelism 1")
+                    help="a smoke test: 100,000 events over 10,000 keys, one round, parallelism 1; checkpoints of 20,000 keys")
     ap.add_argument("--rounds", type=int, default=3, help="rounds, each running every configuration once (default 3)")
     ap.add_argument("--events", type=int, default=2_000_000, help="events per job (default 2,000,000; at least --keys)")
     ap.add_argument("--keys", type=int, nargs="+", default=[100_000, 1_000_000, 5_000_000], metavar="K",
                     help="distinct keys, one table each (default: 100000 1000000 5000000)")
     ap.add_argument("--key-types", nargs="+", choices=("string", "int"), default=["string", "int"])
     ap.add_argument("--parallelism", type=int, nargs="+", default=[1, 2], metavar="P")
-    ap.add_argument("--only", nargs="+", choices=("process", "aggregate"), default=["process", "aggregate"])
+    ap.add_argument("--checkpoint-keys", type=int, nargs="+", default=[1_000_000, 5_000_000], metavar="K",
+                    help="state sizes of the checkpoint-cost rows (default: 1000000 5000000)")
+    ap.add_argument("--only", nargs="+", choices=("process", "aggregate", "checkpoint"),
+                    default=["process", "aggregate", "checkpoint"])
     ap.add_argument("--root", default=None, metavar="DIR", help="directory for the jobs' storage roots")
     args = ap.parse_args()
     if args.quick:
         args.events, args.keys, args.rounds, args.parallelism = 100_000, [10_000], 1, [1]
+        args.checkpoint_keys = [20_000]
     if args.rounds < 1 or args.events < 1 or min(args.keys) < 1 or min(args.parallelism) < 1:
         ap.error("--rounds, --events, --keys and --parallelism must be positive")
-    headline(args, args.only)
+    paths = [p for p in args.only if p != "checkpoint"]
+    if paths:
+        headline(args, paths)
+    if "checkpoint" in args.only:
+        checkpoint_cost(args)
     return 0
 
 

@@ -1,5 +1,6 @@
 """The reference benchmark (scripts/bench_reference.py) runs: its --quick smoke test prints
-every row of the headline workload and verifies the final per-key sums of every job."""
+every row of the headline workload and of the checkpoint cost, and verifies the final per-key
+sums of every job."""
 from __future__ import annotations
 
 import os
@@ -25,3 +26,6 @@ def test_quick_run_prints_every_row_with_its_sums_verified(tmp_path):
     assert out.count("plain Python dict loop") == 2 and out.count("pyarrow group_by") == 2
     assert "sums verified: NO" not in out
     assert "target >= 20.0 %" in out and "target >= 30.0 %" in out
+    checkpoints = [line for line in out.splitlines() if line.lstrip().startswith("checkpoint ")]
+    assert len(checkpoints) == 2 and all("aggregate" in c and "process" in c and "sums verified: yes" in c
+                                         for c in checkpoints), out
