@@ -281,6 +281,30 @@ def test_lazy_capture_is_frozen_at_the_barrier():
         assert got == {k: (None if k == 1 else 1) for k in keys}
 
 
+def test_a_lazy_capture_pickles_each_key_group_with_its_own_rows_only():
+    """What the writer process receives: each key group's delta carries its own rows, not the
+    whole capture (pyarrow pickles a slice of an array with its parent's whole buffers, which
+    made a checkpoint of 1M keys send 128 times the state through the writer's pipe)."""
+    from abs.state import ColumnDelta
+
+    op = make_op({"s": ("v", "sum"), "n": ("v", "count")}, emit="none")
+    keys = list(range(4000))
+    feed(op, batch(keys, [1] * len(keys)))
+    for lazy in (op.backend.capture(1, lazy=True), op.backend.capture_full(2)):
+        for name, by_kg in lazy.items():
+            assert len(by_kg) == M
+            buffers: list = []
+            blob = pickle.dumps(list(by_kg.values()), protocol=5, buffer_callback=buffers.append)
+            shipped = len(blob) + sum(b.raw().nbytes for b in buffers)
+            assert shipped < 1.5 * len(keys) * 17, f"{name}: {shipped} bytes for {len(keys)} keys"
+            back = pickle.loads(blob, buffers=buffers)
+            for kg, delta in zip(by_kg, back):
+                t = delta if isinstance(delta, pa.Table) else delta.to_table()
+                assert isinstance(delta, (ColumnDelta, pa.Table))
+                assert set(key_groups(np.array(t.column("key").to_pylist(), np.int64), M).tolist()) == {kg}
+                assert t.column("value").to_pylist() == [1] * t.num_rows
+
+
 # ----------------------------------------------------------------------------- results
 
 

@@ -134,24 +134,28 @@ class ColumnDelta:
         :meth:`to_table`), and each ask compares the whole key array."""
         memo = self._sorted
         if memo is None or memo[0] is not orders or memo[1] != slot:
-            order, ordered = orders.sort(slot, self._captured.keys)
+            order, ordered = orders.sort(slot, self._rows().keys)
             memo = self._sorted = (orders, slot, order, ordered)
         return memo[2], memo[3]
 
+    def _rows(self) -> Captured:
+        """The captured rows (a subclass may cut them out of a larger capture on first use)."""
+        return self._captured
+
     def __getstate__(self) -> tuple:
-        return self._captured, self._arrow_type, self._kind, self._blob
+        return self._rows(), self._arrow_type, self._kind, self._blob
 
     def __setstate__(self, state: tuple) -> None:
         self.__init__(*state)  # type: ignore[misc]
 
     def _values(self) -> np.ndarray | list:
-        return self._captured.values if self._blob is None else pickle.loads(self._blob)
+        return self._rows().values if self._blob is None else pickle.loads(self._blob)
 
     def to_table(self, orders: KeyOrders | None = None, slot: Any = None) -> pa.Table:
         """The delta as a table. ``orders``: when the rows are the key group's full image
         (integer keys, no deletes), they come out sorted by key in the order ``orders``
         keeps for ``slot``, and the store's sort finds them sorted."""
-        c = self._captured
+        c = self._rows()
         keys, values, nulls = c.delta_rows(self._values())
         if orders is not None and c.all_rows and c.changed is None and not c.deleted:
             keys, values, nulls = _sorted_rows(self, orders, slot, keys, values, nulls)
@@ -162,7 +166,7 @@ class ColumnDelta:
         :meth:`to_table` sorts with ``orders``): its keys in ascending order, as the array
         ``orders`` keeps for ``slot``, which stays the very same object while the key group's
         keys do not change (an identity check then tells that they did not). Else ``None``."""
-        c = self._captured
+        c = self._rows()
         if not (self.complete and c.all_rows and c.changed is None and not c.deleted
                 and isinstance(c.keys, np.ndarray) and len(c.keys) >= 2):
             return None
@@ -171,7 +175,7 @@ class ColumnDelta:
     def image(self, orders: KeyOrders | None = None, slot: Any = None) -> pa.Table | None:
         """The key group's full live state at the capture, when the capture copied it;
         ``orders``, ``slot``: as for :meth:`to_table`."""
-        c = self._captured
+        c = self._rows()
         if not c.all_rows or not len(c.keys):
             return None
         keys, values, nulls = c.keys, self._values(), c.nulls
@@ -230,8 +234,14 @@ class PickledDelta:
 
 
 class FrozenSlots:
-    """Copies, taken at capture, of some slots' key groups, keys and per-state values,
-    encoded into per-key-group delta tables on demand (once; thread-safe)."""
+    """Copies, taken at capture, of some slots' key groups, keys and per-state values, cut
+    into per-key-group rows on demand (once; thread-safe).
+
+    The rows of each key group are numpy views of arrays of their own (the copies, sorted by
+    key group), never slices of one Arrow array: pyarrow pickles a slice with its parent's
+    whole buffers, so the per-key-group tables the store cut from one array each carried the
+    whole state to the writer process (a checkpoint of 1M keys in 128 key groups sent
+    128 x 17 MB through its pipe, seconds of copying where the process path took 0.2 s)."""
 
     def __init__(self, store: Any, slots: np.ndarray) -> None:
         # store: the ColumnarKeyedState (not imported: it imports this module)
@@ -253,8 +263,9 @@ class FrozenSlots:
         # (None: every slot of the store is valid / present, nothing to copy)
         self.cols = [(c, c.values[sel].copy(), None if c.all_valid else c.valid[sel].copy(),
                       None if c.all_present else c.present[sel].copy()) for c in store.columns.values()]
+        self.arrow_types = {c.name: c.arrow_type for c in store.columns.values()}
         self._lock = threading.Lock()
-        self._tables: dict[str, dict[int, pa.Table]] | None = None
+        self._rows: dict[str, dict[int, Captured]] | None = None
 
     def complete(self, kg: int) -> bool:
         """True when the delta of ``kg`` holds every key the key group has."""
@@ -268,82 +279,115 @@ class FrozenSlots:
             self._groups = np.flatnonzero(seen).tolist()
         return self._groups
 
-    def table(self, name: str, kg: int) -> pa.Table:
-        tables = self.encode()
-        got = tables[name].get(kg)
-        if got is None:  # the key group's slots hold no entry of this state
-            col = next(c for c, *_ in self.cols if c.name == name)
-            got = col.schema.empty_table()
+    def rows(self, name: str, kg: int) -> Captured:
+        """The rows of key group ``kg`` in state ``name`` (none when its slots hold no entry of
+        that state)."""
+        got = self.split()[name].get(kg)
+        if got is None:
+            dtype = _numpy_dtype(self.arrow_types[name])
+            got = Captured(keys=np.zeros(0, np.int64), values=np.zeros(0, dtype), nulls=None, changed=None,
+                           deleted=[], all_rows=self.complete(kg), complete=self.complete(kg))
         return got
 
-    def encode(self) -> dict[str, dict[int, pa.Table]]:
+    def split(self) -> dict[str, dict[int, Captured]]:
+        """State name -> key group -> its rows, cut once."""
         with self._lock:
-            if self._tables is None:
-                self._tables = self._encode()
-            return self._tables
+            if self._rows is None:
+                self._rows = self._split()
+            return self._rows
 
-    def _encode(self) -> dict[str, dict[int, pa.Table]]:
-        out: dict[str, dict[int, pa.Table]] = {}
+    def encode(self) -> dict[str, dict[int, pa.Table]]:
+        """State name -> key group -> delta table (key groups with an entry of the state)."""
+        return {name: {kg: _rows_table(self.arrow_types[name], rows) for kg, rows in by_kg.items()}
+                for name, by_kg in self.split().items()}
+
+    def _split(self) -> dict[str, dict[int, Captured]]:
+        out: dict[str, dict[int, Captured]] = {}
         if not len(self.kgs):
             return {c.name: {} for c, *_ in self.cols}
         order = np.argsort(self.kgs, kind="stable")
         kgs = self.kgs[order]
         keys = self.keys[order]
         for col, values, valid, present in self.cols:
-            if valid is None:
-                valid = np.ones(len(values), bool)
-            present = None if present is None else present[order]
+            values = self._narrow(col, values, valid)
             if present is None or present.all():
-                out[col.name] = self._split(col, keys, kgs, values[order], valid[order])
+                out[col.name] = self._cut(keys, kgs, values[order], None if valid is None else valid[order])
             else:
-                sel = order[present]
-                out[col.name] = self._split(col, keys[present], kgs[present], values[sel], valid[sel])
+                sel = order[present[order]]
+                out[col.name] = self._cut(self.keys[sel], self.kgs[sel], values[sel], None if valid is None else valid[sel])
         self.cols = [(c, None, None, None) for c, *_ in self.cols]  # free the copies
         return out
 
-    def _split(self, col: Any, keys: np.ndarray, kgs: np.ndarray, vals: np.ndarray, valid: np.ndarray) -> dict[int, pa.Table]:
+    def _narrow(self, col: Any, values: np.ndarray, valid: np.ndarray | None) -> np.ndarray:
+        """``values`` (the accumulators' dtype) in the numpy dtype of the state's Arrow type;
+        a value that does not fit raises :class:`StateError`."""
+        dtype = _numpy_dtype(col.arrow_type)
+        if dtype == values.dtype:
+            return values
+        if dtype.kind in "iu" and len(values):
+            live = values if valid is None else values[valid]
+            info = np.iinfo(dtype)
+            bad = np.flatnonzero((live < info.min) | (live > info.max))
+            if bad.size:
+                raise StateError(
+                    f"operator {self.uid!r}, state {col.name!r}: a value does not fit the declared "
+                    f"Arrow type {col.arrow_type} ({live[bad[0]]} is out of its range); aggregate with a "
+                    "wider value_type"
+                )
+        return values.astype(dtype)
+
+    def _cut(self, keys: np.ndarray, kgs: np.ndarray, vals: np.ndarray, valid: np.ndarray | None) -> dict[int, Captured]:
         m = len(keys)
         if not m:
             return {}
-        values = pa.array(vals, mask=None if valid.all() else ~valid)
-        if values.type != col.arrow_type:
-            try:
-                values = values.cast(col.arrow_type)
-            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
-                raise StateError(
-                    f"operator {self.uid!r}, state {col.name!r}: a value does not fit the declared "
-                    f"Arrow type {col.arrow_type} ({exc}); aggregate with a wider value_type"
-                ) from exc
-        key_arr = pa.array(keys)
-        op_arr = pa.array(np.zeros(m, np.int8))
+        nulls = None if valid is None or valid.all() else ~valid
         cuts = np.flatnonzero(kgs[1:] != kgs[:-1]) + 1
         starts = [0] + cuts.tolist()
         ends = cuts.tolist() + [m]
-        schema = col.schema
         out = {}
         for s, e, g in zip(starts, ends, kgs[starts].tolist()):
-            ln = e - s
-            out[g] = pa.Table.from_arrays([key_arr.slice(s, ln), values.slice(s, ln), op_arr.slice(s, ln)], schema=schema)
+            whole = self.complete(g)
+            out[g] = Captured(keys=keys[s:e], values=vals[s:e], nulls=None if nulls is None else nulls[s:e],
+                              changed=None, deleted=[], all_rows=whole, complete=whole)
         return out
 
 
-class SlotsDelta:
-    """One key group's delta of one state; ``to_table()`` encodes (in the asynchronous part)."""
+def _numpy_dtype(arrow_type: pa.DataType) -> np.dtype:
+    return np.dtype(arrow_type.to_pandas_dtype())
+
+
+def _rows_table(arrow_type: pa.DataType, rows: Captured) -> pa.Table:
+    return column_table(arrow_type, "value", rows.keys, rows.values, rows.nulls, [])
+
+
+class SlotsDelta(ColumnDelta):
+    """One key group's delta of one state of the columnar store: a :class:`ColumnDelta`
+    whose rows are cut out of the :class:`FrozenSlots` copies when first needed, in the
+    asynchronous part (encoded in the uploader thread, or pickled for the writer process,
+    which then receives a plain :class:`ColumnDelta` of this key group's rows alone and
+    encodes it with the sort orders and values images it keeps)."""
 
     __slots__ = ("_frozen", "_name", "_kg")
 
     def __init__(self, frozen: FrozenSlots, name: str, kg: int) -> None:
+        # not ColumnDelta.__init__, which needs the rows: the same fields, the rows left for later
         self._frozen = frozen
         self._name = name
         self._kg = kg
+        self._captured = None  # type: ignore[assignment]  # cut on first use (_rows)
+        self._arrow_type = frozen.arrow_types[name]
+        self._kind = "value"
+        self._blob = None
+        self.complete = frozen.complete(kg)
+        self._sorted = None
 
-    def to_table(self) -> pa.Table:
-        return self._frozen.table(self._name, self._kg)
+    def _rows(self) -> Captured:
+        if self._captured is None:
+            self._captured = self._frozen.rows(self._name, self._kg)
+        return self._captured
 
-    @property
-    def complete(self) -> bool:
-        """The delta holds every live key of its key group (see ``SnapshotStore.write_key_group``)."""
-        return self._frozen.complete(self._kg)
+    def __reduce__(self) -> tuple:
+        return ColumnDelta, (self._rows(), self._arrow_type, self._kind)
 
 
 # Sort-based set operations: numpy 2.x's np.unique takes a slow hashing path for integers

@@ -32,9 +32,12 @@ confirmed capture, exactly as the dict backend's pending key sets do, whatever t
 confirmations and aborts. Per epoch the slots first touched in it are appended to a list, so a
 capture reads only what changed (a mask scan over ``ver`` replaces the union of the lists when
 they are large). The synchronous part of a snapshot copies the changed slots' keys, key
-groups and values (plain copies when every slot changed); with ``lazy=True`` the split by key
-group (one stable argsort) and the Arrow encoding happen in ``to_table()`` (the asynchronous
-part), as for the dict backend's ``PendingDelta``. The tables have exactly the schema the dict
+groups and values (plain copies when every slot changed); with ``lazy=True`` the deltas are
+:class:`~abs.state.capture.SlotsDelta` objects, ``ColumnDelta`` instances like the dict
+backend's columnar key groups give: the split by key group (one stable argsort, each key
+group's rows then arrays of their own) happens in the asynchronous part, when a delta is first
+encoded or pickled for the worker's writer process, which receives a plain ``ColumnDelta`` of
+one key group's rows and encodes it as it does the dict backend's. The tables have exactly the schema the dict
 backend writes for the same typed ``ValueState`` (``key`` int64, ``value`` of the declared
 type, ``op`` int8 not null, the ``abs.*`` metadata), so storage, restore and inspection do not
 see a difference and snapshots restore into either path.
@@ -280,8 +283,8 @@ class ColumnarKeyedState:
 
         The changed slots' keys, key groups and values are copied now (gathers of sorted slots).
         ``lazy=False``: the deltas are ``pa.Table`` at once. ``lazy=True``: they are
-        :class:`SlotsDelta` objects whose ``to_table()`` does the split by key group and the
-        Arrow encoding later (the asynchronous part), as KeyedStateBackend's PendingDelta."""
+        :class:`SlotsDelta` objects (``ColumnDelta`` instances) that do the split by key group
+        and the Arrow encoding later (the asynchronous part; see the module docstring)."""
         slots = self.changed_since_confirmed()
         self._close_epoch(checkpoint_id)
         frozen = FrozenSlots(self, slots)
