@@ -305,6 +305,34 @@ def test_a_lazy_capture_pickles_each_key_group_with_its_own_rows_only():
                 assert t.column("value").to_pylist() == [1] * t.num_rows
 
 
+def test_full_captures_follow_new_keys_and_new_values_with_the_kept_order():
+    """Captures of every slot reuse the store's order by key group until a key is added."""
+    op = make_op({"s": ("v", "sum")}, emit="none")
+    live: dict = {}
+
+    def fold(keys, value):
+        feed(op, batch(keys, [value] * len(keys)))
+        for k in keys:
+            live[k] = live.get(k, 0) + value
+
+    def captured(deltas):
+        got = {}
+        for kg, d in deltas["s"].items():
+            t = d if isinstance(d, pa.Table) else d.to_table()
+            assert set(key_groups(np.array(t.column("key").to_pylist(), np.int64), M).tolist()) <= {kg}
+            got.update(zip(t.column("key").to_pylist(), t.column("value").to_pylist()))
+        return got
+
+    fold(list(range(0, 300, 3)), 1)
+    for cid, (keys, value) in enumerate([(list(range(0, 300, 3)), 2),  # same keys: the kept order
+                                         (list(range(0, 400, 3)) + [1000, 7], 3),  # new keys: sorted again
+                                         (list(range(0, 400, 3)) + [1000, 7], 4)], start=1):
+        assert captured(op.backend.capture(cid, lazy=True)) == live
+        op.backend.confirm(cid)
+        fold(keys, value)
+    assert captured(op.backend.capture_full(9)) == live
+
+
 # ----------------------------------------------------------------------------- results
 
 

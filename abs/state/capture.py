@@ -247,10 +247,16 @@ class FrozenSlots:
         # store: the ColumnarKeyedState (not imported: it imports this module)
         self.uid = store.operator_uid
         n = store.n
+        self._by_kg: Any = None  # every slot taken: the store's kept order by key group (see _split)
         if len(slots) == n:  # every slot (slots is then 0..n-1): plain copies beat gathers
             sel: Any = slice(0, n)
             self._groups: list[int] | None = np.flatnonzero(store.kg_counts).tolist()
             self._complete: Any = True
+            # views, not copies: a slot's key and key group never change once written (the
+            # store only appends slots, and a grown array starts as a copy of the old one)
+            self.kgs = store.kg[:n]
+            self.keys = store.keys[:n]
+            self._by_kg = store.order_by_key_group
         else:
             sel = slots
             self._groups = None
@@ -258,8 +264,8 @@ class FrozenSlots:
             # exist in this store), which storage writes as new bases without reading the chain
             counts = np.bincount(store.kg[slots], minlength=len(store.kg_counts))
             self._complete = (counts == store.kg_counts) & (counts > 0)
-        self.kgs = store.kg[sel].copy()
-        self.keys = store.keys[sel].copy()
+            self.kgs = store.kg[sel].copy()
+            self.keys = store.keys[sel].copy()
         # (None: every slot of the store is valid / present, nothing to copy)
         self.cols = [(c, c.values[sel].copy(), None if c.all_valid else c.valid[sel].copy(),
                       None if c.all_present else c.present[sel].copy()) for c in store.columns.values()]
@@ -305,16 +311,20 @@ class FrozenSlots:
         out: dict[str, dict[int, Captured]] = {}
         if not len(self.kgs):
             return {c.name: {} for c, *_ in self.cols}
-        order = np.argsort(self.kgs, kind="stable")
-        kgs = self.kgs[order]
-        keys = self.keys[order]
+        if self._by_kg is not None:
+            order, keys, bounds = self._by_kg(len(self.kgs))
+        else:
+            order = np.argsort(self.kgs, kind="stable")
+            keys = self.keys[order]
+            bounds = group_bounds(self.kgs[order])
         for col, values, valid, present in self.cols:
             values = self._narrow(col, values, valid)
             if present is None or present.all():
-                out[col.name] = self._cut(keys, kgs, values[order], None if valid is None else valid[order])
+                out[col.name] = self._cut(keys, bounds, values[order], None if valid is None else valid[order])
             else:
                 sel = order[present[order]]
-                out[col.name] = self._cut(self.keys[sel], self.kgs[sel], values[sel], None if valid is None else valid[sel])
+                out[col.name] = self._cut(self.keys[sel], group_bounds(self.kgs[sel]), values[sel],
+                                          None if valid is None else valid[sel])
         self.cols = [(c, None, None, None) for c, *_ in self.cols]  # free the copies
         return out
 
@@ -336,20 +346,26 @@ class FrozenSlots:
                 )
         return values.astype(dtype)
 
-    def _cut(self, keys: np.ndarray, kgs: np.ndarray, vals: np.ndarray, valid: np.ndarray | None) -> dict[int, Captured]:
-        m = len(keys)
-        if not m:
-            return {}
+    def _cut(self, keys: np.ndarray, bounds: list[tuple[int, int, int]], vals: np.ndarray,
+             valid: np.ndarray | None) -> dict[int, Captured]:
         nulls = None if valid is None or valid.all() else ~valid
-        cuts = np.flatnonzero(kgs[1:] != kgs[:-1]) + 1
-        starts = [0] + cuts.tolist()
-        ends = cuts.tolist() + [m]
         out = {}
-        for s, e, g in zip(starts, ends, kgs[starts].tolist()):
+        for s, e, g in bounds:
             whole = self.complete(g)
             out[g] = Captured(keys=keys[s:e], values=vals[s:e], nulls=None if nulls is None else nulls[s:e],
                               changed=None, deleted=[], all_rows=whole, complete=whole)
         return out
+
+
+def group_bounds(kgs: np.ndarray) -> list[tuple[int, int, int]]:
+    """``(start, end, key group)`` of each run of equal values in ``kgs`` (sorted)."""
+    m = len(kgs)
+    if not m:
+        return []
+    cuts = np.flatnonzero(kgs[1:] != kgs[:-1]) + 1
+    starts = [0] + cuts.tolist()
+    ends = cuts.tolist() + [m]
+    return list(zip(starts, ends, kgs[starts].tolist()))
 
 
 def _numpy_dtype(arrow_type: pa.DataType) -> np.dtype:

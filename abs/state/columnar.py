@@ -53,7 +53,7 @@ import pyarrow.compute as pc
 from abs.errors import StateError
 from abs.keygroups import KeyGroupRange, KeyGroupSet, key_groups
 
-from .capture import FrozenSlots, SlotsDelta
+from .capture import FrozenSlots, SlotsDelta, group_bounds
 from .encoding import ENCODING_ARROW, META_KEY_ENCODING, META_STATE_KIND, META_VALUE_ENCODING, check_restore_table
 from .keyindex import INT64_MAX, SlotMap, distinct, distinct_inverse
 
@@ -140,6 +140,7 @@ class ColumnarKeyedState:
         self._pending: dict[int, int] = {}  # checkpoint id -> epoch it closed, ascending
         self._last_captured: int | None = None
         self._last_confirmed: int | None = None
+        self._by_kg: tuple | None = None  # (n, order, keys, bounds) of slots 0..n-1 (order_by_key_group)
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -250,6 +251,23 @@ class ColumnarKeyedState:
                 )
             slots[miss] = self._append(new, kgs.astype(np.int16), start, present=True)[inverse]
         return slots
+
+    def order_by_key_group(self, n: int) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, int]]]:
+        """Slots ``0 .. n-1`` stably sorted by key group: ``(order, keys[order], [(start, end,
+        key group), ...])``. Kept until a slot is added (a slot's key and key group never
+        change once written), so full captures of a store whose keys stay do not sort again:
+        12 bytes per key (int32 order, the sorted keys). Safe to call from the uploader thread
+        while the task thread appends (only slots below ``n`` are read)."""
+        got = self._by_kg
+        if got is None or got[0] != n:
+            kg = self.kg[:n]
+            order = np.argsort(kg, kind="stable")
+            if n < 2**31:
+                order = order.astype(np.int32)
+            keys = self.keys[:n][order]
+            order.flags.writeable = keys.flags.writeable = False  # shared by the captures' rows
+            got = self._by_kg = (n, order, keys, group_bounds(kg[order]))
+        return got[1], got[2], got[3]
 
     def touch(self, slots: np.ndarray) -> None:
         """Record that ``slots`` changed in the current epoch."""
