@@ -152,6 +152,44 @@ def test_the_writer_process_writes_column_deltas_and_tables(tmp_path, writer):
 
 
 @pytest.mark.parametrize("where", ["process", "thread"])
+def test_the_writer_writes_the_aggregates_lazy_capture_frozen_at_the_barrier(tmp_path, where):
+    """The columnar aggregate's lazy capture (ColumnDelta instances cut from one capture) goes
+    to the writer process as it is and is written there, or in the worker's thread: every
+    key group's file holds its own keys with the values of the capture."""
+    from abs.state import AggregateBackend
+
+    url = str(tmp_path) if where == "process" else f"memory://aggregate-{os.getpid()}"
+    store = SnapshotStore.open(url)
+    store.init_job({"job_name": "j", "max_parallelism": M})
+    b = AggregateBackend(KeyedStateBackend("op", [ValueState("v", pa.int64())], M, KeyGroupRange(0, M - 1)), {"v": 0})
+    col = b.columnar
+    keys = np.arange(0, 900, 7, dtype=np.int64)
+    slots = col.slots_for(keys)
+    col.touch(slots)
+    col.columns["v"].values[slots] = keys * 3
+    col.columns["v"].valid[slots] = True
+    deltas = b.capture(1, lazy=True)["v"]
+    assert all(isinstance(d, ColumnDelta) for d in deltas.values())
+    col.columns["v"].values[slots] = -1  # after the barrier: not in the snapshot
+    jobs = [WriteJob("op", "v", kg, [], d, False) for kg, d in deltas.items()]
+    if where == "process":
+        w = SnapshotWriter.fork()
+        try:
+            w.open(url, None)
+            chains = w.write(1, jobs)
+        finally:
+            w.close()
+    else:
+        chains = InThreadWriter(store).write(1, jobs)
+    for kg, chain in zip(deltas, chains):
+        t = store.read_chain(chain)
+        got = t.column("key").to_pylist()
+        assert got and {key_group(k, M) for k in got} == {kg}
+        assert t.column("value").to_pylist() == [3 * k for k in got]
+    assert sum(store.read_chain(c).num_rows for c in chains) == len(keys)
+
+
+@pytest.mark.parametrize("where", ["process", "thread"])
 def test_the_writer_writes_values_images_while_a_key_groups_keys_stay(tmp_path, where):
     """Counters over a fixed key set: from the second checkpoint on, every key group's chain is
     its first base and a values image; a key group with a new key gets a new base. The same
