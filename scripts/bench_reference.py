@@ -33,6 +33,7 @@ the range (min..max) over the rounds.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -271,6 +272,13 @@ def checkpoint_cost(args: argparse.Namespace) -> None:
                   flush=True)
 
 
+def load() -> str:
+    try:
+        return " ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
@@ -292,11 +300,13 @@ def main() -> int:
         args.checkpoint_keys = [20_000]
     if args.rounds < 1 or args.events < 1 or min(args.keys) < 1 or min(args.parallelism) < 1:
         ap.error("--rounds, --events, --keys and --parallelism must be positive")
+    print(f"load average at the start {load()} ({os.cpu_count()} cores): figures on a loaded machine say little", flush=True)
     paths = [p for p in args.only if p != "checkpoint"]
     if paths:
         headline(args, paths)
     if "checkpoint" in args.only:
         checkpoint_cost(args)
+    print(f"\nload average at the end {load()}")
     return 0
 
 
