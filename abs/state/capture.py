@@ -234,8 +234,9 @@ class PickledDelta:
 
 
 class FrozenSlots:
-    """Copies, taken at capture, of some slots' key groups, keys and per-state values, cut
-    into per-key-group rows on demand (once; thread-safe).
+    """Copies, taken at capture, of some slots' key groups, keys and per-state values (of
+    every slot: views of the keys and key groups, which never change), cut into per-key-group
+    rows on demand (once; thread-safe).
 
     The rows of each key group are numpy views of arrays of their own (the copies, sorted by
     key group), never slices of one Arrow array: pyarrow pickles a slice with its parent's

@@ -32,15 +32,17 @@ confirmed capture, exactly as the dict backend's pending key sets do, whatever t
 confirmations and aborts. Per epoch the slots first touched in it are appended to a list, so a
 capture reads only what changed (a mask scan over ``ver`` replaces the union of the lists when
 they are large). The synchronous part of a snapshot copies the changed slots' keys, key
-groups and values (plain copies when every slot changed); with ``lazy=True`` the deltas are
+groups and values (when every slot changed: plain copies of the values, and views of the keys
+and key groups, which never change once written); with ``lazy=True`` the deltas are
 :class:`~abs.state.capture.SlotsDelta` objects, ``ColumnDelta`` instances like the dict
-backend's columnar key groups give: the split by key group (one stable argsort, each key
-group's rows then arrays of their own) happens in the asynchronous part, when a delta is first
-encoded or pickled for the worker's writer process, which receives a plain ``ColumnDelta`` of
-one key group's rows and encodes it as it does the dict backend's. The tables have exactly the schema the dict
-backend writes for the same typed ``ValueState`` (``key`` int64, ``value`` of the declared
-type, ``op`` int8 not null, the ``abs.*`` metadata), so storage, restore and inspection do not
-see a difference and snapshots restore into either path.
+backend's columnar key groups give: the split by key group (a stable argsort, kept by
+:meth:`ColumnarKeyedState.order_by_key_group` while no key is added; each key group's rows
+then arrays of their own) happens in the asynchronous part, when a delta is first encoded or
+pickled for the worker's writer process, which receives a plain ``ColumnDelta`` of one key
+group's rows and encodes it as it does the dict backend's. The tables have exactly the
+schema the dict backend writes for the same typed ``ValueState`` (``key`` int64, ``value`` of
+the declared type, ``op`` int8 not null, the ``abs.*`` metadata), so storage, restore and
+inspection do not see a difference and snapshots restore into either path.
 """
 from __future__ import annotations
 
