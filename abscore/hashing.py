@@ -61,7 +61,9 @@ Rules, by the type of the key (``bool`` counts as the integer 0 or 1, like Pytho
 
 Vectorised hashing (:func:`stable_hashes`, and :func:`abscore.keygroups.key_groups` on it) gives
 exactly the same values; integer arrays are hashed with numpy ``uint64`` arithmetic, string and
-binary arrays by dictionary-encoding them and hashing each distinct value once.
+binary arrays of values up to 64 bytes column-wise with numpy too (CRC-32 by its byte table,
+one pass per byte position), longer ones by dictionary-encoding them and hashing each distinct
+value once with zlib.
 """
 from __future__ import annotations
 
@@ -244,8 +246,25 @@ def _hash_numeric_np(v: np.ndarray) -> np.ndarray:
     raise AssertionError(kind)  # pragma: no cover
 
 
+def _crc32_table() -> np.ndarray:
+    """The byte-wise table of CRC-32/ISO-HDLC (reflected polynomial 0xEDB88320), as zlib's."""
+    t = np.arange(256, dtype=np.uint32)
+    for _ in range(8):
+        t = np.where(t & 1, (t >> np.uint32(1)) ^ np.uint32(0xEDB88320), t >> np.uint32(1))
+    return t
+
+
+_CRC32_TABLE = _crc32_table()
+# Values up to this many bytes are hashed column-wise with numpy (one pass per byte
+# position over the values that long); longer ones with zlib, one Python call each.
+_VECTOR_CRC_MAX_LEN = 64
+
+
 def _hash_distinct_bytes(values: pa.Array) -> np.ndarray:
     """Bytes rule on each value of a (null-free) binary/large_binary array."""
+    got = _hash_short_bytes(values)
+    if got is not None:
+        return got
     crc = _crc32
     return _fmix64_np(
         np.fromiter(
@@ -254,6 +273,36 @@ def _hash_distinct_bytes(values: pa.Array) -> np.ndarray:
             count=len(values),
         )
     )
+
+
+def _hash_short_bytes(values: pa.Array) -> np.ndarray | None:
+    """Bytes rule on each value slot of a binary/large_binary array, computed column-wise
+    (CRC-32 with its byte table, one numpy pass per byte position over the values at least
+    that long); ``None`` when a slot is longer than ``_VECTOR_CRC_MAX_LEN`` bytes. A null
+    slot gets the hash of the bytes it spans (the caller overwrites it)."""
+    n = len(values)
+    width = 8 if pa.types.is_large_binary(values.type) else 4
+    offsets = np.frombuffer(values.buffers()[1], dtype=np.int64 if width == 8 else np.int32,
+                            count=n + 1, offset=values.offset * width) if n else np.zeros(1, np.int64)
+    lengths = np.diff(offsets).astype(np.int64)
+    longest = int(lengths.max()) if n else 0
+    if longest > _VECTOR_CRC_MAX_LEN:
+        return None
+    data_buffer = values.buffers()[2] if n else None
+    data = np.frombuffer(data_buffer, dtype=np.uint8) if data_buffer is not None else np.zeros(0, np.uint8)
+    order = np.argsort(-lengths, kind="stable")  # longest first: the values still going are a prefix
+    starts = offsets[:-1][order].astype(np.int64)
+    longer = np.cumsum(np.bincount(lengths, minlength=longest + 1)[::-1])[::-1]  # longer[j]: values >= j bytes
+    crc = np.full(n, 0xFFFFFFFF, dtype=np.uint32)
+    table = _CRC32_TABLE
+    for j in range(longest):
+        k = int(longer[j + 1])
+        c = crc[:k]
+        crc[:k] = table[(c ^ data[starts[:k] + j]) & np.uint32(0xFF)] ^ (c >> np.uint32(8))
+    crc ^= np.uint32(0xFFFFFFFF)
+    out = np.empty(n, dtype=np.uint64)
+    out[order] = (crc.astype(np.uint64) << np.uint64(32)) | lengths[order].astype(np.uint64)
+    return _fmix64_np(out)
 
 
 def _hash_arrow_dictionary(arr: pa.Array) -> np.ndarray:
@@ -293,15 +342,18 @@ def _hash_arrow(arr: pa.Array) -> np.ndarray:
             arr = arr.cast(pa.binary())
         elif _is_type(t, "is_string_view"):
             arr = arr.cast(pa.string())
-        encoded = arr.dictionary_encode()
-        dictionary = encoded.dictionary
-        large = pa.types.is_large_string(dictionary.type) or pa.types.is_large_binary(dictionary.type)
+        large = pa.types.is_large_string(arr.type) or pa.types.is_large_binary(arr.type)
         target = pa.large_binary() if large else pa.binary()
-        dict_hashes = _hash_distinct_bytes(dictionary.cast(target))
-        if len(dict_hashes) == 0:
-            return np.full(n, NONE_HASH, dtype=np.uint64)
-        idx = encoded.indices.fill_null(0).to_numpy(zero_copy_only=False)
-        out = dict_hashes[idx.astype(np.intp, copy=False)]
+        direct = _hash_short_bytes(arr.cast(target))  # short values: every slot, no dictionary
+        if direct is not None:
+            out = direct
+        else:
+            encoded = arr.dictionary_encode()
+            dict_hashes = _hash_distinct_bytes(encoded.dictionary.cast(target))
+            if len(dict_hashes) == 0:
+                return np.full(n, NONE_HASH, dtype=np.uint64)
+            idx = encoded.indices.fill_null(0).to_numpy(zero_copy_only=False)
+            out = dict_hashes[idx.astype(np.intp, copy=False)]
     else:
         raise TypeError(
             f"key column of Arrow type {t} has no stable hash; cast it to int64, string or "

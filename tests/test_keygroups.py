@@ -507,6 +507,20 @@ def test_vectorised_strings_equal_scalar(values, large):
     assert key_groups(chunked, M).tolist() == scalar_groups(values + values)
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.one_of(st.none(), st.binary(max_size=80)), max_size=40), st.integers(0, 5),
+       st.sampled_from([pa.binary(), pa.large_binary()]))
+def test_column_wise_crc_of_values_around_its_length_limit_equals_zlib(values, start, arrow_type):
+    """Values up to 64 bytes are hashed column-wise with numpy, an array with a longer one
+    through zlib: the 64-bit hashes are the scalar ones either way, sliced arrays too."""
+    arr = pa.array(values, arrow_type)
+    expected = [stable_hash(v) for v in values]
+    assert stable_hashes(arr).tolist() == expected
+    assert stable_hashes(arr.slice(start)).tolist() == expected[start:]
+    text = pa.array([None if v is None else v.hex() for v in values], pa.string())
+    assert stable_hashes(text).tolist() == [stable_hash(None if v is None else v.hex()) for v in values]
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.one_of(st.none(), st.binary(max_size=6)), max_size=40))
 def test_vectorised_binary_equals_scalar(values):
