@@ -35,6 +35,7 @@ tables from a :class:`Captured`.
 """
 from __future__ import annotations
 
+import itertools
 from array import array
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -59,6 +60,15 @@ _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 # memory (``image``). From ``_IMAGE_SHARE`` on, the full image *is* the delta.
 _COPY_ALL_SHARE = 0.1
 _IMAGE_SHARE = 0.75
+
+
+# Column.fold: the columns it folds into, its numpy operations per aggregation and value kind
+# (floats: NaN is ignored unless both are NaN, like the key-by-key merge), and the bound past
+# which an int64 sum or count goes key by key
+_FOLD_DTYPES = (np.dtype(np.int64), np.dtype(np.float64))
+_FOLDS = {"sum": {"i": np.add, "f": np.add}, "count": {"i": np.add, "f": np.add},
+          "min": {"i": np.minimum, "f": np.fmin}, "max": {"i": np.maximum, "f": np.fmax}}
+_FOLD_INT_LIMIT = 2.0**62
 
 
 def typecode_of(arrow_type: pa.DataType | None) -> str | None:
@@ -239,6 +249,39 @@ class Column:
         self.index = index
         self.nulls = set(np.flatnonzero(nulls).tolist()) if nulls is not None else set()
         return True
+
+    def fold(self, keys: list, partials: np.ndarray, fn: str, epoch: int) -> np.ndarray | None:
+        """Fold per-key partial results (``fn``: ``sum``, ``count``, ``min`` or ``max``, as the
+        aggregate merges them) into distinct ``keys`` with one numpy operation, new keys
+        inserted with their partial; returns the merged values in ``keys`` order. ``None``,
+        with nothing changed, where the merge must go key by key: an untyped column or one of
+        another type than int64/float64 or ``partials``, a column holding a null, or an int64
+        sum or count that may leave int64 (the key-by-key path keeps exact ints and fails
+        with a message)."""
+        if self.objects or self.nulls or self.dtype not in _FOLD_DTYPES or partials.dtype != self.dtype:
+            return None
+        ufunc = _FOLDS[fn][self.dtype.kind]
+        slots = np.fromiter(map(self.index.get, keys, itertools.repeat(-1)), dtype=np.int64, count=len(keys))
+        found = slots >= 0
+        merged = partials.copy()
+        if found.any():
+            at = slots[found]
+            values = np.frombuffer(self.values, dtype=self.dtype)
+            old = values[at]
+            part = partials[found]
+            if fn in ("sum", "count") and self.dtype.kind == "i":
+                bound = np.abs(old.astype(np.float64)).max() + np.abs(part.astype(np.float64)).max()
+                if bound >= _FOLD_INT_LIMIT:
+                    return None
+            new = ufunc(old, part)
+            values[at] = new
+            np.frombuffer(self.stamps, dtype=np.int64)[at] = epoch
+            merged[found] = new
+            del values  # release the buffer: inserts grow the array
+        if not found.all():
+            for i in np.flatnonzero(~found).tolist():
+                self.insert(keys[i], partials[i].item(), epoch)
+        return merged
 
     # ------------------------------------------------------------------ snapshots
     def capture(self, since: int, *, full: bool = False) -> Captured | None:

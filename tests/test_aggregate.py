@@ -573,6 +573,52 @@ def test_string_keys_take_the_dict_path():
     assert dict(zip(t.column("key").to_pylist(), t.column("value").to_pylist())) == {"a": 4, "b": 2}
 
 
+def test_string_keys_fold_like_int_keys_with_nulls_nan_and_new_keys():
+    """The dict path folds a key group's partial results with numpy (Column.fold) and falls
+    back to key-by-key merges where it must: either way it agrees with the columnar path (float
+    sums to the last bits, which depend on the order of the additions)."""
+
+    def same(a, b):
+        if isinstance(a, float) and isinstance(b, float):
+            return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-12)
+        return a == b
+
+    def agree(got: dict, want: dict) -> bool:
+        return got.keys() == want.keys() and all(
+            all(same(x, y) for x, y in zip(got[k], want[k])) for k in want)
+
+    rng = np.random.default_rng(11)
+    for aggs, col, vtype in ((INT_AGGS, "v", pa.int64()), (FLOAT_AGGS, "f", pa.float64())):
+        value_type = pa.float64() if col == "f" else pa.int64()
+        by_str = make_op(aggs, value_type=value_type)
+        by_int = make_op(aggs, value_type=value_type)
+        for i in range(15):
+            size = int(rng.integers(1, 90))
+            ks = rng.integers(0, 70, size).tolist()
+            nulls = 0.0 if i < 8 else 0.1  # the first batches fold with numpy throughout
+            if col == "f":
+                vs = [None if x < nulls else (math.nan if x > 0.95 else float(x)) for x in rng.random(size)]
+            else:
+                vs = [None if x < nulls else int(50 - 100 * x) for x in rng.random(size)]
+            got = feed(by_str, batch([f"k{k}" for k in ks], vs, key_type=pa.string(), value_type=vtype, col=col))
+            want = feed(by_int, batch(ks, vs, value_type=vtype, col=col))
+            assert agree({r[0]: r[1:] for r in zip(*(got.column(c).to_pylist() for c in got.schema.names))},
+                         {f"k{r[0]}": r[1:] for r in zip(*(want.column(c).to_pylist() for c in want.schema.names))})
+        assert by_str.backend.columnar is None and by_int.backend.columnar is not None
+        for state in by_int.backend.descriptors:
+            assert agree({k: (v,) for k, v in by_str.backend.items(state.name)},
+                         {f"k{k}": (v,) for k, v in by_int.backend.items(state.name)}), state.name
+
+
+def test_string_keyed_sums_near_the_int64_limit_merge_key_by_key_and_fail_past_it():
+    op = make_op({"s": ("v", "sum")}, emit="none")
+    feed(op, batch(["a", "b"], [2**62, 2**62], key_type=pa.string()))
+    feed(op, batch(["a", "c"], [2**61, 5], key_type=pa.string()))  # past 2**62: key by key, exact
+    assert dict(op.backend.items("s")) == {"a": 3 * 2**61, "b": 2**62, "c": 5}
+    with pytest.raises(StateError, match="does not fit"):
+        feed(op, batch(["a"], [2**62], key_type=pa.string()))
+
+
 def test_restoring_string_keyed_state_moves_to_the_dict_path():
     src = make_op({"s": ("v", "sum")})
     feed(src, batch(["x", "y"], [1, 2], key_type=pa.string()))

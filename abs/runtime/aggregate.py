@@ -228,35 +228,45 @@ class Aggregator:
         grouped = table.group_by(key, use_threads=False).aggregate(self.requests)
         keys_arr = grouped.column(key)
         kgs = key_groups(keys_arr, self.max_parallelism)
-        keys = keys_arr.to_pylist()
-        partials = []
-        for state, col, fn in self.plan:
-            part = grouped.column(f"{col}_{fn}").to_pylist()
-            if self.dtypes[state].kind == "f":
-                part = [None if x is None else float(x) for x in part]
-            partials.append(part)
         order = np.argsort(kgs, kind="stable")
+        keys = keys_arr.take(pa.array(order)).to_pylist()  # in key-group order
         sorted_kgs = kgs[order]
         bounds = np.flatnonzero(np.diff(sorted_kgs)) + 1
         starts = np.concatenate(([0], bounds)).tolist()
         ends = np.concatenate((bounds, [len(order)])).tolist()
-        new_values = [[None] * len(keys) for _ in self.plan]
+        # per state: the partial results in key-group order, as numpy (None: they hold a null)
+        # and, made when a key group must be merged key by key, as Python values
+        arrays = []
+        for state, col, fn in self.plan:
+            part = grouped.column(f"{col}_{fn}")
+            arrays.append(None if part.null_count else part.to_numpy().astype(self.dtypes[state], copy=False)[order])
+        lists: list = [None] * len(self.plan)
+        new_values = [[None] * len(keys) for _ in self.plan] if self.emit_updates else None
         for s, e in zip(starts, ends):
-            idx = order[s:e].tolist()
             kg = int(sorted_kgs[s])
-            ks = [keys[i] for i in idx]
-            for p, (state, _col, fn) in enumerate(self.plan):
-                old = backend.get_many(state, kg, ks)
-                part = partials[p]
+            ks = keys[s:e]
+            for p, (state, col, fn) in enumerate(self.plan):
+                if arrays[p] is not None:
+                    folded = backend.fold_many(state, kg, ks, arrays[p][s:e], fn)
+                    if folded is not None:
+                        if new_values is not None:
+                            new_values[p][s:e] = folded.tolist()
+                        continue
+                if lists[p] is None:
+                    lists[p] = self._partials(grouped.column(f"{col}_{fn}"), state, order)
                 merge = _MERGE[fn]
-                merged = [merge(o, part[i]) for o, i in zip(old, idx)]
+                merged = [merge(o, v) for o, v in zip(backend.get_many(state, kg, ks), lists[p][s:e])]
                 backend.put_many(state, kg, ks, merged)
-                col_out = new_values[p]
-                for i, v in zip(idx, merged):
-                    col_out[i] = v
+                if new_values is not None:
+                    new_values[p][s:e] = merged
+        if new_values is not None:  # back to the order of the grouped keys
+            inverse = np.empty(len(order), np.int64)
+            inverse[order] = np.arange(len(order))
+            at = inverse.tolist()
+            new_values = [[vals[i] for i in at] for vals in new_values]
         if not self.emit_updates:
             return None
-        values = {state: vals for (state, _c, _f), vals in zip(self.plan, new_values)}
+        values = {state: vals for (state, _c, _f), vals in zip(self.plan, new_values)}  # type: ignore[arg-type]
         cols: dict[str, Any] = {"key": keys_arr.combine_chunks() if isinstance(keys_arr, pa.ChunkedArray) else keys_arr}
         for out, (_col, fn) in self.aggs.items():
             if fn == "mean":
@@ -266,6 +276,14 @@ class Aggregator:
             else:
                 cols[out] = pa.array(values[out], _EMIT_TYPE[self.dtypes[out]])
         return pa.RecordBatch.from_pydict(cols)
+
+    def _partials(self, part: Any, state: str, order: np.ndarray) -> list:
+        """Partial results of one state in key-group order, as Python values (floats for a
+        floating-point state)."""
+        values = part.take(pa.array(order)).to_pylist()
+        if self.dtypes[state].kind == "f":
+            values = [None if x is None else float(x) for x in values]
+        return values
 
 
 def _merge_sum(o: Any, p: Any) -> Any:

@@ -220,6 +220,17 @@ class KeyedStateBackend:
             d.update(zip(keys, values))
         slot.dirty[kg].update(keys)
 
+    def fold_many(self, name: str, kg: int, keys: list, partials: Any, fn: str) -> Any:
+        """The aggregate's merge of per-key partial results (a numpy array; ``fn``: ``sum``,
+        ``count``, ``min`` or ``max``) into distinct ``keys`` of key group ``kg`` in one numpy
+        operation: the merged values (numpy), or ``None`` with nothing changed when the state
+        must be merged key by key (see :meth:`abs.columns.Column.fold`)."""
+        slot = self._slot(name)
+        self._check_kg(kg, "fold_many:")
+        if slot.typecode is None:
+            return None
+        return slot.data[kg].fold(keys, partials, fn, self.epoch)
+
     def delete_many(self, name: str, kg: int, keys: Iterable[Any]) -> None:
         """Delete ``keys`` (all in key group ``kg``) from state ``name``."""
         slot = self._slot(name)
