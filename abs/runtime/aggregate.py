@@ -18,8 +18,11 @@ may differ from the dict path's per-batch partial sums.
 
 Dict path
 =========
-Each batch is grouped with pyarrow's ``group_by``, and the per-key partial results are merged
-into the dict backend's values with ``get_many``/``put_many``.
+Each batch is grouped with pyarrow's ``group_by``, its keys sorted by key group once, and each
+key group's partial results are folded into the dict backend's columns with one numpy
+operation (``KeyedStateBackend.fold_many``, :meth:`abs.columns.Column.fold`); where that does
+not apply (nulls, an int64 sum nearing the int64 range, untyped or narrower states) they are
+merged key by key with ``get_many``/``put_many``.
 """
 from __future__ import annotations
 
