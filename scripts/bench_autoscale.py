@@ -1,9 +1,9 @@
 """Autoscaling benchmark: a load ramp (the input rate rises 4x over ``--ramp`` seconds, then
 falls back) through a keyed stage whose per-record work waits (an emulated remote call, so
-that more workers give more capacity on a 2-core machine), run with a fixed small
-parallelism, a fixed large one, and autoscaling (``abs.Autoscale``); then a skewed input (one
-key group with 30 % of the records) at a fixed two workers with autoscaling, which must be
-found and rebalanced.
+that more workers give more capacity on a 2-core machine), run at fixed parallelisms
+(``--fixed``, default 1, 2, 3, 4) and with autoscaling (``abs.Autoscale``) between the
+smallest and the largest; then a skewed input (one key group with 30 % of the records) at a
+fixed two workers with autoscaling, which must be found and rebalanced.
 
 Every record carries the time it was *due* by the input profile, so the sink's latency is the
 lag behind the input, queueing at the source included. Printed per run: worker-seconds, the
@@ -15,7 +15,7 @@ Targets (issue: automatic scaling): with autoscaling the lag returns under 1 s w
 each step, using at most 1.3x the worker-seconds of the best fixed parallelism that keeps up;
 no more than one decision per cool-down; the skewed key group detected and rebalanced.
 
-    .venv/bin/python scripts/bench_autoscale.py [--ramp 60] [--base 700] [--work-ms 0.5]
+    .venv/bin/python scripts/bench_autoscale.py [--ramp 60] [--base 700] [--work-ms 0.5] [--fixed 1,2,3,4]
 """
 from __future__ import annotations
 
@@ -208,29 +208,28 @@ def main() -> int:
     ap.add_argument("--ramp", type=float, default=60.0, help="seconds of the rise (and of the fall)")
     ap.add_argument("--base", type=float, default=700.0, help="input records/s at the start")
     ap.add_argument("--work-ms", type=float, default=0.5, help="the wait per record (the remote call)")
-    ap.add_argument("--small", type=int, default=1)
-    ap.add_argument("--large", type=int, default=4)
+    ap.add_argument("--fixed", default="1,2,3,4", help="the fixed parallelisms to run (the largest is autoscaling's max)")
     ap.add_argument("--plots", default=None)
     args = ap.parse_args()
     plots = args.plots or tempfile.mkdtemp(prefix="abs-bench-autoscale-plots-")
     os.makedirs(plots, exist_ok=True)
     profile = Profile(args.base, 4.0, warm=10.0, ramp=args.ramp, tail=15.0)
-    cfg = abs.Autoscale(min_workers=1, max_workers=args.large, stabilization=5.0, cooldown=10.0, interval=1.0,
+    fixed = sorted(int(p) for p in args.fixed.split(","))
+    cfg = abs.Autoscale(min_workers=1, max_workers=fixed[-1], stabilization=5.0, cooldown=10.0, interval=1.0,
                         catch_up=10.0)
     print(f"== ramp {args.base:,.0f} -> {4 * args.base:,.0f} -> {args.base:,.0f} records/s over 2 x {args.ramp:.0f} s, "
           f"{args.work_ms} ms of waiting per record; {profile.total:,} records; plots in {plots}", flush=True)
-    runs = [one_run(f"fixed {args.small}", profile, args.work_ms, args.small, None),
-            one_run(f"fixed {args.large}", profile, args.work_ms, args.large, None),
-            one_run("autoscale", profile, args.work_ms, args.small, cfg)]
+    runs = [one_run(f"fixed {p}", profile, args.work_ms, p, None) for p in fixed]
+    runs.append(one_run("autoscale", profile, args.work_ms, fixed[0], cfg))
     print(f"  {'run':<12}{'worker-s':>9}{'s over 1 s':>11}{'max lag s':>10}{'final P':>8}")
     for run in runs:
         print(f"  {run['label']:<12}{run['worker_s']:>9.0f}{run['over']:>11}{run['max']:>10.1f}{run['final']:>8}")
         plot(run, os.path.join(plots, f"autoscale-{run['label'].replace(' ', '-')}.png"), cfg.cooldown)
-    auto = runs[2]
+    auto = runs[-1]
     for d, back in zip(auto["decisions"], auto["recover"]):
         print(f"    {d['time']:6.1f} s {d['kind']} to {d['workers']} ({d['outcome']}): {d['reason']}; "
               f"lag under 1 s {back:.0f} s later")
-    keeps_up = [r for r in runs[:2] if r["over"] <= 0.05 * len(r["wins"])]
+    keeps_up = [r for r in runs[:-1] if r["over"] <= 0.05 * len(r["wins"])]
     best = min(keeps_up, key=lambda r: r["worker_s"]) if keeps_up else None
     times = [d["time"] for d in auto["decisions"]]
     spaced = all(b - a >= cfg.cooldown for a, b in zip(times, times[1:]))
@@ -240,7 +239,7 @@ def main() -> int:
         print(f"  autoscale: {ratio:.2f}x the worker-seconds of {best['label']}, the cheapest fixed run that keeps up "
               f"(target <= 1.3: {'met' if ratio <= 1.3 else 'NOT met'})")
     else:
-        print("  no fixed run kept up: raise --large")
+        print("  no fixed run kept up: add a larger one to --fixed")
     print(f"  lag back under 1 s within 20 s of each decision: {'met' if recovered else 'NOT met'}; one decision "
           f"per cool-down ({cfg.cooldown:.0f} s) at most: {'met' if spaced else 'NOT met'}", flush=True)
     # skew: one key group with 30 % of the records, two workers, autoscaling may only rebalance

@@ -21,8 +21,9 @@ latency columns of stop-and-restart leave out its wait; its stall column has it.
 
 Printed per run: the longest time the output made no progress (from the reconfiguration's
 start to 3 s after its end; beside it the longest in the 3 s before, the steady state's own),
-the max and p99 latency in that span against the steady state's p99 before it, the
-reconfiguration's duration, bytes handed over against the moved key groups'
+the max and p99 latency in that span against the steady state's p99 (before it, and 3-6 s
+after its end: a rescale changes the steady state itself, e.g. records crossing processes at
+p=2 wait longer than at p=1; the target uses the larger), the reconfiguration's duration, bytes handed over against the moved key groups'
 full size in the checkpoint they build on, and throughput during it. A plot per run (latency
 per 100-ms window over time) is saved next to the table (``--plots DIR``; needs matplotlib).
 Targets: live longest stall <= 1/10 of stop-and-restart's; fluid/batched max latency <= 3x the
@@ -197,7 +198,7 @@ def one_run(strategy: str, keys: int, rate: float, change: str = "move") -> dict
             out["full_bytes"] = sum(s.full_bytes for s in rec.steps)
             out["steps"] = len(rec.steps)
         t_end = time.time()
-        time.sleep(STEADY_S)
+        time.sleep(2 * STEADY_S)  # the reconfiguration's aftermath, then the new steady state
     finally:
         try:
             handle.cancel()
@@ -208,6 +209,7 @@ def one_run(strategy: str, keys: int, rate: float, change: str = "move") -> dict
     rows = rows[np.argsort(rows[:, 0], kind="stable")]
     arrive, lat = rows[:, 0], rows[:, 1]
     steady = (arrive >= t_start - STEADY_S + 0.5) & (arrive < t_start)
+    after = (arrive >= t_end + STEADY_S) & (arrive < t_end + 2 * STEADY_S)
     span = (arrive >= t_start) & (arrive < t_end + STEADY_S)
     times = np.unique(arrive[span])
     gaps = np.diff(np.concatenate([[t_start], times]))
@@ -215,6 +217,7 @@ def one_run(strategy: str, keys: int, rate: float, change: str = "move") -> dict
     out.update(
         duration=t_end - t_start,
         steady_p99=float(np.percentile(lat[steady], 99)),
+        after_p99=float(np.percentile(lat[after], 99)) if after.any() else float("nan"),
         steady_p50=float(np.percentile(lat[steady], 50)),
         p99=float(np.percentile(lat[span], 99)),
         max=float(lat[span].max()),
@@ -286,14 +289,15 @@ def main() -> int:
         p0, p1 = CHANGES[c]
         print(f"-- {c}: {'half the key groups move between 2 workers' if c == 'move' else f'{p0} -> {p1} workers'}")
         print(f"  {'strategy':<17}{'stall ms':>9}{'steady stall':>13}{'max ms':>9}{'p99 ms':>9}{'steady p99':>11}"
-              f"{'duration s':>11}{'moved KB':>10}{'full KB':>9}{'events/s during':>16}")
+              f"{'after p99':>10}{'duration s':>11}{'moved KB':>10}{'full KB':>9}{'events/s during':>16}")
         for s in strategies:
             for run in runs[(c, s)]:
                 moved = "-" if run["bytes_moved"] is None else f"{run['bytes_moved'] / 1024:,.0f}"
                 full = "-" if run["full_bytes"] is None else f"{run['full_bytes'] / 1024:,.0f}"
                 print(f"  {s:<17}{run['stall'] * 1000:>9.0f}{run['steady_stall'] * 1000:>13.0f}"
                       f"{run['max'] * 1000:>9.0f}{run['p99'] * 1000:>9.0f}"
-                      f"{run['steady_p99'] * 1000:>11.0f}{run['duration']:>11.2f}{moved:>10}{full:>9}"
+                      f"{run['steady_p99'] * 1000:>11.0f}{run['after_p99'] * 1000:>10.0f}{run['duration']:>11.2f}"
+                      f"{moved:>10}{full:>9}"
                       f"{run['throughput']:>16,.0f}")
         restart_stall = float(np.median([r["stall"] for r in runs[(c, "stop-and-restart")]]))
         for s in strategies[1:]:
@@ -302,8 +306,9 @@ def main() -> int:
             line = (f"  {s}: longest stall {ratio:.3f} of stop-and-restart's (target <= 0.1: "
                     f"{'met' if ratio <= 0.1 else 'NOT met'})")
             if s in ("batched", "fluid"):
-                lat = float(np.median([r["max"] / r["steady_p99"] for r in runs[(c, s)]]))
-                line += f"; max latency {lat:.1f}x the steady p99 (target <= 3: {'met' if lat <= 3 else 'NOT met'})"
+                lat = float(np.median([r["max"] / np.nanmax([r["steady_p99"], r["after_p99"]]) for r in runs[(c, s)]]))
+                line += (f"; max latency {lat:.1f}x the steady p99, the larger of before and after (target <= 3: "
+                         f"{'met' if lat <= 3 else 'NOT met'})")
             moved = [r["bytes_moved"] / r["full_bytes"] for r in runs[(c, s)] if r["full_bytes"]]
             if moved:
                 line += f"; bytes moved {float(np.median(moved)):.2f}x the moved key groups' full size"
