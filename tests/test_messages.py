@@ -54,7 +54,7 @@ SAMPLES = {
     m.WriteSnapshot: m.WriteSnapshot(7, [m.WriteJob("count", "n", 3, [], np.arange(4), False)]),
     m.WriteDone: m.WriteDone([[REF]], 0.25),
     m.WriteFailed: m.WriteFailed("OSError: disk full"),
-    m.StartStep: m.StartStep(3, ((1, 0), (2, 1)), 6, 2, "drain", (("src", 2, 0),)),
+    m.StartStep: m.StartStep(3, ((1, 0), (2, 1)), 6, 2, "drain", (("src", 2, 0, ("1", "3")),)),
     m.AddPeers: m.AddPeers(2, (("127.0.0.1", 4000),), 3),
     m.PeersAdded: m.PeersAdded(1),
     m.ChannelAdded: m.ChannelAdded(5),

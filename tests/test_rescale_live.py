@@ -50,6 +50,9 @@ def test_grow_without_storage_keeps_every_count_exact(tmp_path):
     assert result.status == "FINISHED" and result.parallelism == 3
     assert result.records_in["count"] == TOTAL
     check_counts(result.collected("out"))
+    # the four source splits evened out at the join (2 + 2 -> 2 + 1 + 1): the new worker read
+    # the rest of one of them (the old owner read its start), and every record once (above)
+    assert 0 < job._driver._records[2]["src"] <= TOTAL // 4
 
 
 @pytest.mark.parametrize("strategy,batch", [("all_at_once", None), ("batched", 3), ("fluid", None)])

@@ -16,7 +16,7 @@ from abs.errors import AlignmentError, ReconfigurationError
 from abs.keygroups import key_groups
 from abs.reconfig import Assignment
 from abs.reconfig.aligner import StepAligner
-from abs.reconfig.plan import DRAIN, JOIN, RETIRE, plan_rescale, rescale_target
+from abs.reconfig.plan import DRAIN, JOIN, RETIRE, plan_rescale, rescale_target, spread_splits
 from abs.runtime.channels import EOS, Barrier, InputGate, StepMarker, decode, encode
 from abs.runtime.messages import ChannelAdded
 from abs.runtime.plan import OutputPlan
@@ -70,6 +70,27 @@ def test_rescale_steps_join_first_and_drain_then_retire_last(current, data):
         assert all(s.workers == workers for s in steps[-2:])
         assert all(mv.target < workers for s in steps for mv in s.moves)  # nothing moves to a leaving worker
         assert all(owner < workers for owner in state.owners)  # the leaving workers own nothing at the drain
+
+
+@settings(max_examples=300, deadline=None)
+@given(owners=st.dictionaries(st.text("0123456789abc", min_size=1, max_size=3), st.integers(0, 5), max_size=20),
+       workers=st.integers(1, 6))
+def test_splits_even_out_over_the_workers_with_the_fewest_moves(owners, workers):
+    moves = spread_splits(owners, workers)
+    after = dict(owners)
+    for a, b, splits in moves:
+        assert a != b and b < workers and splits
+        for s in splits:
+            assert after[s] == a
+            after[s] = b
+    counts = [sum(1 for w in after.values() if w == k) for k in range(workers)]
+    assert all(w < workers for w in after.values()) and max(counts) - min(counts) <= 1
+    n = len(owners)
+    share = [n // workers + (1 if w < n % workers else 0) for w in range(workers)]
+    # fewest moves: a worker keeps its own splits up to its share, a leaving one none
+    must = sum(max(0, sum(1 for w in owners.values() if w == k) - (share[k] if k < workers else 0))
+               for k in set(owners.values()))
+    assert sum(len(s) for _a, _b, s in moves) == must
 
 
 def test_rescale_requests_are_checked():

@@ -30,7 +30,7 @@ from abscore.ids import id_ranges
 from ..keygroups import routing_table
 
 __all__ = ["Assignment", "Move", "Step", "STRATEGIES", "ReconfigurationError", "plan_steps",
-           "move_target", "rebalance_target", "check_strategy", "rescale_target", "plan_rescale",
+           "move_target", "rebalance_target", "check_strategy", "rescale_target", "plan_rescale", "spread_splits",
            "JOIN", "DRAIN", "RETIRE"]
 
 JOIN, DRAIN, RETIRE = "join", "drain", "retire"
@@ -241,3 +241,29 @@ def plan_rescale(current: Assignment, workers: int, strategy: str = "all_at_once
     moves = plan_steps(current, target.widened(P), strategy, batch)
     n = len(moves)
     return target, moves + (Step(n + 1, (), workers, DRAIN), Step(n + 2, (), workers, RETIRE))
+
+
+def spread_splits(owners: Mapping[str, int], workers: int) -> list[tuple[int, int, tuple[str, ...]]]:
+    """Source splits to hand over so that ``workers`` workers read about as many splits each
+    (``owners``: split -> worker, of one source): ``(from, to, splits)`` moves, the fewest
+    that even the counts out (a worker keeps its own splits up to its share, the lowest
+    first; a worker at or past ``workers`` keeps none)."""
+    splits = sorted(owners, key=lambda s: (owners[s], str(s)))
+    n = len(splits)
+    share = [n // workers + (1 if w < n % workers else 0) for w in range(workers)]
+    kept = [0] * workers
+    free: list[str] = []
+    for s in splits:
+        w = owners[s]
+        if w < workers and kept[w] < share[w]:
+            kept[w] += 1
+        else:
+            free.append(s)
+    moves: dict[tuple[int, int], list[str]] = {}
+    w = 0
+    for s in free:
+        while kept[w] >= share[w]:
+            w += 1
+        kept[w] += 1
+        moves.setdefault((owners[s], w), []).append(s)
+    return [(a, b, tuple(ss)) for (a, b), ss in sorted(moves.items())]

@@ -198,6 +198,7 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
                 first_id, restore_info = self._open_storage()
                 spec = self._spec(restore_info, attempt)
                 assignments = self._assignments(restore_info)
+                self._track_splits(assignments)
                 self._open_sources(restore_info, attempt)
                 self._reconfig_reset()
                 self._launch(spec, assignments, procs, conns)

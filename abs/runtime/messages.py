@@ -339,7 +339,7 @@ class StartStep:
     base: int  # the newest complete checkpoint when the step started
     workers: int = 0  # a rescale's: the number of workers from this step on
     phase: str = ""  # a rescale's: "join", "drain" or "retire" (abs.reconfig.plan)
-    split_moves: tuple = ()  # drain: ((source uid, from worker, to worker), ...): the splits to hand over
+    split_moves: tuple = ()  # join/drain: ((source uid, from worker, to worker, splits), ...) to hand over
 
 
 # ---------------------------------------------------------------------- rescale (abs.reconfig)

@@ -179,11 +179,11 @@ class LiveReconfiguration(Rescaling):
         moves = tuple((mv.key_group, mv.target) for mv in step.moves)
         run.coord.defer_periodic = True  # see CheckpointCoordinator.defer_periodic
         split_moves: tuple = ()
-        if step.phase == DRAIN:
+        if step.phase in (JOIN, DRAIN):  # the sources' splits even out over the workers
             split_moves = self._split_moves(step.workers)
-            reconf.expect(*(("splits", uid, w) for uid, w, _to in split_moves))
-            if self.checkpointing:
-                reconf.expect(("checkpoint",))
+            reconf.expect(*(("splits", uid, a, b) for uid, a, b, _splits in split_moves))
+        if step.phase == DRAIN and self.checkpointing:
+            reconf.expect(("checkpoint",))
         elif step.phase == RETIRE:
             leaving, _sources = self._task_keys(range(step.workers, self.P))
             reconf.expect(*(("done", key) for key in leaving))

@@ -35,7 +35,7 @@ from multiprocessing.connection import Listener
 from typing import Any
 
 from ..errors import WorkerLostError
-from ..reconfig.plan import ReconfigurationError
+from ..reconfig.plan import DRAIN, ReconfigurationError, spread_splits
 from . import messages as m
 from .plan import task_key
 
@@ -62,6 +62,7 @@ class Rescaling:
         self._drain_from: int | None = None  # the first checkpoint id after a drain step
         self._splits_relayed: dict[str, int] = {}  # source task -> split handovers relayed to it
         self._retired_records: dict[str, int] = {}  # records counted by workers that left
+        self._split_owners: dict[str, dict] = {}  # source uid -> split -> the worker reading it
 
     def _check_rescale(self, workers: Any) -> None:
         if type(workers) is not int:
@@ -177,26 +178,40 @@ class Rescaling:
         self._addresses = tuple(self._addresses[:workers])  # workers that left are no peers
 
     # ------------------------------------------------------------------ drain
+    def _track_splits(self, assignments: list) -> None:
+        """At each attempt's start: which worker reads which split of each source."""
+        self._split_owners = {}
+        for i, a in enumerate(assignments):
+            for uid, splits in a.source_splits.items():
+                for split in splits:
+                    self._split_owners.setdefault(uid, {})[split] = i
+
     def _split_moves(self, workers: int) -> tuple:
-        """Drain: every leaving worker's source subtasks hand their splits to a remaining
-        worker (round robin)."""
-        sources = [self.flow.nodes[t.head].uid for t in self.plan.tasks if t.is_source]
-        return tuple((uid, w, w % workers) for uid in sources for w in range(workers, self.P))
+        """The source splits a join or drain hands over: every source's splits evened out
+        over ``workers`` workers with the fewest moves (workers that leave keep none)."""
+        moves = []
+        for uid, owners in sorted(self._split_owners.items()):
+            for a, b, splits in spread_splits(owners, workers):
+                moves.append((uid, a, b, splits))
+        return tuple(moves)
 
     def _on_splits(self, run: Any, msg: m.SplitsHandover) -> None:
         reconf = self._reconf
-        event = ("splits", msg.operator, msg.source)
+        event = ("splits", msg.operator, msg.source, msg.target)
         if reconf is None or not reconf.waits_for(event):
             raise m.unexpected(msg, f"job {self.flow.name!r}: the driver", f"worker {msg.source}",
-                               "no split handover: no drain step runs")
+                               "no split handover: no step moves these splits")
         head = next(t.index for t in self.plan.tasks if t.is_source and self.flow.nodes[t.head].uid == msg.operator)
         target = task_key(head, msg.target)
         self._splits_relayed[target] = self._splits_relayed.get(target, 0) + 1
         run.life.on_splits_gained(target)
+        for split in msg.splits:
+            self._split_owners.setdefault(msg.operator, {})[split] = msg.target
         run.conns[msg.target].send(msg)
+        draining = reconf.current is not None and reconf.current.phase == DRAIN
         if reconf.on_event(event):
             self._step_done(run)
-        elif self.checkpointing and not reconf.waits_for_any("splits"):
+        elif draining and self.checkpointing and not reconf.waits_for_any("splits"):
             # every split is at its new owner: a checkpoint now commits what the leaving
             # workers' sinks wrote (its barriers come after the drain marker everywhere)
             self._drain_from = run.coord.next_id

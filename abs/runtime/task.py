@@ -217,9 +217,9 @@ class Task(threading.Thread):
                         for out in self.outputs:
                             out.switch(marker)
                         self.worker.fault("after_routing_switch", self)
-                        if event.phase == "drain":
-                            self._drain_splits(event)
-                        elif event.phase == "retire" and self.subtask >= event.workers:
+                        if event.split_moves:
+                            self._hand_splits(event)
+                        if event.phase == "retire" and self.subtask >= event.workers:
                             self.worker.fault("before_retire", self)
                             self._end_of_input()  # a leaving worker's source: its channels end here
                             reader.close()
@@ -257,20 +257,30 @@ class Task(threading.Thread):
                 head.records_in += batch.num_rows
                 head.emit(batch)
 
-    def _drain_splits(self, step: m.StartStep) -> None:
-        """A rescale's drain step: a leaving source task hands every split it reads to its new
-        owner (their offsets now: every record read so far went out before the step's
-        marker); the new owner waits for them before anything that snapshots or ends it."""
+    def _hand_splits(self, step: m.StartStep) -> None:
+        """A rescale's join or drain step moves source splits (``StartStep.split_moves``:
+        ``(source uid, from, to, splits)``): a task that gives splits stops reading them now
+        (their offsets: every record read so far went out before the step's marker), hands
+        them over through the driver and reads on the splits it keeps with a reader of its
+        own; a task that gains splits waits for them before anything that snapshots or ends it."""
         uid = self.head.uid
-        for op_uid, source, target in step.split_moves:
-            if op_uid != uid:
-                continue
-            if source == self.subtask:
-                offsets = self.reader.release()
-                self.worker.fault("during_split_handover", self)
-                self.worker.send_to_driver(m.SplitsHandover(step.step, uid, source, target, offsets))
-            elif target == self.subtask:
-                self._awaiting_splits.add(source)
+        giving = [(to, splits) for u, frm, to, splits in step.split_moves if u == uid and frm == self.subtask]
+        if giving:
+            offsets = self.reader.release()
+            self.worker.fault("during_split_handover", self)
+            for to, splits in giving:
+                missing = [s for s in splits if s not in offsets]
+                if missing:
+                    raise RuntimeError(f"source {uid!r} of subtask {self.subtask} does not read split(s) {missing} "
+                                       "the rescale moves from it (the driver's split owners disagree: a bug)")
+                given = {s: offsets.pop(s) for s in splits}
+                self.worker.send_to_driver(m.SplitsHandover(step.step, uid, self.subtask, to, given))
+            if offsets:  # the splits it keeps
+                source = self.worker.spec.flow.nodes[self.plan.head].spec["source"]
+                self.reader.add(source.create_reader(offsets, self.subtask, self.worker.spec.parallelism))
+        for u, frm, to, _splits in step.split_moves:
+            if u == uid and to == self.subtask:
+                self._awaiting_splits.add(frm)
 
     # ------------------------------------------------------------------ inputs
     def _run_inputs(self) -> None:
