@@ -76,12 +76,15 @@ needs_fork = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="forked wo
 
 @needs_fork
 def test_fork_is_refused_while_another_thread_runs():
+    alone = threading.active_count() == 1  # earlier tests of a run may leave threads (servers) behind
     release = threading.Event()
     other = threading.Thread(target=release.wait, name="holder", daemon=True)
     other.start()
     try:
         refusal = fork_refusal()
-        assert refusal is not None and "holder" in refusal
+        assert refusal is not None and "other thread" in refusal
+        if alone:
+            assert "holder" in refusal  # the refusal names the thread
     finally:
         release.set()
         other.join()
