@@ -7,6 +7,7 @@ Public API::
     ...
     result = abs.run(flow, parallelism=3, checkpoint=abs.CheckpointConfig(interval=1.0), storage="./snapshots")
 """
+from abscore.lazy import lazy_names as _lazy_names
 from abscore.logs import package_logger as _package_logger
 
 _package_logger("abs")  # warnings and notices reach stderr unless the application routes logging itself
@@ -102,25 +103,7 @@ _HOMES = {
     ".connectors.spark_microbatch": ("SparkMicroBatchSource",),
     ".state": ("ListState", "MapState", "ReducingState", "ValueState"),
 }
-_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
-
-
-def __getattr__(name: str):
-    """The public names load on first use: a worker process imports ``abs.runtime.worker_main``,
-    which runs this package's ``__init__`` first, and needs neither the driver nor the
-    connectors it does not use (importing them all took ~0.4 s of every worker's start-up)."""
-    import importlib
-    import importlib.util
-
-    module = _HOME_OF.get(name)
-    if module is None:
-        if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-            return importlib.import_module(f"{__name__}.{name}")  # a subpackage, as after the eager imports
-        raise AttributeError(f"module 'abs' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+# the public names load on first use: a worker process imports abs.runtime.worker_main, which
+# runs this package's __init__ first, and needs neither the driver nor the connectors it does
+# not use (importing them all took ~0.4 s of every worker's start-up)
+__getattr__, __dir__ = _lazy_names(__name__, globals(), _HOMES)

@@ -9,6 +9,7 @@ This package does not import ``abs`` or ``recovery``; it builds on the floor pac
 """
 from __future__ import annotations
 
+from abscore.lazy import lazy_names as _lazy_names
 from abscore.logs import package_logger as _package_logger
 
 _package_logger("storage")  # warnings and notices reach stderr unless the application routes logging itself
@@ -114,25 +115,7 @@ _HOMES = {
     ".session": ("CheckpointSession", "KeyGroupCapture"),
     ".verify": ("Problem", "VerifyReport"),
 }
-_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
-
-
-def __getattr__(name: str):
-    """The public names load on first use: ``import storage.errors`` (as the runtime's error
-    tree does) then costs no more than that module, and a job without a storage root imports
-    neither the store nor fsspec."""
-    import importlib
-    import importlib.util
-
-    module = _HOME_OF.get(name)
-    if module is None:
-        if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-            return importlib.import_module(f"{__name__}.{name}")  # a subpackage, as after the eager imports
-        raise AttributeError(f"module 'storage' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+# the public names load on first use: `import storage.errors` (as the runtime's error tree
+# does) then costs no more than that module, and a job without a storage root imports neither
+# the store nor fsspec
+__getattr__, __dir__ = _lazy_names(__name__, globals(), _HOMES)
