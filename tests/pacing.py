@@ -9,7 +9,10 @@ A rate-limited source only promises that in wall-clock time, which a busy machin
 ``hold`` and ``gate``: a reader that has emitted ``hold`` records waits (it keeps taking
 barriers) until the file ``gate`` exists, so that a test can act on a job that is certainly
 still running (kill a process, take a savepoint, cancel) and then let it go on with
-``open(gate, "w").close()``.
+``open(gate, "w").close()``. ``hold_per_split`` instead of ``hold``: a reader waits once its
+splits' offsets (records read from them, by whichever reader) add up to that many per split,
+so the hold survives a rescale that hands splits to new readers (integer offsets, as
+:class:`abs.GeneratorSource`'s).
 
 Records, splits and offsets are the inner source's: the output is the same as without pacing.
 A reader whose allowance runs out exactly at the end of its input hears of the end only after
@@ -27,14 +30,17 @@ from abs import END
 
 class PacedSource(abs.Source):
     def __init__(self, inner: abs.Source, per_checkpoint: int, hold: int | None = None,
-                 gate: str | None = None) -> None:
+                 gate: str | None = None, hold_per_split: int | None = None) -> None:
         if per_checkpoint < 1:
             raise ValueError(f"PacedSource: per_checkpoint must be >= 1, got {per_checkpoint}")
-        if (hold is None) != (gate is None):
-            raise ValueError("PacedSource: give both hold and gate, or neither")
+        if hold is not None and hold_per_split is not None:
+            raise ValueError("PacedSource: give hold or hold_per_split, not both")
+        if (hold is None and hold_per_split is None) != (gate is None):
+            raise ValueError("PacedSource: give a hold and gate, or neither")
         self.inner = inner
         self.per_checkpoint = per_checkpoint
         self.hold = hold
+        self.hold_per_split = hold_per_split
         self.gate = gate
 
     def splits(self) -> list[str]:
@@ -67,6 +73,10 @@ class _PacedReader(abs.SourceReader):
         src = self._source
         if src.hold is not None and self._emitted >= src.hold and not os.path.exists(src.gate):
             return True
+        if src.hold_per_split is not None and not os.path.exists(src.gate):
+            offsets = self._inner.offsets()
+            if sum(int(v) for v in offsets.values()) >= src.hold_per_split * len(offsets):
+                return True
         return self._emitted >= self._allowed
 
     def poll(self) -> Any:

@@ -27,7 +27,7 @@ from pacing import PacedSource
 M = 16
 NUM_KEYS = 101
 TOTAL = 24_000
-HOLD = 20_000  # per source reader's share: each holds at HOLD/4 until the gate opens
+HOLD = 10_000  # records read before the sources hold until the gate opens (HOLD / 4 per split)
 
 
 def count_fn(ctx, row):
@@ -40,9 +40,10 @@ def count_fn(ctx, row):
 def counting_flow(gate: str) -> abs.Dataflow:
     flow = abs.Dataflow("live-counts", max_parallelism=M)
     src = abs.GeneratorSource(TOTAL, num_keys=NUM_KEYS, num_splits=4, batch_size=50, rate=4000)
-    # every reader stops at HOLD / 4 records until the test opens the gate: the job is still
-    # running (and records are still flowing until then) while the test reconfigures it
-    src = PacedSource(src, TOTAL, hold=HOLD // 4, gate=gate)
+    # every split stops at HOLD / 4 records until the test opens the gate, whichever reader reads
+    # it (a rescale hands splits to new readers): the job is still running (and records are
+    # still flowing until then) while the test reconfigures it
+    src = PacedSource(src, TOTAL, gate=gate, hold_per_split=HOLD // 4)
     flow.source("src", src).key_by("key").process(
         "count", count_fn, state=[abs.ValueState("n", pa.int64())]).sink("out", abs.CollectSink())
     return flow
@@ -158,7 +159,7 @@ def test_two_keyed_stages_move_together(tmp_path):
     gate = str(tmp_path / "gate")
     flow = abs.Dataflow("two-stages", max_parallelism=M)
     src = PacedSource(abs.GeneratorSource(TOTAL, num_keys=NUM_KEYS, num_splits=4, batch_size=50, rate=4000),
-                      TOTAL, hold=HOLD // 4, gate=gate)
+                      TOTAL, gate=gate, hold_per_split=HOLD // 4)
     (flow.source("src", src).key_by("key").process("count", count_fn, state=[abs.ValueState("n", pa.int64())])
          .key_by("key").process("recount", recount_fn, state=[abs.ValueState("seen", pa.int64())])
          .sink("out", abs.CollectSink()))
