@@ -20,7 +20,7 @@ from abs.keygroups import key_group
 from abs.reconfig import Assignment
 from abs.reconfig.plan import rescale_target
 from storage import SnapshotStore
-from test_reconfig_live import M, NUM_KEYS, TOTAL, check_counts, counting_flow
+from test_reconfig_live import M, NUM_KEYS, TOTAL, check_counts, counting_flow, run_through_a_crash
 
 
 def _final_state(root: str, cid: int) -> dict:
@@ -221,19 +221,7 @@ def test_a_kill_during_a_rescale_restores_exactly(tmp_path, before, after, fault
                      checkpoint=abs.CheckpointConfig(interval=0.05, retained=1),
                      restart=abs.RestartStrategy(max_restarts=1, delay=0.1),
                      runtime=abs.RuntimeOptions(faults=(fault,)))
-    try:
-        job.trigger_checkpoint()
-        try:
-            job.rescale(after)
-        except abs.ReconfigurationError as exc:
-            assert any(why in str(exc) for why in ("restarted", "failed while they connected", "ended")), exc
-        except abs.JobFailedError:
-            pass  # the request met the attempt's end
-    finally:
-        open(gate, "w").close()
-    result = job.wait(timeout=300)
-    assert result.status == "FINISHED" and len(result.restarts) == 1
-    check_counts(result.collected("out"))
+    run_through_a_crash(job, gate, lambda: job.rescale(after), ("restarted", "failed while they connected", "ended"))
 
 
 def test_key_groups_of_counted_keys():
