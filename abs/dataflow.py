@@ -14,6 +14,9 @@ Edges between operators are *forward* (same subtask, chained in-process), *key_b
 State is stored under operator uids: give every stateful operator, source and sink a uid
 you keep for the job's life (stateless operators get a generated uid from their position).
 The graph is acyclic by construction: a stream can only consume streams that already exist.
+The one way to build a cycle is :meth:`Stream.iterate`: its head takes the entering stream
+and a *back-edge* from the end of the loop body (``Edge.back``); checkpoints of such a job
+log the records on the back-edge as the snapshot's channel state (:mod:`abs.runtime.loops`).
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ class Edge:
     source: int
     partition: str = FORWARD
     key: Any = None
+    back: bool = False  # the feedback edge of an iteration (from the end of its body to its head)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +84,7 @@ class Dataflow:
         self.max_parallelism = max_parallelism
         self.nodes: list[Node] = []
         self._uids: dict[str, int] = {}
+        self._iterating: str | None = None  # the iteration whose body is being built
 
     # ------------------------------------------------------------------ building
     def source(self, uid: str, source: Source) -> "Stream":
@@ -126,6 +131,32 @@ class Dataflow:
         for n in self.nodes:
             if n.kind in ("process", "reduce", "aggregate") and not n.keyed:
                 raise GraphError(f"operator {n.uid!r} ({n.kind}) needs a keyed input: call key_by(...) first")
+            for e in n.inputs:
+                if not (0 <= e.source < len(self.nodes)):
+                    raise GraphError(f"operator {n.uid!r}: an input names operator #{e.source}, which dataflow "
+                                     f"{self.name!r} does not have")
+                if e.back and n.kind != "iterate":
+                    raise GraphError(
+                        f"operator {n.uid!r} ({n.kind}) has a back-edge from {self.nodes[e.source].uid!r}: only an "
+                        "iteration head takes one; build loops with stream.iterate(uid, body)"
+                    )
+                if not e.back and e.source >= n.index:
+                    raise GraphError(
+                        f"operator {n.uid!r} consumes {self.nodes[e.source].uid!r}, which comes after it: a cycle not "
+                        "built with stream.iterate(uid, body); loops must go through an iteration"
+                    )
+
+    @property
+    def has_loops(self) -> bool:
+        return any(e.back for n in self.nodes for e in n.inputs)
+
+    def _in_body(self, head: int) -> set[int]:
+        """The nodes that depend on iteration head ``head`` (its loop body and beyond)."""
+        reached = {head}
+        for n in self.nodes[head + 1:]:
+            if any(e.source in reached and not e.back for e in n.inputs):
+                reached.add(n.index)
+        return reached
 
     def fingerprint(self) -> dict:
         """JSON description of operators and their state, stored as the job fingerprint."""
@@ -210,6 +241,50 @@ class Stream:
     def broadcast(self) -> "Stream":
         """Send every batch to every subtask of the next operator."""
         return Stream(self.flow, self.index, BROADCAST)
+
+    # ------------------------------------------------------------------ iteration
+    def iterate(self, uid: str, body: Callable[["Stream"], tuple["Stream", "Stream"]]) -> "Stream":
+        """A loop: ``body(loop)`` gets the stream of records entering the loop (this stream's
+        records, then whatever the body feeds back) and returns ``(feedback, output)``: the
+        records of ``feedback`` go round again (partition it as the body needs, e.g.
+        ``feedback.key_by("node")``; a plain stream comes back to the same subtask), those of
+        ``output`` leave the loop. Both must be built from ``loop``; the loop's records have
+        this stream's columns. Returns ``output``.
+
+        The head (``uid``) only merges its two inputs; give keyed state to operators in the
+        body. Checkpoints stay consistent (the head logs what arrives on the feedback edge
+        until the barrier comes round, and the log is replayed on restore), and a job whose
+        inputs end finishes once nothing circulates any more (the first checkpoint, or
+        termination probe, whose logs are empty). Iterations do not nest.
+        """
+        if not callable(body):
+            raise GraphError(f"iterate {uid!r}: body must be a function loop -> (feedback, output), got {body!r}")
+        flow = self.flow
+        if getattr(flow, "_iterating", None) is not None:
+            raise GraphError(f"iterate {uid!r}: iterations do not nest (inside the body of {flow._iterating!r})")
+        head = flow._add(uid, "iterate", (self._edge(),), {})
+        flow._iterating = uid
+        try:
+            result = body(Stream(flow, head))
+        finally:
+            flow._iterating = None
+        if not (isinstance(result, tuple) and len(result) == 2 and all(isinstance(s, Stream) for s in result)):
+            raise GraphError(f"iterate {uid!r}: body must return (feedback, output) streams, got {result!r}")
+        feedback, output = result
+        body_nodes = flow._in_body(head)
+        for what, s in (("feedback", feedback), ("output", output)):
+            if s.flow is not flow:
+                raise GraphError(f"iterate {uid!r}: the {what} stream belongs to another dataflow")
+            if s.index not in body_nodes:
+                raise GraphError(f"iterate {uid!r}: the {what} stream ({s.uid!r}) is not built from the loop's stream: "
+                                 "build it in the body from the stream the body is given")
+        if feedback.index == head:
+            raise GraphError(f"iterate {uid!r}: the feedback is the loop's own input: every record would circle "
+                             "forever; feed back the result of the body's operators")
+        node = flow.nodes[head]
+        back = dataclasses.replace(feedback._edge(), back=True)
+        flow.nodes[head] = dataclasses.replace(node, inputs=node.inputs + (back,))
+        return Stream(flow, output.index, output._partition, output._key)
 
     # ------------------------------------------------------------------ sinks
     def sink(self, uid: str, sink: Sink) -> None:

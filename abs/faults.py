@@ -24,6 +24,10 @@ Fault points (``Fault.point``):
 ``before_install``        a new owner has a key group's state, not loaded yet
 ``after_install``         a new owner loaded a key group and processed its held records, the
                           driver does not know yet
+``during_logging``        an iteration head logged a fed-back batch for an open checkpoint
+``before_barrier_returns``  a barrier came round the loop to an iteration head, not handled yet
+``during_log_upload``     an iteration head's log of a checkpoint is stored, not acked
+``during_replay``         a restored iteration head is about to replay its logged records
 
 The two connect points belong to a worker, not to a task: ``Fault.task`` ``"task<t>#<i>"``
 (any ``t``) names worker ``i``, ``"*"`` every worker.
@@ -58,6 +62,10 @@ FAULT_POINTS = (
     "after_install",
     "during_split_handover",
     "before_retire",
+    "during_logging",
+    "before_barrier_returns",
+    "during_log_upload",
+    "during_replay",
 )
 
 WORKER_POINTS = ("before_connect", "after_connect")

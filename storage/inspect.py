@@ -266,11 +266,12 @@ def show_lines(manifest: Manifest, *, files: bool = False, key_groups: bool = Fa
             for i, ref in sorted(subtasks.items()):
                 out.append(f"    subtask {i}: {_ref(ref, images)}" + (f" {ref.path}" if files else ""))
     logs = m.channel_logs
-    out.append(f"channel logs: {len(logs)} file(s), {human_bytes(sum(r.bytes for r in logs))}" if logs
-               else "channel logs: none")
+    out.append(f"channel logs: {len(logs)} file(s), {human_count(sum(r.rows for r in logs))} records, "
+               f"{human_bytes(sum(r.bytes for r in logs))}" if logs else "channel logs: none")
     if key_groups or files:
         for ref in logs:
-            out.append(f"  {ref.location().task}: {_ref(ref, images)}" + (f" {ref.path}" if files else ""))
+            out.append(f"  {ref.location().task}: {human_count(ref.rows)} records, {_ref(ref, images)}"
+                       + (f" {ref.path}" if files else ""))
     out.append("source offsets:" if m.source_offsets else "source offsets: none")
     for op, splits in sorted(m.source_offsets.items()):
         count = f"{len(splits)} split(s)" if isinstance(splits, dict) else "1 value"

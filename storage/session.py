@@ -104,6 +104,10 @@ def merge_acks(acks: Iterable[Mapping[str, Any]]) -> tuple[dict, dict, dict]:
     return keyed, offsets, sinks
 
 
+def _has(ack: Any, name: str) -> bool:
+    return name in ack if isinstance(ack, Mapping) else hasattr(ack, name)
+
+
 def _part(ack: Any, name: str) -> Mapping:
     """A part of an ack given as a mapping or as an object with that attribute (the
     runtime's typed acks)."""
@@ -232,7 +236,11 @@ class CheckpointSession:
         """The manifest of checkpoint ``checkpoint_id`` from the acks of its tasks (see
         :func:`merge_acks`), to be committed with :meth:`SnapshotStore.commit`; ``assignment``:
         the owner of each key group when live reconfiguration had moved some."""
+        acks = list(acks)
         keyed, offsets, sinks = merge_acks(acks)
+        # an iteration head's logged feedback records (channel state), in the order of the acks
+        logs = [ref for ack in acks for ref in (_part(ack, "channel_logs") if _has(ack, "channel_logs") else ())]
         return Manifest(checkpoint_id=checkpoint_id, job_name=job_name, max_parallelism=max_parallelism,  # type: ignore[arg-type]
                         keyed=keyed, source_offsets=offsets, sink_transactions=sinks, stats=dict(stats or {}),
+                        channel_logs=logs,
                         lineage=lineage, assignment=None if assignment is None else tuple(assignment))

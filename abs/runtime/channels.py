@@ -148,11 +148,14 @@ class InputGate:
     that delivered the barrier.
     """
 
-    def __init__(self, num_channels: int, capacity: int = 8) -> None:
+    def __init__(self, num_channels: int, capacity: int = 8, unbounded: frozenset[int] = frozenset()) -> None:
         self._cond = threading.Condition()
         self._queues: list[collections.deque] = [collections.deque() for _ in range(num_channels)]
         self._control: collections.deque = collections.deque()
         self._capacity = capacity
+        # an iteration head's feedback channels never block their sender: with bounded buffers
+        # all round a loop, the head waiting on the body and the body on the head would deadlock
+        self._unbounded = unbounded
         self._next = 0
         self._closed = False
 
@@ -175,7 +178,7 @@ class InputGate:
         """Append to a channel; blocks while that channel's buffer is full (backpressure)."""
         with self._cond:
             q = self._queues[channel]
-            while len(q) >= self._capacity and not self._closed:
+            while len(q) >= self._capacity and not self._closed and channel not in self._unbounded:
                 self._cond.wait()
             if self._closed:
                 raise GateClosed()
@@ -202,7 +205,7 @@ class InputGate:
                     if q and ch not in blocked:
                         self._next = (ch + 1) % n
                         item = q.popleft()
-                        if len(q) == self._capacity - 1:
+                        if len(q) == self._capacity - 1 and ch not in self._unbounded:
                             self._cond.notify_all()
                         return ch, item
                 if waited:

@@ -49,6 +49,8 @@ class CheckpointCompletion:
                 "async_cpu_s": async_cpu,
                 "parallelism": self.P,
                 "mode": self.config.mode,
+                **({"loop_records": sum(ack.loop_records or 0 for ack in a.acks.values())}
+                   if self.flow.has_loops else {}),
             },
             lineage=Lineage.following(self.run_id, self._follows),
             assignment=self.assignment_at.pop(a.checkpoint_id, None),

@@ -107,6 +107,9 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
         self.P = parallelism
         self.config = checkpoint or CheckpointConfig()
         self.checkpointing = storage is not None and (checkpoint is not None)
+        if flow.has_loops and self.config.mode == "stop_the_world":
+            raise ConfigError(f"dataflow {flow.name!r} has an iteration: checkpoint mode 'stop_the_world' cannot snapshot "
+                              "loops (the head's part waits for the barrier to come round); use mode='aligned'")
         if checkpoint is not None and storage is None:
             raise ConfigError("checkpoint= needs storage= (a path or fsspec URL where snapshots are written)")
         check_restore_option(restore, storage)
@@ -162,6 +165,7 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
         self.run_id = uuid.uuid4().hex  # manifests' lineage: which run wrote them
         self._follows: Any = None  # the manifest the next one follows (lineage), as stored
         self._waiters: dict[int, "queue.Queue[Any]"] = {}
+        self._loops_quiet: dict[int, bool] = {}  # checkpoint id -> its feedback logs were all empty
         self._done = threading.Event()
         self.result: JobResult | None = None
         self.error: BaseException | None = None
@@ -287,7 +291,8 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
         self.coord = coord
         run = _Attempt(procs, conns, coord,
                        life.JobLifecycle(expected, source_keys, conns, checkpointing=self.checkpointing,
-                                         heartbeat_timeout=self.heartbeat_timeout, now=self.clock()),
+                                         heartbeat_timeout=self.heartbeat_timeout, now=self.clock(),
+                                         loops=self.flow.has_loops),
                        {id(c): i for i, c in conns.items()})
         while True:
             self._check_procs(procs, conns)
@@ -412,6 +417,11 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
                     self._notify_waiter(a.checkpoint_id, JobFailedError(f"checkpoint {a.checkpoint_id} failed: {a.reason}"))
                     run.life.on_aborted(a.checkpoint_id)
                 case Commit():
+                    self._loops_quiet[a.checkpoint_id] = all(ack.loop_records == 0 for ack in a.acks.values()
+                                                             if ack.loop_records is not None)
+                    if not self.checkpointing:  # a loop's termination probe: nothing to store
+                        self._handle(run, run.coord.on_committed(a.checkpoint_id))
+                        continue
                     try:
                         self._driver_fault("before_commit", run.procs)
                         self._commit(a, run.trigger_times.get(a.checkpoint_id, a.started_at))
@@ -425,7 +435,8 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
                     if self.config.mode == "stop_the_world":
                         self._broadcast(run, m.Resume(a.checkpoint_id))
                     self._notify_waiter(a.checkpoint_id, a.checkpoint_id)
-                    for action in run.life.on_completed(a.checkpoint_id):
+                    quiet = self._loops_quiet.pop(a.checkpoint_id, True)
+                    for action in run.life.on_completed(a.checkpoint_id, quiet):
                         if isinstance(action, life.FinishSources):
                             self._broadcast(run, m.Finish())
 

@@ -1,6 +1,7 @@
 """The job's life as the driver sees it, as a pure state machine: when the sources are all
 exhausted, the final checkpoint; once it is complete, finishing the sources; once every task
-is done, shutting down; a worker that sends nothing for too long; and after a failure, a
+is done, shutting down (a job with an iteration: once a final checkpoint or probe found its
+loops quiet, see :mod:`abs.runtime.loops`); a worker that sends nothing for too long; and after a failure, a
 restart or the end (failover).
 
 No I/O, no clock of its own, no sleeps: the driver feeds it events and the current time
@@ -88,8 +89,12 @@ class JobLifecycle:
 
     def __init__(self, tasks: Iterable[str], source_tasks: Iterable[str], workers: Iterable[int], *,
                  checkpointing: bool, heartbeat_timeout: float, now: float,
-                 max_final_attempts: int = MAX_FINAL_ATTEMPTS) -> None:
+                 max_final_attempts: int = MAX_FINAL_ATTEMPTS, loops: bool = False) -> None:
         self.tasks = frozenset(tasks)
+        # a job with an iteration finishes only after a final checkpoint (or, without storage, a
+        # termination probe) whose feedback logs were all empty: its loops are quiet
+        self.loops = loops
+        self.loop_rounds = 0  # final checkpoints/probes that found records circulating
         self.source_tasks = frozenset(source_tasks)
         self.checkpointing = checkpointing
         self.heartbeat_timeout = heartbeat_timeout
@@ -153,8 +158,14 @@ class JobLifecycle:
         if self.final_from is not None and checkpoint_id >= self.final_from:
             self.final_from = None  # retry the final checkpoint
 
-    def on_completed(self, checkpoint_id: int) -> list:
+    def on_completed(self, checkpoint_id: int, quiet: bool = True) -> list:
+        """``quiet``: no record circulated in a loop at this checkpoint's cut."""
         if self.final_from is not None and checkpoint_id >= self.final_from and not self.finishing:
+            if self.loops and not quiet:
+                self.final_from = None  # the loops still run: another round (not a failed attempt)
+                self.final_requests = 0
+                self.loop_rounds += 1
+                return []
             self.finishing = True
             return [FinishSources()]
         return []
@@ -170,7 +181,7 @@ class JobLifecycle:
         if self.finishing:
             return []
         if self.sources_exhausted:
-            if not self.checkpointing:
+            if not self.checkpointing and not self.loops:
                 self.finishing = True
                 return [FinishSources()]
             if self.final_from is None and not checkpoints_pending:

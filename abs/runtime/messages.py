@@ -110,6 +110,7 @@ class WorkerAssignment:
     keyed_chains: dict | None = None  # uid -> state -> key group -> [FileRef]; None: nothing to restore
     sink_transactions: dict | None = None  # sink uid -> [transaction handle]
     key_groups: tuple | None = None  # the key groups it owns when not its default range (a joining worker: none)
+    channel_logs: tuple = ()  # iteration heads' logged feedback records to replay first ([FileRef])
 
 
 @_message
@@ -220,6 +221,10 @@ class TaskAck:
     alignment_time: float = 0.0
     sync_time: float = 0.0
     async_time: float = 0.0
+    # an iteration head's feedback log (abs.runtime.loops): its files, and how many records it
+    # logged (none at every head: nothing circulated at the snapshot, the loop is quiet)
+    channel_logs: tuple = ()
+    loop_records: int | None = None
 
 
 @_message

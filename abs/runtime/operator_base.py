@@ -34,6 +34,7 @@ class OpSnapshot:
     prev_chains: dict = dataclasses.field(default_factory=dict)  # state -> kg -> [FileRef]
     source_offsets: dict | None = None
     sink_transactions: list | None = None
+    channel_log: list | None = None  # an iteration head's logged feedback batches (abs.runtime.loops)
     on_chains: Callable[[int, dict], None] | None = None  # uploader reports the new chains
 
 

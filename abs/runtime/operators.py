@@ -377,6 +377,7 @@ _KINDS = {
     "flat_map": FlatMapOp,
     "map_batches": MapBatchesOp,
     "union": OperatorRuntime,
+    "iterate": OperatorRuntime,  # the head of a loop: merges the entering and the fed-back records
     "process": ProcessOp,
     "reduce": ReduceOp,
     "aggregate": AggregateOp,

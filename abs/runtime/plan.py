@@ -7,7 +7,8 @@ forward input is chained into its input's task (a task is a tree: a stream consu
 feeds two chained operators). Each worker runs subtask ``i`` of every task.
 
 Channels into a task are numbered per input edge: a forward edge has one channel (from
-the same subtask), any other edge has one channel per upstream subtask.
+the same subtask), any other edge has one channel per upstream subtask. An iteration head's
+feedback edge (``Edge.back``) comes from a task later in the plan (the end of the loop body).
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ class TaskPlan:
     outputs: tuple[OutputPlan, ...]
     # input edges of the head: (edge_index, upstream task, partition); channel offsets
     inputs: tuple[tuple[int, int, str], ...]
+    back_edges: tuple[int, ...] = ()  # edge indices of an iteration head's feedback edge
 
     @property
     def is_source(self) -> bool:
@@ -51,6 +53,11 @@ class TaskPlan:
 
     def num_channels(self, parallelism: int) -> int:
         return sum(1 if p == FORWARD else parallelism for _e, _t, p in self.inputs)
+
+    def back_channels(self, parallelism: int) -> frozenset[int]:
+        """The channels of the feedback edge (an iteration head's): not aligned, not bounded."""
+        return frozenset(self.channel_of(e, s, parallelism) for e, _t, p in self.inputs if e in self.back_edges
+                         for s in range(1 if p == FORWARD else parallelism))
 
     def channel_of(self, edge_index: int, upstream_subtask: int, parallelism: int) -> int:
         """Channel number at this task for input edge ``edge_index`` from ``upstream_subtask``."""
@@ -104,5 +111,6 @@ def compile_plan(flow: Dataflow) -> PhysicalPlan:
                 else:
                     outputs.append(OutputPlan(e.source, task_of[n.index], n.index, e_idx, e.partition, e.key))
         inputs = tuple((i, task_of[e.source], e.partition) for i, e in enumerate(nodes[head].inputs))
-        tasks.append(TaskPlan(t, head, members, children, tuple(outputs), inputs))
+        back = tuple(i for i, e in enumerate(nodes[head].inputs) if e.back)
+        tasks.append(TaskPlan(t, head, members, children, tuple(outputs), inputs, back))
     return PhysicalPlan(tuple(tasks), tuple(task_of))

@@ -116,6 +116,11 @@ class LiveReconfiguration(Rescaling):
                 f"job {self.flow.name!r}: reconfiguration {self._reconf.record.id} is still running; wait for it "
                 "(the call that started it returns when it is done) and ask again"
             )
+        if self.flow.has_loops:
+            raise ReconfigurationError(
+                f"job {self.flow.name!r} has an iteration: live reconfiguration of loops is not supported yet; take "
+                "a savepoint (handle.savepoint(...)) and restore the job from it at the new parallelism"
+            )
         keyed = [n.uid for n in self.flow.nodes if n.kind in KEYED_KINDS]
         if not keyed and req.kind != "rescale":
             raise ReconfigurationError(

@@ -68,6 +68,7 @@ class RestoreSetup:
                 allow_non_restored_state=self.allow_non_restored_state,
             ).raise_if_fatal()
             manifest = store.read_manifest(cid)
+            self._check_loops(manifest)
             plan = plan_restore(
                 manifest, fingerprint, self.P,
                 source_splits={uid: list(src.splits()) for uid, src in sources.items()},
@@ -231,6 +232,18 @@ class RestoreSetup:
             log.info(f"{job}: sink {uid!r}: rolled back {dropped} collected batches of checkpoint(s) {id_ranges(ids)}, "
                      f"{restoring}")
 
+    def _check_loops(self, manifest: Any) -> None:
+        """The checkpoint's logged loop records (channel state) belong to iterations of this
+        dataflow, by uid; else they would be lost without a word."""
+        heads = {n.uid for n in self.flow.nodes if n.kind == "iterate"}
+        lost = sorted({ref.location().task.rpartition("#")[0] for ref in manifest.channel_logs} - heads)
+        if lost and not self.allow_non_restored_state:
+            raise ConfigError(
+                f"checkpoint {manifest.checkpoint_id} holds records circulating in iteration(s) {lost}, which dataflow "
+                f"{self.flow.name!r} does not have (its iterations: {sorted(heads) or 'none'}); keep the iteration's uid, "
+                "or pass allow_non_restored_state=True to drop those records"
+            )
+
     def _assign_splits(self) -> dict:
         """Fresh start: every split of every source from its initial offset, round robin."""
         out: dict = {}
@@ -268,6 +281,7 @@ class RestoreSetup:
             source_splits={uid: per_sub.get(i, {}) for uid, per_sub in source_splits.items()},
             keyed_chains=own(i),
             sink_transactions=dict(plan.subtasks[i].sink_transactions) or None,
+            channel_logs=tuple(plan.subtasks[i].channel_logs),
         ) for i in range(self.P)]
 
     def _sources(self) -> list:

@@ -32,6 +32,7 @@ from ..reconfig.aligner import StepAligner
 from ..reconfig.holding import Holding
 from .operators import KeyedOp, KeyExtractor, OperatorRuntime, OpSnapshot, SinkOp, UserFunctionError
 from .plan import OutputPlan, TaskPlan, task_key
+from .loops import FeedbackLogs
 from .split_readers import SourceReaders
 
 __all__ = ["Task", "ExchangeWriter"]
@@ -156,6 +157,11 @@ class Task(threading.Thread):
         # output channels (backpressured) is summed from its senders (see load())
         self.started = time.perf_counter()
         self.idle = 0.0
+        # an iteration head (abs.runtime.loops): its feedback logs, set by the worker; the
+        # restored logs it processes before anything else; whether its regular inputs ended
+        self.loop: FeedbackLogs | None = None
+        self.replay: list = []
+        self._ended = False
 
     # ------------------------------------------------------------------ entry
     def run(self) -> None:
@@ -288,8 +294,19 @@ class Task(threading.Thread):
         steps = self.steps
         head = self.head
         holding = self.holding
+        loop = self.loop
+        feedback = loop.channels if loop is not None else frozenset()
+        for ch in feedback:
+            aligner.on_end_of_stream(ch)  # the feedback channels take no part in alignment
+        if self.replay:
+            self.worker.fault("during_replay", self)
+            for batch in self.replay:  # the restored loop's records first, as if fed back
+                head.process(batch)
+            self.replay = []
         while True:
             blocked = aligner.blocked if steps.aligning is None else aligner.blocked | steps.blocked
+            if loop is not None and loop.blocked:
+                blocked = blocked | loop.blocked
             t0 = time.perf_counter()
             got = self.gate.take(blocked, 0.05)
             self.idle += time.perf_counter() - t0
@@ -300,6 +317,8 @@ class Task(threading.Thread):
                 if isinstance(item, m.Stop):
                     return
                 if isinstance(item, m.CheckpointAborted):
+                    if loop is not None:
+                        loop.drop(item.checkpoint_id)
                     self._act(aligner.abort(item.checkpoint_id))
                 if isinstance(item, m.InstallState):
                     self._install(item)
@@ -309,6 +328,10 @@ class Task(threading.Thread):
                     self._joined.append(item.channel)
                     continue
                 self._control(item)
+                continue
+            if channel in feedback:
+                if self._fed_back(channel, item):
+                    return
                 continue
             if isinstance(item, pa.RecordBatch):
                 self.worker.fault("process", self)
@@ -434,8 +457,48 @@ class Task(threading.Thread):
                 self.worker.decline(self, action.checkpoint_id, action.reason)
             elif isinstance(action, EndOfInput):
                 self._end_of_input()
-                return True
+                self._ended = True
+                # an iteration head goes on until the loop has ended too (its feedback channels)
+                return self.loop is None or not self.loop.live
         return False
+
+    def _fed_back(self, channel: int, item: Any) -> bool:
+        """An element on an iteration head's feedback channel (abs.runtime.loops): processed
+        and logged for every open log that waits for its barrier on the channel; a barrier
+        coming round closes its log there. True when the head is done (its regular inputs
+        and the loop have ended)."""
+        loop = self.loop
+        assert loop is not None
+        if isinstance(item, pa.RecordBatch):
+            if self._ended:
+                raise RuntimeError(
+                    f"iteration {self.head.uid!r}: {item.num_rows} record(s) came round after the loop was ended "
+                    "(an operator in the loop body emitted records at the end of its input?)"
+                )
+            self.worker.fault("process", self)
+            if loop:
+                loop.on_batch(channel, item)
+                self.worker.fault("during_logging", self)
+            self.head.process(item)
+            return False
+        if isinstance(item, Barrier):
+            self.worker.fault("before_barrier_returns", self)
+            self._logged(loop.on_barrier(channel, item.checkpoint_id))
+        elif isinstance(item, CancelMarker):
+            loop.drop(item.checkpoint_id)
+        elif item is EOS:
+            self._logged(loop.on_end(channel))
+            return self._ended and not loop.live
+        else:
+            raise RuntimeError(f"iteration {self.head.uid!r}: {item!r} on a feedback channel (live reconfiguration "
+                               "of a job with an iteration is not supported)")
+        return False
+
+    def _logged(self, finished: list) -> None:
+        """Logs complete: the head's part of those checkpoints goes to the uploader now."""
+        for _cid, batches, job in finished:
+            job.pieces.append(OpSnapshot(self.head.uid, channel_log=batches))
+            self.worker.upload_later(job)
 
     # ------------------------------------------------------------------ shared
     def _catch_up(self, base: int) -> None:
@@ -468,11 +531,12 @@ class Task(threading.Thread):
         t0 = time.perf_counter()
         self.worker.fault("before_snapshot", self)
         pieces: list[OpSnapshot] = []
-        for op in self.ops.values():
+        # without storage the only "checkpoints" are a loop's termination probes: nothing is taken
+        for op in self.ops.values() if self.worker.checkpointing else ():
             snap = op.snapshot(checkpoint_id, full)
             if snap is not None:
                 pieces.append(snap)
-        if source_offsets is not None:
+        if source_offsets is not None and self.worker.checkpointing:
             pieces.append(OpSnapshot(self.head.uid, source_offsets=source_offsets))
         sync_time = time.perf_counter() - t0
         self.worker.fault("after_sync_snapshot", self)
@@ -482,7 +546,9 @@ class Task(threading.Thread):
         for out in self.outputs:
             out.send_all(Barrier(checkpoint_id, base))
         self.worker.fault("after_barrier_forward", self)
-        if not full:
+        if self.loop is not None:
+            self._logged(self.loop.start(checkpoint_id, job))  # acked once the barrier came round
+        elif not full:
             self.worker.upload_later(job)
 
     def _end_of_input(self) -> None:

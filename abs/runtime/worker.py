@@ -34,6 +34,7 @@ from .plan import PhysicalPlan, compile_plan, task_key
 from ..faults import WORKER_POINTS, trip
 from . import messages as m
 from .task import ExchangeWriter, Task
+from .loops import FeedbackLogs, read_logs, write_log
 from .writer import InThreadWriter, SnapshotWriter, WriterHungError, writes_in_process
 
 log = logging.getLogger(__name__)
@@ -191,6 +192,7 @@ class Worker:
         offsets: dict = {}
         sinks: dict = {}
         written = 0
+        paths: set[str] = set()
         writer = self.writer
         in_thread = writer is None
         if writer is None:
@@ -199,7 +201,18 @@ class Worker:
             writer = self._in_thread
         jobs: list[m.WriteJob] = []
         finished: list[OpSnapshot] = []  # pieces whose chains this checkpoint writes
+        logs: list = []
+        loop_records = None
         for piece in pieces:
+            if piece.channel_log is not None:
+                loop_records = (loop_records or 0) + sum(b.num_rows for b in piece.channel_log)
+                ref = write_log(store, checkpoint_id, f"{piece.uid}#{task.subtask}", piece.channel_log)
+                if ref is not None:
+                    self.fault("during_log_upload", task)
+                    logs.append(ref)
+                    written += ref.bytes
+                    paths.add(ref.path)
+                continue
             if piece.source_offsets is not None:
                 offsets[piece.uid] = piece.source_offsets
             if piece.sink_transactions is not None:
@@ -226,7 +239,6 @@ class Worker:
             else:
                 new_chains = writer.write(checkpoint_id, jobs, timeout=self.spec.writer_timeout)
             writer_cpu = writer.last_cpu
-        paths: set[str] = set()
         by_uid: dict[str, list] = {}  # operator -> (state, key group, its new chain)
         for job, new_chain in zip(jobs, new_chains):
             fresh = [r for r in new_chain if r.checkpoint_id == checkpoint_id]
@@ -249,6 +261,8 @@ class Worker:
             bytes_written=written,
             files_written=len(paths),
             async_cpu=writer_cpu,
+            channel_logs=tuple(logs),
+            loop_records=loop_records,
         )
 
     # ------------------------------------------------------------------ set-up
@@ -271,7 +285,7 @@ class Worker:
             self.discard_writer()
         P = spec.parallelism
         for t in self.plan.tasks:
-            self.gates[t.index] = InputGate(t.num_channels(P), spec.channel_capacity)
+            self.gates[t.index] = InputGate(t.num_channels(P), spec.channel_capacity, t.back_channels(P))
         # every peer connects its channels at once: with the default backlog of 1 the kernel
         # drops their SYNs and each retries after 1, 3, 7, ... 63 s (seen at P = 8 on a busy
         # machine: a channel missed connect()'s 60 s wait)
@@ -421,7 +435,15 @@ class Worker:
             if head.kind == "source":
                 splits = assignment.source_splits.get(head.uid, {})
                 reader = head.spec["source"].create_reader(splits, i, P)
-            self.tasks[t.index] = Task(t, i, ops, self.gates[t.index], writers, self, reader)
+            task = self.tasks[t.index] = Task(t, i, ops, self.gates[t.index], writers, self, reader)
+            if t.back_edges:  # an iteration head: its feedback channels, and its logs to replay first
+                task.loop = FeedbackLogs(t.back_channels(P))
+                mine = [r for r in assignment.channel_logs if r.location().task.rpartition("#")[0] == head.uid]
+                if mine:
+                    from storage import SnapshotStore
+
+                    store = restore_store or SnapshotStore.open(spec.restore_url, spec.restore_storage_options)
+                    task.replay = read_logs(store, mine)
         return m.RestoreStats(self.bytes_restored, self.restore_seconds, restored_kgs)
 
     def _restored(self, nbytes: int) -> None:
