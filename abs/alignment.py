@@ -329,6 +329,26 @@ class BarrierAligner:
         self._state, actions = self._state.on_end_of_stream(self._ctx, channel)
         return actions
 
+    def is_closed(self, checkpoint_id: int) -> bool:
+        """True when ``checkpoint_id`` was triggered or aborted here (or is older than one that was)."""
+        return self._ctx.is_closed(checkpoint_id)
+
+    def give_up(self, checkpoint_id: int) -> frozenset[int]:
+        """Alignment of ``checkpoint_id`` took too long (``CheckpointConfig.alignment_timeout``):
+        the task snapshots it unaligned instead. Closes it here and unblocks every channel
+        without an action; returns the channels that had delivered its barrier (nothing of
+        theirs is in front of the barrier any more). Also when no barrier of it arrived yet
+        (the task heard of it only by announcements): it is closed here all the same. Refused
+        while an older checkpoint aligns."""
+        state = self._state
+        if state.aligning is not None and state.aligning != checkpoint_id:
+            raise AlignmentError(f"checkpoint {checkpoint_id} given up while {state.aligning} aligns (a runtime bug)")
+        if state is _FINISHED:
+            return _NOTHING_BLOCKED
+        self._ctx.close_upto(checkpoint_id)
+        self._state = _IDLE
+        return state.blocked
+
     def abort(self, checkpoint_id: int, reason: str = "aborted by the coordinator") -> tuple[AlignerAction, ...]:
         """The coordinator aborted ``checkpoint_id`` (timeout, decline elsewhere, ...)."""
         self._state, actions = self._state.abort(self._ctx, checkpoint_id, reason)

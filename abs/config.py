@@ -9,9 +9,11 @@ from abs.errors import ConfigError
 
 __all__ = ["CheckpointConfig", "RestartStrategy", "CHECKPOINT_MODES"]
 
-CHECKPOINT_MODES = ("aligned", "stop_the_world")
-"""``aligned``: Asynchronous Barrier Snapshotting (the product). ``stop_the_world``: pause
-every source, drain, snapshot everything, resume; a benchmark baseline only."""
+CHECKPOINT_MODES = ("aligned", "unaligned", "stop_the_world")
+"""``aligned``: Asynchronous Barrier Snapshotting (the product). ``unaligned``: the barrier
+overtakes the records queued in front of it, which are stored with the checkpoint as its
+channel state (:mod:`abs.runtime.unaligned`). ``stop_the_world``: pause every source, drain,
+snapshot everything, resume; a benchmark baseline only."""
 
 
 def _is_number(value: Any) -> bool:
@@ -36,7 +38,12 @@ class CheckpointConfig:
     * ``max_concurrent``: checkpoints in flight at once (triggered, not yet completed or
       aborted).
     * ``retained``: completed checkpoints kept by retention (savepoints are pinned apart).
-    * ``mode``: ``"aligned"`` or ``"stop_the_world"`` (benchmark baseline only).
+    * ``mode``: ``"aligned"``, ``"unaligned"`` (a task snapshots at the first barrier it hears
+      of, which overtakes the queued records; those records are stored with the checkpoint and
+      replayed on restore: short checkpoints under backpressure) or ``"stop_the_world"``
+      (benchmark baseline only).
+    * ``alignment_timeout``: with ``mode="aligned"``, seconds a task may spend aligning a
+      checkpoint before it switches to unaligned for that checkpoint (``None``: never).
     * ``tolerable_failures``: consecutive failed checkpoints (timeouts, declines, failed
       commits) tolerated before the job fails over (through the :class:`RestartStrategy`;
       it fails when no restart is left); ``None`` tolerates any number.
@@ -49,6 +56,7 @@ class CheckpointConfig:
     retained: int = 3
     mode: str = "aligned"
     tolerable_failures: int | None = None
+    alignment_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if self.interval is not None and not (_is_number(self.interval) and self.interval > 0):
@@ -80,8 +88,19 @@ class CheckpointConfig:
         if self.mode not in CHECKPOINT_MODES:
             raise ConfigError(
                 f"CheckpointConfig.mode must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, "
-                f"got {self.mode!r}; use 'aligned' ('stop_the_world' is a benchmark baseline)"
+                f"got {self.mode!r}; use 'aligned' or 'unaligned' ('stop_the_world' is a benchmark baseline)"
             )
+        if self.alignment_timeout is not None:
+            if not (_is_number(self.alignment_timeout) and self.alignment_timeout >= 0):
+                raise ConfigError(
+                    f"CheckpointConfig.alignment_timeout must be a number of seconds >= 0 or None, got "
+                    f"{self.alignment_timeout!r}; pass e.g. alignment_timeout=0.5"
+                )
+            if self.mode != "aligned":
+                raise ConfigError(
+                    f"CheckpointConfig.alignment_timeout applies to mode='aligned' (a slow alignment switches to "
+                    f"unaligned), not to mode={self.mode!r}; leave it None"
+                )
         if self.mode == "stop_the_world" and self.max_concurrent != 1:
             raise ConfigError(
                 f"CheckpointConfig.max_concurrent must be 1 with mode='stop_the_world', got "
@@ -95,6 +114,13 @@ class CheckpointConfig:
                 f"{self.tolerable_failures!r}; pass e.g. tolerable_failures=3, or None to "
                 "tolerate any number"
             )
+
+
+    @property
+    def priority_barriers(self) -> bool:
+        """Senders announce barriers ahead of the queued records (unaligned, or aligned with a
+        timeout that may switch to unaligned)."""
+        return self.mode == "unaligned" or self.alignment_timeout is not None
 
 
 @dataclass(frozen=True)

@@ -84,7 +84,7 @@ def test_config_defaults():
         ({"max_concurrent": 0}, "max_concurrent"),
         ({"max_concurrent": 1.0}, "max_concurrent"),
         ({"retained": 0}, "retained"),
-        ({"mode": "unaligned"}, "mode"),
+        ({"mode": "sideways"}, "mode"),
         ({"mode": "stop_the_world", "max_concurrent": 2}, "max_concurrent"),
         ({"tolerable_failures": -1}, "tolerable_failures"),
         ({"tolerable_failures": 1.5}, "tolerable_failures"),

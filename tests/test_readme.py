@@ -116,3 +116,21 @@ def test_the_autoscaling_example_scales_out_by_itself(tmp_path):
     assert re.search(r"scale_out to [23]: input [\d,]+/s, lag [\d,]+ records, busy .*needs \d+ workers at 70% busy"
                      r"( \(max_workers=3\))? \(COMPLETED\)", out), out
     assert re.search(r"^FINISHED at [23] workers; 20000 rows$", out, re.M), out
+
+
+def test_the_loop_example_labels_the_connected_components(tmp_path):
+    (block,) = [b for b in BLOCKS if ".iterate(" in b]
+    out = _run(block, tmp_path)
+    parent: dict = {}
+
+    def find(x):
+        while parent.setdefault(x, x) != x:
+            x = parent[x]
+        return x
+
+    for i in range(2_000):
+        a, b = find(i * 7 % 3_000), find(i * 13 % 3_000)
+        if a != b:
+            parent[max(a, b)] = min(a, b)
+    want = len({find(x) for x in list(parent)})
+    assert re.search(rf"^{want} components, \d+ checkpoints$", out, re.M), (want, out)

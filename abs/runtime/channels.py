@@ -2,7 +2,12 @@
 senders (local: straight into the downstream gate; remote: framed over TCP).
 
 Elements on a channel are Arrow record batches, :class:`Barrier`, :class:`CancelMarker`,
-:class:`StepMarker` and :data:`EOS`, strictly FIFO per channel.
+:class:`StepMarker` and :data:`EOS`, strictly FIFO per channel. With unaligned checkpoints a
+sender also *announces* each barrier ahead of its queued elements (:class:`Announcement`: on
+a connection of its own for a remote channel, straight into the gate for a local one), with
+the number of elements it sent before it; the gate then lets that many elements in without
+waiting for room and captures those the task had not taken at its snapshot (the checkpoint's
+channel state, :mod:`abs.runtime.unaligned`).
 
 A remote channel's in-flight data is bounded on both sides of its TCP connection
 (:func:`connect_channel`, :func:`accept_channel`): the gate holds at most its capacity of
@@ -22,10 +27,14 @@ from typing import Any
 
 import pyarrow as pa
 
+from .capture import CaptureComplete, ChannelStateCapture
+
 __all__ = [
     "Barrier",
     "CancelMarker",
     "StepMarker",
+    "Announcement",
+    "CaptureComplete",
     "EOS",
     "encode",
     "decode",
@@ -80,6 +89,15 @@ class StepMarker:
 _PHASES = ("", "join", "drain", "retire")
 
 
+@dataclasses.dataclass(frozen=True)
+class Announcement:
+    """Barrier ``barrier`` was sent on this channel after ``seq`` elements (its own index on
+    the channel is ``seq``): delivered ahead of the elements queued in front of it."""
+
+    barrier: Barrier
+    seq: int
+
+
 class _Eos:
     def __repr__(self) -> str:
         return "EOS"
@@ -89,7 +107,7 @@ EOS = _Eos()
 
 # the type tag is padded to 8 bytes so that the Arrow IPC body that follows stays 8-byte
 # aligned in the receive buffer (compute kernels warn about, and copy, unaligned buffers)
-_BATCH, _BARRIER, _CANCEL, _EOS, _STEP = b"B" * 8, b"R" * 8, b"C" * 8, b"E" * 8, b"S" * 8
+_BATCH, _BARRIER, _CANCEL, _EOS, _STEP, _ANNOUNCE = b"B" * 8, b"R" * 8, b"C" * 8, b"E" * 8, b"S" * 8, b"A" * 8
 _TAG = 8
 _ID = struct.Struct("<q")
 _IDS = struct.Struct("<qq")
@@ -117,6 +135,8 @@ def encode(item: Any) -> Any:
                 + _ID.pack(len(item.moves)) + struct.pack(f"<{len(flat)}q", *flat))
     if item is EOS:
         return _EOS
+    if isinstance(item, Announcement):
+        return _ANNOUNCE + _IDS.pack(item.barrier.checkpoint_id, item.barrier.base) + _ID.pack(item.seq)
     raise TypeError(f"cannot send {type(item).__name__} on a channel")
 
 
@@ -136,10 +156,13 @@ def decode(frame: bytes) -> Any:
         return StepMarker(step, tuple(zip(flat[0::2], flat[1::2])), base, workers, _PHASES[phase])
     if kind == _EOS:
         return EOS
+    if kind == _ANNOUNCE:
+        cid, base = _IDS.unpack_from(frame, _TAG)
+        return Announcement(Barrier(cid, base), _ID.unpack_from(frame, _TAG + _IDS.size)[0])
     raise ValueError(f"corrupt channel frame (type byte {kind!r})")
 
 
-class InputGate:
+class InputGate(ChannelStateCapture):
     """The inputs of one task: ``n`` FIFO channels with at most ``capacity`` buffered
     elements each, plus a queue of control events that always go first.
 
@@ -156,6 +179,14 @@ class InputGate:
         # an iteration head's feedback channels never block their sender: with bounded buffers
         # all round a loop, the head waiting on the body and the body on the head would deadlock
         self._unbounded = unbounded
+        # unaligned checkpoints: elements put and taken per channel (their indices), barrier
+        # announcements for the task, how far a channel may go past its capacity (up to an
+        # announced barrier) and the channel state being captured per checkpoint
+        self._received = [0] * num_channels
+        self._taken = [0] * num_channels
+        self._priority: collections.deque = collections.deque()
+        self._overdraft = [0] * num_channels
+        self._captures: dict[int, Any] = {}
         self._next = 0
         self._closed = False
 
@@ -169,6 +200,8 @@ class InputGate:
         anything arrives on it (control events go first)."""
         with self._cond:
             self._queues.append(collections.deque())
+            for counts in (self._received, self._taken, self._overdraft):
+                counts.append(0)
             channel = len(self._queues) - 1
             self._control.append(notice(channel))
             self._cond.notify_all()
@@ -178,16 +211,24 @@ class InputGate:
         """Append to a channel; blocks while that channel's buffer is full (backpressure)."""
         with self._cond:
             q = self._queues[channel]
-            while len(q) >= self._capacity and not self._closed and channel not in self._unbounded:
+            while (len(q) >= self._capacity and not self._closed and channel not in self._unbounded
+                   and self._received[channel] >= self._overdraft[channel]):
                 self._cond.wait()
             if self._closed:
                 raise GateClosed()
             q.append(item)
+            index = self._received[channel]
+            self._received[channel] = index + 1
+            if self._captures:
+                self._capture(channel, index, item, item is EOS)
             self._cond.notify_all()
 
-    def put_control(self, event: Any) -> None:
+    def put_priority(self, channel: int, announcement: "Announcement") -> None:
+        """A barrier announced ahead of its channel's queued elements: the task hears of it
+        before them, and the channel takes the elements in front of it without waiting."""
         with self._cond:
-            self._control.append(event)
+            self._priority.append((channel, announcement))
+            self._overdraft[channel] = max(self._overdraft[channel], announcement.seq)
             self._cond.notify_all()
 
     def take(self, blocked: "frozenset[int] | set[int]", timeout: float) -> "tuple[int, Any] | None":
@@ -198,6 +239,8 @@ class InputGate:
             while True:
                 if self._control:
                     return -1, self._control.popleft()
+                if self._priority:
+                    return self._priority.popleft()
                 n = len(self._queues)
                 for step in range(n):
                     ch = (self._next + step) % n
@@ -205,6 +248,7 @@ class InputGate:
                     if q and ch not in blocked:
                         self._next = (ch + 1) % n
                         item = q.popleft()
+                        self._taken[ch] += 1
                         if len(q) == self._capacity - 1 and ch not in self._unbounded:
                             self._cond.notify_all()
                         return ch, item
@@ -244,11 +288,17 @@ class LocalSender:
         self._gate = gate
         self._channel = channel
         self.blocked = 0.0
+        self.sent = 0  # elements sent (the index of the next)
 
     def send(self, item: Any) -> None:
         t0 = time.perf_counter()
         self._gate.put(self._channel, item)
+        self.sent += 1
         self.blocked += time.perf_counter() - t0
+
+    def announce(self, barrier: Barrier) -> None:
+        """Announce ``barrier`` ahead of what is queued (it is sent next, in order, too)."""
+        self._gate.put_priority(self._channel, Announcement(barrier, self.sent))
 
     def close(self) -> None:
         pass
@@ -257,21 +307,31 @@ class LocalSender:
 class RemoteSender:
     """A channel to a task in another worker over an authenticated connection."""
 
-    def __init__(self, conn: Any) -> None:
+    def __init__(self, conn: Any, priority: Any = None) -> None:
         self._conn = conn
+        self._priority = priority  # the connection announcements go on (unaligned checkpoints)
         self.blocked = 0.0  # seconds in send_bytes: the socket buffers full (see LocalSender)
+        self.sent = 0
 
     def send(self, item: Any) -> None:
         frame = encode(item)
         t0 = time.perf_counter()
         self._conn.send_bytes(frame)
+        self.sent += 1
         self.blocked += time.perf_counter() - t0
 
+    def announce(self, barrier: Barrier) -> None:
+        if self._priority is None:
+            raise RuntimeError("a barrier announced on a channel without a priority connection (a runtime bug)")
+        self._priority.send_bytes(encode(Announcement(barrier, self.sent)))
+
     def close(self) -> None:
-        try:
-            self._conn.close()
-        except OSError:
-            pass
+        for conn in (self._conn, self._priority):
+            try:
+                if conn is not None:
+                    conn.close()
+            except OSError:
+                pass
 
 
 # ------------------------------------------------------------------ remote connections

@@ -51,6 +51,9 @@ class CheckpointCompletion:
                 "mode": self.config.mode,
                 **({"loop_records": sum(ack.loop_records or 0 for ack in a.acks.values())}
                    if self.flow.has_loops else {}),
+                **({"channel_records": sum(ack.channel_records for ack in a.acks.values()),
+                    "channel_bytes": sum(r.bytes for ack in a.acks.values() for r in ack.channel_logs)}
+                   if self.config.priority_barriers else {}),
             },
             lineage=Lineage.following(self.run_id, self._follows),
             assignment=self.assignment_at.pop(a.checkpoint_id, None),

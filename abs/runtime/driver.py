@@ -107,6 +107,9 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
         self.P = parallelism
         self.config = checkpoint or CheckpointConfig()
         self.checkpointing = storage is not None and (checkpoint is not None)
+        if flow.has_loops and self.config.priority_barriers:
+            raise ConfigError(f"dataflow {flow.name!r} has an iteration: unaligned checkpoints (and alignment_timeout) "
+                              "do not snapshot loops yet; use mode='aligned' without alignment_timeout")
         if flow.has_loops and self.config.mode == "stop_the_world":
             raise ConfigError(f"dataflow {flow.name!r} has an iteration: checkpoint mode 'stop_the_world' cannot snapshot "
                               "loops (the head's part waits for the barrier to come round); use mode='aligned'")
@@ -187,6 +190,7 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
             restore_storage_options=restore_info.get("options"),
             faults=tuple(f for f in self.faults if f.attempt == attempt and f.point not in ("before_commit", "after_commit")),
             writer_timeout=WRITER_TIMEOUT_FACTOR * self.config.timeout,
+            alignment_timeout=self.config.alignment_timeout,
         )
 
     # ------------------------------------------------------------------ run
@@ -292,7 +296,7 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
         run = _Attempt(procs, conns, coord,
                        life.JobLifecycle(expected, source_keys, conns, checkpointing=self.checkpointing,
                                          heartbeat_timeout=self.heartbeat_timeout, now=self.clock(),
-                                         loops=self.flow.has_loops),
+                                         loops=self.flow.has_loops or self.config.priority_barriers),
                        {id(c): i for i, c in conns.items()})
         while True:
             self._check_procs(procs, conns)
@@ -417,8 +421,10 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
                     self._notify_waiter(a.checkpoint_id, JobFailedError(f"checkpoint {a.checkpoint_id} failed: {a.reason}"))
                     run.life.on_aborted(a.checkpoint_id)
                 case Commit():
-                    self._loops_quiet[a.checkpoint_id] = all(ack.loop_records == 0 for ack in a.acks.values()
-                                                             if ack.loop_records is not None)
+                    # nothing in flight at the cut: no loop record logged, no record overtaken by an
+                    # unaligned barrier (the final checkpoint must cover every record: see lifecycle)
+                    self._loops_quiet[a.checkpoint_id] = all(
+                        (ack.loop_records or 0) == 0 and ack.channel_records == 0 for ack in a.acks.values())
                     if not self.checkpointing:  # a loop's termination probe: nothing to store
                         self._handle(run, run.coord.on_committed(a.checkpoint_id))
                         continue

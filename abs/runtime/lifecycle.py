@@ -1,7 +1,7 @@
 """The job's life as the driver sees it, as a pure state machine: when the sources are all
 exhausted, the final checkpoint; once it is complete, finishing the sources; once every task
-is done, shutting down (a job with an iteration: once a final checkpoint or probe found its
-loops quiet, see :mod:`abs.runtime.loops`); a worker that sends nothing for too long; and after a failure, a
+is done, shutting down (a job with an iteration or unaligned checkpoints: once a final
+checkpoint or probe found nothing in flight, see :mod:`abs.runtime.loops`); a worker that sends nothing for too long; and after a failure, a
 restart or the end (failover).
 
 No I/O, no clock of its own, no sleeps: the driver feeds it events and the current time
@@ -92,7 +92,9 @@ class JobLifecycle:
                  max_final_attempts: int = MAX_FINAL_ATTEMPTS, loops: bool = False) -> None:
         self.tasks = frozenset(tasks)
         # a job with an iteration finishes only after a final checkpoint (or, without storage, a
-        # termination probe) whose feedback logs were all empty: its loops are quiet
+        # termination probe) whose feedback logs were all empty: its loops are quiet; so does a
+        # job with unaligned checkpoints (records an unaligned barrier overtook would be
+        # processed after the final checkpoint, and their output never committed)
         self.loops = loops
         self.loop_rounds = 0  # final checkpoints/probes that found records circulating
         self.source_tasks = frozenset(source_tasks)

@@ -32,8 +32,9 @@ are all empty completes. Empty logs mean that nothing circulated at that cut, an
 input nothing can circulate later: the loop is quiet, the sources are told to finish, the
 end of stream reaches the head and the head ends the loop (see ``JobLifecycle``).
 
-Also used by the feedback log: a log of a checkpoint aborted meanwhile is dropped; a cancel
-marker coming round drops it too. Pure bookkeeping, no I/O: the task uploads what finishes.
+A log of a checkpoint aborted meanwhile is dropped; a cancel marker coming round drops it
+too. :class:`FeedbackLogs` is the bookkeeping (pure, no I/O); :class:`IterationHead` the part
+of a task that heads a loop.
 """
 from __future__ import annotations
 
@@ -42,7 +43,10 @@ from typing import Any, Iterable
 
 import pyarrow as pa
 
-__all__ = ["FeedbackLogs", "write_log", "read_logs", "DROP_LOGS_FOR_TESTS"]
+from .channels import EOS, Barrier, CancelMarker
+from .operator_base import OpSnapshot
+
+__all__ = ["FeedbackLogs", "IterationHead", "write_log", "replay_batches", "DROP_LOGS_FOR_TESTS"]
 
 DROP_LOGS_FOR_TESTS = "ABS_TEST_DROP_FEEDBACK_LOGS"
 """Set in a job's environment, the heads count their logs but store none: the test that
@@ -116,6 +120,54 @@ class FeedbackLogs:
         return [(cid,) + self._open.pop(cid)[1:] for cid in sorted(done)]
 
 
+class IterationHead:
+    """The part of :class:`~abs.runtime.task.Task` that heads a loop: what arrives on its
+    feedback channels (``self.loop``: :class:`FeedbackLogs`, set by the worker)."""
+
+    loop: "FeedbackLogs | None"
+    _ended: bool
+    head: Any
+    worker: Any
+
+    def _fed_back(self, channel: int, item: Any) -> bool:
+        """An element on an iteration head's feedback channel (abs.runtime.loops): processed
+        and logged for every open log that waits for its barrier on the channel; a barrier
+        coming round closes its log there. True when the head is done (its regular inputs
+        and the loop have ended)."""
+        loop = self.loop
+        assert loop is not None
+        if isinstance(item, pa.RecordBatch):
+            if self._ended:
+                raise RuntimeError(
+                    f"iteration {self.head.uid!r}: {item.num_rows} record(s) came round after the loop was ended "
+                    "(an operator in the loop body emitted records at the end of its input?)"
+                )
+            self.worker.fault("process", self)
+            if loop:
+                loop.on_batch(channel, item)
+                self.worker.fault("during_logging", self)
+            self.head.process(item)
+            return False
+        if isinstance(item, Barrier):
+            self.worker.fault("before_barrier_returns", self)
+            self._logged(loop.on_barrier(channel, item.checkpoint_id))
+        elif isinstance(item, CancelMarker):
+            loop.drop(item.checkpoint_id)
+        elif item is EOS:
+            self._logged(loop.on_end(channel))
+            return self._ended and not loop.live
+        else:
+            raise RuntimeError(f"iteration {self.head.uid!r}: {item!r} on a feedback channel (live reconfiguration "
+                               "of a job with an iteration is not supported)")
+        return False
+
+    def _logged(self, finished: list) -> None:
+        """Logs complete: the head's part of those checkpoints goes to the uploader now."""
+        for _cid, batches, job in finished:
+            job.pieces.append(OpSnapshot(self.head.uid, channel_log=batches))
+            self.worker.upload_later(job)
+
+
 def write_log(store: Any, checkpoint_id: int, task: str, batches: list) -> Any:
     """Store a finished log as a channel file of checkpoint ``checkpoint_id``: its FileRef, or
     None when it is empty or the job does not store checkpoints (a termination probe)."""
@@ -129,9 +181,29 @@ def write_log(store: Any, checkpoint_id: int, task: str, batches: list) -> Any:
     return store.write_channel_log(checkpoint_id, task, table)
 
 
-def read_logs(store: Any, refs: Iterable[Any]) -> list[pa.RecordBatch]:
-    """The batches of restored logs, in order (each file checked against its checksum)."""
+def replay_batches(store: Any, refs: Iterable[Any], head: Any, subtask: int, parallelism: int) -> list[pa.RecordBatch]:
+    """What a restored task replays first: the channel files of its head operator (each read
+    and checked against its checksum). A keyed head takes the rows of its own key groups from
+    every file, whatever subtask wrote it (the records go to their key group's new owner);
+    any other head the files written by subtasks ``subtask``, ``subtask + parallelism``, ...
+    (the restore into another parallelism spreads them)."""
+    import numpy as np
+
+    from .operators import KeyedOp
+
+    keyed = isinstance(head, KeyedOp)
+    owned = None
+    if keyed:
+        kgs = head.key_group_range
+        owned = np.array([kg for kg in range(head.extractor.max_parallelism) if kg in kgs], dtype=np.int64)
     out: list[pa.RecordBatch] = []
     for ref in refs:
-        out.extend(store.read_file(ref).to_batches())
+        writer = int(ref.location().task.rpartition("#")[2])
+        if not keyed and writer % parallelism != subtask:
+            continue
+        for batch in store.read_file(ref).to_batches():
+            if keyed:
+                batch = batch.filter(pa.array(np.isin(head.extractor.key_groups(batch), owned)))
+            if batch.num_rows:
+                out.append(batch)
     return out

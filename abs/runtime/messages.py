@@ -225,6 +225,7 @@ class TaskAck:
     # logged (none at every head: nothing circulated at the snapshot, the loop is quiet)
     channel_logs: tuple = ()
     loop_records: int | None = None
+    channel_records: int = 0  # records an unaligned barrier overtook (channel state)
 
 
 @_message

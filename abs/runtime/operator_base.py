@@ -35,6 +35,7 @@ class OpSnapshot:
     source_offsets: dict | None = None
     sink_transactions: list | None = None
     channel_log: list | None = None  # an iteration head's logged feedback batches (abs.runtime.loops)
+    channel_state: list | None = None  # records an unaligned barrier overtook (abs.runtime.unaligned)
     on_chains: Callable[[int, dict], None] | None = None  # uploader reports the new chains
 
 

@@ -116,6 +116,12 @@ class LiveReconfiguration(Rescaling):
                 f"job {self.flow.name!r}: reconfiguration {self._reconf.record.id} is still running; wait for it "
                 "(the call that started it returns when it is done) and ask again"
             )
+        if self.config.priority_barriers:
+            raise ReconfigurationError(
+                f"job {self.flow.name!r} takes unaligned checkpoints: live reconfiguration of such a job is not "
+                "supported yet; take a savepoint and restore the job from it, or use mode='aligned' without "
+                "alignment_timeout"
+            )
         if self.flow.has_loops:
             raise ReconfigurationError(
                 f"job {self.flow.name!r} has an iteration: live reconfiguration of loops is not supported yet; take "

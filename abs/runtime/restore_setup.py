@@ -233,14 +233,19 @@ class RestoreSetup:
                      f"{restoring}")
 
     def _check_loops(self, manifest: Any) -> None:
-        """The checkpoint's logged loop records (channel state) belong to iterations of this
-        dataflow, by uid; else they would be lost without a word."""
-        heads = {n.uid for n in self.flow.nodes if n.kind == "iterate"}
+        """The checkpoint's channel state (loop logs, records an unaligned barrier overtook)
+        belongs to operators that head a task of this dataflow, by uid; else it would be lost
+        without a word."""
+        from .plan import compile_plan
+
+        heads = {self.flow.nodes[t.head].uid for t in compile_plan(self.flow).tasks if not t.is_source}
         lost = sorted({ref.location().task.rpartition("#")[0] for ref in manifest.channel_logs} - heads)
         if lost and not self.allow_non_restored_state:
             raise ConfigError(
-                f"checkpoint {manifest.checkpoint_id} holds records circulating in iteration(s) {lost}, which dataflow "
-                f"{self.flow.name!r} does not have (its iterations: {sorted(heads) or 'none'}); keep the iteration's uid, "
+                f"checkpoint {manifest.checkpoint_id} holds records in flight into operator(s) {lost} (channel state: "
+                f"records circulating in a loop, or overtaken by an unaligned barrier), which dataflow "
+                f"{self.flow.name!r} does not have as the head of a task (its iterations: "
+                f"{sorted(n.uid for n in self.flow.nodes if n.kind == 'iterate') or 'none'}); keep the operator's uid, "
                 "or pass allow_non_restored_state=True to drop those records"
             )
 
@@ -281,7 +286,8 @@ class RestoreSetup:
             source_splits={uid: per_sub.get(i, {}) for uid, per_sub in source_splits.items()},
             keyed_chains=own(i),
             sink_transactions=dict(plan.subtasks[i].sink_transactions) or None,
-            channel_logs=tuple(plan.subtasks[i].channel_logs),
+            # every worker sees every channel file; it replays those of its tasks (abs.runtime.unaligned)
+            channel_logs=tuple(restore_info["manifest"].channel_logs),
         ) for i in range(self.P)]
 
     def _sources(self) -> list:

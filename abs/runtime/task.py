@@ -20,100 +20,29 @@ import time
 import traceback
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 
 from ..alignment import AbortCheckpoint, BarrierAligner, EndOfInput, TriggerSnapshot
-from ..dataflow import BROADCAST, FORWARD, KEY_BY, REBALANCE
 from ..connectors.sources import END
 from . import messages as m
-from .channels import EOS, Barrier, CancelMarker, InputGate, StepMarker
+from .channels import EOS, Announcement, Barrier, CancelMarker, CaptureComplete, InputGate, StepMarker
 from ..reconfig.aligner import StepAligner
 from ..reconfig.holding import Holding
-from .operators import KeyedOp, KeyExtractor, OperatorRuntime, OpSnapshot, SinkOp, UserFunctionError
-from .plan import OutputPlan, TaskPlan, task_key
-from .loops import FeedbackLogs
+from .operators import KeyedOp, OperatorRuntime, OpSnapshot, SinkOp, UserFunctionError
+from .plan import TaskPlan, task_key
+from .exchange import ExchangeWriter
+from .loops import FeedbackLogs, IterationHead
 from .split_readers import SourceReaders
+from .unaligned import UnalignedCheckpoints
 
 __all__ = ["Task", "ExchangeWriter"]
-
-
-class ExchangeWriter:
-    """Partitions a task's output over the channels of one exchange edge."""
-
-    def __init__(self, out: OutputPlan, senders: list, routing: np.ndarray, max_parallelism: int, uid: str,
-                 joining: "list | None" = None) -> None:
-        self.partition = out.partition
-        self.senders = senders
-        # rescale: senders to workers that join at the next join step (filled by the worker
-        # before the step starts), and how many of the senders get records (a drain stops
-        # records to the leaving workers; their channels still carry barriers until retired)
-        self.joining = joining if joining is not None else []
-        self.active = len(senders)
-        self.routing = np.array(routing, dtype=np.int64)  # this writer's own: switched at its step markers
-        self.extractor = KeyExtractor(uid, out.key, max_parallelism) if out.partition == KEY_BY else None
-        self._rr = 0
-
-    def __call__(self, batch: pa.RecordBatch) -> None:
-        senders = self.senders
-        if self.partition == FORWARD or self.active == 1:
-            senders[0].send(batch)
-        elif self.partition == KEY_BY:
-            sub = self.routing[self.extractor.key_groups(batch)]
-            order = np.argsort(sub, kind="stable")
-            counts = np.bincount(sub, minlength=len(senders))
-            if counts.max() == batch.num_rows:
-                senders[int(sub[0])].send(batch)
-                return
-            shuffled = batch.take(pa.array(order))
-            start = 0
-            for s, c in enumerate(counts.tolist()):
-                if c:
-                    senders[s].send(shuffled.slice(start, c))
-                start += c
-        elif self.partition == REBALANCE:
-            senders[self._rr % self.active].send(batch)
-            self._rr += 1
-        elif self.partition == BROADCAST:
-            for s in senders[:self.active]:
-                s.send(batch)
-
-    def send_all(self, item: Any) -> None:
-        for s in self.senders:
-            s.send(item)
-
-    def switch(self, marker: StepMarker) -> None:
-        """Emit step ``marker`` on every channel, then route its key groups to their new
-        owners: every record this writer sent before goes to the old owner, every later one
-        to the new owner (one thread emits records and markers, so nothing comes between).
-        A rescale's marker also changes the senders: a join adds the channels to the new
-        workers (whose first element is this marker), a drain stops records to the leaving
-        workers, a retire ends the channels to them."""
-        self.send_all(marker)
-        if marker.workers and self.partition != FORWARD:
-            if marker.phase == "join" and len(self.senders) < marker.workers:
-                new, self.joining[:] = list(self.joining), []
-                if len(self.senders) + len(new) != marker.workers:
-                    raise RuntimeError(f"join of {marker.workers} workers with {len(self.senders)} + {len(new)} "
-                                       "channels (a runtime bug)")
-                for s in new:
-                    s.send(marker)
-                self.senders.extend(new)
-            elif marker.phase == "retire":
-                for s in self.senders[marker.workers:]:
-                    s.send(EOS)
-                    s.close()
-                del self.senders[marker.workers:]
-            self.active = min(len(self.senders), marker.workers)
-        for kg, target in marker.moves:
-            self.routing[kg] = target
 
 
 class _Stopped(Exception):
     """The worker stopped the task while it waited for key groups' state."""
 
 
-class Task(threading.Thread):
+class Task(IterationHead, UnalignedCheckpoints, threading.Thread):
     def __init__(
         self,
         plan: TaskPlan,
@@ -162,6 +91,16 @@ class Task(threading.Thread):
         self.loop: FeedbackLogs | None = None
         self.replay: list = []
         self._ended = False
+        # unaligned checkpoints (abs.runtime.unaligned): snapshot at the first barrier heard of
+        # (mode "unaligned") or when an alignment takes longer than alignment_timeout; the
+        # upload jobs held until their channel state is captured; announcements kept for a switch
+        spec = getattr(worker, "spec", None)
+        self.unaligned = self.mode == "unaligned"
+        self.alignment_timeout = getattr(spec, "alignment_timeout", None)
+        self.announce = self.unaligned or self.alignment_timeout is not None
+        self._held: dict[int, Any] = {}
+        self._heard: dict[int, tuple[float, int, dict[int, int]]] = {}  # id -> (first heard, base, channel -> index)
+        self._last_unaligned = 0
 
     # ------------------------------------------------------------------ entry
     def run(self) -> None:
@@ -304,6 +243,8 @@ class Task(threading.Thread):
                 head.process(batch)
             self.replay = []
         while True:
+            if self._heard and self.alignment_timeout is not None:
+                self._check_alignment_timeout(aligner)
             blocked = aligner.blocked if steps.aligning is None else aligner.blocked | steps.blocked
             if loop is not None and loop.blocked:
                 blocked = blocked | loop.blocked
@@ -316,7 +257,11 @@ class Task(threading.Thread):
             if channel < 0:
                 if isinstance(item, m.Stop):
                     return
+                if isinstance(item, CaptureComplete):
+                    self._captured(item.checkpoint_id)
+                    continue
                 if isinstance(item, m.CheckpointAborted):
+                    self._drop_unaligned(item.checkpoint_id)
                     if loop is not None:
                         loop.drop(item.checkpoint_id)
                     self._act(aligner.abort(item.checkpoint_id))
@@ -332,6 +277,11 @@ class Task(threading.Thread):
             if channel in feedback:
                 if self._fed_back(channel, item):
                     return
+                continue
+            if isinstance(item, Announcement):
+                self._announced(channel, item)
+                continue
+            if self.announce and isinstance(item, (Barrier, CancelMarker)) and self._unaligned_event(channel, item):
                 continue
             if isinstance(item, pa.RecordBatch):
                 self.worker.fault("process", self)
@@ -456,49 +406,13 @@ class Task(threading.Thread):
                     out.send_all(CancelMarker(action.checkpoint_id))
                 self.worker.decline(self, action.checkpoint_id, action.reason)
             elif isinstance(action, EndOfInput):
+                for cid in list(self._held):  # every channel ended: their channel state is complete
+                    self._captured(cid)
                 self._end_of_input()
                 self._ended = True
                 # an iteration head goes on until the loop has ended too (its feedback channels)
                 return self.loop is None or not self.loop.live
         return False
-
-    def _fed_back(self, channel: int, item: Any) -> bool:
-        """An element on an iteration head's feedback channel (abs.runtime.loops): processed
-        and logged for every open log that waits for its barrier on the channel; a barrier
-        coming round closes its log there. True when the head is done (its regular inputs
-        and the loop have ended)."""
-        loop = self.loop
-        assert loop is not None
-        if isinstance(item, pa.RecordBatch):
-            if self._ended:
-                raise RuntimeError(
-                    f"iteration {self.head.uid!r}: {item.num_rows} record(s) came round after the loop was ended "
-                    "(an operator in the loop body emitted records at the end of its input?)"
-                )
-            self.worker.fault("process", self)
-            if loop:
-                loop.on_batch(channel, item)
-                self.worker.fault("during_logging", self)
-            self.head.process(item)
-            return False
-        if isinstance(item, Barrier):
-            self.worker.fault("before_barrier_returns", self)
-            self._logged(loop.on_barrier(channel, item.checkpoint_id))
-        elif isinstance(item, CancelMarker):
-            loop.drop(item.checkpoint_id)
-        elif item is EOS:
-            self._logged(loop.on_end(channel))
-            return self._ended and not loop.live
-        else:
-            raise RuntimeError(f"iteration {self.head.uid!r}: {item!r} on a feedback channel (live reconfiguration "
-                               "of a job with an iteration is not supported)")
-        return False
-
-    def _logged(self, finished: list) -> None:
-        """Logs complete: the head's part of those checkpoints goes to the uploader now."""
-        for _cid, batches, job in finished:
-            job.pieces.append(OpSnapshot(self.head.uid, channel_log=batches))
-            self.worker.upload_later(job)
 
     # ------------------------------------------------------------------ shared
     def _catch_up(self, base: int) -> None:
@@ -525,8 +439,9 @@ class Task(threading.Thread):
                 raise m.unexpected(event, f"task {self.key}", "its worker", "a checkpoint notice")
 
     def _snapshot(
-        self, checkpoint_id: int, base: int, alignment_time: float = 0.0, source_offsets: dict | None = None
-    ) -> None:
+        self, checkpoint_id: int, base: int, alignment_time: float = 0.0, source_offsets: dict | None = None,
+        hold: bool = False,
+    ) -> Any:
         full = self.mode == "stop_the_world"
         t0 = time.perf_counter()
         self.worker.fault("before_snapshot", self)
@@ -543,9 +458,15 @@ class Task(threading.Thread):
         job = m.UploadJob(checkpoint_id, self, pieces, alignment_time, sync_time)
         if full:
             self.worker.upload_now(job)  # stop-the-world: nothing moves until it is stored
+        barrier = Barrier(checkpoint_id, base)
+        if self.announce:  # ahead of the queued records first, on every output, then in order
+            for out in self.outputs:
+                out.announce(barrier)
         for out in self.outputs:
-            out.send_all(Barrier(checkpoint_id, base))
+            out.send_all(barrier)
         self.worker.fault("after_barrier_forward", self)
+        if hold:
+            return job
         if self.loop is not None:
             self._logged(self.loop.start(checkpoint_id, job))  # acked once the barrier came round
         elif not full:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import dataclasses
-import json
 import os
 import queue
 import socket
@@ -23,18 +22,20 @@ import pyarrow as pa
 
 from storage.session import with_written
 
-from ..dataflow import FORWARD, Dataflow
+from ..dataflow import Dataflow
 from ..keygroups import KeyGroupSet, key_group_range
 from ..state import ColumnDelta, PickledDelta
 from ..reconfig.transfer import pack
 from .installer import Installer
-from .channels import InputGate, LocalSender, RemoteSender, accept_channel, connect_channel, decode
+from .channels import InputGate
 from .operators import KeyedOp, OpSnapshot, build_operator
 from .plan import PhysicalPlan, compile_plan, task_key
 from ..faults import WORKER_POINTS, trip
 from . import messages as m
-from .task import ExchangeWriter, Task
-from .loops import FeedbackLogs, read_logs, write_log
+from .exchange import ExchangeWriter
+from .task import Task
+from .connections import WorkerChannels
+from .loops import FeedbackLogs, replay_batches, write_log
 from .writer import InThreadWriter, SnapshotWriter, WriterHungError, writes_in_process
 
 log = logging.getLogger(__name__)
@@ -59,13 +60,19 @@ class WorkerSpec:
     faults: tuple = ()  # abs.faults.Fault of this attempt
     writer_timeout: float | None = None  # seconds the uploader waits on the writer process for one write
     storage_probe: str | None = None  # token of the driver's probe file (storage.SnapshotStore.write_probe)
+    alignment_timeout: float | None = None  # CheckpointConfig.alignment_timeout
+
+    @property
+    def priority_barriers(self) -> bool:
+        """Senders announce barriers ahead of queued records (abs.runtime.unaligned)."""
+        return self.checkpoint_mode == "unaligned" or self.alignment_timeout is not None
 
 
 class _Fault(Exception):
     pass
 
 
-class Worker:
+class Worker(WorkerChannels):
     def __init__(self, index: int, conn: Any, spec: WorkerSpec, secret: bytes,
                  assignment: m.WorkerAssignment | None = None) -> None:
         self.index = index
@@ -203,10 +210,15 @@ class Worker:
         finished: list[OpSnapshot] = []  # pieces whose chains this checkpoint writes
         logs: list = []
         loop_records = None
+        channel_records = 0
         for piece in pieces:
-            if piece.channel_log is not None:
-                loop_records = (loop_records or 0) + sum(b.num_rows for b in piece.channel_log)
-                ref = write_log(store, checkpoint_id, f"{piece.uid}#{task.subtask}", piece.channel_log)
+            if piece.channel_log is not None or piece.channel_state is not None:
+                batches = piece.channel_log if piece.channel_log is not None else piece.channel_state
+                if piece.channel_log is not None:
+                    loop_records = (loop_records or 0) + sum(b.num_rows for b in batches)
+                else:
+                    channel_records += sum(b.num_rows for b in batches)
+                ref = write_log(store, checkpoint_id, f"{piece.uid}#{task.subtask}", batches)
                 if ref is not None:
                     self.fault("during_log_upload", task)
                     logs.append(ref)
@@ -263,6 +275,7 @@ class Worker:
             async_cpu=writer_cpu,
             channel_logs=tuple(logs),
             loop_records=loop_records,
+            channel_records=channel_records,
         )
 
     # ------------------------------------------------------------------ set-up
@@ -290,98 +303,6 @@ class Worker:
         # drops their SYNs and each retries after 1, 3, 7, ... 63 s (seen at P = 8 on a busy
         # machine: a channel missed connect()'s 60 s wait)
         self.listener = Listener((self.bind_host, 0), authkey=self.secret, backlog=128)
-
-    def connect(self, peers: list) -> None:
-        """Open one connection per outgoing remote channel, accept the incoming ones."""
-        P, i = self.spec.parallelism, self.index
-        self.fault("before_connect", None)
-        incoming = []  # (task, channel) expected from other workers
-        for t in self.plan.tasks:
-            for edge, _up, partition in t.inputs:
-                if partition != FORWARD:
-                    incoming += [(t.index, t.channel_of(edge, s, P)) for s in range(P) if s != i]
-        accepted: dict[tuple, Any] = {}
-        acceptor = threading.Thread(target=self._accept, args=(len(incoming), accepted), daemon=True)
-        acceptor.start()
-        self.senders: dict[tuple, list] = {}
-        self.joining: dict[tuple, list] = {}  # senders to joining workers, per writer (see add_peers)
-        for t in self.plan.tasks:
-            for out in t.outputs:
-                target = self.plan.tasks[out.target_task]
-                dests = [i] if out.partition == FORWARD else list(range(P))
-                senders = []
-                for d in dests:
-                    ch = target.channel_of(out.edge_index, i, P)
-                    if d == i:
-                        senders.append(LocalSender(self.gates[target.index], ch))
-                    else:
-                        hello = json.dumps({"task": target.index, "channel": ch}).encode()
-                        conn = connect_channel(tuple(peers[d]), self.secret, hello)
-                        senders.append(RemoteSender(conn))
-                self.senders[(t.index, out.from_node, out.target_task, out.edge_index)] = senders
-                self.joining[(t.index, out.from_node, out.target_task, out.edge_index)] = []
-        acceptor.join(timeout=60)
-        if len(accepted) != len(incoming):
-            raise RuntimeError(f"worker {i}: only {len(accepted)} of {len(incoming)} input channels connected")
-        for (task, ch), conn in accepted.items():
-            threading.Thread(target=self._receive, args=(conn, self.gates[task], ch), daemon=True).start()
-        # from now on a channel that connects comes from a worker joining the running job
-        self._joined_channels = threading.Semaphore(0)
-        threading.Thread(target=self._accept_joining, name="join-acceptor", daemon=True).start()
-
-    def _accept(self, expected: int, accepted: dict) -> None:
-        while len(accepted) < expected:
-            conn = accept_channel(self.listener)
-            hello = json.loads(conn.recv_bytes())
-            accepted[(hello["task"], hello["channel"])] = conn
-
-    def _accept_joining(self) -> None:
-        """Channels of joining workers (a rescale): each becomes a new input channel of its
-        task's gate, announced to the task before its first element (ChannelAdded)."""
-        while True:
-            try:
-                conn = accept_channel(self.listener)
-                hello = json.loads(conn.recv_bytes())
-            except (OSError, EOFError):
-                return  # the listener closed: the worker stops
-            gate = self.gates[hello["task"]]
-            channel = gate.add_channel(m.ChannelAdded)
-            threading.Thread(target=self._receive, args=(conn, gate, channel), daemon=True).start()
-            self._joined_channels.release()
-
-    def add_peers(self, msg: m.AddPeers) -> None:
-        """Workers joined the running job: connect this worker's outgoing channels to them (the
-        senders wait in their writers' ``joining`` lists for the join step's marker) and wait
-        until each of their channels into this worker's tasks has connected."""
-        i, workers = self.index, msg.workers
-        expected = 0
-        for t in self.plan.tasks:
-            expected += sum(len(msg.addresses) for _e, _up, p in t.inputs if p != FORWARD)
-            for out in t.outputs:
-                if out.partition == FORWARD:
-                    continue
-                target = self.plan.tasks[out.target_task]
-                joining = self.joining[(t.index, out.from_node, out.target_task, out.edge_index)]
-                for k, address in enumerate(msg.addresses):
-                    conn = connect_channel(tuple(address), self.secret)
-                    ch = target.channel_of(out.edge_index, i, workers)
-                    conn.send_bytes(json.dumps({"task": target.index, "channel": ch}).encode())
-                    joining.append(RemoteSender(conn))
-        for _ in range(expected):
-            if not self._joined_channels.acquire(timeout=60):
-                raise RuntimeError(f"worker {i}: the channels of joining workers {msg.first}.. did not connect "
-                                   "within 60 s")
-        self.send_to_driver(m.PeersAdded(i))
-
-    def _receive(self, conn: Any, gate: InputGate, channel: int) -> None:
-        try:
-            while True:
-                item = decode(conn.recv_bytes())
-                gate.put(channel, item)
-        except (EOFError, OSError):
-            pass  # the sender closed the channel (after EOS, or it died: the driver sees that)
-        except Exception:  # noqa: BLE001
-            self.send_to_driver(m.TaskFailed(f"worker{self.index}", "<channel>", traceback.format_exc()))
 
     def create_tasks(self) -> m.RestoreStats:
         spec, P, i = self.spec, self.spec.parallelism, self.index
@@ -436,14 +357,14 @@ class Worker:
                 splits = assignment.source_splits.get(head.uid, {})
                 reader = head.spec["source"].create_reader(splits, i, P)
             task = self.tasks[t.index] = Task(t, i, ops, self.gates[t.index], writers, self, reader)
-            if t.back_edges:  # an iteration head: its feedback channels, and its logs to replay first
+            if t.back_edges:  # an iteration head: its feedback channels
                 task.loop = FeedbackLogs(t.back_channels(P))
-                mine = [r for r in assignment.channel_logs if r.location().task.rpartition("#")[0] == head.uid]
-                if mine:
-                    from storage import SnapshotStore
+            logs = [r for r in assignment.channel_logs if r.location().task.rpartition("#")[0] == head.uid]
+            if logs:  # channel state of the restored checkpoint: replayed before any input
+                from storage import SnapshotStore
 
-                    store = restore_store or SnapshotStore.open(spec.restore_url, spec.restore_storage_options)
-                    task.replay = read_logs(store, mine)
+                store = restore_store or SnapshotStore.open(spec.restore_url, spec.restore_storage_options)
+                task.replay = replay_batches(store, logs, ops[t.head], i, P)
         return m.RestoreStats(self.bytes_restored, self.restore_seconds, restored_kgs)
 
     def _restored(self, nbytes: int) -> None:
