@@ -33,6 +33,12 @@ class FileRef:
     ``key_group`` set: the key group's file is the ``bytes`` bytes at ``offset`` of ``path``,
     and ``checksum`` covers exactly those bytes. Several references then share one ``path``;
     :attr:`id` tells them apart.
+
+    A range may hold the rows of several key groups (format 6: the small files of a
+    checkpoint share one Arrow stream, a *shared range*): ``row_offset`` and ``range_rows`` are
+    then set, the key group's rows being rows ``[row_offset, row_offset + rows)`` of the
+    ``range_rows`` rows of the stream in the range. Several references then share one range
+    (and its ``checksum``); :attr:`own_bytes` is a reference's share of its bytes.
     """
 
     path: str
@@ -44,6 +50,8 @@ class FileRef:
     checksum_algorithm: str = "sha256"
     offset: int | None = None
     key_group: int | None = None
+    row_offset: int | None = None
+    range_rows: int | None = None
 
     def __post_init__(self) -> None:
         validate_relative_path(self.path)
@@ -69,6 +77,25 @@ class FileRef:
                 value = getattr(self, name)
                 if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= top:
                     raise InvalidPathError(f"file {self.path}: {name}={_short(value)} is not an integer in [0, {top}]")
+        if (self.row_offset is None) != (self.range_rows is None):
+            raise InvalidPathError(
+                f"file {self.path}: row_offset={self.row_offset!r} and range_rows={self.range_rows!r}: a key group's "
+                "rows in a shared range need both; refusing the reference"
+            )
+        if self.row_offset is not None:
+            if self.offset is None:
+                raise InvalidPathError(f"file {self.path}: row_offset and range_rows are set, but the reference is not "
+                                       "a range of a packed file (no offset); refusing the reference")
+            for name in ("row_offset", "range_rows"):
+                value = getattr(self, name)
+                if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_INT:
+                    raise InvalidPathError(f"file {self.path}: {name}={_short(value)} is not an integer in [0, 2**63)")
+            if self.row_offset + self.rows > self.range_rows:
+                raise InvalidPathError(
+                    f"file {self.path}: key group {self.key_group}'s rows [{self.row_offset}, "
+                    f"{self.row_offset + self.rows}) end past the {self.range_rows} rows of its shared range; "
+                    "refusing the reference"
+                )
         parsed = StoragePaths.parse(self.path)
         category = "packed" if self.packed else self.kind
         if (parsed is None or parsed.category != category or parsed.checkpoint_id != self.checkpoint_id
@@ -83,6 +110,25 @@ class FileRef:
         return self.offset is not None
 
     @property
+    def shared(self) -> bool:
+        """Whether this is a key group's rows in a range shared with other key groups (format 6)."""
+        return self.row_offset is not None
+
+    @property
+    def range_id(self) -> tuple[str, int]:
+        """The bytes this reference reads, as ``(path, offset)``: equal for the references of
+        one shared range (count their ``bytes`` once)."""
+        return (self.path, -1 if self.offset is None else self.offset)
+
+    @property
+    def own_bytes(self) -> int:
+        """This reference's share of the bytes it reads: ``bytes``, or for a key group in a
+        shared range its rows' share of them (at least 1): its size in compaction decisions."""
+        if self.range_rows is None:
+            return self.bytes
+        return max(1, -(-self.bytes * self.rows // self.range_rows)) if self.range_rows else self.bytes
+
+    @property
     def id(self) -> str:
         """Unique among a root's references: the path, plus ``#kg-NNNN`` for a range of a packed file."""
         return self.path if self.key_group is None else StoragePaths.range_id(self.path, self.key_group)
@@ -90,7 +136,10 @@ class FileRef:
     @property
     def where(self) -> str:
         """The file, and for a range of a packed file the bytes of it (for messages and listings)."""
-        return self.path if self.offset is None else f"{self.path} bytes [{self.offset}, {self.offset + self.bytes})"
+        if self.offset is None:
+            return self.path
+        rows = f" rows [{self.row_offset}, {self.row_offset + self.rows})" if self.row_offset is not None else ""
+        return f"{self.path} bytes [{self.offset}, {self.offset + self.bytes}){rows}"
 
     def location(self) -> ParsedPath:
         """Operator / state / key group / subtask / task encoded in the path (the key group of a
@@ -114,6 +163,9 @@ class FileRef:
         if self.offset is not None:
             out["offset"] = self.offset
             out["key_group"] = self.key_group
+        if self.row_offset is not None:
+            out["row_offset"] = self.row_offset
+            out["range_rows"] = self.range_rows
         return out
 
     @classmethod
@@ -128,4 +180,5 @@ class FileRef:
             rows=data["rows"], bytes=data["bytes"], checksum=data["checksum"],
             checksum_algorithm=data.get("checksum_algorithm", "sha256"),
             offset=data.get("offset"), key_group=data.get("key_group"),
+            row_offset=data.get("row_offset"), range_rows=data.get("range_rows"),
         )

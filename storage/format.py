@@ -14,7 +14,7 @@ a file may expand when decoded (:mod:`storage.decode_limits`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import pyarrow as pa
 
@@ -55,6 +55,9 @@ __all__ = [
     "EncodedFile",
     "compression_level",
     "encode_table",
+    "prepare_table",
+    "encode_prepared",
+    "encode_shared",
     "decode_table",
     "iter_batches",
     "DecodeLimits",
@@ -123,11 +126,31 @@ def compression_level(table: pa.Table) -> int:
 def encode_table(table: pa.Table, kind: str) -> EncodedFile:
     """Encode ``table`` as an Arrow IPC stream with zstd buffers. Rows of ``base`` and
     ``delta`` tables are sorted by key (see :func:`sort_by_key`); the schema metadata is kept."""
+    return encode_prepared(prepare_table(table, kind))
+
+
+def prepare_table(table: pa.Table, kind: str) -> pa.Table:
+    """``table`` as :func:`encode_table` writes it: rows of ``base`` and ``delta`` tables sorted
+    by key, one chunk per column."""
     if kind in ("base", "delta"):
         table = sort_by_key(table)
     if any(col.num_chunks > 1 for col in table.columns):
         table = table.combine_chunks()
-    level = compression_level(table)
+    return table
+
+
+def encode_shared(tables: Sequence[pa.Table]) -> EncodedFile:
+    """The rows of ``tables`` (each as :func:`prepare_table` returned it, all of one schema,
+    metadata included) one after the other in one Arrow IPC stream: a shared range of a packed
+    file (format 6). Compressed at the level of small tables, whatever the total: they are
+    small tables, and sharing one stream is what makes them compress."""
+    return encode_prepared(pa.concat_tables(tables).combine_chunks(), level=_SMALL_TABLE_LEVEL)
+
+
+def encode_prepared(table: pa.Table, *, level: int | None = None) -> EncodedFile:
+    """Encode a table as is (see :func:`prepare_table`); ``level``: the zstd level (default:
+    :func:`compression_level`)."""
+    level = compression_level(table) if level is None else level
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema, options=_WRITE_OPTIONS[level]) as writer:
         writer.write_table(table, max_chunksize=_MAX_BATCH_ROWS)

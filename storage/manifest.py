@@ -1,4 +1,4 @@
-"""Checkpoint manifests and their lineage, with their JSON form (format versions 1 to 5), and
+"""Checkpoint manifests and their lineage, with their JSON form (format versions 1 to 6), and
 the structural checks of a manifest (pure).
 
 File references (:mod:`storage.file_ref`) and the bounded JSON documents with the manifest
@@ -44,14 +44,15 @@ __all__ = [
     "manifest_problems",
 ]
 
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 """Version of the on-disk format (manifests, ``_job.json``, file layout) this code writes; it
 reads every version from 1 up to this one. Version 2: file references name their checksum
 algorithm, data files are Arrow IPC streams. Version 3: a reference may be a range of a packed
 file (``offset``, ``key_group``). Version 4: the delta right after a chain's base may be a
 *values image* (no ``key`` column; the values of the base's rows). Version 5: a manifest
 carries a checksum of its own content and a lineage; pins (``pins/``) hold checkpoints
-against GC. See ``storage/FORMAT.md``."""
+against GC. Version 6: the small files of a checkpoint's packed file share one Arrow stream
+(a reference's ``row_offset``, ``range_rows``). See ``storage/FORMAT.md``."""
 
 ManifestKind = Literal["checkpoint", "savepoint"]
 
@@ -263,6 +264,9 @@ class Manifest:
             manifest = cls._from_dict_v1(data)
             if version < 3 and any(ref.packed for ref in manifest.iter_refs()):
                 raise ValueError(f"a format {version} manifest references a range of a packed file (format 3 and later)")
+            if version < 6 and any(ref.shared for ref in manifest.iter_refs()):
+                raise ValueError(f"a format {version} manifest references a key group's rows in a shared range "
+                                 "(row_offset, range_rows: format 6 and later)")
         except CorruptManifestError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:

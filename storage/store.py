@@ -39,9 +39,9 @@ from .savepoint import take_savepoint
 from .store_gc import execute_gc, plan_root_gc, run_gc
 from .store_job import JobRecord
 from .store_manifests import ManifestCatalog, next_checkpoint_id, record_committed, recorded_committed
-from .store_read import ChainReader, key_group_chain
+from .store_read import ChainReader, SharedRangeCache, key_group_chain
 from .store_root import check_probe, delete_probe, open_root, write_probe
-from .store_write import (PACK_LIMIT, KeyGroupWrite, KeyGroupWriter, put_file, write_channel_log, write_operator_state,
+from .store_write import (PACK_LIMIT, SHARE_BELOW, KeyGroupWrite, KeyGroupWriter, put_file, write_channel_log, write_operator_state,
                           write_table)
 from .verify import VerifyReport, check_files, lineage_problems, structural_problems
 
@@ -61,6 +61,8 @@ class SnapshotStore:
         self.policy = policy
         self.decode_limits = decode_limits
         self.pack_limit = PACK_LIMIT
+        self.share_below = SHARE_BELOW
+        self._shared_cache = SharedRangeCache()
         self._clock = clock
         self._job = JobRecord(io)
         self._catalog = ManifestCatalog(io)
@@ -68,11 +70,12 @@ class SnapshotStore:
 
     @property
     def _reader(self) -> ChainReader:
-        return ChainReader(self._io, self.decode_limits)
+        return ChainReader(self._io, self.decode_limits, self._shared_cache)
 
     @property
     def _writer(self) -> KeyGroupWriter:
-        return KeyGroupWriter(self._io, self._reader, self.policy, self.pack_limit, self._job.check_key_group)
+        return KeyGroupWriter(self._io, self._reader, self.policy, self.pack_limit, self._job.check_key_group,
+                              self.share_below)
 
     # ================================================================== opening
     @classmethod
@@ -255,6 +258,9 @@ class SnapshotStore:
         into one file (``state/<op>/<state>/packed/<id>-<token>.arrow``; a new one once it
         holds :attr:`pack_limit` bytes), each referenced as a range of it
         (:attr:`FileRef.offset`). A pack of a single file is written as a file of its own.
+        Files of fewer than :attr:`share_below` in-memory bytes (format 6) share one Arrow
+        stream per kind and schema (a shared range: :attr:`FileRef.row_offset`), so that a
+        small delta costs no stream of its own; ``share_below = 0`` turns that off.
         Why: a file costs a create on a local disk and a PUT on an object store, and a busy
         state changes every key group at every checkpoint. A job's ``delta`` may be a
         zero-argument callable returning the table, called when the job's turn comes, so that

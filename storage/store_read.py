@@ -7,6 +7,8 @@ read a chain back when it compacts it.
 """
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Sequence
@@ -22,7 +24,7 @@ from .manifest import FileRef, Manifest, chain_problems
 if TYPE_CHECKING:  # at run time only annotations name it: a job without a storage root skips fsspec
     from .backend import RootIO
 
-__all__ = ["ChainReader", "RESTORE_HINT", "key_group_chain"]
+__all__ = ["ChainReader", "RESTORE_HINT", "SharedRangeCache", "key_group_chain"]
 
 RESTORE_HINT = "restore from an earlier checkpoint or a savepoint ('abs-snapshot verify ROOT' lists intact ones)"
 _REMOTE_READERS = 8  # files of one chain fetched at once from an object store
@@ -40,16 +42,62 @@ def key_group_chain(manifest: Manifest, operator: str, state: str, key_group: in
     return list(chains[key_group])
 
 
+class SharedRangeCache:
+    """The last few shared ranges of packed files (format 6) read, verified bytes and decoded
+    table: each holds the rows of many key groups, which a restore reads one after the other.
+    Keyed by path, offset, size and checksum; thread-safe; at most ``entries`` ranges (a
+    shared range holds at most ``SHARED_RANGE_LIMIT`` bytes of tables)."""
+
+    def __init__(self, entries: int = 8) -> None:
+        self._entries = entries
+        self._lock = threading.Lock()
+        self._data: OrderedDict[tuple, list] = OrderedDict()  # key -> [bytes, table or None]
+
+    @staticmethod
+    def key(ref: FileRef) -> tuple:
+        return (ref.path, ref.offset, ref.bytes, ref.checksum)
+
+    def get(self, ref: FileRef, what: int) -> "bytes | pa.Table | None":
+        """The cached bytes (``what`` 0) or decoded table (1) of ``ref``'s range, or ``None``."""
+        with self._lock:
+            entry = self._data.get(self.key(ref))
+            if entry is None:
+                return None
+            self._data.move_to_end(self.key(ref))
+            return entry[what]
+
+    def put(self, ref: FileRef, data: bytes, table: "pa.Table | None" = None) -> None:
+        with self._lock:
+            entry = self._data.setdefault(self.key(ref), [data, None])
+            if table is not None:
+                entry[1] = table
+            self._data.move_to_end(self.key(ref))
+            while len(self._data) > self._entries:
+                self._data.popitem(last=False)
+
+
 @dataclass(frozen=True)
 class ChainReader:
-    """Verified reads of one root's files, decoded within ``limits``."""
+    """Verified reads of one root's files, decoded within ``limits``; ``shared`` keeps the
+    shared ranges last read."""
 
     io: RootIO
     limits: DecodeLimits
+    shared: SharedRangeCache | None = None
 
     def read_bytes(self, ref: FileRef, *, checkpoint_id: int | None = None) -> bytes:
         """:meth:`SnapshotStore.read_bytes`: a file's bytes (or its range of a packed file),
         after checking their size and checksum."""
+        if ref.shared and self.shared is not None:
+            cached = self.shared.get(ref, 0)
+            if cached is not None:
+                return cached  # type: ignore[return-value]
+        data = self._read_bytes(ref, checkpoint_id)
+        if ref.shared and self.shared is not None:
+            self.shared.put(ref, data)
+        return data
+
+    def _read_bytes(self, ref: FileRef, checkpoint_id: int | None) -> bytes:
         try:
             data = self.io.get(ref.path) if ref.offset is None else self.io.get_range(ref.path, ref.offset, ref.bytes)
         except FileNotFoundError:
@@ -129,13 +177,33 @@ class ChainReader:
         return self.decode(ref, self.read_bytes(ref, checkpoint_id=checkpoint_id))
 
     def decode(self, ref: FileRef, data: bytes, columns: list[str] | None = None) -> pa.Table:
-        """``data`` (the bytes of ``ref``) as a table, with the row count the manifest records."""
+        """``data`` (the bytes of ``ref``) as a table, with the row count the manifest records
+        (a key group's rows of a shared range: that range's table sliced)."""
+        if ref.shared:
+            table = self._decode_shared(ref, data)
+            if columns is not None:
+                table = table.select([n for n in table.column_names if n in columns])
+            return table.slice(ref.row_offset, ref.rows)
         table = decode_table(data, source=f"{self.io.url}: file {ref.where}", columns=columns, limits=self.limits)
         if table.num_rows != ref.rows:
             raise CorruptFileError(
                 f"{self.io.url}: file {ref.path} has {table.num_rows} rows, the manifest says {ref.rows}; "
                 f"the file or manifest is corrupt; {RESTORE_HINT}"
             )
+        return table
+
+    def _decode_shared(self, ref: FileRef, data: bytes) -> pa.Table:
+        table = self.shared.get(ref, 1) if self.shared is not None else None
+        if table is not None:
+            return table  # type: ignore[return-value]
+        table = decode_table(data, source=f"{self.io.url}: file {ref.where}", limits=self.limits)
+        if table.num_rows != ref.range_rows:
+            raise CorruptFileError(
+                f"{self.io.url}: file {ref.where} holds a shared range of {table.num_rows} rows, the manifest says "
+                f"{ref.range_rows}; the file or manifest is corrupt; {RESTORE_HINT}"
+            )
+        if self.shared is not None:
+            self.shared.put(ref, data, table)
         return table
 
     def read_chain(self, chain: Sequence[FileRef], *, checkpoint_id: int | None = None) -> pa.Table:
@@ -183,7 +251,7 @@ class ChainReader:
         chain resolved as a whole first."""
         cid = manifest.checkpoint_id
         chain = key_group_chain(manifest, operator, state, key_group)
-        if len(chain) > 1:
+        if len(chain) > 1 or chain[0].shared:
             yield from self.read_chain(chain, checkpoint_id=cid).to_batches()
             return
         ref = chain[0]

@@ -21,7 +21,8 @@ import pyarrow as pa
 from .chain_decision import CaptureFacts, ChainAction, ChainDecision, ChainFacts, Fact, decide_chain
 from .chains import CompactionPolicy, resolve_chain
 from .errors import DeltaSchemaError, InvalidChainError
-from .format import EncodedFile, delta_for_file, encode_table, normalize_delta, sort_by_key, values_image
+from .format import (EncodedFile, delta_for_file, encode_prepared, encode_shared, encode_table, normalize_delta,
+                     prepare_table, sort_by_key, values_image)
 from .ids import CheckpointId, SubtaskIndex
 from .manifest import FileRef, chain_problems
 from .paths import FileKind, StoragePaths
@@ -30,12 +31,20 @@ from .store_read import ChainReader
 if TYPE_CHECKING:  # at run time only annotations name it: a job without a storage root skips fsspec
     from .backend import RootIO
 
-__all__ = ["KeyGroupWrite", "KeyGroupWriter", "PACK_LIMIT", "put_file", "write_table",
+__all__ = ["KeyGroupWrite", "KeyGroupWriter", "PACK_LIMIT", "SHARE_BELOW", "SHARED_RANGE_LIMIT", "put_file", "write_table",
            "write_operator_state", "write_channel_log"]
 
 _REMOTE_ENCODERS = 8  # key groups encoded at once for an object store (zstd and Arrow release the GIL)
 PACK_LIMIT = 64 << 20
 """A packed file is closed once it holds this many bytes (the last key group may cross it)."""
+SHARE_BELOW = 16 << 10
+"""A key group's file of fewer in-memory bytes (``pa.Table.nbytes``) than this shares one Arrow
+stream in its packed file with the other small files of its kind and schema (format 6). An
+Arrow stream of its own costs ~600 bytes (schema, batch header, zstd frames) whatever its
+rows: the whole of a key group's delta when 1 % of the keys changed."""
+SHARED_RANGE_LIMIT = 256 << 10
+"""A shared stream is closed once its tables hold this many in-memory bytes: restoring one of
+its key groups reads and decodes the whole stream."""
 
 
 class KeyGroupWrite(NamedTuple):
@@ -59,6 +68,43 @@ class _Planned:
     kind: Literal["base", "delta"]
     encoded: EncodedFile
     prefix: list[FileRef]
+    table: pa.Table | None = None  # the table as encoded, kept while it may share a stream
+
+
+class _Encoded(NamedTuple):
+    encoded: EncodedFile
+    table: pa.Table | None  # kept when small enough to share a stream (see SHARE_BELOW)
+
+
+def _encode(table: pa.Table, kind: str, share_below: int) -> _Encoded:
+    prepared = prepare_table(table, kind)
+    return _Encoded(encode_prepared(prepared), prepared if prepared.nbytes < share_below else None)
+
+
+def _planned(kind: Literal["base", "delta"], encoded: _Encoded, prefix: list[FileRef]) -> _Planned:
+    return _Planned(kind, encoded.encoded, prefix, encoded.table)
+
+
+def _streams(members: list[tuple[int, KeyGroupWrite, _Planned]]) -> list[list[tuple[int, KeyGroupWrite, _Planned]]]:
+    """The Arrow streams of a packed file, in the order of their first key group: a key
+    group's file alone, or the small tables of one kind and schema (metadata included) in
+    key group order, up to :data:`SHARED_RANGE_LIMIT` in-memory bytes per stream."""
+    streams: list[list[tuple[int, KeyGroupWrite, _Planned]]] = []
+    open_streams: dict[tuple[str, bytes], tuple[list, list[int]]] = {}  # (kind, schema) -> (stream, [its bytes])
+    for member in members:
+        table = member[2].table
+        if table is None:
+            streams.append([member])
+            continue
+        key = (member[2].kind, table.schema.serialize().to_pybytes())
+        current = open_streams.get(key)
+        if current is None or current[1][0] + table.nbytes > SHARED_RANGE_LIMIT:
+            current = ([], [0])
+            open_streams[key] = current
+            streams.append(current[0])
+        current[0].append(member)
+        current[1][0] += table.nbytes
+    return streams
 
 
 def put_file(io: RootIO, path: str, encoded: EncodedFile, kind: FileKind, checkpoint_id: int) -> FileRef:
@@ -89,10 +135,10 @@ def write_channel_log(io: RootIO, checkpoint_id: int, task: str, table: pa.Table
     return write_table(io, StoragePaths.channel_file(checkpoint_id, task), table, "channel", checkpoint_id)
 
 
-def _encode_base(delta: pa.Table) -> EncodedFile:
+def _encode_base(delta: pa.Table, share_below: int) -> _Encoded:
     """A delta's live rows encoded as a base. Sorting first makes the usual case (unique
     integer keys) resolve with one vectorized comparison instead of a distinct count."""
-    return encode_table(resolve_chain([sort_by_key(delta)], first_is_base=False), "base")
+    return _encode(resolve_chain([sort_by_key(delta)], first_is_base=False), "base", share_below)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +146,8 @@ class KeyGroupWriter:
     """Writes key groups into one root.
 
     ``reader`` reads a chain back when it is compacted; ``check_key_group(key_group, what)``
-    refuses a key group outside the root's job.
+    refuses a key group outside the root's job; ``share_below``: see :data:`SHARE_BELOW`
+    (0: every key group's file is a stream of its own, as in format 5).
     """
 
     io: RootIO
@@ -108,6 +155,7 @@ class KeyGroupWriter:
     policy: CompactionPolicy
     pack_limit: int
     check_key_group: Callable[[int, str], None]
+    share_below: int = SHARE_BELOW
 
     def write_key_group(self, checkpoint_id: int, job: KeyGroupWrite) -> list[FileRef]:
         """:meth:`SnapshotStore.write_key_group`: the new chain of one key group."""
@@ -161,17 +209,29 @@ class KeyGroupWriter:
             out[i] = self._put_single(checkpoint_id, job, planned)
             return
         path = StoragePaths.packed_file(checkpoint_id, operator, state)
+        parts: list[bytes] = []
         offset = 0
-        refs = []
-        for i, job, planned in members:
-            enc = planned.encoded
-            refs.append(FileRef(path=path, kind=planned.kind, checkpoint_id=CheckpointId(checkpoint_id), rows=enc.rows,
-                                bytes=enc.size, checksum=enc.checksum, checksum_algorithm=enc.checksum_algorithm,
-                                offset=offset, key_group=job.key_group))
-            offset += enc.size
-        self.io.put(path, b"".join(planned.encoded.data for _, _, planned in members))
-        for (i, _, planned), ref in zip(members, refs):
-            out[i] = planned.prefix + [ref]
+
+        def ref(planned: _Planned, key_group: int, encoded: EncodedFile, **shared: int) -> FileRef:
+            return FileRef(path=path, kind=planned.kind, checkpoint_id=CheckpointId(checkpoint_id),
+                           rows=planned.encoded.rows, bytes=encoded.size, checksum=encoded.checksum,
+                           checksum_algorithm=encoded.checksum_algorithm, offset=offset, key_group=key_group, **shared)
+
+        for stream in _streams(members):
+            if len(stream) == 1:
+                i, job, planned = stream[0]
+                out[i] = planned.prefix + [ref(planned, job.key_group, planned.encoded)]
+                encoded = planned.encoded
+            else:
+                encoded = encode_shared([planned.table for _, _, planned in stream])  # type: ignore[misc]
+                row = 0
+                for i, job, planned in stream:
+                    out[i] = planned.prefix + [ref(planned, job.key_group, encoded, row_offset=row,
+                                                   range_rows=encoded.rows)]
+                    row += planned.encoded.rows
+            parts.append(encoded.data)
+            offset += encoded.size
+        self.io.put(path, b"".join(parts))
 
     def _plan(self, checkpoint_id: int, job: KeyGroupWrite) -> list[FileRef] | _Planned:
         """What :meth:`write_key_group` writes for ``job``: the new chain when nothing is to be
@@ -199,7 +259,7 @@ class KeyGroupWriter:
         then encode what it decides; the encoded files it asked about are reused."""
         facts = CaptureFacts(rows=delta.num_rows, complete=job.complete, over_base=job.over_base is not None,
                              has_image=job.image is not None)
-        encoded: dict[Fact, EncodedFile | None] = {}
+        encoded: dict[Fact, _Encoded | None] = {}
         full: pa.Table | None = None
         while True:
             decision = decide_chain(self.policy, ChainFacts.of(chain, job.over_base), facts)
@@ -208,11 +268,11 @@ class KeyGroupWriter:
             fact = decision.fact
             if fact is Fact.VALUES_IMAGE:
                 values = values_image(delta)
-                encoded[fact] = None if values is None else encode_table(values, "delta")
-                facts = facts.learn(fact, None if values is None else encoded[fact].size)  # type: ignore[union-attr]
+                encoded[fact] = None if values is None else _encode(values, "delta", self.share_below)
+                facts = facts.learn(fact, None if values is None else encoded[fact].encoded.size)  # type: ignore[union-attr]
             elif fact is Fact.DELTA_BYTES:
-                encoded[fact] = encode_table(delta_for_file(delta), "delta")
-                facts = facts.learn(fact, encoded[fact].size)  # type: ignore[union-attr]
+                encoded[fact] = _encode(delta_for_file(delta), "delta", self.share_below)
+                facts = facts.learn(fact, encoded[fact].encoded.size)  # type: ignore[union-attr]
             else:  # asked for only when the writer has an image
                 full = job.image() if job.image is not None else None
                 facts = facts.learn(fact, full is not None)
@@ -223,17 +283,17 @@ class KeyGroupWriter:
             return []  # a full image without rows: the key group holds no state any more
         prefix = chain[:decision.keep]
         if action is ChainAction.VALUES_IMAGE:
-            return _Planned("delta", encoded[Fact.VALUES_IMAGE], prefix)  # type: ignore[arg-type]
+            return _planned("delta", encoded[Fact.VALUES_IMAGE], prefix)  # type: ignore[arg-type]
         if action is ChainAction.DELTA:
-            return _Planned("delta", encoded[Fact.DELTA_BYTES], prefix)  # type: ignore[arg-type]
+            return _planned("delta", encoded[Fact.DELTA_BYTES], prefix)  # type: ignore[arg-type]
         if action is ChainAction.BASE:
-            return _Planned("base", _encode_base(delta), prefix)
+            return _planned("base", _encode_base(delta, self.share_below), prefix)
         if action is ChainAction.COMPACT_FROM_IMAGE:  # decided only once the image exists
             full = normalize_delta(full, what=f"{what} (full image)")  # type: ignore[arg-type]
-            return _Planned("base", _encode_base(full), prefix)
+            return _planned("base", _encode_base(full, self.share_below), prefix)
         tables = self.reader.read_files(chain) + [delta]
         try:
             base = resolve_chain(tables, first_is_base=True)
         except DeltaSchemaError as exc:
             raise DeltaSchemaError(f"{what}: {exc}") from exc
-        return _Planned("base", encode_table(base, "base"), prefix)
+        return _planned("base", _encode(base, "base", self.share_below), prefix)

@@ -179,6 +179,8 @@ def check_files(
                             f"file (written by checkpoint {first.checkpoint_id}) vanished while verifying")], 0
         except OSError as exc:
             return [Problem("unreadable", who(refs), path, f"cannot be read: {exc}")], 0
+        digests: dict[tuple[int, int, str], str] = {}  # a shared range's digest and rows, once
+        counted: dict[tuple[int, int], int] = {}
         for ref in refs:
             start = ref.offset or 0
             part = memoryview(data)[start:start + ref.bytes]
@@ -186,21 +188,26 @@ def check_files(
                 problems.append(Problem("size", who([ref]), ref.id, f"read {len(part)} bytes of {ref.where}, "
                                         f"the manifest says {ref.bytes}: torn or altered write"))
                 continue
-            digest = checksum_hex(part, ref.checksum_algorithm)
+            digest = digests.get((start, ref.bytes, ref.checksum_algorithm))
+            if digest is None:
+                digest = digests[start, ref.bytes, ref.checksum_algorithm] = checksum_hex(part, ref.checksum_algorithm)
             if digest != ref.checksum:
                 what = "corrupt file" if ref.offset is None else f"corrupt range of key group {ref.key_group} ({ref.where})"
                 problems.append(Problem("checksum", who([ref]), ref.id, f"{ref.checksum_algorithm} {digest[:12]}..., "
                                         f"the manifest says {ref.checksum[:12]}...: {what}"))
                 continue
             try:
-                rows = count_rows(part)
+                rows = counted.get((start, ref.bytes))
+                if rows is None:
+                    rows = counted[start, ref.bytes] = count_rows(part)
             except (pa.ArrowException, OSError, ValueError) as exc:
                 problems.append(Problem("unreadable", who([ref]), ref.id,
                                         f"not a readable Arrow IPC stream ({str(exc)[:200]})"))
                 continue
-            if rows != ref.rows:
-                problems.append(Problem("rows", who([ref]), ref.id, f"holds {rows} rows, the manifest says {ref.rows}: "
-                                        "the manifest or the file was altered"))
+            want = ref.rows if ref.range_rows is None else ref.range_rows
+            if rows != want:
+                problems.append(Problem("rows", who([ref]), ref.id, f"holds {rows} rows, the manifest says {want}"
+                                        f"{' (its shared range)' if ref.shared else ''}: the manifest or the file was altered"))
         return problems, len(data)
 
     paths = sorted(by_path)

@@ -61,7 +61,16 @@ def names_key_group(problem: storage.Problem, kg: int) -> bool:
 
 
 class PackedContract(StoreFixtures):
-    """Every backend must pass these. Subclasses provide the ``root`` and ``options`` fixtures."""
+    """Every backend must pass these. Subclasses provide the ``root`` and ``options`` fixtures.
+    Written with ``share_below = 0``: every key group's file a stream of its own, as in format
+    5 (shared ranges of format 6: tests/test_storage_shared.py)."""
+
+    @pytest.fixture
+    def store(self, root, open_store) -> SnapshotStore:
+        s = open_store(root)
+        s.init_job(JOB)
+        s.share_below = 0
+        return s
 
     # ----------------------------------------------------------------- helpers
     def truncate(self, store: SnapshotStore, path: str, size: int) -> None:
@@ -414,9 +423,9 @@ def _manifest_doc(**kw: Any) -> dict[str, Any]:
                     format_version=4, **kw).to_dict()
 
 
-def test_the_format_version_is_5():
-    assert FORMAT_VERSION == storage.FORMAT_VERSION == 5
-    assert Manifest(checkpoint_id=4, job_name="j", max_parallelism=1).to_dict()["format_version"] == 5
+def test_the_format_version_is_6():
+    assert FORMAT_VERSION == storage.FORMAT_VERSION == 6
+    assert Manifest(checkpoint_id=4, job_name="j", max_parallelism=1).to_dict()["format_version"] == 6
 
 
 def test_a_range_reference_round_trips_through_manifest_json():
@@ -494,6 +503,7 @@ def packed_histories(draw):
                               max_delta_ratio=draw(st.sampled_from([0.05, 1.0, 1000.0, 1000.0])))
     step = st.fixed_dictionaries({
         "batch": st.sampled_from([True, True, False]),
+        "share_below": st.sampled_from([0, 16 << 10]),
         "pack_limit": st.sampled_from([1, 300, 700, 2000, 64 << 20]),
         "changes": st.dictionaries(st.tuples(st.sampled_from(states), st.integers(0, 4)),
                                    st.tuples(st.lists(CHANGE, max_size=6), MODES), min_size=1, max_size=6),
@@ -513,9 +523,10 @@ def _ops(ops: list[tuple[int, int, int]]) -> pa.Table:
 
 
 def _check_packing(store: SnapshotStore, cid: int, jobs: list[KeyGroupWrite], chains: list[list[FileRef]],
-                   batch: bool, pack_limit: int) -> None:
+                   batch: bool, pack_limit: int, share_below: int) -> None:
     """The new files of each state: ranges in key group order, one packed file per pack, a pack
-    closed once it holds pack_limit bytes, a lone new file in a file of its own."""
+    closed once it holds pack_limit bytes, a lone new file in a file of its own. With shared
+    ranges: the distinct ranges of a packed file back to back, each key group's rows within its range."""
     listing = store.list_files()
     by_state: dict[str, list[FileRef]] = {}
     for job, chain in zip(jobs, chains):
@@ -537,6 +548,19 @@ def _check_packing(store: SnapshotStore, cid: int, jobs: list[KeyGroupWrite], ch
             else:
                 units.append([ref])
         assert len({u[0].path for u in units}) == len(units)  # a pack is not split
+        if share_below:
+            for unit in units:
+                ranges = sorted({r.range_id: r for r in unit}.values(), key=lambda r: r.offset or 0)
+                if unit[0].packed:
+                    assert [r.offset for r in ranges] == [sum(r.bytes for r in ranges[:j]) for j in range(len(ranges))]
+                    assert listing[unit[0].path] == sum(r.bytes for r in ranges)
+                for r in ranges:
+                    members = sorted((m for m in unit if m.range_id == r.range_id), key=lambda m: m.row_offset or 0)
+                    if r.shared:
+                        assert len(members) > 1
+                        assert [m.row_offset for m in members] == [sum(m.rows for m in members[:j]) for j in range(len(members))]
+                        assert sum(m.rows for m in members) == r.range_rows
+            continue
         for i, unit in enumerate(units):
             total = sum(r.bytes for r in unit)
             if i < len(units) - 1:
@@ -563,6 +587,7 @@ def _run_history(url: str, policy: CompactionPolicy, steps: list[dict], retain: 
     snapshots: dict[int, dict[tuple[str, int], dict[int, int]]] = {}
     for cid, step in enumerate(steps, start=1):
         store.pack_limit = step["pack_limit"]
+        store.share_below = step["share_below"]
         jobs = []
         for (st_, kg), (ops, mode) in step["changes"].items():
             model = models.setdefault((st_, kg), {})
@@ -578,7 +603,7 @@ def _run_history(url: str, policy: CompactionPolicy, steps: list[dict], retain: 
             new = [store.write_key_group(cid, j.operator, j.state, j.key_group, j.prev_chain, j.delta,
                                          complete=j.complete, image=j.image) for j in jobs]
             assert not any(r.packed for chain in new for r in chain if r.checkpoint_id == cid)
-        _check_packing(store, cid, jobs, new, step["batch"], step["pack_limit"])
+        _check_packing(store, cid, jobs, new, step["batch"], step["pack_limit"], step["share_below"])
         for j, chain in zip(jobs, new):
             if chain:
                 chains[(j.state, j.key_group)] = chain

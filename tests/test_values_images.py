@@ -90,6 +90,7 @@ def test_a_policy_that_always_compacts_gets_a_base_instead_of_a_values_image(mem
 
 
 def test_values_images_are_packed_with_the_other_key_groups_files(store):
+    store.share_below = 0  # small bases in a shared range (format 6) are cheaper than values images: see below
     models = {kg: {k: k + kg for k in range(kg, 300, 7)} for kg in range(4)}
     first = store.write_key_groups(1, [KeyGroupWrite("op", "n", kg, [], image(m), True) for kg, m in models.items()])
     second = store.write_key_groups(2, [KeyGroupWrite("op", "n", kg, first[kg], image({k: -v for k, v in m.items()}), True,
@@ -97,6 +98,19 @@ def test_values_images_are_packed_with_the_other_key_groups_files(store):
     assert len({r[1].path for r in second}) == 1 and all(r[1].offset is not None for r in second)
     for kg, m in models.items():
         assert second[kg][0] == first[kg][0]
+        assert as_dict(store.read_chain(second[kg])) == {k: -v for k, v in m.items()}
+
+
+def test_small_images_over_bases_in_a_shared_range_are_new_bases_in_one_shared_range(store):
+    """A values image has a stream of its own (its keys digest makes its schema unique), which
+    costs more than its share of one stream with the other small bases."""
+    models = {kg: {k: k + kg for k in range(kg, 300, 7)} for kg in range(4)}
+    first = store.write_key_groups(1, [KeyGroupWrite("op", "n", kg, [], image(m), True) for kg, m in models.items()])
+    assert all(chain[0].shared for chain in first)
+    second = store.write_key_groups(2, [KeyGroupWrite("op", "n", kg, first[kg], image({k: -v for k, v in m.items()}), True,
+                                                      None, first[kg][0]) for kg, m in models.items()])
+    assert all(len(chain) == 1 and chain[0].shared and chain[0].checkpoint_id == 2 for chain in second)
+    for kg, m in models.items():
         assert as_dict(store.read_chain(second[kg])) == {k: -v for k, v in m.items()}
 
 

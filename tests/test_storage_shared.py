@@ -1,0 +1,162 @@
+"""Shared ranges (format 6): the small files of one kind and schema that a checkpoint writes
+into a packed file share one Arrow stream, each key group's rows located by the manifest."""
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pytest
+
+from storage import CompactionPolicy, CorruptFileError, CorruptManifestError, FileRef, Manifest, SnapshotStore, StoragePaths
+from storage.store import KeyGroupWrite
+
+OP, M = "count", 16
+META = {b"abs.key_encoding": b"arrow", b"abs.value_encoding": b"arrow"}
+
+
+def table(keys: list[str], values: list[int], ops: list[int] | None = None) -> pa.Table:
+    cols = {"key": pa.array(keys, pa.string()), "value": pa.array(values, pa.int64())}
+    if ops is not None:
+        cols["op"] = pa.array(ops, pa.int8())
+    return pa.table(cols).replace_schema_metadata(META)
+
+
+def base_rows(kg: int, n: int = 1200) -> dict[str, int]:
+    return {f"k{kg}-{i}": i * 7 for i in range(n)}
+
+
+def as_dict(t: pa.Table) -> dict:
+    return dict(zip(t.column("key").to_pylist(), t.column("value").to_pylist()))
+
+
+def history(store: SnapshotStore) -> tuple[dict[int, dict[str, int]], Manifest, Manifest]:
+    """Checkpoint 1: a base per key group; checkpoint 2: a few changed keys (and a delete) in each."""
+    models = {kg: base_rows(kg) for kg in range(M)}
+    chains = dict(enumerate(store.write_key_groups(1, [
+        KeyGroupWrite(OP, "n", kg, [], table(list(m), list(m.values())), complete=True) for kg, m in models.items()])))
+    m1 = store.commit(Manifest(checkpoint_id=1, job_name="j", max_parallelism=M, keyed={OP: {"n": chains}}))
+    jobs = []
+    for kg, model in models.items():
+        keys = [f"k{kg}-{i}" for i in (3, 50, 51)] + [f"new{kg}"]
+        ops = [0, 0, 1, 0]
+        jobs.append(KeyGroupWrite(OP, "n", kg, chains[kg], table(keys, [-1, -2, 0, kg], ops)))
+        model.update({keys[0]: -1, keys[1]: -2, keys[3]: kg})
+        del model[keys[2]]
+    chains = dict(enumerate(store.write_key_groups(2, jobs)))
+    m2 = store.commit(Manifest(checkpoint_id=2, job_name="j", max_parallelism=M, keyed={OP: {"n": chains}}))
+    return models, m1, m2
+
+
+@pytest.fixture
+def store(memory_root) -> SnapshotStore:
+    s = SnapshotStore.open(memory_root, policy=CompactionPolicy(max_delta_ratio=1.0))
+    s.init_job({"job_name": "j", "max_parallelism": M})
+    return s
+
+
+def test_small_deltas_share_one_stream_and_read_back(store, memory_root):
+    models, m1, m2 = history(store)
+    deltas = [m2.chains(OP, "n")[kg][-1] for kg in range(M)]
+    assert all(r.shared and r.kind == "delta" and r.checkpoint_id == 2 for r in deltas)
+    assert len({r.range_id for r in deltas}) == 1 and deltas[0].range_rows == 4 * M
+    assert [r.row_offset for r in deltas] == [4 * kg for kg in range(M)]
+    bases = [m1.chains(OP, "n")[kg][0] for kg in range(M)]
+    assert len({r.range_id for r in bases}) == M and not any(r.shared for r in bases)  # too big to share
+    # the chain grows: a delta's share of the stream, not the stream, is its size
+    assert all(len(m2.chains(OP, "n")[kg]) == 2 for kg in range(M))
+    assert m2.stats["bytes_written"] == deltas[0].bytes == store.list_files()[deltas[0].path]
+    assert m2.stats["delta_bytes"] == deltas[0].bytes and m2.stats["restore_files"] == M + 1
+    fresh = SnapshotStore.open(memory_root)
+    for kg, model in models.items():
+        assert as_dict(fresh.read_key_group(m2, OP, "n", kg)) == model
+        assert as_dict(pa.Table.from_batches(list(fresh.iter_key_group(m2, OP, "n", kg)))) == model
+    assert fresh.verify().ok
+
+
+def test_sharing_makes_the_delta_of_few_changes_per_key_group_several_times_smaller(memory_root):
+    written = {}
+    for share in (0, 16 << 10):
+        s = SnapshotStore.open(f"{memory_root}-{share}")
+        s.init_job({"job_name": "j", "max_parallelism": M})
+        s.share_below = share
+        written[share] = history(s)[2].stats["bytes_written"]
+    assert written[16 << 10] * 3 < written[0]
+
+
+def test_a_flipped_byte_in_a_shared_range_fails_every_key_group_in_it(store):
+    _, _, m2 = history(store)
+    ref = m2.chains(OP, "n")[5][-1]
+    data = bytearray(store._io.get(ref.path))
+    data[ref.offset + ref.bytes // 2] ^= 0xFF
+    store.fs.pipe_file(f"{store._io.root}/{ref.path}", bytes(data))
+    fresh = SnapshotStore.open(store.url)
+    for kg in (0, 5, M - 1):
+        with pytest.raises(CorruptFileError, match="checksum"):
+            fresh.read_key_group(m2, OP, "n", kg)
+    report = fresh.verify(2)
+    assert not report.ok and {p.kind for p in report.problems} == {"checksum"}
+    assert len(report.problems) == M  # one per key group in the range
+    assert fresh.verify(1).ok
+
+
+def test_a_shared_range_of_another_row_count_is_corrupt(store):
+    _, _, m2 = history(store)
+    doc = json.loads(m2.to_json())
+    for refs in doc["keyed"][OP]["n"].values():
+        refs[-1]["range_rows"] += 1
+    doc["checkpoint_id"] = 3
+    doc.pop("checksum"), doc.pop("checksum_algorithm")
+    bad = Manifest.from_dict(doc)
+    with pytest.raises(CorruptFileError, match="shared range of 64 rows, the manifest says 65"):
+        SnapshotStore.open(store.url).read_key_group(bad, OP, "n", 3)
+
+
+def _shared_ref(**kw) -> dict:
+    ref = dict(path=StoragePaths.packed_file(2, OP, "n"), kind="delta", checkpoint_id=2, rows=3, bytes=500,
+               checksum="b" * 32, checksum_algorithm="xxh3_128", offset=0, key_group=3, row_offset=4, range_rows=10)
+    ref.update(kw)
+    return {k: v for k, v in ref.items() if v is not None}
+
+
+@pytest.mark.parametrize("kw", [
+    pytest.param({"range_rows": None}, id="row-offset-without-range-rows"),
+    pytest.param({"row_offset": None}, id="range-rows-without-row-offset"),
+    pytest.param({"row_offset": 8}, id="rows-past-the-range"),
+    pytest.param({"row_offset": -1}, id="negative-row-offset"),
+    pytest.param({"range_rows": True}, id="range-rows-a-bool"),
+])
+def test_malformed_shared_references_are_refused(kw):
+    assert FileRef.from_dict(_shared_ref()).own_bytes == 150
+    with pytest.raises(Exception, match="refusing the reference|not an integer"):
+        FileRef.from_dict(_shared_ref(**kw))
+
+
+def test_a_manifest_older_than_format_6_with_a_shared_range_is_refused():
+    base = dict(_shared_ref(), path=StoragePaths.state_file(1, OP, "n", 3, "base"), kind="base", checkpoint_id=1)
+    for k in ("offset", "key_group", "row_offset", "range_rows"):
+        base.pop(k)
+    doc = {"format_version": 5, "checkpoint_id": 2, "job_name": "j", "max_parallelism": M,
+           "keyed": {OP: {"n": {"3": [base, _shared_ref()]}}}}
+    Manifest.from_dict(dict(doc, format_version=6))
+    with pytest.raises(CorruptManifestError, match="format 6"):
+        Manifest.from_dict(doc)
+
+
+def test_the_documented_example_reads_a_key_group_of_a_shared_range(tmp_path):
+    import contextlib
+    import io
+    import pathlib
+    import re
+
+    root = tmp_path / "root"
+    store = SnapshotStore.open(str(root))
+    store.init_job({"job_name": "j", "max_parallelism": M})
+    models, _, m2 = history(store)
+    assert m2.chains(OP, "n")[6][-1].shared
+    md = pathlib.Path(__file__).resolve().parents[1] / "storage" / "FORMAT.md"
+    code = re.search(r"```python\n(.*?)```", md.read_text(), re.S).group(1)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(code.replace("/data/ckpt", str(root)).replace("chk-00000042", "chk-00000002")  # noqa: S102
+             .replace('"count", "n", 37', '"count", "n", 6'), {})
+    assert out.getvalue().strip() == str([{"key": k, "value": v} for k, v in sorted(models[6].items())])
