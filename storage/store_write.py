@@ -21,7 +21,7 @@ import pyarrow as pa
 from .chain_decision import CaptureFacts, ChainAction, ChainDecision, ChainFacts, Fact, decide_chain
 from .chains import CompactionPolicy, resolve_chain
 from .errors import DeltaSchemaError, InvalidChainError
-from .format import (EncodedFile, delta_for_file, encode_prepared, encode_shared, encode_table, normalize_delta,
+from .format import (FAST_LEVEL, EncodedFile, delta_for_file, encode_prepared, encode_shared, encode_table, normalize_delta,
                      prepare_table, sort_by_key, values_image)
 from .ids import CheckpointId, SubtaskIndex
 from .manifest import FileRef, chain_problems
@@ -77,8 +77,19 @@ class _Encoded(NamedTuple):
 
 
 def _encode(table: pa.Table, kind: str, share_below: int) -> _Encoded:
+    """``table`` encoded as a file of its own; one small enough to share a stream is encoded
+    at zstd's fastest level only, for its size (a few % above what the file's level makes;
+    the decision that asks for it errs towards compaction): it is encoded again when written,
+    in a shared stream or, if it ends alone, on its own (:func:`_final`)."""
     prepared = prepare_table(table, kind)
-    return _Encoded(encode_prepared(prepared), prepared if prepared.nbytes < share_below else None)
+    if prepared.nbytes < share_below:
+        return _Encoded(encode_prepared(prepared, level=FAST_LEVEL), prepared)
+    return _Encoded(encode_prepared(prepared), None)
+
+
+def _final(planned: "_Planned") -> EncodedFile:
+    """The bytes of a planned file written as a stream of its own."""
+    return planned.encoded if planned.table is None else encode_prepared(planned.table)
 
 
 def _planned(kind: Literal["base", "delta"], encoded: _Encoded, prefix: list[FileRef]) -> _Planned:
@@ -200,7 +211,7 @@ class KeyGroupWriter:
 
     def _put_single(self, checkpoint_id: int, job: KeyGroupWrite, planned: _Planned) -> list[FileRef]:
         path = StoragePaths.state_file(checkpoint_id, job.operator, job.state, job.key_group, planned.kind)
-        return planned.prefix + [put_file(self.io, path, planned.encoded, planned.kind, checkpoint_id)]
+        return planned.prefix + [put_file(self.io, path, _final(planned), planned.kind, checkpoint_id)]
 
     def _put_pack(self, checkpoint_id: int, operator: str, state: str,
                   members: list[tuple[int, KeyGroupWrite, _Planned]], out: list) -> None:
@@ -220,8 +231,8 @@ class KeyGroupWriter:
         for stream in _streams(members):
             if len(stream) == 1:
                 i, job, planned = stream[0]
-                out[i] = planned.prefix + [ref(planned, job.key_group, planned.encoded)]
-                encoded = planned.encoded
+                encoded = _final(planned)
+                out[i] = planned.prefix + [ref(planned, job.key_group, encoded)]
             else:
                 encoded = encode_shared([planned.table for _, _, planned in stream])  # type: ignore[misc]
                 row = 0
