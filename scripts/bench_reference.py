@@ -19,6 +19,17 @@ that every key is in state.
    K keys, nothing else running): its duration (trigger to manifest committed), ``aggregate``
    against ``process`` at the same K.
 
+4. ``--deltas`` (issue 23 target 5): the storage alone, no job. A state of K string keys in
+   128 key groups (a ValueState's schema: ``key`` string, ``value`` int64) is written as a full
+   checkpoint (every key group's image, packed), then 1 % of the keys, drawn at random, change
+   and their rows are written as the next checkpoint's deltas. Printed per K: the delta's
+   bytes against the full checkpoint's (``stats.bytes_written`` of each: state files, the
+   manifests beside), the fixed cost per changed key group (the delta's bytes minus those of
+   the same rows encoded as one stream, over the key groups changed), the manifests' sizes
+   and the write time; for the format-5 layout (``share_below = 0``: a stream per key group)
+   and format 6 (small files share a stream), interleaved in every round. Every key group of
+   the delta checkpoint is read back and checked.
+
 The machine is shared and noisy: every configuration runs once per round and the rounds
 interleave them, so that each round's figures share the machine's momentary speed; the
 ratios against the dict loop and group_by are taken within a round. Printed: medians and
@@ -27,6 +38,7 @@ the range (min..max) over the rounds.
     .venv/bin/python scripts/bench_reference.py [--quick] [--rounds N] [--events N] [--keys K [K ...]]
         [--key-types string int] [--parallelism P [P ...]] [--checkpoint-keys K [K ...]]
         [--only process aggregate checkpoint] [--root DIR]
+    .venv/bin/python scripts/bench_reference.py --deltas [--rounds N] [--delta-keys K [K ...]] [--root DIR]
 
 ``--quick`` is a smoke test (tiny sizes, one round: its figures mean nothing).
 """
@@ -45,7 +57,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 import abs
-from storage import SnapshotStore
+from abscore.keygroups import key_groups
+from storage import Manifest, SnapshotStore
+from storage.format import encode_shared, prepare_table
+from storage.store import KeyGroupWrite
 
 SPLITS, BATCH = 8, 8192  # the source's splits and batch size (the reference loops see the same batches)
 
@@ -55,6 +70,10 @@ PROCESS_P2_END_TO_END = 1_000_000
 PROCESS_P1_OF_DICT = 0.20
 AGGREGATE_OF_GROUP_BY = 0.30
 CHECKPOINT_SECONDS = {1_000_000: 0.3, 5_000_000: 1.2}
+DELTA_OF_FULL = 0.03  # a 1 % change of 100 k keys writes <= 3 % of a full snapshot
+DELTA_FIXED_BYTES = 64  # ... <= 64 bytes of fixed cost per changed key group
+DELTA_KEY_GROUPS = 128
+DELTA_LAYOUTS = {"format 5 (a stream per key group)": 0, "format 6 (shared ranges)": None}  # share_below; None: default
 
 
 class Events:
@@ -272,6 +291,112 @@ def checkpoint_cost(args: argparse.Namespace) -> None:
                   flush=True)
 
 
+@dataclass
+class DeltaRun:
+    full_bytes: int
+    delta_bytes: int
+    full_manifest: int
+    delta_manifest: int
+    write_s: float  # the delta checkpoint's write_key_groups + commit
+    read_s: float  # reading every key group of the delta checkpoint back (a fresh store)
+    verified: bool
+
+
+class DeltaState:
+    """K string keys in key groups, their values, and the 1 % of them that change."""
+
+    def __init__(self, keys: int, seed: int = 23) -> None:
+        self.key = pc.binary_join_element_wise("k", pa.array(np.arange(keys)).cast(pa.string()), "")
+        rng = np.random.default_rng(seed)
+        self.value = rng.integers(0, 2000, keys)  # running sums of ~20 events of 0..99 each, as the headline job's
+        groups = key_groups(self.key, DELTA_KEY_GROUPS)
+        order = np.argsort(groups, kind="stable")
+        bounds = np.searchsorted(groups[order], np.arange(DELTA_KEY_GROUPS + 1))
+        self.rows = {g: order[bounds[g]:bounds[g + 1]] for g in range(DELTA_KEY_GROUPS) if bounds[g + 1] > bounds[g]}
+        changed = np.zeros(keys, bool)
+        changed[rng.choice(keys, max(1, keys // 100), replace=False)] = True
+        self.changed = {g: rows[changed[rows]] for g, rows in self.rows.items() if changed[rows].any()}
+        meta = {b"abs.key_encoding": b"arrow", b"abs.value_encoding": b"arrow", b"abs.state_kind": b"value"}
+        self.schema = pa.schema([("key", pa.string()), ("value", pa.int64())], metadata=meta)
+
+    def table(self, rows: np.ndarray, bump: int = 0) -> pa.Table:
+        return pa.table([self.key.take(rows), pa.array(self.value[rows] + bump)], schema=self.schema)
+
+    def one_stream_bytes(self) -> int:
+        """The changed rows of every key group encoded as one stream as a shared range is (the
+        floor of the delta: what the rows cost without a cost per key group)."""
+        return encode_shared([prepare_table(self.table(self.changed[g], 1), "delta") for g in sorted(self.changed)]).size
+
+
+def run_deltas_once(state: DeltaState, share_below: int | None, root_dir: str | None) -> DeltaRun:
+    root = tempfile.mkdtemp(prefix="abs-deltas-", dir=root_dir)
+    try:
+        store = SnapshotStore.open(root)
+        if share_below is not None:
+            store.share_below = share_below
+        store.init_job({"job_name": "deltas", "max_parallelism": DELTA_KEY_GROUPS})
+        groups = sorted(state.rows)
+        chains = dict(zip(groups, store.write_key_groups(1, [
+            KeyGroupWrite("sum", "total", g, [], state.table(state.rows[g]), complete=True) for g in groups])))
+        m1 = store.commit(Manifest(checkpoint_id=1, job_name="deltas", max_parallelism=DELTA_KEY_GROUPS,
+                                   keyed={"sum": {"total": dict(chains)}}))
+        changed = sorted(state.changed)
+        t0 = time.perf_counter()
+        new = store.write_key_groups(2, [KeyGroupWrite("sum", "total", g, chains[g], state.table(state.changed[g], 1))
+                                         for g in changed])
+        chains.update(zip(changed, new))
+        m2 = store.commit(Manifest(checkpoint_id=2, job_name="deltas", max_parallelism=DELTA_KEY_GROUPS,
+                                   keyed={"sum": {"total": dict(chains)}}))
+        write_s = time.perf_counter() - t0
+        files = store.list_files()
+        fresh = SnapshotStore.open(root)
+        manifest = fresh.read_manifest(2)
+        t0 = time.perf_counter()
+        tables = [fresh.read_key_group(manifest, "sum", "total", g) for g in groups]
+        read_s = time.perf_counter() - t0
+        got = pa.concat_tables(tables).sort_by("key")
+        bumped = state.value.copy()
+        for rows in state.changed.values():
+            bumped[rows] += 1
+        want = pa.table([state.key, pa.array(bumped)], names=["key", "value"]).sort_by("key")
+        verified = got.column("key").equals(want.column("key")) and got.column("value").equals(want.column("value"))
+        return DeltaRun(full_bytes=m1.stats["bytes_written"], delta_bytes=m2.stats["bytes_written"],
+                        full_manifest=files["checkpoints/chk-00000001.json"],
+                        delta_manifest=files["checkpoints/chk-00000002.json"],
+                        write_s=write_s, read_s=read_s, verified=verified)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def deltas(args: argparse.Namespace) -> None:
+    """Section 4 of the module docstring."""
+    for keys in args.delta_keys:
+        state = DeltaState(keys)
+        floor = state.one_stream_bytes()
+        runs: dict[str, list[DeltaRun]] = {name: [] for name in DELTA_LAYOUTS}
+        for _ in range(args.rounds):
+            for name, share_below in DELTA_LAYOUTS.items():
+                runs[name].append(run_deltas_once(state, share_below, args.root))
+        n_changed = len(state.changed)
+        print(f"\n== deltas: 1 % of {keys:,} string keys changed ({max(1, keys // 100):,} rows in {n_changed} of "
+              f"{len(state.rows)} key groups); {args.rounds} round(s): median (min..max); the changed rows as one "
+              f"stream: {floor:,} B", flush=True)
+        for name, got in runs.items():
+            r = got[0]  # the sizes do not vary between rounds (same data, deterministic encoding)
+            ratio = r.delta_bytes / r.full_bytes
+            fixed = (r.delta_bytes - floor) / n_changed
+            target = keys == 100_000
+            ok = all(x.verified for x in got)
+            print(f"  {name:<36} full {r.full_bytes:>11,} B  delta {r.delta_bytes:>10,} B  delta / full {pct(ratio)}"
+                  + (f" (target <= {pct(DELTA_OF_FULL)}: {verdict(ratio <= DELTA_OF_FULL)})" if target else ""))
+            print(f"  {'':<36} fixed cost per changed key group {fixed:,.0f} B"
+                  + (f" (target <= {DELTA_FIXED_BYTES}: {verdict(fixed <= DELTA_FIXED_BYTES)})" if target else "")
+                  + f"   manifests: full {r.full_manifest:,} B, delta {r.delta_manifest:,} B")
+            print(f"  {'':<36} delta write {spread([x.write_s for x in got], secs)}   read back every key group "
+                  f"{spread([x.read_s for x in got], secs)}   state verified: {'yes' if ok else 'NO'} "
+                  f"({sum(x.verified for x in got)}/{len(got)})", flush=True)
+
+
 def load() -> str:
     try:
         return " ".join(f"{x:.1f}" for x in os.getloadavg())
@@ -294,13 +419,21 @@ def main() -> int:
     ap.add_argument("--only", nargs="+", choices=("process", "aggregate", "checkpoint"),
                     default=["process", "aggregate", "checkpoint"])
     ap.add_argument("--root", default=None, metavar="DIR", help="directory for the jobs' storage roots")
+    ap.add_argument("--deltas", action="store_true",
+                    help="only section 4: the bytes of a 1 %% delta against a full checkpoint, format 5 and 6 layouts")
+    ap.add_argument("--delta-keys", type=int, nargs="+", default=[100_000, 1_000_000, 5_000_000], metavar="K",
+                    help="state sizes of --deltas (default: 100000 1000000 5000000)")
     args = ap.parse_args()
     if args.quick:
         args.events, args.keys, args.rounds, args.parallelism = 100_000, [10_000], 1, [1]
-        args.checkpoint_keys = [20_000]
+        args.checkpoint_keys, args.delta_keys = [20_000], [20_000]
     if args.rounds < 1 or args.events < 1 or min(args.keys) < 1 or min(args.parallelism) < 1:
         ap.error("--rounds, --events, --keys and --parallelism must be positive")
     print(f"load average at the start {load()} ({os.cpu_count()} cores): figures on a loaded machine say little", flush=True)
+    if args.deltas:
+        deltas(args)
+        print(f"\nload average at the end {load()}")
+        return 0
     paths = [p for p in args.only if p != "checkpoint"]
     if paths:
         headline(args, paths)
