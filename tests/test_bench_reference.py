@@ -29,3 +29,14 @@ def test_quick_run_prints_every_row_with_its_sums_verified(tmp_path):
     checkpoints = [line for line in out.splitlines() if line.lstrip().startswith("checkpoint ")]
     assert len(checkpoints) == 2 and all("aggregate" in c and "process" in c and "sums verified: yes" in c
                                          for c in checkpoints), out
+
+
+def test_quick_deltas_run_prints_both_layouts_with_the_state_verified(tmp_path):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parent.parent), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, str(SCRIPT), "--deltas", "--quick", "--root", str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "format 5 (a stream per key group)" in out and "format 6 (shared ranges)" in out
+    assert out.count("state verified: yes") == 2 and "delta / full" in out

@@ -211,6 +211,12 @@ def test_the_writer_writes_values_images_while_a_key_groups_keys_stay(tmp_path, 
             fsspec.filesystem("memory").rm(f"/values-{os.getpid()}", recursive=True)
 
 
+# enough keys that every key group's table (int64 key and value) exceeds SHARE_BELOW: the
+# files of smaller ones share a stream in format 6, where a new base costs less than a values
+# image of its own (tests/test_values_images.py)
+VI_KEYS = 12_000
+
+
 def _values_images_scenario(store: SnapshotStore, writer) -> None:
     b = KeyedStateBackend("op", [ValueState("v", pa.int64())], M, KeyGroupRange(0, M - 1))
     values: dict[int, int] = {}
@@ -220,7 +226,7 @@ def _values_images_scenario(store: SnapshotStore, writer) -> None:
             del values[drop]
             b.current_key, b.current_kg = drop, key_group(drop, M)
             b.state("v").clear()
-        for k in [*(k for k in range(200) if k in values or cid == 1), *([add] if add is not None else [])]:
+        for k in [*(k for k in range(VI_KEYS) if k in values or cid == 1), *([add] if add is not None else [])]:
             values[k] = values.get(k, 0) + k + cid
             b.current_key, b.current_kg = k, key_group(k, M)
             b.state("v").update(values[k])
@@ -243,7 +249,7 @@ def _values_images_scenario(store: SnapshotStore, writer) -> None:
         assert chain[0] == first[kg][0] and len(chain) == 2 and chain[1].checkpoint_id == 2
         assert store.read_file(chain[1]).column_names == ["value"]  # the values alone
         assert chain[1].bytes < chain[0].bytes
-    added = 1000
+    added = 10 * VI_KEYS
     third = checkpoint(3, second, add=added)
     for kg, chain in third.items():
         if kg == key_group(added, M):  # an insert changed its keys: a new base
@@ -258,8 +264,8 @@ def _values_images_scenario(store: SnapshotStore, writer) -> None:
     fifth = checkpoint(5, fourth)
     assert fifth[0][0] == fourth[0][0] and len(fifth[0]) == 2
     # a delete and an insert in one key group: as many keys as its base, but other ones
-    gone = next(k for k in range(200) if key_group(k, M) == 1)
-    other = next(k for k in range(2000, 3000) if key_group(k, M) == 1)
+    gone = next(k for k in range(VI_KEYS) if key_group(k, M) == 1)
+    other = next(k for k in range(20 * VI_KEYS, 20 * VI_KEYS + 1000) if key_group(k, M) == 1)
     sixth = checkpoint(6, fifth, add=other, drop=gone)
     assert len(sixth[1]) == 1 and sixth[1][0].checkpoint_id == 6 and sixth[1][0].rows == fifth[1][0].rows
 
