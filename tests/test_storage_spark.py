@@ -438,3 +438,29 @@ def test_s3_root_with_storage_options(reader, s3_server, s3_root):
                    "storage.config_kwargs.retries.max_attempts": 2})
     assert {r.key: r.value for r in df.collect()} == model
     assert df.rdd.getNumPartitions() == math.ceil(len(chains) / 5)
+
+
+def test_reads_a_format_5_root_and_its_format_6_continuation_with_shared_ranges(reader, tmp_path: Path):
+    """The format-5 fixture (packed ranges of a stream each) and a checkpoint written on top of
+    it today (small deltas sharing a stream: format 6) both read as the store resolves them."""
+    import shutil
+
+    root = tmp_path / "format-5"
+    shutil.copytree(Path(__file__).resolve().parent / "fixtures" / "format-5", root)
+    store = SnapshotStore.open(str(root), policy=CompactionPolicy(max_delta_ratio=100.0))
+    m2 = store.read_manifest(2)
+    chains = {st: dict(m2.chains("count", st)) for st in ("n", "v")}
+    meta = store.read_key_group(m2, "count", "n", 0).schema.metadata
+    writes = [(kg, pa.table({"key": [f"k{kg}x"], "value": pa.array([kg], pa.int64())}).replace_schema_metadata(meta))
+              for kg in range(8)]
+    new = store.write_key_groups(3, [("count", "n", kg, chains["n"][kg], t) for kg, t in writes])
+    assert all(chain[-1].shared for chain in new)
+    chains["n"].update({kg: chain for (kg, _), chain in zip(writes, new)})
+    store.commit(Manifest(checkpoint_id=3, job_name="fx", max_parallelism=8, keyed={"count": chains}))
+    for cid in (2, 3):
+        manifest = store.read_manifest(cid)
+        for st in ("n", "v"):
+            want = {r["key"]: r["value"] for kg in manifest.chains("count", st)
+                    for r in store.read_key_group(manifest, "count", st, kg).to_pylist()}
+            df = reader(str(root), operator="count", state=st, checkpoint=cid)
+            assert {row["key"]: row["value"] for row in df.collect()} == want
