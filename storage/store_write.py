@@ -74,17 +74,38 @@ class _Planned:
 class _Encoded(NamedTuple):
     encoded: EncodedFile
     table: pa.Table | None  # kept when small enough to share a stream (see SHARE_BELOW)
+    shared_size: int  # its bytes in a shared stream, estimated: without a stream's fixed cost
+
+
+_STREAM_COST: dict[bytes, int] = {}  # serialized schema -> bytes of a stream of one row of it
+
+
+def _stream_cost(table: pa.Table) -> int:
+    """What a stream of ``table``'s schema costs whatever its rows (schema message, a record
+    batch header, zstd frames, end of stream: some 700 bytes for a key and a value column),
+    measured once per schema as the size of a stream of its first row."""
+    schema = table.schema.serialize().to_pybytes()
+    cost = _STREAM_COST.get(schema)
+    if cost is None:
+        if len(_STREAM_COST) > 256:
+            _STREAM_COST.clear()
+        cost = _STREAM_COST[schema] = encode_prepared(table.slice(0, 1), level=FAST_LEVEL).size
+    return cost
 
 
 def _encode(table: pa.Table, kind: str, share_below: int) -> _Encoded:
     """``table`` encoded as a file of its own; one small enough to share a stream is encoded
-    at zstd's fastest level only, for its size (a few % above what the file's level makes;
-    the decision that asks for it errs towards compaction): it is encoded again when written,
-    in a shared stream or, if it ends alone, on its own (:func:`_final`)."""
+    at zstd's fastest level only, for its size (a few % above what the file's level makes):
+    it is encoded again when written, in a shared stream or, if it ends alone, on its own
+    (:func:`_final`). Its size in a shared stream (``shared_size``, what the chain decision
+    weighs a delta by, as chains weigh a shared file by its share) is estimated as that size
+    less the fixed cost of a stream (:func:`_stream_cost`)."""
     prepared = prepare_table(table, kind)
-    if prepared.nbytes < share_below:
-        return _Encoded(encode_prepared(prepared, level=FAST_LEVEL), prepared)
-    return _Encoded(encode_prepared(prepared), None)
+    if prepared.nbytes < share_below and prepared.num_rows:
+        encoded = encode_prepared(prepared, level=FAST_LEVEL)
+        return _Encoded(encoded, prepared, max(1, encoded.size - _stream_cost(prepared)))
+    encoded = encode_prepared(prepared)
+    return _Encoded(encoded, None, encoded.size)
 
 
 def _final(planned: "_Planned") -> EncodedFile:
@@ -283,7 +304,7 @@ class KeyGroupWriter:
                 facts = facts.learn(fact, None if values is None else encoded[fact].encoded.size)  # type: ignore[union-attr]
             elif fact is Fact.DELTA_BYTES:
                 encoded[fact] = _encode(delta_for_file(delta), "delta", self.share_below)
-                facts = facts.learn(fact, encoded[fact].encoded.size)  # type: ignore[union-attr]
+                facts = facts.learn(fact, encoded[fact].shared_size)  # type: ignore[union-attr]
             else:  # asked for only when the writer has an image
                 full = job.image() if job.image is not None else None
                 facts = facts.learn(fact, full is not None)

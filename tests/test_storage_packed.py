@@ -160,6 +160,7 @@ class PackedContract(StoreFixtures):
         policy = CompactionPolicy(max_chain_length=3, max_delta_ratio=1.5)
         single = open_store(root.rstrip("/") + "-single", policy=policy)
         single.init_job(JOB)
+        single.share_below = 0  # as the packed store: sizes of a stream per key group
         store.policy = policy
         kgs = [(st_, kg) for st_ in ("n", "m") for kg in range(6 if st_ == "n" else 2)]
         models = {sk: rows_of(sk[1]) for sk in kgs}

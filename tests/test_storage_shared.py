@@ -160,3 +160,24 @@ def test_the_documented_example_reads_a_key_group_of_a_shared_range(tmp_path):
         exec(code.replace("/data/ckpt", str(root)).replace("chk-00000042", "chk-00000002")  # noqa: S102
              .replace('"count", "n", 37', '"count", "n", 6'), {})
     assert out.getvalue().strip() == str([{"key": k, "value": v} for k, v in sorted(models[6].items())])
+
+
+def test_tiny_deltas_over_small_shared_bases_grow_chains_instead_of_compacting(store):
+    """A delta is weighed by its size in a shared stream, without a stream's fixed cost (as
+    the shared base is weighed by its share): a few rows over a base of 50 append, as they
+    would over a base of a stream of its own."""
+    models = {kg: {f"k{kg}-{i}": i for i in range(50)} for kg in range(M)}
+    chains = dict(enumerate(store.write_key_groups(1, [
+        KeyGroupWrite(OP, "n", kg, [], table(list(m), list(m.values())), complete=True) for kg, m in models.items()])))
+    assert all(chain[0].shared for chain in chains.values())
+    for cid in range(2, 6):
+        jobs = []
+        for kg, model in models.items():
+            keys = [f"k{kg}-{cid}", f"k{kg}-{cid + 10}"]
+            model.update({k: -cid for k in keys})
+            jobs.append(KeyGroupWrite(OP, "n", kg, chains[kg], table(keys, [-cid, -cid])))
+        chains.update(enumerate(store.write_key_groups(cid, jobs)))
+    assert all(len(chain) == 5 for chain in chains.values())
+    m = store.commit(Manifest(checkpoint_id=5, job_name="j", max_parallelism=M, keyed={OP: {"n": chains}}))
+    for kg, model in models.items():
+        assert as_dict(store.read_key_group(m, OP, "n", kg)) == model
