@@ -74,13 +74,14 @@ def pyarrow_read_speed(root: str) -> tuple[float, int, int]:
     process), the bytes a full restore reads (each file, or each key group's range of a packed
     file, once) and the bytes of the distinct files on disk.
 
-    A range of a packed file is one key group's complete IPC stream: it is read on its own,
-    as a restore reads it; the whole packed file is not one stream (reading it as one would
-    stop after its first key group)."""
+    A range of a packed file is a complete IPC stream (one key group's, or in format 6 a
+    shared range of several key groups' rows): it is read on its own, once, as a restore reads
+    it; the whole packed file is not one stream (reading it as one would stop after its first
+    range)."""
     store = SnapshotStore.open(root)
     manifest = store.read_manifest(store.latest_checkpoint())
     by_path: dict[str, list] = {}
-    for ref in manifest.files().values():
+    for ref in {ref.range_id: ref for ref in manifest.files().values()}.values():  # a shared range once
         by_path.setdefault(ref.path, []).append(ref)
     total = sum(ref.bytes for refs in by_path.values() for ref in refs)
     on_disk = sum(os.path.getsize(os.path.join(root, path)) for path in by_path)
@@ -96,7 +97,7 @@ def pyarrow_read_speed(root: str) -> tuple[float, int, int]:
                 else:  # format 2 and later: IPC stream
                     rows += pa.ipc.open_stream(part).read_all().num_rows
     seconds = time.perf_counter() - t0
-    expected = sum(ref.rows for refs in by_path.values() for ref in refs)
+    expected = sum(ref.rows if ref.range_rows is None else ref.range_rows for refs in by_path.values() for ref in refs)
     if rows != expected:
         raise RuntimeError(f"pyarrow read {rows} rows, the manifest lists {expected}; the benchmark reads the files wrongly")
     return total / seconds / 1e6, total, on_disk
