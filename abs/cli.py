@@ -355,7 +355,7 @@ def _rewrite_summary(saved: "Manifest") -> str:
     files = saved.files()
     rewrite = saved.stats.get("rewrite", {})
     how = f" with Spark ({rewrite.get('tasks')} task(s), {rewrite.get('seconds')} s)" if rewrite.get("engine") == "spark" else ""
-    return f"{len(saved.paths())} file(s), {sum(r.own_bytes for r in files.values())} bytes{how}"
+    return f"{len(saved.paths())} file(s), {sum(r.bytes for r in files.values())} bytes{how}"
 
 
 def _pinned(args: argparse.Namespace) -> Any:
@@ -387,7 +387,7 @@ def _savepoint(args: argparse.Namespace) -> int:
         saved = store.savepoint(args.id, args.dest, options, progress=progress)
     files = saved.files()
     _out([f"savepoint {saved.checkpoint_id} of checkpoint {args.id} written to {args.dest} "
-          f"({len(saved.paths())} file(s), {sum(r.own_bytes for r in files.values())} bytes); pinned until deleted; "
+          f"({len(saved.paths())} file(s), {sum(r.bytes for r in files.values())} bytes); pinned until deleted; "
           f"restore with restore={args.dest!r}"])
     return 0
 

@@ -79,13 +79,13 @@ class SubtaskPlan:
 
     @property
     def read_bytes(self) -> int:
-        """Bytes this subtask reads (each distinct file or range once: a range shared by key
+        """Bytes this subtask reads (each distinct file or range once; a range shared by key
         groups of several subtasks is read whole by each)."""
-        return sum({ref.range_id: ref.bytes for ref in self.files()}.values())
+        return sum({ref.range_id: ref.read_size for ref in self.files()}.values())
 
     @property
     def keyed_bytes(self) -> int:
-        return sum(ref.own_bytes for states in self.keyed.values() for chains in states.values()
+        return sum(ref.bytes for states in self.keyed.values() for chains in states.values()
                    for chain in chains.values() for ref in chain)
 
     @property

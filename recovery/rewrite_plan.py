@@ -48,7 +48,7 @@ class KeyGroupTask:
 
     @property
     def bytes(self) -> int:
-        return sum(ref.own_bytes for ref in self.chain)
+        return sum(ref.bytes for ref in self.chain)
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,7 @@ def pyarrow_read_speed(root: str) -> tuple[float, int, int]:
     by_path: dict[str, list] = {}
     for ref in {ref.range_id: ref for ref in manifest.files().values()}.values():  # a shared range once
         by_path.setdefault(ref.path, []).append(ref)
-    total = sum(ref.bytes for refs in by_path.values() for ref in refs)
+    total = sum(ref.read_size for refs in by_path.values() for ref in refs)
     on_disk = sum(os.path.getsize(os.path.join(root, path)) for path in by_path)
     rows = 0
     t0 = time.perf_counter()
@@ -91,7 +91,7 @@ def pyarrow_read_speed(root: str) -> tuple[float, int, int]:
         with pa.memory_map(os.path.join(root, path)) as f:
             data = f.read_buffer()
             for ref in refs:
-                part = data if ref.offset is None else data.slice(ref.offset, ref.bytes)
+                part = data if ref.offset is None else data.slice(ref.offset, ref.read_size)
                 if part.size >= 6 and part[:6].to_pybytes() == b"ARROW1":  # format 1: IPC file
                     rows += pa.ipc.open_file(part).read_all().num_rows
                 else:  # format 2 and later: IPC stream

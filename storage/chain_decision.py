@@ -62,7 +62,7 @@ class ChainFacts:
 
     @classmethod
     def of(cls, chain: Sequence[FileRef], over_base: FileRef | None = None) -> "ChainFacts":
-        return cls(tuple(ref.own_bytes for ref in chain), chain[0].rows if chain else 0,
+        return cls(tuple(ref.bytes for ref in chain), chain[0].rows if chain else 0,
                    bool(chain) and over_base is not None and chain[0] == over_base)
 
     @property

@@ -47,7 +47,7 @@ def compaction_reason(policy: CompactionPolicy, prev_chain: Sequence[FileRef], n
 
     An empty ``prev_chain`` is not a compaction: the delta becomes the first base.
     """
-    return compaction_reason_of_sizes(policy, [ref.own_bytes for ref in prev_chain], new_delta_bytes)
+    return compaction_reason_of_sizes(policy, [ref.bytes for ref in prev_chain], new_delta_bytes)
 
 
 def compaction_reason_of_sizes(policy: CompactionPolicy, file_bytes: Sequence[int], new_delta_bytes: int) -> str | None:

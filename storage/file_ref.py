@@ -35,10 +35,12 @@ class FileRef:
     :attr:`id` tells them apart.
 
     A range may hold the rows of several key groups (format 6: the small files of a
-    checkpoint share one Arrow stream, a *shared range*): ``row_offset`` and ``range_rows`` are
-    then set, the key group's rows being rows ``[row_offset, row_offset + rows)`` of the
-    ``range_rows`` rows of the stream in the range. Several references then share one range
-    (and its ``checksum``); :attr:`own_bytes` is a reference's share of its bytes.
+    checkpoint share one Arrow stream, a *shared range*): ``row_offset``, ``range_rows`` and
+    ``range_bytes`` are then set. The range is the ``range_bytes`` bytes at ``offset``, its
+    stream holds ``range_rows`` rows, of which rows ``[row_offset, row_offset + rows)`` are the
+    key group's; ``checksum`` covers the whole range, and ``bytes`` is the key group's share of
+    it (the shares of a range's key groups add up to ``range_bytes``), so that sums of
+    ``bytes`` count a shared range once. :attr:`read_size` is what reading the reference reads.
     """
 
     path: str
@@ -52,6 +54,7 @@ class FileRef:
     key_group: int | None = None
     row_offset: int | None = None
     range_rows: int | None = None
+    range_bytes: int | None = None
 
     def __post_init__(self) -> None:
         validate_relative_path(self.path)
@@ -77,16 +80,18 @@ class FileRef:
                 value = getattr(self, name)
                 if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= top:
                     raise InvalidPathError(f"file {self.path}: {name}={_short(value)} is not an integer in [0, {top}]")
-        if (self.row_offset is None) != (self.range_rows is None):
+        shared = (self.row_offset, self.range_rows, self.range_bytes)
+        if any(v is None for v in shared) and any(v is not None for v in shared):
             raise InvalidPathError(
-                f"file {self.path}: row_offset={self.row_offset!r} and range_rows={self.range_rows!r}: a key group's "
-                "rows in a shared range need both; refusing the reference"
+                f"file {self.path}: row_offset={self.row_offset!r}, range_rows={self.range_rows!r}, "
+                f"range_bytes={self.range_bytes!r}: a key group's rows in a shared range need all three; "
+                "refusing the reference"
             )
         if self.row_offset is not None:
             if self.offset is None:
-                raise InvalidPathError(f"file {self.path}: row_offset and range_rows are set, but the reference is not "
-                                       "a range of a packed file (no offset); refusing the reference")
-            for name in ("row_offset", "range_rows"):
+                raise InvalidPathError(f"file {self.path}: row_offset, range_rows and range_bytes are set, but the "
+                                       "reference is not a range of a packed file (no offset); refusing the reference")
+            for name in ("row_offset", "range_rows", "range_bytes"):
                 value = getattr(self, name)
                 if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_INT:
                     raise InvalidPathError(f"file {self.path}: {name}={_short(value)} is not an integer in [0, 2**63)")
@@ -95,6 +100,11 @@ class FileRef:
                     f"file {self.path}: key group {self.key_group}'s rows [{self.row_offset}, "
                     f"{self.row_offset + self.rows}) end past the {self.range_rows} rows of its shared range; "
                     "refusing the reference"
+                )
+            if self.bytes > self.range_bytes or self.offset > MAX_INT - self.range_bytes:  # type: ignore[operator]
+                raise InvalidPathError(
+                    f"file {self.path}: key group {self.key_group}'s share of {self.bytes} bytes exceeds its shared "
+                    f"range of {self.range_bytes} bytes, or the range ends past 2**63; refusing the reference"
                 )
         parsed = StoragePaths.parse(self.path)
         category = "packed" if self.packed else self.kind
@@ -117,16 +127,14 @@ class FileRef:
     @property
     def range_id(self) -> tuple[str, int]:
         """The bytes this reference reads, as ``(path, offset)``: equal for the references of
-        one shared range (count their ``bytes`` once)."""
+        one shared range."""
         return (self.path, -1 if self.offset is None else self.offset)
 
     @property
-    def own_bytes(self) -> int:
-        """This reference's share of the bytes it reads: ``bytes``, or for a key group in a
-        shared range its rows' share of them (at least 1): its size in compaction decisions."""
-        if self.range_rows is None:
-            return self.bytes
-        return max(1, -(-self.bytes * self.rows // self.range_rows)) if self.range_rows else self.bytes
+    def read_size(self) -> int:
+        """The bytes reading this reference reads: ``bytes``, or of a shared range the whole
+        range (``range_bytes``)."""
+        return self.bytes if self.range_bytes is None else self.range_bytes
 
     @property
     def id(self) -> str:
@@ -139,7 +147,7 @@ class FileRef:
         if self.offset is None:
             return self.path
         rows = f" rows [{self.row_offset}, {self.row_offset + self.rows})" if self.row_offset is not None else ""
-        return f"{self.path} bytes [{self.offset}, {self.offset + self.bytes}){rows}"
+        return f"{self.path} bytes [{self.offset}, {self.offset + self.read_size}){rows}"
 
     def location(self) -> ParsedPath:
         """Operator / state / key group / subtask / task encoded in the path (the key group of a
@@ -166,6 +174,7 @@ class FileRef:
         if self.row_offset is not None:
             out["row_offset"] = self.row_offset
             out["range_rows"] = self.range_rows
+            out["range_bytes"] = self.range_bytes
         return out
 
     @classmethod
@@ -180,5 +189,5 @@ class FileRef:
             rows=data["rows"], bytes=data["bytes"], checksum=data["checksum"],
             checksum_algorithm=data.get("checksum_algorithm", "sha256"),
             offset=data.get("offset"), key_group=data.get("key_group"),
-            row_offset=data.get("row_offset"), range_rows=data.get("range_rows"),
+            row_offset=data.get("row_offset"), range_rows=data.get("range_rows"), range_bytes=data.get("range_bytes"),
         )

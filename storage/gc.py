@@ -185,8 +185,7 @@ def plan_gc(
         unknown=tuple(unknown),
         bytes_freed=freed,
         packed_bytes_kept=sum(listing[p] for p in packed_files),
-        packed_bytes_live=sum({ref.range_id: ref.bytes for ref in live_ranges.values()  # a shared range once
-                               if ref.path in packed_files}.values()),
+        packed_bytes_live=sum(ref.bytes for ref in live_ranges.values() if ref.path in packed_files),
         corrupt=tuple((CheckpointId(c), r) for c, r in sorted(corrupt.items())),
         held=tuple(CheckpointId(c) for c in sorted(held)),
         pins=tuple(sorted(p.path for p in live_pins)),

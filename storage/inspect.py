@@ -182,7 +182,7 @@ def _stats_lines(stats: dict[str, Any]) -> list[str]:
 
 def _ref(ref: FileRef, images: set[str]) -> str:
     kind = "values" if ref.id in images else ref.kind
-    return f"{kind}@{ref.checkpoint_id} ({human_bytes(ref.own_bytes)}, {human_count(ref.rows)} rows)"
+    return f"{kind}@{ref.checkpoint_id} ({human_bytes(ref.bytes)}, {human_count(ref.rows)} rows)"
 
 
 def _plural(n: int, noun: str) -> str:
@@ -194,7 +194,7 @@ def _kind_summary(name: str, refs: list[FileRef]) -> str:
     if not refs:
         return f"0 {name}"
     rows = sum(r.rows for r in refs)
-    return f"{_plural(len(refs), name)} ({_plural(rows, 'rows')}, {human_bytes(sum(r.own_bytes for r in refs))})"
+    return f"{_plural(len(refs), name)} ({_plural(rows, 'rows')}, {human_bytes(sum(r.bytes for r in refs))})"
 
 
 def _median(values: list[int]) -> float:
@@ -213,7 +213,7 @@ def _state_lines(st: str, chains: dict[int, list[FileRef]], images: set[str], *,
     median = _median(lengths) if lengths else 0
     out = [
         f"    state {st!r}: {human_count(len(chains))} key groups, {human_count(len({r.path for r in refs}))} file(s), "
-        f"{human_bytes(sum(r.own_bytes for r in refs))}",
+        f"{human_bytes(sum(r.bytes for r in refs))}",
         f"      {_kind_summary('bases', bases)}, {_kind_summary('values images', values)}, "
         f"{_kind_summary('deltas', deltas)}",
         f"      chain length min {min(lengths, default=0)}, median {median:g}, max {max(lengths, default=0)}",
@@ -261,13 +261,13 @@ def show_lines(manifest: Manifest, *, files: bool = False, key_groups: bool = Fa
     for op, subtasks in sorted(m.operator_state.items()):
         refs = list(subtasks.values())
         out.append(f"  operator {op!r} (rule {m.operator_state_rules.get(op, '?')}): {len(refs)} subtask(s), "
-                   f"{human_count(sum(r.rows for r in refs))} rows, {human_bytes(sum(r.own_bytes for r in refs))}")
+                   f"{human_count(sum(r.rows for r in refs))} rows, {human_bytes(sum(r.bytes for r in refs))}")
         if key_groups or files:
             for i, ref in sorted(subtasks.items()):
                 out.append(f"    subtask {i}: {_ref(ref, images)}" + (f" {ref.path}" if files else ""))
     logs = m.channel_logs
     out.append(f"channel logs: {len(logs)} file(s), {human_count(sum(r.rows for r in logs))} records, "
-               f"{human_bytes(sum(r.own_bytes for r in logs))}" if logs else "channel logs: none")
+               f"{human_bytes(sum(r.bytes for r in logs))}" if logs else "channel logs: none")
     if key_groups or files:
         for ref in logs:
             out.append(f"  {ref.location().task}: {human_count(ref.rows)} records, {_ref(ref, images)}"

@@ -52,7 +52,7 @@ file (``offset``, ``key_group``). Version 4: the delta right after a chain's bas
 *values image* (no ``key`` column; the values of the base's rows). Version 5: a manifest
 carries a checksum of its own content and a lineage; pins (``pins/``) hold checkpoints
 against GC. Version 6: the small files of a checkpoint's packed file share one Arrow stream
-(a reference's ``row_offset``, ``range_rows``). See ``storage/FORMAT.md``."""
+(a reference's ``row_offset``, ``range_rows``, ``range_bytes``). See ``storage/FORMAT.md``."""
 
 ManifestKind = Literal["checkpoint", "savepoint"]
 
@@ -266,7 +266,7 @@ class Manifest:
                 raise ValueError(f"a format {version} manifest references a range of a packed file (format 3 and later)")
             if version < 6 and any(ref.shared for ref in manifest.iter_refs()):
                 raise ValueError(f"a format {version} manifest references a key group's rows in a shared range "
-                                 "(row_offset, range_rows: format 6 and later)")
+                                 "(row_offset, range_rows, range_bytes: format 6 and later)")
         except CorruptManifestError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:

@@ -23,7 +23,7 @@ _AUTO_KEY_GROUP_COST = 16 << 10  # per key group: file opens, checksums, Arrow s
 
 
 def _chain_bytes(chain: Sequence[FileRef]) -> int:
-    return sum(ref.own_bytes for ref in chain) + _AUTO_KEY_GROUP_COST
+    return sum(ref.bytes for ref in chain) + _AUTO_KEY_GROUP_COST
 
 
 def auto_partition_count(total_bytes: int, key_groups: int) -> int:

@@ -1,9 +1,9 @@
 """Storage figures of a checkpoint, computed from its manifest alone (pure)."""
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
-from .manifest import FileRef, Manifest
+from .manifest import Manifest
 
 __all__ = ["storage_stats", "STORAGE_STAT_KEYS"]
 
@@ -23,11 +23,6 @@ STORAGE_STAT_KEYS = (
 )
 
 
-def _bytes(refs: Iterable[FileRef]) -> int:
-    """Bytes of the distinct files and ranges ``refs`` read (a shared range counts once)."""
-    return sum({ref.range_id: ref.bytes for ref in refs}.values())
-
-
 def storage_stats(manifest: Manifest) -> dict[str, Any]:
     """The figures :meth:`SnapshotStore.commit` adds to ``Manifest.stats``.
 
@@ -42,8 +37,8 @@ def storage_stats(manifest: Manifest) -> dict[str, Any]:
       keyed storage the chains hold than their compacted bases would (1.0 = fully compacted;
       ``None`` without keyed state). The bases are the size estimate of the live state;
     - ``restore_files`` / ``restore_bytes``: what a full restore reads (reads: distinct files and
-      ranges of packed files; bytes). A shared range of a packed file (format 6) counts once
-      in every figure of bytes, whatever the number of key groups in it.
+      ranges of packed files; bytes). A key group in a shared range of a packed file (format 6)
+      counts its share of the range's bytes; a restore reads the whole range, once.
     """
     files = manifest.files()
     cid = manifest.checkpoint_id
@@ -52,15 +47,16 @@ def storage_stats(manifest: Manifest) -> dict[str, Any]:
     lengths = [len(chain) for states in manifest.keyed.values() for chains in states.values() for chain in chains.values()]
     keyed = {ref.id: ref for states in manifest.keyed.values() for chains in states.values()
              for chain in chains.values() for ref in chain}
-    base_bytes = _bytes(ref for ref in keyed.values() if ref.kind == "base")
-    delta_bytes = _bytes(ref for ref in keyed.values() if ref.kind == "delta")
-    full = _bytes(files.values())
+    base_bytes = sum(ref.bytes for ref in keyed.values() if ref.kind == "base")
+    delta_bytes = sum(ref.bytes for ref in keyed.values() if ref.kind == "delta")
+    full = sum(ref.bytes for ref in files.values())
+    reads = {ref.range_id: ref.read_size for ref in files.values()}  # a shared range is read whole, once
     if keyed:
         amplification: float | None = round((base_bytes + delta_bytes) / base_bytes, 4) if base_bytes else None
     else:
         amplification = None
     return {
-        "bytes_written": _bytes(written),
+        "bytes_written": sum(ref.bytes for ref in written),
         "files_written": len({ref.path for ref in written}),
         "full_size": full,
         "files": len(paths),
@@ -70,6 +66,6 @@ def storage_stats(manifest: Manifest) -> dict[str, Any]:
         "max_chain_length": max(lengths, default=0),
         "mean_chain_length": round(sum(lengths) / len(lengths), 4) if lengths else 0.0,
         "space_amplification": amplification,
-        "restore_files": len({ref.range_id for ref in files.values()}),  # a range of a packed file is one read
-        "restore_bytes": full,
+        "restore_files": len(reads),  # a range of a packed file is one read
+        "restore_bytes": sum(reads.values()),
     }

@@ -55,7 +55,7 @@ class SharedRangeCache:
 
     @staticmethod
     def key(ref: FileRef) -> tuple:
-        return (ref.path, ref.offset, ref.bytes, ref.checksum)
+        return (ref.path, ref.offset, ref.read_size, ref.checksum)
 
     def get(self, ref: FileRef, what: int) -> "bytes | pa.Table | None":
         """The cached bytes (``what`` 0) or decoded table (1) of ``ref``'s range, or ``None``."""
@@ -99,12 +99,12 @@ class ChainReader:
 
     def _read_bytes(self, ref: FileRef, checkpoint_id: int | None) -> bytes:
         try:
-            data = self.io.get(ref.path) if ref.offset is None else self.io.get_range(ref.path, ref.offset, ref.bytes)
+            data = self.io.get(ref.path) if ref.offset is None else self.io.get_range(ref.path, ref.offset, ref.read_size)
         except FileNotFoundError:
             raise MissingFileError(
                 f"{self._whose(ref, checkpoint_id)} is missing; the checkpoint cannot be restored; {RESTORE_HINT}"
             ) from None
-        if len(data) != ref.bytes:
+        if len(data) != ref.read_size:
             if ref.offset is not None:
                 try:
                     real = f"{self.io.size(ref.path)} bytes"
@@ -112,15 +112,15 @@ class ChainReader:
                     real = "fewer bytes"
                 raise CorruptFileError(
                     f"{self._whose(ref, checkpoint_id)} has {real}, but the manifest's range of key group "
-                    f"{ref.key_group} [{ref.offset}, {ref.offset + ref.bytes}) points past its end (torn or truncated "
+                    f"{ref.key_group} [{ref.offset}, {ref.offset + ref.read_size}) points past its end (torn or truncated "
                     f"write, or a corrupt manifest); the checkpoint cannot be restored; {RESTORE_HINT}"
                 )
             raise CorruptFileError(
-                f"{self._whose(ref, checkpoint_id)} has {len(data)} bytes, the manifest says {ref.bytes} "
+                f"{self._whose(ref, checkpoint_id)} has {len(data)} bytes, the manifest says {ref.read_size} "
                 f"(torn or altered write); the checkpoint cannot be restored; {RESTORE_HINT}"
             )
         if checksum_hex(data, ref.checksum_algorithm) != ref.checksum:
-            part = f": key group {ref.key_group}'s range [{ref.offset}, {ref.offset + ref.bytes})" \
+            part = f": key group {ref.key_group}'s range [{ref.offset}, {ref.offset + ref.read_size})" \
                 if ref.offset is not None else ""
             raise CorruptFileError(
                 f"{self._whose(ref, checkpoint_id)}{part} fails its {ref.checksum_algorithm} checksum; "
@@ -130,7 +130,7 @@ class ChainReader:
 
     def read_schema(self, ref: FileRef) -> pa.Schema:
         """:meth:`SnapshotStore.read_schema`: a file's Arrow schema, from its first bytes."""
-        head = min(ref.bytes, _SCHEMA_PREFIX)
+        head = min(ref.read_size, _SCHEMA_PREFIX)
         source = f"{self.io.url}: file {ref.where}"
         try:
             data = self.io.get_range(ref.path, ref.offset or 0, head)
@@ -139,7 +139,7 @@ class ChainReader:
         try:
             return stream_schema(data, source=source)
         except CorruptFileError:
-            if head == ref.bytes:
+            if head == ref.read_size:
                 raise
         return stream_schema(self.read_bytes(ref), source=source)  # a schema message longer than the prefix
 

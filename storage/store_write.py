@@ -98,8 +98,8 @@ def _encode(table: pa.Table, kind: str, share_below: int) -> _Encoded:
     at zstd's fastest level only, for its size (a few % above what the file's level makes):
     it is encoded again when written, in a shared stream or, if it ends alone, on its own
     (:func:`_final`). Its size in a shared stream (``shared_size``, what the chain decision
-    weighs a delta by, as chains weigh a shared file by its share) is estimated as that size
-    less the fixed cost of a stream (:func:`_stream_cost`)."""
+    weighs a delta by, as a shared file's reference counts its share of its range) is
+    estimated as that size less the fixed cost of a stream (:func:`_stream_cost`)."""
     prepared = prepare_table(table, kind)
     if prepared.nbytes < share_below and prepared.num_rows:
         encoded = encode_prepared(prepared, level=FAST_LEVEL)
@@ -244,23 +244,26 @@ class KeyGroupWriter:
         parts: list[bytes] = []
         offset = 0
 
-        def ref(planned: _Planned, key_group: int, encoded: EncodedFile, **shared: int) -> FileRef:
+        def ref(planned: _Planned, key_group: int, encoded: EncodedFile, size: int, **shared: int) -> FileRef:
             return FileRef(path=path, kind=planned.kind, checkpoint_id=CheckpointId(checkpoint_id),
-                           rows=planned.encoded.rows, bytes=encoded.size, checksum=encoded.checksum,
+                           rows=planned.encoded.rows, bytes=size, checksum=encoded.checksum,
                            checksum_algorithm=encoded.checksum_algorithm, offset=offset, key_group=key_group, **shared)
 
         for stream in _streams(members):
             if len(stream) == 1:
                 i, job, planned = stream[0]
                 encoded = _final(planned)
-                out[i] = planned.prefix + [ref(planned, job.key_group, encoded)]
+                out[i] = planned.prefix + [ref(planned, job.key_group, encoded, encoded.size)]
             else:
                 encoded = encode_shared([planned.table for _, _, planned in stream])  # type: ignore[misc]
                 row = 0
                 for i, job, planned in stream:
-                    out[i] = planned.prefix + [ref(planned, job.key_group, encoded, row_offset=row,
-                                                   range_rows=encoded.rows)]
-                    row += planned.encoded.rows
+                    end = row + planned.encoded.rows
+                    # the key group's share of the range's bytes: by rows, adding up to the range exactly
+                    share = encoded.size * end // encoded.rows - encoded.size * row // encoded.rows
+                    out[i] = planned.prefix + [ref(planned, job.key_group, encoded, share, row_offset=row,
+                                                   range_rows=encoded.rows, range_bytes=encoded.size)]
+                    row = end
             parts.append(encoded.data)
             offset += encoded.size
         self.io.put(path, b"".join(parts))

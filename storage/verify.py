@@ -163,10 +163,10 @@ def check_files(
                 return [Problem("size", who(refs), path,
                                 f"size {size} bytes, the manifest says {first.bytes}: torn or altered write")], 0
         else:
-            short = [r for r in refs if r.offset + r.bytes > size]  # type: ignore[operator]
+            short = [r for r in refs if r.offset + r.read_size > size]  # type: ignore[operator]
             problems.extend(
                 Problem("size", who([r]), r.id, f"the packed file has {size} bytes, key group {r.key_group}'s range "
-                        f"ends at {r.offset + r.bytes}: torn or truncated write")  # type: ignore[operator]
+                        f"ends at {r.offset + r.read_size}: torn or truncated write")  # type: ignore[operator]
                 for r in short
             )
             refs = [r for r in refs if r not in short]
@@ -183,23 +183,23 @@ def check_files(
         counted: dict[tuple[int, int], int] = {}
         for ref in refs:
             start = ref.offset or 0
-            part = memoryview(data)[start:start + ref.bytes]
-            if len(part) != ref.bytes:
+            part = memoryview(data)[start:start + ref.read_size]
+            if len(part) != ref.read_size:
                 problems.append(Problem("size", who([ref]), ref.id, f"read {len(part)} bytes of {ref.where}, "
-                                        f"the manifest says {ref.bytes}: torn or altered write"))
+                                        f"the manifest says {ref.read_size}: torn or altered write"))
                 continue
-            digest = digests.get((start, ref.bytes, ref.checksum_algorithm))
+            digest = digests.get((start, ref.read_size, ref.checksum_algorithm))
             if digest is None:
-                digest = digests[start, ref.bytes, ref.checksum_algorithm] = checksum_hex(part, ref.checksum_algorithm)
+                digest = digests[start, ref.read_size, ref.checksum_algorithm] = checksum_hex(part, ref.checksum_algorithm)
             if digest != ref.checksum:
                 what = "corrupt file" if ref.offset is None else f"corrupt range of key group {ref.key_group} ({ref.where})"
                 problems.append(Problem("checksum", who([ref]), ref.id, f"{ref.checksum_algorithm} {digest[:12]}..., "
                                         f"the manifest says {ref.checksum[:12]}...: {what}"))
                 continue
             try:
-                rows = counted.get((start, ref.bytes))
+                rows = counted.get((start, ref.read_size))
                 if rows is None:
-                    rows = counted[start, ref.bytes] = count_rows(part)
+                    rows = counted[start, ref.read_size] = count_rows(part)
             except (pa.ArrowException, OSError, ValueError) as exc:
                 problems.append(Problem("unreadable", who([ref]), ref.id,
                                         f"not a readable Arrow IPC stream ({str(exc)[:200]})"))

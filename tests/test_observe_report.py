@@ -59,7 +59,7 @@ def test_the_report_figures_are_the_manifests(root):
     assert (state.operator, state.state, state.key_groups) == ("count", "n", len(chains))
     assert state.max_chain_length == max(len(c) for c in chains.values())
     assert any(store.read_manifest(cid).stats["max_chain_length"] > 1 for cid in ids)  # incremental: deltas on bases
-    sizes = sorted((sum(r.own_bytes for r in chain) for chain in chains.values()), reverse=True)  # shares of shared ranges
+    sizes = sorted((sum(r.bytes for r in chain) for chain in chains.values()), reverse=True)
     assert [b for _, b in data.key_groups] == sizes[:TOP_KEY_GROUPS]
     referenced = {r.path for cid in ids for r in store.read_manifest(cid).files().values()}
     assert data.referenced_bytes == sum(size for p, size in store.list_files().items() if p in referenced)

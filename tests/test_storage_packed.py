@@ -553,14 +553,15 @@ def _check_packing(store: SnapshotStore, cid: int, jobs: list[KeyGroupWrite], ch
             for unit in units:
                 ranges = sorted({r.range_id: r for r in unit}.values(), key=lambda r: r.offset or 0)
                 if unit[0].packed:
-                    assert [r.offset for r in ranges] == [sum(r.bytes for r in ranges[:j]) for j in range(len(ranges))]
-                    assert listing[unit[0].path] == sum(r.bytes for r in ranges)
+                    assert [r.offset for r in ranges] == [sum(r.read_size for r in ranges[:j]) for j in range(len(ranges))]
+                    assert listing[unit[0].path] == sum(r.read_size for r in ranges)
                 for r in ranges:
                     members = sorted((m for m in unit if m.range_id == r.range_id), key=lambda m: m.row_offset or 0)
                     if r.shared:
                         assert len(members) > 1
                         assert [m.row_offset for m in members] == [sum(m.rows for m in members[:j]) for j in range(len(members))]
                         assert sum(m.rows for m in members) == r.range_rows
+                        assert sum(m.bytes for m in members) == r.range_bytes
             continue
         for i, unit in enumerate(units):
             total = sum(r.bytes for r in unit)

@@ -64,8 +64,11 @@ def test_small_deltas_share_one_stream_and_read_back(store, memory_root):
     assert len({r.range_id for r in bases}) == M and not any(r.shared for r in bases)  # too big to share
     # the chain grows: a delta's share of the stream, not the stream, is its size
     assert all(len(m2.chains(OP, "n")[kg]) == 2 for kg in range(M))
-    assert m2.stats["bytes_written"] == deltas[0].bytes == store.list_files()[deltas[0].path]
-    assert m2.stats["delta_bytes"] == deltas[0].bytes and m2.stats["restore_files"] == M + 1
+    # a key group's bytes are its share of the range: the shares add up to the range
+    assert sum(r.bytes for r in deltas) == deltas[0].range_bytes == deltas[0].read_size
+    assert m2.stats["bytes_written"] == deltas[0].range_bytes == store.list_files()[deltas[0].path]
+    assert m2.stats["delta_bytes"] == deltas[0].range_bytes and m2.stats["restore_files"] == M + 1
+    assert m2.stats["restore_bytes"] == m2.stats["full_size"]
     fresh = SnapshotStore.open(memory_root)
     for kg, model in models.items():
         assert as_dict(fresh.read_key_group(m2, OP, "n", kg)) == model
@@ -113,27 +116,30 @@ def test_a_shared_range_of_another_row_count_is_corrupt(store):
 
 def _shared_ref(**kw) -> dict:
     ref = dict(path=StoragePaths.packed_file(2, OP, "n"), kind="delta", checkpoint_id=2, rows=3, bytes=500,
-               checksum="b" * 32, checksum_algorithm="xxh3_128", offset=0, key_group=3, row_offset=4, range_rows=10)
+               checksum="b" * 32, checksum_algorithm="xxh3_128", offset=0, key_group=3, row_offset=4, range_rows=10,
+               range_bytes=1500)
     ref.update(kw)
     return {k: v for k, v in ref.items() if v is not None}
 
 
 @pytest.mark.parametrize("kw", [
     pytest.param({"range_rows": None}, id="row-offset-without-range-rows"),
+    pytest.param({"range_bytes": None}, id="without-range-bytes"),
+    pytest.param({"bytes": 1501}, id="a-share-larger-than-the-range"),
     pytest.param({"row_offset": None}, id="range-rows-without-row-offset"),
     pytest.param({"row_offset": 8}, id="rows-past-the-range"),
     pytest.param({"row_offset": -1}, id="negative-row-offset"),
     pytest.param({"range_rows": True}, id="range-rows-a-bool"),
 ])
 def test_malformed_shared_references_are_refused(kw):
-    assert FileRef.from_dict(_shared_ref()).own_bytes == 150
+    assert FileRef.from_dict(_shared_ref()).read_size == 1500
     with pytest.raises(Exception, match="refusing the reference|not an integer"):
         FileRef.from_dict(_shared_ref(**kw))
 
 
 def test_a_manifest_older_than_format_6_with_a_shared_range_is_refused():
     base = dict(_shared_ref(), path=StoragePaths.state_file(1, OP, "n", 3, "base"), kind="base", checkpoint_id=1)
-    for k in ("offset", "key_group", "row_offset", "range_rows"):
+    for k in ("offset", "key_group", "row_offset", "range_rows", "range_bytes"):
         base.pop(k)
     doc = {"format_version": 5, "checkpoint_id": 2, "job_name": "j", "max_parallelism": M,
            "keyed": {OP: {"n": {"3": [base, _shared_ref()]}}}}

@@ -120,10 +120,10 @@ def collect_report(store: SnapshotStore, *, now: Callable[[], float] | None = No
             refs = {ref.id: ref for chain in chains.values() for ref in chain}
             states.append(StateRow(op, state, len(chains), max(lengths, default=0),
                                    round(sum(lengths) / len(lengths), 4) if lengths else 0.0,
-                                   sum(r.own_bytes for r in refs.values() if r.kind == "base"),
-                                   sum(r.own_bytes for r in refs.values() if r.kind == "delta")))
+                                   sum(r.bytes for r in refs.values() if r.kind == "base"),
+                                   sum(r.bytes for r in refs.values() if r.kind == "delta")))
             for kg, chain in chains.items():
-                groups.append((f"{op}/{state} kg {kg}", sum(r.own_bytes for r in chain)))
+                groups.append((f"{op}/{state} kg {kg}", sum(r.bytes for r in chain)))
     groups.sort(key=lambda g: (-g[1], g[0]))
     listing = store.list_files()
     referenced = {ref.path for m in manifests.values() for ref in m.files().values()}

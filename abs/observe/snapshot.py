@@ -33,12 +33,12 @@ def task_figures(checkpoint_id: int, acks: Mapping[str, Any]) -> dict[str, dict[
                         if ref.id in seen:
                             continue
                         seen.add(ref.id)
-                        referenced += ref.own_bytes
+                        referenced += ref.bytes
                         if ref.checkpoint_id == checkpoint_id:
                             if ref.kind == "delta":
-                                written_delta += ref.own_bytes
+                                written_delta += ref.bytes
                             else:
-                                written_base += ref.own_bytes
+                                written_base += ref.bytes
         out[task] = {
             "alignment_s": float(getattr(ack, "alignment_time", 0.0)),
             "sync_s": float(getattr(ack, "sync_time", 0.0)),

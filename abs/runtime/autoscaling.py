@@ -144,7 +144,7 @@ class Autoscaling:
             per = out.setdefault(uid, {})
             for by_kg in states.values():
                 for kg, chain in by_kg.items():
-                    per[kg] = per.get(kg, 0) + sum(ref.own_bytes for ref in chain)
+                    per[kg] = per.get(kg, 0) + sum(ref.bytes for ref in chain)
         return out
 
     def autoscale_report(self) -> list[dict]:

@@ -84,7 +84,7 @@ class CheckpointCompletion:
         self.checkpoint_tasks[a.checkpoint_id] = task_figures(a.checkpoint_id, a.acks)  # for abs.observe
         for old in sorted(self.checkpoint_tasks)[:-KEEP_TASK_DETAILS]:
             del self.checkpoint_tasks[old]
-        full = sum(r.own_bytes for r in manifest.files().values())
+        full = sum(r.bytes for r in manifest.files().values())
         self.completed.append(
             CheckpointStats(
                 a.checkpoint_id, triggered - self.t_start, now - triggered, align, sync, asyn, written, full, files,

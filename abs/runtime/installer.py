@@ -81,4 +81,4 @@ class Installer:
         table = self.store.read_chain(chain)
         if not take:
             self._preloaded[key] = table
-        return table, sum(ref.own_bytes for ref in chain)
+        return table, sum(ref.bytes for ref in chain)

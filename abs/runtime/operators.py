@@ -134,7 +134,7 @@ class KeyedOp(OperatorRuntime):
                 continue  # compatibility is checked by the driver before anything runs
             for kg, chain in by_kg.items():
                 table = read_chain(chain)
-                read = sum(ref.own_bytes for ref in chain)
+                read = sum(ref.bytes for ref in chain)
                 nbytes += read
                 if on_read is not None:
                     on_read(read)

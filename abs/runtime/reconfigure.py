@@ -184,7 +184,7 @@ class LiveReconfiguration(Rescaling):
                         if chain:
                             by_target.setdefault(mv.target, {}).setdefault(uid, {}).setdefault(state, {})[
                                 mv.key_group] = list(chain)
-                            reconf.on_full_size(sum(ref.own_bytes for ref in chain))
+                            reconf.on_full_size(sum(ref.bytes for ref in chain))
             for target, chains in by_target.items():
                 run.conns[target].send(m.Preload(sid, base, chains))
         moves = tuple((mv.key_group, mv.target) for mv in step.moves)

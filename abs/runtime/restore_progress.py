@@ -27,7 +27,7 @@ class RestoreProgress:
     def start(cls, progress: Any, assignments: Sequence[Any]) -> "RestoreProgress | None":
         """A tracker for this attempt, or None: nothing to restore, ``progress=False``, or no
         terminal to draw on."""
-        total = sum(ref.own_bytes for a in assignments for by_state in (a.keyed_chains or {}).values()
+        total = sum(ref.bytes for a in assignments for by_state in (a.keyed_chains or {}).values()
                     for by_kg in by_state.values() for chain in by_kg.values() for ref in chain)
         if not total or progress is False:
             return None
