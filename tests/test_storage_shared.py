@@ -187,3 +187,17 @@ def test_tiny_deltas_over_small_shared_bases_grow_chains_instead_of_compacting(s
     m = store.commit(Manifest(checkpoint_id=5, job_name="j", max_parallelism=M, keyed={OP: {"n": chains}}))
     for kg, model in models.items():
         assert as_dict(store.read_key_group(m, OP, "n", kg)) == model
+
+
+@pytest.mark.s3
+def test_shared_ranges_on_an_object_store_read_back_and_verify(s3_server, s3_root):
+    """Ranged GETs of shared ranges, fetched concurrently within a chain."""
+    url, options = f"{s3_root}/jobs/shared", dict(s3_server.storage_options)
+    store = SnapshotStore.open(url, options)
+    store.init_job({"job_name": "j", "max_parallelism": M})
+    models, _, m2 = history(store)
+    assert all(m2.chains(OP, "n")[kg][-1].shared for kg in range(M))
+    fresh = SnapshotStore.open(url, options)
+    for kg, model in models.items():
+        assert as_dict(fresh.read_key_group(m2, OP, "n", kg)) == model
+    assert fresh.verify().ok
