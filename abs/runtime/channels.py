@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+import select
 import socket
 import struct
 import threading
@@ -223,6 +224,11 @@ class InputGate(ChannelStateCapture):
                 self._capture(channel, index, item, item is EOS)
             self._cond.notify_all()
 
+    def has_room(self, channel: int) -> bool:
+        """``channel`` takes an element without waiting (read without the lock: a moment's view)."""
+        return (len(self._queues[channel]) < self._capacity or channel in self._unbounded
+                or self._received[channel] < self._overdraft[channel])
+
     def put_priority(self, channel: int, announcement: "Announcement") -> None:
         """A barrier announced ahead of its channel's queued elements: the task hears of it
         before them, and the channel takes the elements in front of it without waiting."""
@@ -300,6 +306,10 @@ class LocalSender:
         """Announce ``barrier`` ahead of what is queued (it is sent next, in order, too)."""
         self._gate.put_priority(self._channel, Announcement(barrier, self.sent))
 
+    def ready(self) -> bool:
+        """The receiving gate has room for an element on this channel (a moment's view)."""
+        return self._gate.has_room(self._channel)
+
     def close(self) -> None:
         pass
 
@@ -319,6 +329,13 @@ class RemoteSender:
         self._conn.send_bytes(frame)
         self.sent += 1
         self.blocked += time.perf_counter() - t0
+
+    def ready(self) -> bool:
+        """The connection's send buffer has room (a send of a batch would not wait long)."""
+        try:
+            return bool(select.select((), (self._conn,), (), 0)[1])
+        except (OSError, ValueError):
+            return True  # closed: the send reports it
 
     def announce(self, barrier: Barrier) -> None:
         if self._priority is None:

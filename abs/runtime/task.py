@@ -192,6 +192,9 @@ class Task(IterationHead, UnalignedCheckpoints, threading.Thread):
             if paused or exhausted:
                 wait = 0.05
                 continue
+            if self.announce and not self._outputs_ready():
+                wait = 0.002  # read nothing that cannot go out: a trigger is then taken at once
+                continue
             batch = reader.poll()
             if batch is END:
                 exhausted = True
@@ -249,7 +252,12 @@ class Task(IterationHead, UnalignedCheckpoints, threading.Thread):
             if loop is not None and loop.blocked:
                 blocked = blocked | loop.blocked
             t0 = time.perf_counter()
-            got = self.gate.take(blocked, 0.05)
+            if self.announce and not self._outputs_ready():
+                # take no record that could not go out (the task would block in a send, deaf
+                # to announcements): only control events and announcements, until there is room
+                got = self.gate.take(self._all_channels(), 0.002)
+            else:
+                got = self.gate.take(blocked, 0.05)
             self.idle += time.perf_counter() - t0
             if got is None:
                 continue

@@ -66,6 +66,20 @@ class UnalignedCheckpoints:
     worker: Any
     alignment_started: dict
     bases: dict
+    outputs: list
+    _every: frozenset = frozenset()
+
+    def _outputs_ready(self) -> bool:
+        """Every channel this task sends records on has room for one more element (while a
+        task would block in a send it could not hear of a barrier: under backpressure that
+        delayed an unaligned checkpoint by a downstream batch's time at every stage)."""
+        return all(s.ready() for out in self.outputs for s in out.senders[:out.active])
+
+    def _all_channels(self) -> frozenset:
+        n = self.gate.num_channels
+        if len(self._every) != n:
+            self._every = frozenset(range(n))
+        return self._every
 
     def _announced(self, channel: int, ann: Announcement) -> None:
         """A barrier announced ahead of ``channel``'s queued records (abs.runtime.unaligned)."""
