@@ -224,6 +224,23 @@ class InputGate(ChannelStateCapture):
                 self._capture(channel, index, item, item is EOS)
             self._cond.notify_all()
 
+    def take_batches(self, channels: "frozenset[int] | set[int]", max_rows: int) -> list:
+        """``(channel, batch)`` for the record batches at the head of ``channels``' queues, in
+        order, up to about ``max_rows`` rows (an iteration head merges the small batches that
+        came round before processing them; nothing behind a barrier or marker is taken)."""
+        out: list = []
+        with self._cond:
+            for ch in sorted(channels):
+                q = self._queues[ch]
+                while q and max_rows > 0 and isinstance(q[0], pa.RecordBatch):
+                    batch = q.popleft()
+                    self._taken[ch] += 1
+                    max_rows -= batch.num_rows
+                    out.append((ch, batch))
+            if out:
+                self._cond.notify_all()
+        return out
+
     def has_room(self, channel: int) -> bool:
         """``channel`` takes an element without waiting (read without the lock: a moment's view)."""
         return (len(self._queues[channel]) < self._capacity or channel in self._unbounded

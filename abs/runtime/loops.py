@@ -120,6 +120,19 @@ class FeedbackLogs:
         return [(cid,) + self._open.pop(cid)[1:] for cid in sorted(done)]
 
 
+MERGE_ROWS = 4096
+"""About how many fed-back rows an iteration head merges into one batch."""
+
+
+def _merged(batches: list) -> list:
+    if len(batches) == 1:
+        return batches
+    try:
+        return pa.Table.from_batches(batches).combine_chunks().to_batches()
+    except pa.ArrowInvalid:  # batches of differing schemas: one by one
+        return batches
+
+
 class IterationHead:
     """The part of :class:`~abs.runtime.task.Task` that heads a loop: what arrives on its
     feedback channels (``self.loop``: :class:`FeedbackLogs`, set by the worker)."""
@@ -128,6 +141,7 @@ class IterationHead:
     _ended: bool
     head: Any
     worker: Any
+    gate: Any
 
     def _fed_back(self, channel: int, item: Any) -> bool:
         """An element on an iteration head's feedback channel (abs.runtime.loops): processed
@@ -143,10 +157,15 @@ class IterationHead:
                     "(an operator in the loop body emitted records at the end of its input?)"
                 )
             self.worker.fault("process", self)
+            # what else came round is merged into one batch: in a loop batches shrink with
+            # every pass (a key_by splits them), and a batch costs far more than a record
+            taken = [(channel, item)] + self.gate.take_batches(loop.channels - loop.blocked, MERGE_ROWS - item.num_rows)
             if loop:
-                loop.on_batch(channel, item)
+                for ch, batch in taken:
+                    loop.on_batch(ch, batch)
                 self.worker.fault("during_logging", self)
-            self.head.process(item)
+            for batch in _merged([b for _ch, b in taken]):
+                self.head.process(batch)
             return False
         if isinstance(item, Barrier):
             self.worker.fault("before_barrier_returns", self)
