@@ -54,6 +54,34 @@ def test_without_checkpointing_the_sources_finish_as_soon_as_they_are_exhausted(
     assert lc.tick(False) == []
 
 
+def test_a_job_with_loops_finishes_after_a_final_checkpoint_that_found_nothing_in_flight():
+    """Final checkpoints that found records circulating (or overtaken) are not the last: with
+    periodic checkpoints the next periodic one is the next candidate, without them one is
+    requested at once; none of them counts as a failed attempt. Without storage: probes."""
+    for periodic in (True, False):
+        lc = life.JobLifecycle(TASKS, SOURCES, (0, 1), checkpointing=True, heartbeat_timeout=10.0, now=0.0,
+                               loops=True, periodic=periodic)
+        for t in SOURCES:
+            lc.on_source_exhausted(t)
+        for cid in range(1, 8):  # more rounds than MAX_FINAL_ATTEMPTS: not a give-up
+            asked = lc.tick(False)
+            if periodic and cid > 1:
+                assert asked == [life.TickCoordinator()]  # waits for the periodic trigger
+            else:
+                assert asked == [life.RequestFinalCheckpoint(1), life.TickCoordinator()]
+            lc.on_triggered(cid)
+            assert lc.on_completed(cid, quiet=False) == []
+        assert lc.loop_rounds == 7
+        lc.on_triggered(8)
+        assert lc.on_completed(8, quiet=True) == [life.FinishSources()]
+    probes = life.JobLifecycle(TASKS, SOURCES, (0, 1), checkpointing=False, heartbeat_timeout=10.0, now=0.0, loops=True)
+    for t in SOURCES:
+        probes.on_source_exhausted(t)
+    assert probes.tick(False) == [life.RequestFinalCheckpoint(1), life.TickCoordinator()]  # a probe, not a finish
+    probes.on_triggered(1)
+    assert probes.on_completed(1, quiet=True) == [life.FinishSources()]
+
+
 def test_a_worker_silent_longer_than_the_heartbeat_timeout_is_reported_by_the_injected_clock():
     lc = machine(timeout=10.0)
     lc.on_seen(0, 5.0)

@@ -296,7 +296,8 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
         run = _Attempt(procs, conns, coord,
                        life.JobLifecycle(expected, source_keys, conns, checkpointing=self.checkpointing,
                                          heartbeat_timeout=self.heartbeat_timeout, now=self.clock(),
-                                         loops=self.flow.has_loops or self.config.priority_barriers),
+                                         loops=self.flow.has_loops or self.config.priority_barriers,
+                                         periodic=self.checkpointing and self.config.interval is not None),
                        {id(c): i for i, c in conns.items()})
         while True:
             self._check_procs(procs, conns)

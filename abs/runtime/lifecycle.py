@@ -89,7 +89,7 @@ class JobLifecycle:
 
     def __init__(self, tasks: Iterable[str], source_tasks: Iterable[str], workers: Iterable[int], *,
                  checkpointing: bool, heartbeat_timeout: float, now: float,
-                 max_final_attempts: int = MAX_FINAL_ATTEMPTS, loops: bool = False) -> None:
+                 max_final_attempts: int = MAX_FINAL_ATTEMPTS, loops: bool = False, periodic: bool = False) -> None:
         self.tasks = frozenset(tasks)
         # a job with an iteration finishes only after a final checkpoint (or, without storage, a
         # termination probe) whose feedback logs were all empty: its loops are quiet; so does a
@@ -97,6 +97,11 @@ class JobLifecycle:
         # processed after the final checkpoint, and their output never committed)
         self.loops = loops
         self.loop_rounds = 0  # final checkpoints/probes that found records circulating
+        # after such a round a job with periodic checkpoints waits for the next periodic one
+        # (the loops run on meanwhile: asking at once made the end of a loop job a string of
+        # back-to-back checkpoints, each writing the state that changed)
+        self.periodic = periodic
+        self.wait_periodic = False
         self.source_tasks = frozenset(source_tasks)
         self.checkpointing = checkpointing
         self.heartbeat_timeout = heartbeat_timeout
@@ -155,6 +160,7 @@ class JobLifecycle:
     def on_triggered(self, checkpoint_id: int) -> None:
         if self.final_from is None and self.sources_exhausted:
             self.final_from = checkpoint_id
+            self.wait_periodic = False
 
     def on_aborted(self, checkpoint_id: int) -> None:
         if self.final_from is not None and checkpoint_id >= self.final_from:
@@ -167,6 +173,7 @@ class JobLifecycle:
                 self.final_from = None  # the loops still run: another round (not a failed attempt)
                 self.final_requests = 0
                 self.loop_rounds += 1
+                self.wait_periodic = self.periodic
                 return []
             self.finishing = True
             return [FinishSources()]
@@ -186,7 +193,7 @@ class JobLifecycle:
             if not self.checkpointing and not self.loops:
                 self.finishing = True
                 return [FinishSources()]
-            if self.final_from is None and not checkpoints_pending:
+            if self.final_from is None and not checkpoints_pending and not self.wait_periodic:
                 self.final_requests += 1
                 if self.final_requests > self.max_final_attempts:
                     return [GiveUp(self.max_final_attempts)]
