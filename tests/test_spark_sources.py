@@ -403,7 +403,9 @@ def test_log_on_s3_single_put_and_create_if_absent(spark, tmp_path, s3_server, s
     assert_exactly_once(result.collected("out"), 1000)
     fs = s3_server.filesystem()
     names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{s3_root}/log"))
-    assert names == ["_end.json"] + [f"batch-{b:012d}.json" for b in range(10)]
+    # the batches, the end marker and the lanes' progress (back-pressure), nothing else
+    assert names == ["_end.json"] + [f"_read-{lane}.json" for lane in range(3)] + [
+        f"batch-{b:012d}.json" for b in range(10)]
     from abs.connectors.batchlog import _Log
 
     log = _Log(f"{s3_root}/log", s3_server.storage_options)
@@ -544,3 +546,95 @@ def dataclasses_replace(obj, **changes):
     import dataclasses
 
     return dataclasses.replace(obj, **changes)
+
+
+# --------------------------------------------------------------------------- back-pressure
+
+
+def driver_context(**changes):
+    from abs.connectors.sources import SourceContext
+
+    base = dict(uid="src", job_name="j", parallelism=1, storage_url=None, storage_options=None,
+                restored_offsets=None, attempt=0, retained=1)
+    return SourceContext(**{**base, **changes})
+
+
+def read_until(reader, batch: int, deadline: float) -> list:
+    """Poll ``reader`` until every lane has read past batch ``batch - 1``; the rows read."""
+    rows = []
+    while min(o["batch"] for o in reader.offsets().values()) < batch:
+        got = reader.poll()
+        if got is None:
+            time.sleep(reader.wait_hint())
+        elif got is not abs.connectors.sources.END:
+            rows.extend(got.column("id").to_pylist())
+        if time.monotonic() > deadline:
+            pytest.fail(f"the reader did not reach batch {batch}: {reader.offsets()}")
+    reader._report(idle=True)  # what the task's next polls do within 0.2 s
+    return rows
+
+
+def held_back(backlog, deadline: float) -> None:
+    """Wait until the producer was found held back twice more (it looked at the lanes'
+    progress again and still had no room)."""
+    start = backlog.waits
+    while backlog.waits < start + 2:
+        if time.monotonic() > deadline:
+            pytest.fail("the producer was not held back")
+        backlog.throttled.wait(1.0)
+
+
+def test_the_planner_stops_at_the_bound_while_the_readers_lag_and_goes_on_as_they_read(spark, tmp_path):
+    log_dir = tmp_path / "log"
+    src = SparkStreamSource(CountingSource, {"total": 1_000_000}, num_splits=2, log=str(log_dir),
+                            trigger_interval=0.0, max_pending_batches=3)
+    src.driver_open(driver_context())
+    deadline = time.monotonic() + 120
+    try:
+        reader = src.create_reader({s: src.initial_offset(s) for s in src.splits()}, 0, 1)
+        rows: list = []
+        for read_from in range(0, 8, 2):
+            held_back(src._drv_backlog, deadline)
+            # the reader is at batch read_from: exactly the bound's worth is planned, no more
+            assert log_batch_ids(log_dir) == list(range(read_from + 3)), (read_from, log_batch_ids(log_dir))
+            rows += read_until(reader, read_from + 2, deadline)
+        # every row of the first 8 batches once (a lane may have gone on into the next batch)
+        assert len(rows) == len(set(rows)) and set(range(8 * BATCH_ROWS)) <= set(rows)
+    finally:
+        src.driver_close()
+
+
+def test_micro_batch_staging_holds_the_query_back_at_the_bound(spark, tmp_path):
+    total = write_json_files(tmp_path / "in", files=6, rows=40)
+    df = (spark.readStream.schema("id long, key long, name string")
+          .option("maxFilesPerTrigger", 1).json(str(tmp_path / "in")))
+    staging = tmp_path / "staging"
+    src = SparkMicroBatchSource(df, staging=str(staging), num_splits=2, trigger={"availableNow": True},
+                                max_pending_batches=2)
+    src.driver_open(driver_context())
+    deadline = time.monotonic() + 180
+
+    def staged() -> list[int]:
+        return sorted(int(n[6:]) for n in os.listdir(staging)
+                      if n.startswith("batch-") and os.path.exists(staging / n / "_manifest.json"))
+
+    try:
+        reader = src.create_reader({s: src.initial_offset(s) for s in src.splits()}, 0, 1)
+        rows: list = []
+        for read_from in range(0, 4, 2):
+            held_back(src._drv_backlog, deadline)
+            # (read batches stay until a completed checkpoint covers them: none here)
+            assert staged() == list(range(read_from + 2)), staged()
+            rows += read_until(reader, read_from + 2, deadline)
+        while (got := reader.poll()) is not abs.connectors.sources.END:
+            if got is None:
+                time.sleep(reader.wait_hint())
+            else:
+                rows.extend(got.column("id").to_pylist())
+            assert max(staged(), default=0) < min(o["batch"] for o in reader.offsets().values()) + 2
+            if time.monotonic() > deadline:
+                pytest.fail("the stream did not end")
+        assert sorted(rows) == list(range(total))
+        assert json.loads((staging / "_end.json").read_text()) == {"batches": 6}
+    finally:
+        src.driver_close()

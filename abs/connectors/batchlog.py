@@ -15,6 +15,7 @@ Log / staging layout (any fsspec URL the workers can reach; default
     _end.json                      bounded mode: {"batches": n}; readers end after batch n-1
     _error.json                    the producer failed (readers raise; the job restarts)
     _committed.json / _consumed.json   what was committed upstream / deleted
+    _read-<lane>.json              readers: the lane's first batch not fully read (back-pressure)
     _spark_checkpoint/             SparkMicroBatchSource: Spark's checkpointLocation (default)
 
 Every file is made visible atomically: temp file + link/rename on local disks, a single PUT
@@ -60,19 +61,36 @@ Bounded mode
     readers return END after batch ``n - 1``. How each source decides it is done:
     :mod:`abs.connectors.spark_stream`, :mod:`abs.connectors.spark_microbatch`.
 
+Back-pressure (the bound on staged-but-unread batches)
+    A batch is *unread* until every lane has read past it. The producer (the planner of a
+    SparkStreamSource, the ``foreachBatch`` function of a SparkMicroBatchSource) appends batch
+    ``b`` only while fewer than ``max_pending_batches`` batches are unread (``b - u <
+    max_pending_batches``, ``u`` the lowest batch a lane still has to read) and, for the
+    micro-batch source, while the staged bytes of the unread batches are below
+    ``max_pending_bytes`` (one batch is always allowed, however large); otherwise it waits,
+    looking again with a backoff up to 0.5 s. A waiting ``foreachBatch`` holds Spark's query
+    back (Spark plans the next micro-batch only after it returns), so the backlog stays
+    upstream, in the stream's own storage. ``None`` turns a bound off.
+    The producer learns how far the lanes are from ``_read-<lane>.json``, which a reader
+    rewrites when a lane moves to a new batch (at most every 0.2 s while it reads, at once
+    when it runs out of staged batches), tagged with the attempt (a reader of an attempt that
+    ended cannot move the bound), and from the offsets of completed checkpoints; it may see
+    a lane a little later than it moved, never earlier, so the bound holds. Storage also
+    holds the read batches that completed checkpoints still need (the deletion rule).
+
 Costs and limits
     A lane waiting for the next batch looks for it (and for the end/error markers) with a
-    backoff up to 0.2 s: a few small reads per second per waiting reader, also on S3. The
-    planner does not throttle on the readers: an unbounded source that always has data keeps
-    appending batches (one small file each, every ``trigger_interval``) however far the
-    readers are behind; deletion follows completed checkpoints only.
+    backoff up to 0.2 s: a few small reads per second per waiting reader, also on S3; a
+    reading lane writes one small file per new batch, at most five a second per reader.
 """
 from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 import urllib.parse
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import pyarrow as pa
 
@@ -84,6 +102,7 @@ __all__ = ["SparkSourceError"]
 
 _BATCH_FILE = re.compile(r"^batch-(\d{12})\.json$")
 _BATCH_DIR = re.compile(r"^batch-(\d{12})$")
+_READ_FILE = re.compile(r"^_read-(\d+)\.json$")
 _MARKERS = ("_end.json", "_error.json", "_committed.json", "_consumed.json")
 
 
@@ -166,7 +185,7 @@ class _Log:
         """Delete what this module wrote below the root (batch files and directories, markers,
         temp files) and the names in ``extra``; anything else is left alone."""
         for name in self.names():
-            if (_BATCH_FILE.match(name) or _BATCH_DIR.match(name) or name in _MARKERS
+            if (_BATCH_FILE.match(name) or _BATCH_DIR.match(name) or _READ_FILE.match(name) or name in _MARKERS
                     or name.startswith(".tmp-") or name in extra):
                 self.delete(self.path(name), recursive=True)
 
@@ -241,6 +260,94 @@ class _Retention:
         return min(self.entries) if self.floor is None else min(min(self.entries), self.floor)
 
 
+def _read_name(lane: str) -> str:
+    return f"_read-{int(lane)}.json"
+
+
+def _check_bound(what: str, name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{what}: {name} must be an int >= 1 or None (no bound), got {value!r}")
+    return value
+
+
+class _Backlog:
+    """Driver-side view of how far the lanes have read, for the bound on staged-but-unread
+    batches (module docstring, "Back-pressure")."""
+
+    def __init__(self) -> None:
+        self.lanes: dict[str, int] = {}
+        self.token: str | None = None
+        self.lock = threading.Lock()
+        self.throttled = threading.Event()  # set whenever the producer finds itself held back
+        self.waits = 0  # times the producer was held back (for inspection and tests)
+
+    def opened(self, lanes: list[str], restored: Mapping[str, Any] | None, token: str) -> None:
+        with self.lock:
+            self.token = token
+            self.lanes = {}
+            for lane in lanes:
+                try:
+                    self.lanes[lane] = int((restored or {})[lane]["batch"])
+                except (KeyError, TypeError, ValueError):
+                    self.lanes[lane] = 0
+
+    def checkpointed(self, offsets: Mapping[str, Any]) -> None:
+        """A completed checkpoint stored these offsets: its lanes read at least that far."""
+        with self.lock:
+            for lane, value in offsets.items():
+                try:
+                    b = int(value["batch"])
+                except (KeyError, TypeError, ValueError):
+                    continue
+                if lane in self.lanes:
+                    self.lanes[lane] = max(self.lanes[lane], b)
+
+    def refresh(self, log: _Log) -> None:
+        """Read the lanes' progress files (those of this attempt)."""
+        for lane in list(self.lanes):
+            got = log.read_json(log.path(_read_name(lane)))
+            if not isinstance(got, dict) or got.get("gen") != self.token:
+                continue
+            with self.lock:
+                self.lanes[lane] = max(self.lanes[lane], int(got["batch"]))
+
+    def unread_from(self) -> int:
+        with self.lock:
+            return min(self.lanes.values()) if self.lanes else 0
+
+    def wait_for_room(
+        self, log: _Log, next_batch: int, max_batches: int | None, max_bytes: int | None,
+        staged_bytes: Callable[[int, int], int] | None, wait: Callable[[float], bool],
+    ) -> bool:
+        """Block until batch ``next_batch`` may be appended; ``False`` if ``wait(seconds)``
+        says to stop (it returns ``True`` then)."""
+        if max_batches is None and max_bytes is None:
+            return True
+
+        def room() -> bool:
+            low = self.unread_from()
+            if max_batches is not None and next_batch - low >= max_batches:
+                return False
+            if max_bytes is not None and staged_bytes is not None and next_batch > low:
+                return staged_bytes(low, next_batch) < max_bytes
+            return True
+
+        if room():
+            return True
+        delay = 0.02
+        while True:
+            self.refresh(log)
+            if room():
+                return True
+            self.waits += 1
+            self.throttled.set()
+            if wait(delay):
+                return False
+            delay = min(0.5, delay * 2)
+
+
 def _lane_offset(value: Any, lane: str, num_splits: int, key: str, what: str) -> tuple[int, int, int]:
     try:
         b, j, r = int(value["batch"]), int(value[key]), int(value["row"])
@@ -283,8 +390,12 @@ class _LaneReader(SourceReader):
 
     unit_key = "partition"
 
-    def __init__(self, log: _Log, splits: Mapping[str, Any], num_splits: int, what: str) -> None:
+    def __init__(self, log: _Log, splits: Mapping[str, Any], num_splits: int, what: str,
+                 progress_token: str | None = None) -> None:
         self._log = log
+        self._token = progress_token  # the attempt's tag of the _read-<lane>.json files (None: none written)
+        self._dirty: set[str] = set()
+        self._progress_at = 0.0
         self._n = num_splits
         self._what = what
         self._cursors: dict[str, list[int]] = {}
@@ -334,11 +445,27 @@ class _LaneReader(SourceReader):
             if got is not None:
                 self._turn = (self._turn + k + 1) % n
                 self._wait = 0.01
+                self._report(idle=False)
                 return got
+        self._report(idle=True)
         if len(self._ended) == len(self._order):
             return END
         self._wait = min(0.2, self._wait * 2)
         return None
+
+    def _report(self, idle: bool) -> None:
+        """Tell the producer how far the lanes have read (see "Back-pressure"): lanes that
+        moved to a new batch, at most every 0.2 s while reading, at once when idle."""
+        if not self._dirty or self._token is None:
+            return
+        now = time.monotonic()
+        if not idle and now - self._progress_at < 0.2:
+            return
+        self._progress_at = now
+        for lane in sorted(self._dirty, key=int):
+            body = {"batch": self._cursors[lane][0], "gen": self._token}
+            self._log.put(self._log.path(_read_name(lane)), json.dumps(body).encode())
+        self._dirty.clear()
 
     def close(self) -> None:
         self._iters = {lane: None for lane in self._order}
@@ -387,6 +514,7 @@ class _LaneReader(SourceReader):
                     return units
                 if cur[1] >= len(units):
                     cur[0] += 1
+                    self._dirty.add(lane)
                     cur[1] = (int(lane) - cur[0]) % self._n
                     cur[2] = 0
                     continue

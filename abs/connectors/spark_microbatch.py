@@ -43,7 +43,9 @@ from ..errors import ConfigError
 from .batchlog import (
     _BATCH_DIR,
     SparkSourceError,
+    _Backlog,
     _bound,
+    _check_bound,
     _check_reachable,
     _check_restored_lanes,
     _LaneReader,
@@ -77,6 +79,10 @@ class SparkMicroBatchSource(Source):
     ``once`` make the source bounded. Continuous triggers are refused (no micro-batches to
     stage). ``part_rows``: at most this many rows per staged Parquet part (a batch has at
     least ``min(rows, num_splits)`` parts, so every lane gets work).
+    ``max_pending_batches`` / ``max_pending_bytes``: ``foreachBatch`` stages a micro-batch only
+    while fewer batches, and fewer bytes of staged Parquet, than these are not yet read by
+    every lane; otherwise it waits, which holds Spark's query back (``None``: no bound; see
+    "Back-pressure" in :mod:`abs.connectors.batchlog`).
     """
 
     unit_key = "part"
@@ -92,6 +98,8 @@ class SparkMicroBatchSource(Source):
         storage_options: Mapping[str, Any] | None = None,
         batch_size: int = 4096,
         part_rows: int = 65536,
+        max_pending_batches: int | None = 64,
+        max_pending_bytes: int | None = 512 << 20,
     ) -> None:
         what = "SparkMicroBatchSource"
         require("spark", what)
@@ -140,6 +148,9 @@ class SparkMicroBatchSource(Source):
         self.bounded = bool(trigger.get("availableNow") or trigger.get("once"))
         self.batch_size = batch_size
         self.part_rows = part_rows
+        self.max_pending_batches = _check_bound(what, "max_pending_batches", max_pending_batches)
+        self.max_pending_bytes = _check_bound(what, "max_pending_bytes", max_pending_bytes)
+        self._progress_token: str | None = None  # set per attempt by driver_open, shipped to the readers
         self._log: _Log | None = None
         self._init_driver_state(streaming_df)
 
@@ -154,6 +165,8 @@ class SparkMicroBatchSource(Source):
         self._drv_high = -1  # highest batch id staged
         self._drv_consumed = 0  # batches below are consumed by every retained checkpoint and deleted
         self._drv_retention = _Retention()
+        self._drv_backlog = _Backlog()
+        self._drv_bytes: dict[int, int] = {}  # staged bytes per batch id (for max_pending_bytes)
         self._drv_checkpoint: str | None = None
 
     def __repr__(self) -> str:
@@ -226,6 +239,9 @@ class SparkMicroBatchSource(Source):
             ids = [int(m.group(1)) for m in map(_BATCH_DIR.match, log.names()) if m]
             self._drv_high = max([self._drv_high, *ids])
         self._drv_retention.opened(context, _bound(restored, lanes) if restored else None, fresh, lanes)
+        self._progress_token = uuid.uuid4().hex
+        self._drv_backlog.opened(lanes, restored, self._progress_token)
+        self._drv_bytes.clear()
         if log.read_json(log.path("_end.json")) is not None:
             return  # a bounded query that already finished: nothing to start
         self._drv_gen += 1
@@ -256,6 +272,7 @@ class SparkMicroBatchSource(Source):
         bound = _bound(offsets, self.splits())
         if log is None or bound is None:
             return
+        self._drv_backlog.checkpointed(offsets)
         below = self._drv_retention.completed(bound)
         if below is None or below <= self._drv_consumed:
             return
@@ -316,6 +333,15 @@ class SparkMicroBatchSource(Source):
         if log.read(manifest_path) is not None:
             self._drv_high = max(self._drv_high, batch_id)
             return  # staged before (a replay): keep that content
+        gen = self._drv_gen
+
+        def stop_waiting(seconds: float) -> bool:
+            time.sleep(seconds)
+            return self._drv_closing or gen != self._drv_gen
+
+        if not self._drv_backlog.wait_for_room(log, batch_id, self.max_pending_batches, self.max_pending_bytes,
+                                               self._staged_bytes, stop_waiting):
+            raise SparkSourceError("the ABS job attempt that started this query has ended")
         table = df.toArrow()
         rows = table.num_rows
         nparts = 0 if rows == 0 else min(rows, max(self.num_splits, -(-rows // self.part_rows)))
@@ -327,13 +353,31 @@ class SparkMicroBatchSource(Source):
             pq.write_table(table.slice(lo, hi - lo), out)
             name = f"part-{k:05d}-{token}.parquet"
             log.put(log.path(_stage_dir(batch_id), name), out.getvalue())
-            parts.append({"file": name, "rows": hi - lo})
+            parts.append({"file": name, "rows": hi - lo, "bytes": out.tell()})
         manifest = {"v": 1, "batch": batch_id, "rows": rows, "parts": parts, "staged_at": time.time(),
-                    "schema": str(table.schema)}
+                    "schema": str(table.schema), "bytes": sum(p["bytes"] for p in parts)}
         if not log.create(manifest_path, json.dumps(manifest).encode()):
             for p in parts:  # another staging of this batch id won; ours is garbage
                 log.delete(log.path(_stage_dir(batch_id), p["file"]))
+        else:
+            self._drv_bytes[batch_id] = manifest["bytes"]
         self._drv_high = max(self._drv_high, batch_id)
+
+    def _staged_bytes(self, low: int, high: int) -> int:
+        """Bytes of the staged batches ``low .. high - 1`` (manifests of batches staged by an
+        earlier driver are read once)."""
+        log = self._log
+        assert log is not None
+        total = 0
+        for b in range(max(low, self._drv_consumed), high):
+            if b not in self._drv_bytes:
+                manifest = log.read_json(log.path(_stage_dir(b), "_manifest.json"))
+                self._drv_bytes[b] = 0 if manifest is None else int(
+                    manifest.get("bytes", sum(int(p.get("bytes", 0)) for p in manifest["parts"])))
+            total += self._drv_bytes[b]
+        for b in [k for k in self._drv_bytes if k < low]:
+            del self._drv_bytes[b]
+        return total
 
 
 def _spark_checkpoint_has_progress(location: str) -> bool:
@@ -352,7 +396,7 @@ class _MicroBatchLaneReader(_LaneReader):
 
     def __init__(self, source: SparkMicroBatchSource, splits: Mapping[str, Any]) -> None:
         assert source._log is not None
-        super().__init__(source._log, splits, source.num_splits, "SparkMicroBatchSource")
+        super().__init__(source._log, splits, source.num_splits, "SparkMicroBatchSource", source._progress_token)
         self._src = source
 
     def _fetch(self, batch: int) -> Any:

@@ -60,6 +60,7 @@ import logging
 import threading
 import time
 import traceback
+import uuid
 from typing import Any, Iterator, Mapping
 
 import pyarrow as pa
@@ -70,9 +71,11 @@ from ..errors import ConfigError
 from .batchlog import (
     _BATCH_FILE,
     SparkSourceError,
+    _Backlog,
     _batch_name,
     _bound,
     _canonical,
+    _check_bound,
     _check_reachable,
     _check_restored_lanes,
     _LaneReader,
@@ -141,6 +144,9 @@ class SparkStreamSource(Source):
     with the job's storage options). ``trigger_interval``: minimum seconds between two
     planned batches (unbounded mode); ``poll_interval``: seconds between ``latestOffset``
     calls while there is no new data. ``batch_size``: rows per emitted Arrow batch.
+    ``max_pending_batches``: the planner plans a batch only while fewer than this many logged
+    batches are not yet read by every lane (``None``: no bound; see "Back-pressure" in
+    :mod:`abs.connectors.batchlog`).
     """
 
     def __init__(
@@ -156,6 +162,7 @@ class SparkStreamSource(Source):
         batch_size: int = 4096,
         trigger_interval: float = 0.2,
         poll_interval: float = 0.1,
+        max_pending_batches: int | None = 64,
     ) -> None:
         what = "SparkStreamSource"
         require("spark", what)
@@ -219,6 +226,8 @@ class SparkStreamSource(Source):
         self.batch_size = batch_size
         self.trigger_interval = float(trigger_interval)
         self.poll_interval = float(poll_interval)
+        self.max_pending_batches = _check_bound(what, "max_pending_batches", max_pending_batches)
+        self._progress_token: str | None = None  # set per attempt by driver_open, shipped to the readers
         self.log_url = log
         self.log_options = dict(log_options) if log_options is not None else None
         self._log: _Log | None = None  # resolved by driver_open, shipped to the workers
@@ -237,6 +246,7 @@ class SparkStreamSource(Source):
         self._drv_oldest = 0
         self._drv_newest = -1
         self._drv_retention = _Retention()
+        self._drv_backlog = _Backlog()
         self._drv_commits: list[tuple[int, Any]] = []  # (batch, end) committed, for inspection
 
     @property
@@ -299,6 +309,8 @@ class SparkStreamSource(Source):
             if committed is not None:
                 self._drv_committed = max(self._drv_committed, int(committed["batch"]))
         self._drv_retention.opened(context, _bound(restored, lanes) if restored else None, fresh, lanes)
+        self._progress_token = uuid.uuid4().hex
+        self._drv_backlog.opened(lanes, restored, self._progress_token)
         ids = sorted(int(m.group(1)) for m in map(_BATCH_FILE.match, log.names()) if m)
         self._drv_oldest = ids[0] if ids else 0
         self._drv_newest = ids[-1] if ids else -1
@@ -325,6 +337,7 @@ class SparkStreamSource(Source):
         bound = _bound(offsets, self.splits())
         if log is None or bound is None:
             return
+        self._drv_backlog.checkpointed(offsets)
         last = bound - 1
         if last > self._drv_committed and self._drv_reader is not None:
             end = self._batch_end(last)
@@ -401,6 +414,8 @@ class SparkStreamSource(Source):
                 delay = last_planned + self.trigger_interval - time.monotonic()
                 if delay > 0 and stop.wait(delay):
                     return
+            if not self._drv_backlog.wait_for_room(log, next_b, self.max_pending_batches, None, None, stop.wait):
+                return
             with self._drv_lock:
                 end = target if target is not None else _latest(reader, start, limit)
             if end is None or _canonical(end) == _canonical(start):
@@ -448,7 +463,8 @@ class _StreamLaneReader(_LaneReader):
 
     def __init__(self, source: SparkStreamSource, splits: Mapping[str, Any]) -> None:
         assert source._log is not None
-        super().__init__(source._log, splits, source.num_splits, f"SparkStreamSource({source.name})")
+        super().__init__(source._log, splits, source.num_splits, f"SparkStreamSource({source.name})",
+                         source._progress_token)
         self._src = source
         self._reader: Any = None
 
