@@ -197,19 +197,34 @@ class JobHandle:
         The checkpoint is pinned against the job's garbage collection from before it is
         taken until the copy ends (a pin on every id from the next one, narrowed to the
         checkpoint once it is known; see ``storage/pins.py``). A copy that fails leaves no
-        savepoint at ``path``."""
+        savepoint at ``path``. Sources with replay data of their own outside the snapshot (the
+        Spark sources' batch log) copy what the savepoint needs of it into ``path`` too
+        (``Source.driver_savepoint``), so it restores after the job's log is gone."""
         from storage import SnapshotStore
 
         d = self._driver
         if d.storage_url is None:
             raise ConfigError(f"job {d.flow.name!r} runs without storage; pass storage=... to take savepoints")
         store = d.store or SnapshotStore.open(d.storage_url, d.storage_options)
-        with store.pin(d._last_completed_id + 1, None, ttl=max(600.0, 2 * timeout),
-                       holder=f"savepoint of job {d.flow.name!r}") as lease:
-            cid = self._request_checkpoint(timeout)
-            lease.retarget(cid, cid)
-            dest = path or f"{d.storage_url.rstrip('/')}/savepoints/sp-{cid:08d}"
-            store.savepoint(cid, dest, storage_options, source_pin=lease)
+        sources = d._sources()
+        releases = []
+        try:
+            # the sources' replay data (e.g. a Spark source's batch log) stays while the
+            # savepoint copies what it needs of it
+            for _uid, source in sources:
+                releases.append(source.driver_hold())
+            with store.pin(d._last_completed_id + 1, None, ttl=max(600.0, 2 * timeout),
+                           holder=f"savepoint of job {d.flow.name!r}") as lease:
+                cid = self._request_checkpoint(timeout)
+                lease.retarget(cid, cid)
+                dest = path or f"{d.storage_url.rstrip('/')}/savepoints/sp-{cid:08d}"
+                offsets = store.read_manifest(cid).source_offsets
+                for uid, source in sources:
+                    source.driver_savepoint(dict(offsets.get(uid, {})), dest, storage_options)
+                store.savepoint(cid, dest, storage_options, source_pin=lease)
+        finally:
+            for release in releases:
+                release()
         return dest
 
     def _request_checkpoint(self, timeout: float) -> int:

@@ -61,6 +61,12 @@ class PacedSource(abs.Source):
     def driver_close(self) -> None:
         self.inner.driver_close()
 
+    def driver_hold(self) -> Any:
+        return self.inner.driver_hold()
+
+    def driver_savepoint(self, offsets: Mapping[str, Any], dest: str, dest_options: Any) -> None:
+        self.inner.driver_savepoint(offsets, dest, dest_options)
+
 
 class _PacedReader(abs.SourceReader):
     def __init__(self, inner: abs.SourceReader, source: PacedSource) -> None:

@@ -58,13 +58,14 @@ class CountingReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.available = options.get("available")
         self.delay = float(options.get("read_delay", 0))
         self.commit_log = options.get("commit_log")
+        self.batch_rows = int(options.get("batch_rows", BATCH_ROWS))
         self.target = None
 
     def initialOffset(self):
         return {"rows": 0}
 
     def getDefaultReadLimit(self):
-        return ReadMaxRows(BATCH_ROWS)
+        return ReadMaxRows(self.batch_rows)
 
     def prepareForTriggerAvailableNow(self):
         self.target = self.total
@@ -638,3 +639,133 @@ def test_micro_batch_staging_holds_the_query_back_at_the_bound(spark, tmp_path):
         assert json.loads((staging / "_end.json").read_text()) == {"batches": 6}
     finally:
         src.driver_close()
+
+
+# --------------------------------------------------------------------------- savepoints elsewhere
+
+
+def consumed_rows(offsets: dict, num_splits: int) -> set:
+    """Rows of CountingReader read before ``offsets`` (batch b: rows [100 b, 100 b + 100) in
+    units of PART_ROWS; unit j of batch b belongs to lane (b + j) % num_splits)."""
+    rows = set()
+    units = BATCH_ROWS // PART_ROWS
+    for lane, o in offsets.items():
+        for b in range(o["batch"] + 1):
+            for j in range(units):
+                if (b + j) % num_splits != int(lane):
+                    continue
+                lo = BATCH_ROWS * b + PART_ROWS * j
+                if b < o["batch"] or j < o["partition"]:
+                    rows.update(range(lo, lo + PART_ROWS))
+                elif j == o["partition"]:
+                    rows.update(range(lo, lo + o["row"]))
+    return rows
+
+
+def test_a_savepoint_in_another_root_restores_exactly_after_the_jobs_log_dropped_its_batches(spark, tmp_path):
+    root_a, root_b, root_c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    available = tmp_path / "available"
+    available.write_text("1500")
+    src = SparkStreamSource(CountingSource, {"available": str(available)}, num_splits=3, trigger_interval=0.02)
+    handle = abs.submit(counting_flow(src, abs.CollectSink()), parallelism=2,
+                        checkpoint=abs.CheckpointConfig(interval=0.1, retained=1), storage=str(root_a))
+    deadline = time.monotonic() + 120
+    try:
+        wait_for("two checkpoints", lambda: (handle.metrics()["last_checkpoint"] or 0) >= 2, deadline)
+        savepoint = handle.savepoint(str(root_b))
+        sp_offsets = SnapshotStore.open(savepoint).read_manifest(
+            SnapshotStore.open(savepoint).list_checkpoints()[-1]).source_offsets["src"]
+        bound = lane_bound(sp_offsets)
+        # the job goes on; its log drops the batches the savepoint needs as checkpoints complete
+        available.write_text("4000")
+        log_a = root_a / "sources" / "src"
+        wait_for("the job's log dropped the savepoint's batches",
+                 lambda: (log_batch_ids(log_a) or [0])[0] > bound, deadline)
+    finally:
+        handle.cancel()
+    copy = root_b / "sources" / "src"
+    assert log_batch_ids(copy)[0] <= bound and os.path.exists(copy / "_savepoint.json")
+    import shutil
+
+    shutil.rmtree(log_a)  # nothing of the first job's log is left
+    # planned with smaller batches now: a planner that started over from the beginning (no
+    # log) would log other rows under the batch ids the savepoint's offsets name
+    restored = abs.run(
+        counting_flow(SparkStreamSource(CountingSource, {"available": str(available), "batch_rows": "70"},
+                                        num_splits=3, bounded=True), abs.CollectSink()),
+        parallelism=2, checkpoint=abs.CheckpointConfig(interval=0.2), storage=str(root_c), restore=str(root_b),
+    )
+    assert restored.status == "FINISHED"
+    table = restored.collected("out")
+    before = consumed_rows(sp_offsets, 3)
+    ids = table.column("id").to_pylist()
+    assert len(ids) == len(set(ids)) and set(ids) == set(range(TOTAL)) - before, "rows lost or repeated"
+    # the counts go on from the savepoint's state: every key ends at its total, no gaps
+    per_key: dict = collections.defaultdict(list)
+    for k, c in zip(table.column("key").to_pylist(), table.column("count").to_pylist()):
+        per_key[k].append(c)
+    totals = collections.Counter(i % KEYS for i in range(TOTAL))
+    for k, counts in per_key.items():
+        assert sorted(counts) == list(range(totals[k] - len(counts) + 1, totals[k] + 1)), k
+
+
+def test_a_micro_batch_savepoint_in_another_root_carries_the_staged_batches_and_sparks_checkpoint(spark, tmp_path):
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    total = write_json_files(tmp_path / "in", files=6, rows=40)
+
+    def source():
+        df = (spark.readStream.schema("id long, key long, name string")
+              .option("maxFilesPerTrigger", 1).json(str(tmp_path / "in")))
+        return SparkMicroBatchSource(df, num_splits=2, trigger={"availableNow": True}, batch_size=10,
+                                     max_pending_batches=2)
+
+    root_a, root_b, root_c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    # paced: the readers, and through the bound the query, are still mid-stream at the savepoint
+    handle = abs.submit(counting_flow(PacedSource(source(), 20), abs.CollectSink()), parallelism=2,
+                        checkpoint=abs.CheckpointConfig(interval=0.1, retained=1), storage=str(root_a))
+    deadline = time.monotonic() + 180
+    try:
+        def some_read() -> bool:
+            last = handle.metrics()["last_checkpoint"]
+            try:
+                offsets = SnapshotStore.open(str(root_a)).read_manifest(last).source_offsets["src"] if last else {}
+            except Exception:  # noqa: BLE001 - dropped by retention meanwhile: look again
+                return False
+            return any(o["batch"] > 0 for o in offsets.values())
+
+        wait_for("a checkpoint past the first batch", some_read, deadline)
+        savepoint = handle.savepoint(str(root_b))
+    finally:
+        handle.cancel()
+    store = SnapshotStore.open(savepoint)
+    sp_offsets = store.read_manifest(store.list_checkpoints()[-1]).source_offsets["src"]
+    copy = root_b / "sources" / "src"
+    assert os.path.isdir(copy / "_spark_checkpoint" / "offsets"), "Spark's checkpoint travels with the savepoint"
+    # what the savepoint's offsets had read of the copied batches, and what they had not
+    read, unread = set(), set()
+    for name in sorted(n for n in os.listdir(copy) if n.startswith("batch-")):
+        b = int(name[6:])
+        parts = json.loads((copy / name / "_manifest.json").read_text())["parts"]
+        for j, part in enumerate(parts):
+            o = sp_offsets[str((b + j) % 2)]
+            ids = pq.read_table(copy / name / part["file"]).column("id").to_pylist()
+            done = len(ids) if (b, j) < (o["batch"], o["part"]) else o["row"] if (b, j) == (o["batch"], o["part"]) else 0
+            read.update(ids[:done])
+            unread.update(ids[done:])
+    shutil.rmtree(root_a / "sources")  # the first job's staging and Spark checkpoint are gone
+    restored = abs.run(counting_flow(source(), abs.CollectSink()), parallelism=2,
+                       checkpoint=abs.CheckpointConfig(interval=0.2), storage=str(root_c), restore=str(root_b))
+    assert restored.status == "FINISHED"
+    table = restored.collected("out")
+    ids = table.column("id").to_pylist()
+    assert len(ids) == len(set(ids)) and unread <= set(ids) and not read & set(ids), "rows lost or repeated"
+    per_key: dict = collections.defaultdict(list)
+    for k, c in zip(table.column("key").to_pylist(), table.column("count").to_pylist()):
+        per_key[k].append(c)
+    totals = collections.Counter(i % KEYS for i in range(total))
+    for k, counts in per_key.items():  # the counts go on from the savepoint's state, up to each key's total
+        assert sorted(counts) == list(range(totals[k] - len(counts) + 1, totals[k] + 1)), k
+    assert 0 < len(ids) < total, "the savepoint was taken mid-stream"

@@ -45,8 +45,19 @@ Deletion rule
     planner continues after it). The driver passes the offsets of every complete checkpoint
     and savepoint of the storage root (``SourceContext.stored_offsets`` / ``pinned_offsets``),
     so this also holds after a restore in a new driver process, and batches a savepoint in the
-    root needs are kept. A savepoint written to another root (``JobHandle.savepoint(path)``)
-    is not seen: it restores only as long as the log still holds its batches.
+    root needs are kept. Nothing is deleted while ``JobHandle.savepoint`` writes a savepoint.
+
+Savepoints
+    ``JobHandle.savepoint(path)`` copies what its checkpoint needs of the log into
+    ``<path>/sources/<uid>/``: the batches from its ``min(lane["batch"])`` on, the markers
+    (``_end``, ``_committed``, ``_consumed``), for SparkMicroBatchSource Spark's checkpoint
+    (copied while no micro-batch is being staged, so that every batch Spark committed is in
+    the copy), and last ``_savepoint.json`` (the offsets it was made for). A job restored
+    from that savepoint (``restore=path``) replaces its log with the copy (and Spark's
+    checkpoint location with the copied checkpoint) before its readers start, so the
+    savepoint restores exactly however long ago the job's own log dropped those batches,
+    into any storage root. A savepoint without a copy (taken offline, or by an earlier
+    release) restores only while the log still holds its batches.
 
 Restarts
     ``driver_open`` runs before every attempt. A fresh start (first attempt, nothing restored)
@@ -233,6 +244,22 @@ class _Retention:
         self.unknown_older = False
         self.retained = 1
         self.floor: int | None = None  # lowest bound of a savepoint in the storage root
+        self.holds = 0  # savepoints being written: nothing is deleted meanwhile
+        self.lock = threading.Lock()
+
+    def hold(self) -> Callable[[], None]:
+        """Delete nothing until the returned function is called (``Source.driver_hold``)."""
+        with self.lock:
+            self.holds += 1
+        released = []
+
+        def release() -> None:
+            with self.lock:
+                if not released:
+                    released.append(True)
+                    self.holds -= 1
+
+        return release
 
     def opened(self, context: SourceContext, restored_bound: int | None, fresh: bool, lanes: list[str]) -> None:
         self.retained = max(1, int(context.retained))
@@ -254,6 +281,9 @@ class _Retention:
         """Record a completed checkpoint; returns the batch id below which nothing is needed."""
         self.entries.append(bound)
         self.entries = self.entries[-self.retained:]
+        with self.lock:
+            if self.holds:
+                return None  # a savepoint is copying; the next checkpoint after it deletes
         if self.unknown_older and len(self.entries) < self.retained:
             return None
         self.unknown_older = False
@@ -380,6 +410,90 @@ def _check_restored_lanes(what: str, restored: Mapping[str, Any] | None, lanes: 
             f"{what}: the restored checkpoint has lanes {sorted(restored, key=str)}, this source has "
             f"{lanes} (num_splits={len(lanes)}); restore with the num_splits the checkpoint was taken with"
         )
+
+
+# --------------------------------------------------------------------------- savepoint copies
+
+_COPY_MARKER = "_savepoint.json"
+_COPIED_MARKERS = ("_end.json", "_committed.json", "_consumed.json")
+
+
+def _savepoint_log(dest: str, options: Mapping[str, Any] | None, uid: str) -> _Log:
+    """Where a savepoint at ``dest`` keeps its copy of source ``uid``'s log."""
+    return _Log(absolute(f"{dest.rstrip('/')}/sources/{urllib.parse.quote(uid, safe='')}"), options)
+
+
+def _files_below(log: _Log, name: str) -> list[str]:
+    """Paths relative to directory ``name`` of the log (``""``: its root) of the files below
+    it, sorted; ``[]`` if it does not exist."""
+    base = log.path(name) if name else log.root
+    files, _root = log._open()
+    files.refresh(base)
+    try:
+        found = log.fs.find(base)
+    except FileNotFoundError:
+        return []
+    strip = base.split("://", 1)[-1].rstrip("/")
+    out = []
+    for path in found:
+        rel = str(path).split("://", 1)[-1][len(strip):].lstrip("/")
+        if rel:
+            out.append(rel)
+    return sorted(out)
+
+
+def _copy_files(src: _Log, dst: _Log, paths: list[str], what: str) -> None:
+    """Copy the files ``paths`` (relative to the roots) from ``src`` to ``dst``, in this order."""
+    for rel in paths:
+        data = src.read(src.path(rel))
+        if data is None:
+            raise SparkSourceError(
+                f"{what}: {src.path(rel)} disappeared while the savepoint copied the log; take the savepoint again"
+            )
+        dst.put(dst.path(rel), data)
+
+
+def _copy_tree(src: _Log, name: str, dst: _Log, dst_name: str, what: str, *, temporary: bool = False) -> None:
+    """Copy directory ``name`` of ``src`` (``""``: its root) to ``dst_name`` of ``dst``, a
+    ``_manifest.json`` last (a partial copy never reads as a staged batch). ``temporary``:
+    files may come and go meanwhile (Spark's temporary files): skip those."""
+    files = _files_below(src, name)
+    files.sort(key=lambda p: p.endswith("_manifest.json"))
+    for rel in files:
+        if temporary and rel.endswith(".tmp"):
+            continue
+        path = src.path(name, rel) if name else src.path(rel)
+        data = src.read(path)
+        if data is None and temporary:
+            continue
+        if data is None:
+            raise SparkSourceError(
+                f"{what}: {path} disappeared while the savepoint copied the log; take the savepoint again"
+            )
+        dst.put(dst.path(dst_name, rel) if dst_name else dst.path(rel), data)
+
+
+def _write_copy_marker(dst: _Log, offsets: Mapping[str, Any], batches: list[int]) -> None:
+    body = {"v": 1, "offsets": dict(offsets), "batches": batches, "copied_at": time.time()}
+    dst.put(dst.path(_COPY_MARKER), json.dumps(body).encode())
+
+
+def _savepoint_copy(what: str, context: SourceContext, restored: Mapping[str, Any]) -> _Log | None:
+    """The log copy of the savepoint this attempt restores, if it has one made for exactly
+    these offsets (``None``: restore from the job's own log)."""
+    if not restored or context.restored_from is None:
+        return None
+    copy = _savepoint_log(context.restored_from, context.restored_from_options, context.uid)
+    marker = copy.read_json(copy.path(_COPY_MARKER))
+    if marker is None:
+        return None
+    if _canonical(marker.get("offsets")) != _canonical(dict(restored)):
+        raise SparkSourceError(
+            f"{what}: the log copy in {copy.url} was made for other offsets than the checkpoint restored from "
+            f"{context.restored_from} ({marker.get('offsets')} != {dict(restored)}); was the savepoint's "
+            "directory mixed with another one? Restore a savepoint as JobHandle.savepoint wrote it"
+        )
+    return copy
 
 
 # --------------------------------------------------------------------------- lane reader

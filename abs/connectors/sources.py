@@ -115,6 +115,25 @@ class Source(abc.ABC):
     def driver_close(self) -> None:
         """Called in the driver when an attempt ends (finished, failed or canceled)."""
 
+    def driver_hold(self) -> Callable[[], None]:
+        """Keep every piece of replay data the driver side holds now (delete nothing) until the
+        returned function is called: ``JobHandle.savepoint`` holds it from before its
+        checkpoint is taken until the savepoint is written. Called from the caller's thread,
+        while the job runs."""
+        return _nothing
+
+    def driver_savepoint(self, offsets: Mapping[str, Offset], dest: str,
+                         dest_options: Mapping[str, Any] | None) -> None:
+        """Copy into the savepoint being written at ``dest`` what a restore of ``offsets`` (this
+        source's offsets in the savepoint's checkpoint) needs beyond the snapshot, so that the
+        savepoint restores after the job's own replay data is gone (called while
+        :meth:`driver_hold` holds, before the savepoint's manifest is written). A restore from
+        it tells :meth:`driver_open` where it came from (``SourceContext.restored_from``)."""
+
+
+def _nothing() -> None:
+    return None
+
 
 @dataclass(frozen=True)
 class SourceContext:
@@ -133,6 +152,10 @@ class SourceContext:
     stored_offsets: tuple[Mapping[str, Offset], ...] | None = None
     # the same for the savepoints in the storage root (pinned: kept until deleted by hand)
     pinned_offsets: tuple[Mapping[str, Offset], ...] = ()
+    # the root the restored checkpoint was read from when it is not the job's storage root (a
+    # savepoint elsewhere), and its storage options; None otherwise
+    restored_from: str | None = None
+    restored_from_options: Mapping[str, Any] | None = None
 
 
 # --------------------------------------------------------------------------- generator

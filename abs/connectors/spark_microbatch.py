@@ -48,12 +48,19 @@ from .batchlog import (
     _check_bound,
     _check_reachable,
     _check_restored_lanes,
+    _COPIED_MARKERS,
+    _copy_files,
+    _copy_tree,
     _LaneReader,
     _Log,
     _resolve_log_url,
     _Retention,
+    _savepoint_copy,
+    _savepoint_log,
     _stage_dir,
+    _write_copy_marker,
 )
+from .fs import absolute
 from .sources import Source, SourceContext, SourceReader
 from .spark_arrow import _active_session
 
@@ -148,6 +155,7 @@ class SparkMicroBatchSource(Source):
         self.bounded = bool(trigger.get("availableNow") or trigger.get("once"))
         self.batch_size = batch_size
         self.part_rows = part_rows
+        self._uid = ""  # the source's uid in the job (driver_open)
         self.max_pending_batches = _check_bound(what, "max_pending_batches", max_pending_batches)
         self.max_pending_bytes = _check_bound(what, "max_pending_bytes", max_pending_bytes)
         self._progress_token: str | None = None  # set per attempt by driver_open, shipped to the readers
@@ -223,6 +231,21 @@ class SparkMicroBatchSource(Source):
         restored = dict(context.restored_offsets or {})
         _check_restored_lanes(what, restored, lanes)
         fresh = context.attempt == 0 and not restored
+        self._uid = context.uid
+        copy = _savepoint_copy(what, context, restored)
+        if copy is not None:
+            # restoring a savepoint that carries the staged batches and Spark's checkpoint it
+            # needs: the staging and Spark's checkpoint location become those
+            log.wipe(extra=("_spark_checkpoint",) if self.checkpoint_location is None else ())
+            self._drv_high, self._drv_consumed = -1, 0
+            names = copy.names()
+            for b in sorted(int(m.group(1)) for m in map(_BATCH_DIR.match, names) if m):
+                _copy_tree(copy, _stage_dir(b), log, _stage_dir(b), what)
+            _copy_files(copy, log, [n for n in _COPIED_MARKERS if n in names], what)
+            target = self._checkpoint_log(checkpoint)
+            if self.checkpoint_location is not None:
+                target.delete(target.root, recursive=True)
+            _copy_tree(copy, "_spark_checkpoint", target, "", what)
         if fresh:
             if self.checkpoint_location is not None and _spark_checkpoint_has_progress(checkpoint):
                 raise ConfigError(
@@ -283,6 +306,43 @@ class SparkMicroBatchSource(Source):
         for b in range(old, below):
             if _stage_dir(b) in names:
                 log.delete(log.path(_stage_dir(b)), recursive=True)
+
+    def driver_hold(self) -> Any:
+        return self._drv_retention.hold()
+
+    def driver_savepoint(self, offsets: Mapping[str, Any], dest: str, dest_options: Mapping[str, Any] | None) -> None:
+        """Copy Spark's checkpoint, the staged batches ``offsets`` still needs and the markers
+        into ``dest`` (see "Savepoints" in :mod:`abs.connectors.batchlog`)."""
+        log = self._log
+        bound = _bound(offsets, self.splits())
+        if log is None or bound is None or self._drv_checkpoint is None:
+            return
+        what = f"{self!r}: savepoint {dest}"
+        copy = _savepoint_log(dest, dest_options if dest_options is not None else self.storage_options, self._uid)
+        copy.wipe(extra=("_spark_checkpoint",))
+        # no micro-batch is staged meanwhile: every batch Spark's checkpoint has committed is
+        # staged, and Spark replays at most the one it had started (the same data)
+        if not self._drv_stage_lock.acquire(timeout=300):
+            raise SparkSourceError(f"{what}: a micro-batch has been staging for 5 minutes; take the savepoint later")
+        try:
+            _copy_tree(self._checkpoint_log(self._drv_checkpoint), "", copy, "_spark_checkpoint", what, temporary=True)
+            names = log.names()
+            markers = [n for n in _COPIED_MARKERS if n in names]
+            batches = sorted(b for b in (int(m.group(1)) for m in map(_BATCH_DIR.match, names) if m)
+                             if b >= bound and log.read(log.path(_stage_dir(b), "_manifest.json")) is not None)
+        finally:
+            self._drv_stage_lock.release()
+        for b in batches:  # staged batches never change: copied outside the lock
+            _copy_tree(log, _stage_dir(b), copy, _stage_dir(b), what)
+        _copy_files(log, copy, markers, what)
+        _write_copy_marker(copy, offsets, batches)
+
+    def _checkpoint_log(self, location: str) -> _Log:
+        """Spark's checkpoint location (a Hadoop path) as a directory of files."""
+        url = location.replace("s3a://", "s3://", 1)
+        if url.startswith("file:") and not url.startswith("file://"):
+            url = url[len("file:"):]
+        return _Log(absolute(url), self.storage_options)
 
     def driver_close(self) -> None:
         self._drv_closing = True

@@ -78,10 +78,15 @@ from .batchlog import (
     _check_bound,
     _check_reachable,
     _check_restored_lanes,
+    _COPIED_MARKERS,
+    _copy_files,
     _LaneReader,
     _Log,
     _resolve_log_url,
     _Retention,
+    _savepoint_copy,
+    _savepoint_log,
+    _write_copy_marker,
 )
 from .sources import Source, SourceContext, SourceReader
 from .spark_arrow import _arrow_chunks, _resolve_schema
@@ -231,6 +236,7 @@ class SparkStreamSource(Source):
         self.log_url = log
         self.log_options = dict(log_options) if log_options is not None else None
         self._log: _Log | None = None  # resolved by driver_open, shipped to the workers
+        self._uid = ""  # the source's uid in the job (driver_open)
         self._init_driver_state(data_source if self._reader_bytes is not None else None)
 
     def _init_driver_state(self, user_reader: Any) -> None:
@@ -295,15 +301,21 @@ class SparkStreamSource(Source):
         what = f"SparkStreamSource {context.uid!r}"
         log = _resolve_log_url(what, self.log_url, self.log_options, context, "log")
         self._log = log
+        self._uid = context.uid
         lanes = self.splits()
         restored = dict(context.restored_offsets or {})
         _check_restored_lanes(what, restored, lanes)
         fresh = context.attempt == 0 and not restored
-        if fresh:
+        copy = _savepoint_copy(what, context, restored)
+        if fresh or copy is not None:
             log.wipe()
             self._drv_ends.clear()
             self._drv_committed = -1
-        else:
+        if copy is not None:  # restoring a savepoint that carries the log it needs: that log it is
+            names = copy.names()
+            _copy_files(copy, log, sorted(n for n in names if _BATCH_FILE.match(n)), what)
+            _copy_files(copy, log, [n for n in _COPIED_MARKERS if n in names], what)
+        if not fresh:
             log.delete(log.path("_error.json"))
             committed = log.read_json(log.path("_committed.json"))
             if committed is not None:
@@ -354,6 +366,28 @@ class SparkStreamSource(Source):
                 log.delete(log.path(_batch_name(b)))
                 self._drv_ends.pop(b, None)
             self._drv_oldest = max(self._drv_oldest, below)
+
+    def driver_hold(self) -> Any:
+        return self._drv_retention.hold()
+
+    def driver_savepoint(self, offsets: Mapping[str, Any], dest: str, dest_options: Mapping[str, Any] | None) -> None:
+        """Copy the logged batches ``offsets`` still needs, and the markers, into ``dest``
+        (see "Savepoints" in :mod:`abs.connectors.batchlog`)."""
+        log = self._log
+        bound = _bound(offsets, self.splits())
+        if log is None or bound is None:
+            return
+        what = f"{self!r}: savepoint {dest}"
+        copy = _savepoint_log(dest, dest_options if dest_options is not None else self.log_options, self._uid)
+        copy.wipe()
+        names = log.names()
+        markers = [n for n in _COPIED_MARKERS if n in names]  # before the batches: _end names logged ones
+        ids = sorted(int(m.group(1)) for m in map(_BATCH_FILE.match, names) if m)
+        # the newest logged batch too, even if read: a restored planner continues after it
+        batches = [b for b in ids if b >= min(bound, ids[-1])] if ids else []
+        _copy_files(log, copy, [_batch_name(b) for b in batches], what)
+        _copy_files(log, copy, markers, what)
+        _write_copy_marker(copy, offsets, batches)
 
     def driver_close(self) -> None:
         stop, thread = self._drv_stop, self._drv_thread

@@ -298,6 +298,9 @@ class RestoreSetup:
         from ..connectors.sources import Source, SourceContext
 
         manifest = restore_info.get("manifest")
+        origin = restore_info.get("url") if manifest is not None else None
+        if origin == self.storage_url:
+            origin = None
         self._opened_sources = []
         # only sources with a driver side of their own need the stored offsets
         wanted = any(type(src).driver_open is not Source.driver_open for _uid, src in self._sources())
@@ -312,6 +315,7 @@ class RestoreSetup:
                     dict(m.source_offsets.get(uid, {})) for m in stored if m.kind != "savepoint"),
                 pinned_offsets=() if stored is None else tuple(
                     dict(m.source_offsets.get(uid, {})) for m in stored if m.kind == "savepoint"),
+                restored_from=origin, restored_from_options=restore_info.get("options") if origin else None,
             ))
             self._opened_sources.append(source)
 
