@@ -96,6 +96,9 @@ class _PacedReader(abs.SourceReader):
     def offsets(self) -> dict[str, Any]:
         return self._inner.offsets()
 
+    def lag(self) -> float | None:
+        return self._inner.lag()
+
     def wait_hint(self) -> float:
         return 0.01 if self._waiting() else self._inner.wait_hint()
 

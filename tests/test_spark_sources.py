@@ -769,3 +769,47 @@ def test_a_micro_batch_savepoint_in_another_root_carries_the_staged_batches_and_
     for k, counts in per_key.items():  # the counts go on from the savepoint's state, up to each key's total
         assert sorted(counts) == list(range(totals[k] - len(counts) + 1, totals[k] + 1)), k
     assert 0 < len(ids) < total, "the savepoint was taken mid-stream"
+
+
+# --------------------------------------------------------------------------- lag
+
+
+def test_micro_batch_readers_lag_is_the_staged_rows_they_have_not_emitted_also_after_a_restart(spark, tmp_path):
+    total = write_json_files(tmp_path / "in", files=4, rows=40)
+    df = (spark.readStream.schema("id long, key long, name string")
+          .option("maxFilesPerTrigger", 1).json(str(tmp_path / "in")))
+    staging = tmp_path / "staging"
+    src = SparkMicroBatchSource(df, staging=str(staging), num_splits=2, trigger={"availableNow": True},
+                                batch_size=15, part_rows=10)
+    deadline = time.monotonic() + 120
+    src.driver_open(driver_context())
+    try:
+        wait_for("every batch staged", lambda: (staging / "_end.json").exists(), deadline)
+        reader = src.create_reader({s: src.initial_offset(s) for s in src.splits()}, 0, 1)
+        assert reader.lag() is None, "nothing is known before the first poll"
+        read = []
+        while len(read) < total // 2:
+            got = reader.poll()
+            if got is not None:
+                read.extend(got.column("id").to_pylist())
+            assert reader.lag() == total - len(read)
+        offsets = reader.offsets()
+    finally:
+        src.driver_close()
+    # a new attempt restored at these offsets: the counts come back from the staging
+    src.driver_open(driver_context(attempt=1, restored_offsets=offsets))
+    try:
+        reader = src.create_reader(offsets, 0, 1)
+        while (got := reader.poll()) is not abs.connectors.sources.END:
+            if got is not None:
+                read.extend(got.column("id").to_pylist())
+            assert reader.lag() == total - len(read)
+            if time.monotonic() > deadline:
+                pytest.fail("the reader did not end")
+        assert sorted(read) == list(range(total)) and reader.lag() == 0
+        # one reader per lane: the lags add up to the whole
+        lanes = [src.create_reader({s: src.initial_offset(s)}, i, 2) for i, s in enumerate(src.splits())]
+        emitted = sum(r.poll().num_rows for r in lanes)
+        assert sum(r.lag() for r in lanes) == total - emitted
+    finally:
+        src.driver_close()

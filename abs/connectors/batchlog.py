@@ -16,6 +16,7 @@ Log / staging layout (any fsspec URL the workers can reach; default
     _error.json                    the producer failed (readers raise; the job restarts)
     _committed.json / _consumed.json   what was committed upstream / deleted
     _read-<lane>.json              readers: the lane's first batch not fully read (back-pressure)
+    _staged.json                   SparkMicroBatchSource: rows staged per lane so far (the readers' lag)
     _spark_checkpoint/             SparkMicroBatchSource: Spark's checkpointLocation (default)
 
 Every file is made visible atomically: temp file + link/rename on local disks, a single PUT
@@ -114,7 +115,7 @@ __all__ = ["SparkSourceError"]
 _BATCH_FILE = re.compile(r"^batch-(\d{12})\.json$")
 _BATCH_DIR = re.compile(r"^batch-(\d{12})$")
 _READ_FILE = re.compile(r"^_read-(\d+)\.json$")
-_MARKERS = ("_end.json", "_error.json", "_committed.json", "_consumed.json")
+_MARKERS = ("_end.json", "_error.json", "_committed.json", "_consumed.json", "_staged.json")
 
 
 class SparkSourceError(AbsError, RuntimeError):

@@ -15,6 +15,16 @@ Bounded mode
     ends when the query terminates by itself. The producer then writes ``_end.json`` durably
     and readers return END after the last batch.
 
+Lag (for autoscaling)
+    A reader's ``lag()`` is in **rows**: the rows staged for its lanes that it has not emitted
+    yet, as of its last poll. Each manifest records the rows staged for every lane before its
+    batch (``lanes_before``), and ``_staged.json`` the rows staged per lane up to the newest
+    batch (rewritten after each staged batch); a reader reads that file at most twice a second.
+    Rows Spark has not handed to ``foreachBatch`` yet (the backlog the bound on staged batches
+    keeps upstream, see "Back-pressure" in :mod:`abs.connectors.batchlog`) are not counted:
+    the lag of a reader held at the bound is the bound's worth of rows, which still asks for
+    more capacity.
+
 The staging directory, its lanes, offsets, deletion rule and restarts: :mod:`abs.connectors.batchlog`.
 
 Example::
@@ -171,6 +181,7 @@ class SparkMicroBatchSource(Source):
         self._drv_closing = False
         self._drv_stage_lock = threading.Lock()
         self._drv_high = -1  # highest batch id staged
+        self._drv_lane_rows: list[int] = [0] * self.num_splits  # rows staged per lane up to _drv_high
         self._drv_consumed = 0  # batches below are consumed by every retained checkpoint and deleted
         self._drv_retention = _Retention()
         self._drv_backlog = _Backlog()
@@ -241,7 +252,7 @@ class SparkMicroBatchSource(Source):
             names = copy.names()
             for b in sorted(int(m.group(1)) for m in map(_BATCH_DIR.match, names) if m):
                 _copy_tree(copy, _stage_dir(b), log, _stage_dir(b), what)
-            _copy_files(copy, log, [n for n in _COPIED_MARKERS if n in names], what)
+            _copy_files(copy, log, [n for n in (*_COPIED_MARKERS, "_staged.json") if n in names], what)
             target = self._checkpoint_log(checkpoint)
             if self.checkpoint_location is not None:
                 target.delete(target.root, recursive=True)
@@ -254,6 +265,7 @@ class SparkMicroBatchSource(Source):
                 )
             log.wipe(extra=("_spark_checkpoint",) if self.checkpoint_location is None else ())
             self._drv_high, self._drv_consumed = -1, 0
+            self._drv_lane_rows = [0] * self.num_splits
         else:
             log.delete(log.path("_error.json"))
             consumed = log.read_json(log.path("_consumed.json"))
@@ -261,6 +273,7 @@ class SparkMicroBatchSource(Source):
                 self._drv_consumed = max(self._drv_consumed, int(consumed["below"]))
             ids = [int(m.group(1)) for m in map(_BATCH_DIR.match, log.names()) if m]
             self._drv_high = max([self._drv_high, *ids])
+            self._drv_lane_rows = self._staged_rows(log, ids)
         self._drv_retention.opened(context, _bound(restored, lanes) if restored else None, fresh, lanes)
         self._progress_token = uuid.uuid4().hex
         self._drv_backlog.opened(lanes, restored, self._progress_token)
@@ -330,11 +343,14 @@ class SparkMicroBatchSource(Source):
             markers = [n for n in _COPIED_MARKERS if n in names]
             batches = sorted(b for b in (int(m.group(1)) for m in map(_BATCH_DIR.match, names) if m)
                              if b >= bound and log.read(log.path(_stage_dir(b), "_manifest.json")) is not None)
+            staged = log.read(log.path("_staged.json"))  # the rows of exactly these batches
         finally:
             self._drv_stage_lock.release()
         for b in batches:  # staged batches never change: copied outside the lock
             _copy_tree(log, _stage_dir(b), copy, _stage_dir(b), what)
         _copy_files(log, copy, markers, what)
+        if staged is not None:
+            copy.put(copy.path("_staged.json"), staged)
         _write_copy_marker(copy, offsets, batches)
 
     def _checkpoint_log(self, location: str) -> _Log:
@@ -414,14 +430,40 @@ class SparkMicroBatchSource(Source):
             name = f"part-{k:05d}-{token}.parquet"
             log.put(log.path(_stage_dir(batch_id), name), out.getvalue())
             parts.append({"file": name, "rows": hi - lo, "bytes": out.tell()})
-        manifest = {"v": 1, "batch": batch_id, "rows": rows, "parts": parts, "staged_at": time.time(),
-                    "schema": str(table.schema), "bytes": sum(p["bytes"] for p in parts)}
+        self._publish(batch_id, parts, str(table.schema))
+
+    def _publish(self, batch_id: int, parts: list[dict], schema: str) -> None:
+        """Write batch ``batch_id``'s manifest (create-if-absent: the first staging wins),
+        then the rows staged per lane (``_staged.json``)."""
+        log = self._log
+        assert log is not None
+        manifest_path = log.path(_stage_dir(batch_id), "_manifest.json")
+        before = list(self._drv_lane_rows)
+        manifest = {"v": 1, "batch": batch_id, "rows": sum(p["rows"] for p in parts), "parts": parts,
+                    "staged_at": time.time(), "schema": schema, "bytes": sum(p["bytes"] for p in parts),
+                    "lanes_before": before}
         if not log.create(manifest_path, json.dumps(manifest).encode()):
             for p in parts:  # another staging of this batch id won; ours is garbage
                 log.delete(log.path(_stage_dir(batch_id), p["file"]))
-        else:
-            self._drv_bytes[batch_id] = manifest["bytes"]
+            self._drv_high = max(self._drv_high, batch_id)
+            return
+        self._drv_bytes[batch_id] = manifest["bytes"]
         self._drv_high = max(self._drv_high, batch_id)
+        self._drv_lane_rows = _lanes_after(manifest, self.num_splits)
+        log.put(log.path("_staged.json"), json.dumps({"batch": batch_id, "lane_rows": self._drv_lane_rows}).encode())
+
+    def _staged_rows(self, log: _Log, ids: list[int]) -> list[int]:
+        """Rows staged per lane so far, after a restart: ``_staged.json``, or the newest
+        manifest if the driver stopped between the two writes."""
+        n = self.num_splits
+        staged = log.read_json(log.path("_staged.json"))
+        rows, at = (list(staged["lane_rows"]), int(staged["batch"])) if staged else ([0] * n, -1)
+        newest = max([b for b in ids if b > at], default=None)
+        if newest is not None:
+            manifest = log.read_json(log.path(_stage_dir(newest), "_manifest.json"))
+            if manifest is not None and "lanes_before" in manifest:
+                rows = _lanes_after(manifest, n)
+        return rows if len(rows) == n else [0] * n
 
     def _staged_bytes(self, low: int, high: int) -> int:
         """Bytes of the staged batches ``low .. high - 1`` (manifests of batches staged by an
@@ -438,6 +480,14 @@ class SparkMicroBatchSource(Source):
         for b in [k for k in self._drv_bytes if k < low]:
             del self._drv_bytes[b]
         return total
+
+
+def _lanes_after(manifest: Mapping[str, Any], num_splits: int) -> list[int]:
+    """Rows staged per lane up to and including the manifest's batch."""
+    rows = list(manifest["lanes_before"])
+    for k, part in enumerate(manifest["parts"]):
+        rows[(int(manifest["batch"]) + k) % num_splits] += int(part["rows"])
+    return rows
 
 
 def _spark_checkpoint_has_progress(location: str) -> bool:
@@ -458,10 +508,57 @@ class _MicroBatchLaneReader(_LaneReader):
         assert source._log is not None
         super().__init__(source._log, splits, source.num_splits, "SparkMicroBatchSource", source._progress_token)
         self._src = source
+        self._before: dict[int, list[int]] = {}  # lanes_before of the batches fetched
+        self._staged: tuple[int, list[int]] | None = None  # (newest batch, rows per lane) of _staged.json
+        self._staged_at = float("-inf")
+        self._lag: float | None = None
 
     def _fetch(self, batch: int) -> Any:
         manifest = self._log.read_json(self._log.path(_stage_dir(batch), "_manifest.json"))
-        return None if manifest is None else manifest["parts"]
+        if manifest is None:
+            return None
+        if "lanes_before" in manifest:
+            self._before[batch] = manifest["lanes_before"]
+        return manifest["parts"]
+
+    # -- lag (rows; see the module docstring)
+    def lag(self) -> float | None:
+        """Rows staged for this reader's lanes that it has not emitted yet, as of its last
+        poll (``None`` until it knows: batches staged by an earlier release carry no counts)."""
+        return self._lag
+
+    def poll(self) -> Any:
+        got = super().poll()
+        self._update_lag()
+        return got
+
+    def _update_lag(self) -> None:
+        now = time.monotonic()
+        if now - self._staged_at >= 0.5:
+            self._staged_at = now
+            staged = self._log.read_json(self._log.path("_staged.json"))
+            if staged is not None:
+                self._staged = (int(staged["batch"]), [int(r) for r in staged["lane_rows"]])
+        if self._staged is None:
+            return
+        high, totals = self._staged
+        lag = 0
+        for lane, (b, j, r) in self._cursors.items():
+            total = totals[int(lane)]
+            if b > high:
+                continue  # read everything staged (as of _staged.json)
+            if b not in self._before or b not in self._cache:
+                units = self._fetch(b)
+                if units is None or b not in self._before:
+                    return  # not readable, or staged without counts: keep the last estimate
+                self._cache[b] = units
+            parts = self._cache[b]
+            first = (int(lane) - b) % self._n
+            read = self._before[b][int(lane)] + sum(int(parts[k]["rows"]) for k in range(first, min(j, len(parts)), self._n))
+            lag += max(0, total - read - r)
+        self._lag = float(lag)
+        for old in [k for k in self._before if k < min(c[0] for c in self._cursors.values())]:
+            del self._before[old]
 
     def _exists(self, batch: int) -> bool:
         return self._log.read(self._log.path(_stage_dir(batch), "_manifest.json")) is not None

@@ -39,6 +39,11 @@ Bounded mode
     Spark's wrapper does). The planner then writes ``_end.json`` durably and readers return
     END after the last batch.
 
+Lag
+    The readers' ``lag()`` is ``None``: the rows of a planned partition are known only once it is
+    read, and the data source's offsets have no common unit (SparkMicroBatchSource's readers do
+    report one, in rows).
+
 The batch log, its lanes, offsets, deletion rule and restarts: :mod:`abs.connectors.batchlog`.
 
 Example::
