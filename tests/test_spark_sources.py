@@ -7,6 +7,7 @@ import collections
 import functools
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -458,6 +459,8 @@ def test_micro_batch_source_file_stream_kill_9_mid_stream_exact_and_staging_clea
     # exactly the batches the retained checkpoints may still replay are left
     assert left == list(range(needed, files)), f"staged batches left: {left}; retained checkpoints need >= {needed}"
     assert not spark.streams.active, "the query must be stopped when the job ends"
+    # the parts were written by the query's tasks (Spark's Python workers), not by the driver
+    assert src._drv_writers and f"{socket.gethostname()}:{os.getpid()}" not in src._drv_writers
 
 
 # --------------------------------------------------------------------------- bad input
@@ -610,8 +613,9 @@ def test_micro_batch_staging_holds_the_query_back_at_the_bound(spark, tmp_path):
     df = (spark.readStream.schema("id long, key long, name string")
           .option("maxFilesPerTrigger", 1).json(str(tmp_path / "in")))
     staging = tmp_path / "staging"
+    # staged by the driver (toArrow) here; by the executors in the other tests
     src = SparkMicroBatchSource(df, staging=str(staging), num_splits=2, trigger={"availableNow": True},
-                                max_pending_batches=2)
+                                max_pending_batches=2, stage_on="driver")
     src.driver_open(driver_context())
     deadline = time.monotonic() + 180
 
@@ -637,6 +641,7 @@ def test_micro_batch_staging_holds_the_query_back_at_the_bound(spark, tmp_path):
                 pytest.fail("the stream did not end")
         assert sorted(rows) == list(range(total))
         assert json.loads((staging / "_end.json").read_text()) == {"batches": 6}
+        assert src._drv_writers == {f"{socket.gethostname()}:{os.getpid()}"}
     finally:
         src.driver_close()
 

@@ -6,8 +6,20 @@
     ``stage`` writes micro-batch ``b`` as Parquet parts into ``batch-<b>/`` and then its
     ``_manifest.json`` (create-if-absent: the first complete staging of a batch id wins, a
     replayed batch id keeps the content already staged) *before returning*, so before Spark
-    commits the batch. Readers replay staged batches by id. Each micro-batch is collected
-    to the driver (``DataFrame.toArrow``): size micro-batches with the source's own limits
+    commits the batch. Readers replay staged batches by id.
+
+Who writes the Parquet parts (``stage_on``)
+    ``"executors"`` (default): the micro-batch's own Spark tasks write their partitions'
+    rows as parts (``DataFrame.mapInArrow``: each task splits its partition into parts of at
+    most ``part_rows`` rows, and into enough parts that every lane gets work when the batch
+    has fewer partitions than ``num_splits``); the driver collects only each part's name,
+    rows and bytes and writes the manifest. A micro-batch is then bounded by the executors'
+    memory, one partition per task, not by the driver's, and the staging must be reachable
+    (writable) by the executors too. A retried or speculative task writes parts under
+    another name; only the parts of the tasks Spark kept are in the manifest (the others
+    go with the batch's directory). ``"driver"``: the driver collects each micro-batch
+    (``DataFrame.toArrow``) and writes the parts itself, for a staging only the driver
+    and the ABS workers reach; size micro-batches with the source's own limits
     (``maxFilesPerTrigger``, ``maxOffsetsPerTrigger``...).
 
 Bounded mode
@@ -40,6 +52,8 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
+import socket
 import threading
 import time
 import uuid
@@ -96,6 +110,8 @@ class SparkMicroBatchSource(Source):
     ``once`` make the source bounded. Continuous triggers are refused (no micro-batches to
     stage). ``part_rows``: at most this many rows per staged Parquet part (a batch has at
     least ``min(rows, num_splits)`` parts, so every lane gets work).
+    ``stage_on``: ``"executors"`` (the query's tasks write the parts) or ``"driver"``
+    (collected with ``toArrow``), see the module docstring.
     ``max_pending_batches`` / ``max_pending_bytes``: ``foreachBatch`` stages a micro-batch only
     while fewer batches, and fewer bytes of staged Parquet, than these are not yet read by
     every lane; otherwise it waits, which holds Spark's query back (``None``: no bound; see
@@ -117,6 +133,7 @@ class SparkMicroBatchSource(Source):
         part_rows: int = 65536,
         max_pending_batches: int | None = 64,
         max_pending_bytes: int | None = 512 << 20,
+        stage_on: str = "executors",
     ) -> None:
         what = "SparkMicroBatchSource"
         require("spark", what)
@@ -164,6 +181,9 @@ class SparkMicroBatchSource(Source):
         self.trigger = trigger
         self.bounded = bool(trigger.get("availableNow") or trigger.get("once"))
         self.batch_size = batch_size
+        if stage_on not in ("executors", "driver"):
+            raise ConfigError(f"{what}: stage_on must be 'executors' or 'driver', got {stage_on!r}")
+        self.stage_on = stage_on
         self.part_rows = part_rows
         self._uid = ""  # the source's uid in the job (driver_open)
         self.max_pending_batches = _check_bound(what, "max_pending_batches", max_pending_batches)
@@ -187,6 +207,8 @@ class SparkMicroBatchSource(Source):
         self._drv_backlog = _Backlog()
         self._drv_bytes: dict[int, int] = {}  # staged bytes per batch id (for max_pending_bytes)
         self._drv_checkpoint: str | None = None
+        self._drv_stage_source = ""  # name of the registered staging data source (stage_on="executors")
+        self._drv_writers: set[str] = set()  # "host:pid" of the processes that wrote staged parts (inspection)
 
     def __repr__(self) -> str:
         return f"SparkMicroBatchSource(num_splits={self.num_splits}, trigger={self.trigger})"
@@ -283,6 +305,9 @@ class SparkMicroBatchSource(Source):
         self._drv_gen += 1
         self._drv_closing = False
         gen = self._drv_gen
+        if self.stage_on == "executors":
+            self._drv_stage_source = f"abs_stage_{uuid.uuid4().hex[:16]}"
+            session.dataSource.register(_stage_data_source(log, self._drv_stage_source, self.part_rows))
 
         def stage(df: Any, batch_id: int) -> None:
             if gen != self._drv_gen or self._drv_closing:
@@ -386,16 +411,16 @@ class SparkMicroBatchSource(Source):
             error = f"{type(exc).__name__}: {exc}"
         if self._drv_closing or gen != self._drv_gen:
             return
-        log = self._log
-        assert log is not None
+        staging = self._log
+        assert staging is not None
         if error is None and not self.bounded:
             error = "the Spark streaming query stopped although its trigger is unbounded (was it stopped by hand?)"
         if error is not None:
             log.error("%r: the Spark query failed: %s", self, error)
-            log.put(log.path("_error.json"), json.dumps({"error": f"Spark query failed: {error}"}).encode())
+            staging.put(staging.path("_error.json"), json.dumps({"error": f"Spark query failed: {error}"}).encode())
             return
         batches = max(self._drv_high + 1, self._drv_consumed)
-        log.put(log.path("_end.json"), json.dumps({"batches": batches}).encode())
+        staging.put(staging.path("_end.json"), json.dumps({"batches": batches}).encode())
 
     def _stage(self, df: Any, batch_id: int) -> None:
         """Stage micro-batch ``batch_id`` durably (idempotent by batch id)."""
@@ -418,6 +443,11 @@ class SparkMicroBatchSource(Source):
         if not self._drv_backlog.wait_for_room(log, batch_id, self.max_pending_batches, self.max_pending_bytes,
                                                self._staged_bytes, stop_waiting):
             raise SparkSourceError("the ABS job attempt that started this query has ended")
+        if self.stage_on == "executors":
+            parts = _stage_on_executors(_active_session(), df, self._drv_stage_source, log, _stage_dir(batch_id),
+                                        self.num_splits)
+            self._publish(batch_id, parts, df.schema.simpleString())
+            return
         table = df.toArrow()
         rows = table.num_rows
         nparts = 0 if rows == 0 else min(rows, max(self.num_splits, -(-rows // self.part_rows)))
@@ -429,7 +459,8 @@ class SparkMicroBatchSource(Source):
             pq.write_table(table.slice(lo, hi - lo), out)
             name = f"part-{k:05d}-{token}.parquet"
             log.put(log.path(_stage_dir(batch_id), name), out.getvalue())
-            parts.append({"file": name, "rows": hi - lo, "bytes": out.tell()})
+            parts.append({"file": name, "rows": hi - lo, "bytes": out.tell(),
+                          "writer": f"{socket.gethostname()}:{os.getpid()}"})
         self._publish(batch_id, parts, str(table.schema))
 
     def _publish(self, batch_id: int, parts: list[dict], schema: str) -> None:
@@ -448,6 +479,7 @@ class SparkMicroBatchSource(Source):
             self._drv_high = max(self._drv_high, batch_id)
             return
         self._drv_bytes[batch_id] = manifest["bytes"]
+        self._drv_writers.update(p["writer"] for p in parts if "writer" in p)
         self._drv_high = max(self._drv_high, batch_id)
         self._drv_lane_rows = _lanes_after(manifest, self.num_splits)
         log.put(log.path("_staged.json"), json.dumps({"batch": batch_id, "lane_rows": self._drv_lane_rows}).encode())
@@ -480,6 +512,85 @@ class SparkMicroBatchSource(Source):
         for b in [k for k in self._drv_bytes if k < low]:
             del self._drv_bytes[b]
         return total
+
+
+def _stage_data_source(log: _Log, name: str, part_rows: int) -> Any:
+    """A PySpark Python data source (registered as ``name``) whose Arrow writer stages a
+    micro-batch from the executors: each task writes its partition as Parquet parts into
+    the batch's directory of ``log`` and returns their entries; the commit (run by Spark once
+    every task succeeded, with the messages of the tasks it kept) writes the list as
+    ``<directory>/_parts-<token>.json`` for the driver. The options (``directory``,
+    ``token``, ``per_partition``) are plain strings; the log (with its storage options)
+    travels inside the pickled writer, not in the query plan."""
+    from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, WriterCommitMessage
+
+    class Parts(WriterCommitMessage):
+        def __init__(self, parts: list) -> None:
+            self.parts = parts
+
+    class Writer(DataSourceArrowWriter):
+        def __init__(self, options: Any) -> None:
+            self.directory = str(options["directory"])
+            self.token = str(options["token"])
+            self.per_partition = int(options["per_partition"])
+
+        def write(self, iterator: Iterator[pa.RecordBatch]) -> Any:
+            import pyarrow.parquet as pq
+            from pyspark import TaskContext
+
+            chunks = [b for b in iterator if b.num_rows]
+            if not chunks:
+                return Parts([])
+            table = pa.Table.from_batches(chunks)
+            ctx = TaskContext.get()
+            pid, attempt = (ctx.partitionId(), ctx.attemptNumber()) if ctx is not None else (0, 0)
+            rows = table.num_rows
+            count = min(rows, max(self.per_partition, -(-rows // part_rows)))
+            out = []
+            for k in range(count):
+                lo, hi = rows * k // count, rows * (k + 1) // count
+                buf = io.BytesIO()
+                pq.write_table(table.slice(lo, hi - lo), buf)
+                file = f"part-{pid:05d}-{k:04d}-{self.token}-{attempt}.parquet"
+                log.put(log.path(self.directory, file), buf.getvalue())
+                out.append({"file": file, "rows": hi - lo, "bytes": buf.tell(), "partition": pid, "seq": k,
+                            "writer": f"{socket.gethostname()}:{os.getpid()}"})
+            return Parts(out)
+
+        def commit(self, messages: list) -> None:
+            parts = sorted((p for m in messages if m is not None for p in m.parts),
+                           key=lambda p: (p["partition"], p["seq"]))
+            log.put(log.path(self.directory, f"_parts-{self.token}.json"), json.dumps(parts).encode())
+
+        def abort(self, messages: list) -> None:
+            return None  # the parts written stay unlisted; Spark replays the batch
+
+    class StageSource(DataSource):
+        @classmethod
+        def name(cls) -> str:
+            return name
+
+        def writer(self, schema: Any, overwrite: bool) -> Any:
+            return Writer(self.options)
+
+    return StageSource
+
+
+def _stage_on_executors(session: Any, df: Any, source_name: str, log: _Log, directory: str,
+                        num_splits: int) -> list[dict]:
+    """Write micro-batch ``df`` as Parquet parts into ``directory`` from the executors (one
+    Spark job); the parts' entries for the manifest, in partition order."""
+    try:
+        partitions = int(df._jdf.rdd().getNumPartitions())
+    except Exception:  # noqa: BLE001 - not a JVM-backed DataFrame
+        partitions = num_splits
+    token = uuid.uuid4().hex
+    (df.write.format(source_name).mode("append").option("directory", directory).option("token", token)
+     .option("per_partition", str(max(1, -(-num_splits // max(1, partitions))))).save())
+    parts = log.read_json(log.path(directory, f"_parts-{token}.json"))
+    if parts is None:
+        raise SparkSourceError(f"the executors staged {directory} of {log.url} but wrote no list of its parts")
+    return [{k: p[k] for k in ("file", "rows", "bytes", "writer")} for p in parts]
 
 
 def _lanes_after(manifest: Mapping[str, Any], num_splits: int) -> list[int]:
