@@ -7,7 +7,9 @@ One Spark application runs the scenarios in turn (its executors start once); eac
 result (or exception) is recorded under its name.
 
 Scenarios: ``same`` (a job needing more slots than the cluster has, then the counting job on
-the local launcher and on the cluster, storage on the cluster's S3 server), ``failover`` (an
+the local launcher and on the cluster, storage on the cluster's S3 server), ``tools`` (the
+snapshot tools and the data source on the root ``same`` wrote, offline ``savepoint`` and
+``rekey`` with ``--spark`` on the cluster, a wrong per-job secret from an executor), ``failover`` (an
 abs worker process killed with SIGKILL after a checkpoint, then a Spark executor JVM killed
 with SIGKILL in the restarted attempt), ``microbatch`` (a file stream through
 ``SparkMicroBatchSource`` staged on S3, an executor JVM killed mid-stream), ``kill-host``
@@ -23,6 +25,7 @@ import importlib.util
 import json
 import os
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -41,6 +44,7 @@ from pacing import PacedSource  # noqa: E402
 
 TOTAL, KEYS = 30_000, 250
 MB_KEYS = 37  # keys of the micro-batch scenario's rows
+COUNTED_ROOT: list = []  # the S3 root the counting job of 'same' wrote (read by 'tools')
 
 
 def _cluster_module():
@@ -60,7 +64,9 @@ def count_fn(ctx, row):
 
 
 def counting_flow(sink: abs.Sink, per_checkpoint: int) -> abs.Dataflow:
-    flow = abs.Dataflow("cluster-counts")
+    # 32 key groups: every checkpoint, and the offline rewrites of scenario tools, write one
+    # file per key group to S3
+    flow = abs.Dataflow("cluster-counts", max_parallelism=32)
     src = PacedSource(abs.GeneratorSource(TOTAL, num_keys=KEYS, num_splits=6, batch_size=250), per_checkpoint)
     flow.source("src", src).key_by("key").process(
         "count", count_fn, state=[abs.ValueState("n", pa.int64())]
@@ -154,7 +160,111 @@ def run_microbatch(spark, state: dict, root: str, options: dict, work: Path) -> 
     result = handle.wait(timeout=300)
     table = read_output(f"{root}/out", "parquet", storage_options=options)
     out.update(status=result.status, restarts=[str(r.get("error", r))[:300] for r in result.restarts],
-               total=total, spark=per_key_counts(table), active_queries=len(spark.streams.active))
+               total=total, spark=per_key_counts(table), active_queries=len(spark.streams.active),
+               writers=sorted(src._drv_writers), driver_writer=f"{socket.gethostname()}:{os.getpid()}")
+    return out
+
+
+def run_cli(*argv: str) -> dict:
+    """``abs-snapshot ARGV`` in this process (so that ``--spark`` uses this process's session on
+    the cluster: a second application would find no free cores)."""
+    import contextlib
+    import io
+
+    from abs import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(list(argv))
+    return {"code": code, "out": out.getvalue()[-3000:], "err": err.getvalue()[-3000:]}
+
+
+def state_by_key(spark, root: str, options: dict) -> tuple[dict, int, int]:
+    """The counting state of the latest checkpoint in ``root``, read by the ``abs-snapshot``
+    data source on the executors: ``({key: count}, partitions, highest key group)``."""
+    df = (spark.read.format("abs-snapshot").option("operator", "count").option("state", "n")
+          .option("keyGroupsPerPartition", 4).option("storageOptions", json.dumps(options)).load(root))
+    rows = df.select("key_group", "key", "value").collect()
+    return ({str(r["key"]): int(r["value"]) for r in rows}, df.rdd.getNumPartitions(),
+            max(r["key_group"] for r in rows))
+
+
+def run_tools(spark, state: dict, root: str, options: dict) -> dict:
+    """The snapshot tools on the S3 root the counting job of ``same`` wrote: ``abs-snapshot
+    ls/show/verify``, the ``abs-snapshot`` data source, offline ``savepoint --spark`` and
+    ``rekey --spark`` on the cluster's master; then a connection with a wrong per-job secret
+    from an executor (another host) to a driver-side listener."""
+    import threading
+    from multiprocessing.connection import Listener
+
+    import storage.spark
+
+    opts = [f"--storage-option={k}={json.dumps(v) if isinstance(v, dict) else v}" for k, v in options.items()]
+    out: dict = {"root": root, "step_seconds": {}}
+    t = time.monotonic()
+
+    def step(name: str) -> None:
+        nonlocal t
+        out["step_seconds"][name] = round(time.monotonic() - t, 1)
+        t = time.monotonic()
+
+    for command in (("ls",), ("show", "latest"), ("verify",)):
+        out[command[0]] = run_cli(command[0], root, *command[1:], *opts, "-q")
+    step("cli")
+    storage.spark.register(spark)
+    checkpoints = (spark.read.format("abs-snapshot").option("table", "checkpoints")
+                   .option("storageOptions", json.dumps(options)).load(root).collect())
+    out["checkpoint_ids"] = sorted(int(r["checkpoint_id"]) for r in checkpoints)
+    out["state"], out["partitions"], _ = state_by_key(spark, root, options)
+    step("data source")
+    master = ["--spark", "--master", state["master_url"]]
+    out["savepoint"] = run_cli("savepoint", root, "latest", f"{root}-sp", *opts, *master, "-q")
+    step("savepoint --spark")
+    out["rekey"] = run_cli("rekey", root, "latest", f"{root}-rekey", *opts, "--max-parallelism", "64", *master, "-q")
+    step("rekey --spark")
+    for name in ("sp", "rekey"):
+        out[f"verify_{name}"] = run_cli("verify", f"{root}-{name}", *opts, "-q")
+    out["sp_state"], _, _ = state_by_key(spark, f"{root}-sp", options)
+    out["rekey_state"], _, out["rekey_max_key_group"] = state_by_key(spark, f"{root}-rekey", options)
+    step("read back")
+
+    # the per-job secret across hosts: a Spark task (on an executor, another namespace when
+    # there are some) connects to a listener of this process with a wrong key, then the right one
+    secret = os.urandom(32)
+    listener = Listener((state["driver_host"], 0), authkey=secret)
+    address = (state["driver_host"], listener.address[1])
+    accepted: list = []
+
+    def accept() -> None:
+        for _ in range(2):
+            try:
+                conn = listener.accept()
+                accepted.append(["accepted", conn.recv_bytes().decode()])
+                conn.close()
+            except Exception as exc:  # noqa: BLE001 - what the test looks at
+                accepted.append([type(exc).__name__, str(exc)])
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+
+    def probe(_):
+        from abs.runtime.channels import connect_channel
+
+        net = os.readlink("/proc/self/ns/net")
+        got = []
+        for key in (b"not the job's secret", secret):
+            try:
+                connect_channel(address, key, hello=net.encode()).close()
+                got.append("accepted")
+            except Exception as exc:  # noqa: BLE001 - what the test looks at
+                got.append(type(exc).__name__)
+        return [net, got]
+
+    out["secret_task"] = spark.sparkContext.parallelize([0], 1).map(probe).collect()[0]
+    thread.join(60)
+    listener.close()
+    out["secret_driver"] = accepted
+    step("secret")
     return out
 
 
@@ -179,6 +289,11 @@ def run_scenario(spark, state: dict, scenario: str, work: Path) -> dict:
         out.update(local=per_key_counts(local.collected("out")), spark=per_key_counts(table),
                    status=on_spark.status, checkpoints=len(on_spark.completed_checkpoints),
                    nets=sorted(set(table.column("net").to_pylist())))
+        COUNTED_ROOT[:] = [root]
+    elif scenario == "tools":
+        if not COUNTED_ROOT:
+            raise RuntimeError("scenario 'tools' reads the root the counting job of 'same' wrote: run 'same' first")
+        out.update(run_tools(spark, state, COUNTED_ROOT[0], options))
     elif scenario == "microbatch":
         out.update(run_microbatch(spark, state, root, options, work))
     elif scenario == "failover":
@@ -220,7 +335,7 @@ def run_scenario(spark, state: dict, scenario: str, work: Path) -> dict:
                    restored_from=[r.get("restored_from") for r in result.restarts],
                    spark=per_key_counts(read_output(sink_dir, "parquet", storage_options=options)))
     else:
-        raise SystemExit(f"unknown scenario {scenario!r}: same, failover, microbatch or kill-host")
+        raise SystemExit(f"unknown scenario {scenario!r}: same, tools, failover, microbatch or kill-host")
     out["seconds"] = round(time.monotonic() - t0, 1)
     return out
 

@@ -16,9 +16,14 @@ scenario): a process holds one SparkContext, and the rest of the suite shares a 
   JVM killed with SIGKILL: each time the job restores the latest checkpoint from S3 and its
   output is exact;
 - a job needing more slots than the cluster has fails at once, naming free and needed slots;
-- a Spark file stream through the micro-batch bridge, staged on S3, counted on the cluster's
-  workers, stays exactly-once across an executor JVM killed mid-stream;
-- a whole host lost (every process of it killed): the job restores on the two others, exact.
+- a Spark file stream through the micro-batch bridge, staged on S3 by the query's tasks on
+  the cluster's executors, counted on the cluster's workers, stays exactly-once across an
+  executor JVM killed mid-stream;
+- a whole host lost (every process of it killed): the job restores on the two others, exact;
+- on the S3 root the counting job wrote: ``abs-snapshot ls/show/verify``, the ``abs-snapshot``
+  data source (its checkpoints table and the state, read by several tasks), offline
+  ``savepoint --spark`` and ``rekey --spark`` with the cluster's master (their state checked
+  back), and a connection with a wrong per-job secret from an executor refused.
 """
 from __future__ import annotations
 
@@ -86,7 +91,8 @@ def cluster(tmp_path_factory, request) -> Iterator[dict]:
             assert not [ns for ns in state["namespaces"] if ns in names], "scripts/cluster down left a namespace"
 
 
-SCENARIOS = ("same", "failover", "microbatch", "kill-host")  # kill-host last: the host stays lost
+# tools right after same (it reads the root same wrote); kill-host last: the host stays lost
+SCENARIOS = ("same", "tools", "failover", "microbatch", "kill-host")
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +144,38 @@ def test_a_job_needing_more_slots_than_the_cluster_has_fails_naming_free_and_nee
     assert "spark.cores.max" in error, error
 
 
+def test_snapshot_tools_and_the_data_source_read_the_cluster_jobs_checkpoints_on_s3(driver):
+    result = result_of(driver, "tools")
+    for command in ("ls", "show", "verify"):
+        assert result[command]["code"] == 0, (command, result[command])
+    assert result["checkpoint_ids"], "the data source's checkpoints table lists the job's checkpoints"
+    assert all(str(cid) in result["ls"]["out"] for cid in result["checkpoint_ids"]), result["ls"]
+    # the final state read back on the executors: every key counted TOTAL / KEYS times
+    assert result["state"] == {k: len(v) for k, v in EXPECTED.items()}
+    assert result["partitions"] > 1, "the key groups are read by several tasks"
+
+
+def test_offline_savepoint_and_rekey_with_spark_run_on_the_clusters_master(driver):
+    result = result_of(driver, "tools")
+    for step in ("savepoint", "rekey", "verify_sp", "verify_rekey"):
+        assert result[step]["code"] == 0, (step, result[step])
+    expected = {k: len(v) for k, v in EXPECTED.items()}
+    assert result["sp_state"] == expected and result["rekey_state"] == expected
+    assert 32 <= result["rekey_max_key_group"] < 64, "the keys were hashed into the new 64 key groups (were 32)"
+
+
+def test_a_wrong_per_job_secret_is_refused_across_hosts(cluster, driver):
+    # a Spark task connects to a listener of the driver process as abs's channels do: with a
+    # wrong key the handshake fails on both ends, with the right one its hello arrives
+    result = result_of(driver, "tools")
+    net, got = result["secret_task"]
+    assert got == ["AuthenticationError", "accepted"], got
+    assert result["secret_driver"][0][0] == "AuthenticationError", result["secret_driver"]
+    assert result["secret_driver"][1] == ["accepted", net]
+    if cluster["netns"]:
+        assert net != result_of(driver, "same")["driver_net"], "the task ran on another host"
+
+
 def test_a_killed_worker_process_then_a_killed_executor_jvm_recover_with_exact_output(driver):
     # attempt 0: a real SIGKILL of abs worker 1 (the child process of Spark task 1, on one of
     # the hosts) right after checkpoint 2's manifest is committed on S3; attempt 1: once it
@@ -154,9 +192,9 @@ def test_a_killed_worker_process_then_a_killed_executor_jvm_recover_with_exact_o
 
 
 def test_a_spark_file_stream_staged_on_s3_is_exactly_once_across_a_killed_executor(driver):
-    # 4 JSON files of 300 rows, one micro-batch each (collected by the driver's foreachBatch
-    # and staged as Parquet on S3), read by two abs workers on two hosts; paced, so that the
-    # kill after the first checkpoint falls mid-stream
+    # 4 JSON files of 300 rows, one micro-batch each (written as Parquet on S3 by the
+    # executors' tasks, the driver's foreachBatch only lists the parts), read by two abs
+    # workers on two hosts; paced, so that the kill after the first checkpoint falls mid-stream
     result = result_of(driver, "microbatch")
     assert result["killed_executors"], "a host running an abs worker has an executor"
     assert result["status"] == "FINISHED"
@@ -164,6 +202,8 @@ def test_a_spark_file_stream_staged_on_s3_is_exactly_once_across_a_killed_execut
     keys = collections.Counter(i % 37 for i in range(result["total"]))
     assert result["spark"] == {str(k): list(range(1, n + 1)) for k, n in keys.items()}, "each row counted once"
     assert result["active_queries"] == 0, "the streaming query is stopped when the job ends"
+    # the micro-batches were staged on S3 by the query's tasks on the cluster, not by the driver
+    assert result["writers"] and result["driver_writer"] not in result["writers"], result["writers"]
 
 
 def test_a_whole_host_lost_mid_job_recovers_on_the_remaining_hosts_with_exact_output(driver):
