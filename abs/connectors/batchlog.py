@@ -484,7 +484,8 @@ def _savepoint_copy(what: str, context: SourceContext, restored: Mapping[str, An
     these offsets (``None``: restore from the job's own log)."""
     if not restored or context.restored_from is None:
         return None
-    copy = _savepoint_log(context.restored_from, context.restored_from_options, context.uid)
+    options = context.restored_from_options if context.restored_from_options is not None else context.storage_options
+    copy = _savepoint_log(context.restored_from, options, context.uid)
     marker = copy.read_json(copy.path(_COPY_MARKER))
     if marker is None:
         return None

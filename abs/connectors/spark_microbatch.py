@@ -356,7 +356,7 @@ class SparkMicroBatchSource(Source):
         if log is None or bound is None or self._drv_checkpoint is None:
             return
         what = f"{self!r}: savepoint {dest}"
-        copy = _savepoint_log(dest, dest_options if dest_options is not None else self.storage_options, self._uid)
+        copy = _savepoint_log(dest, dest_options if dest_options is not None else log.options, self._uid)
         copy.wipe(extra=("_spark_checkpoint",))
         # no micro-batch is staged meanwhile: every batch Spark's checkpoint has committed is
         # staged, and Spark replays at most the one it had started (the same data)

@@ -383,7 +383,7 @@ class SparkStreamSource(Source):
         if log is None or bound is None:
             return
         what = f"{self!r}: savepoint {dest}"
-        copy = _savepoint_log(dest, dest_options if dest_options is not None else self.log_options, self._uid)
+        copy = _savepoint_log(dest, dest_options if dest_options is not None else log.options, self._uid)
         copy.wipe()
         names = log.names()
         markers = [n for n in _COPIED_MARKERS if n in names]  # before the batches: _end names logged ones
