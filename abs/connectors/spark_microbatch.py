@@ -383,7 +383,7 @@ class SparkMicroBatchSource(Source):
         url = location.replace("s3a://", "s3://", 1)
         if url.startswith("file:") and not url.startswith("file://"):
             url = url[len("file:"):]
-        return _Log(absolute(url), self.storage_options)
+        return _Log(absolute(url), self._log.options if self._log is not None else self.storage_options)
 
     def driver_close(self) -> None:
         self._drv_closing = True
