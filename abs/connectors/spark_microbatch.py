@@ -57,7 +57,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import pyarrow as pa
 
@@ -424,7 +424,6 @@ class SparkMicroBatchSource(Source):
 
     def _stage(self, df: Any, batch_id: int) -> None:
         """Stage micro-batch ``batch_id`` durably (idempotent by batch id)."""
-        import pyarrow.parquet as pq
 
         log = self._log
         assert log is not None
@@ -452,15 +451,7 @@ class SparkMicroBatchSource(Source):
         rows = table.num_rows
         nparts = 0 if rows == 0 else min(rows, max(self.num_splits, -(-rows // self.part_rows)))
         token = uuid.uuid4().hex
-        parts = []
-        for k in range(nparts):
-            lo, hi = rows * k // nparts, rows * (k + 1) // nparts
-            out = io.BytesIO()
-            pq.write_table(table.slice(lo, hi - lo), out)
-            name = f"part-{k:05d}-{token}.parquet"
-            log.put(log.path(_stage_dir(batch_id), name), out.getvalue())
-            parts.append({"file": name, "rows": hi - lo, "bytes": out.tell(),
-                          "writer": f"{socket.gethostname()}:{os.getpid()}"})
+        parts = _write_parts(log, _stage_dir(batch_id), table, nparts, lambda k: f"part-{k:05d}-{token}.parquet")
         self._publish(batch_id, parts, str(table.schema))
 
     def _publish(self, batch_id: int, parts: list[dict], schema: str) -> None:
@@ -535,7 +526,6 @@ def _stage_data_source(log: _Log, name: str, part_rows: int) -> Any:
             self.per_partition = int(options["per_partition"])
 
         def write(self, iterator: Iterator[pa.RecordBatch]) -> Any:
-            import pyarrow.parquet as pq
             from pyspark import TaskContext
 
             chunks = [b for b in iterator if b.num_rows]
@@ -546,16 +536,10 @@ def _stage_data_source(log: _Log, name: str, part_rows: int) -> Any:
             pid, attempt = (ctx.partitionId(), ctx.attemptNumber()) if ctx is not None else (0, 0)
             rows = table.num_rows
             count = min(rows, max(self.per_partition, -(-rows // part_rows)))
-            out = []
-            for k in range(count):
-                lo, hi = rows * k // count, rows * (k + 1) // count
-                buf = io.BytesIO()
-                pq.write_table(table.slice(lo, hi - lo), buf)
-                file = f"part-{pid:05d}-{k:04d}-{self.token}-{attempt}.parquet"
-                log.put(log.path(self.directory, file), buf.getvalue())
-                out.append({"file": file, "rows": hi - lo, "bytes": buf.tell(), "partition": pid, "seq": k,
-                            "writer": f"{socket.gethostname()}:{os.getpid()}"})
-            return Parts(out)
+            token = self.token
+            parts = _write_parts(log, self.directory, table, count,
+                                 lambda k: f"part-{pid:05d}-{k:04d}-{token}-{attempt}.parquet")
+            return Parts([dict(p, partition=pid, seq=k) for k, p in enumerate(parts)])
 
         def commit(self, messages: list) -> None:
             parts = sorted((p for m in messages if m is not None for p in m.parts),
@@ -574,6 +558,24 @@ def _stage_data_source(log: _Log, name: str, part_rows: int) -> Any:
             return Writer(self.options)
 
     return StageSource
+
+
+def _write_parts(log: Any, directory: str, table: pa.Table, count: int, name: Callable[[int], str]) -> list[dict]:
+    """``table`` as ``count`` Parquet parts of about equal rows in ``directory`` of the log
+    (part ``k`` named ``name(k)``): their entries (file, rows, bytes, the writing process).
+    Run by the driver (``stage_on="driver"``) or in a micro-batch's Spark tasks."""
+    import pyarrow.parquet as pq
+
+    rows = table.num_rows
+    parts = []
+    for k in range(count):
+        lo, hi = rows * k // count, rows * (k + 1) // count
+        buf = io.BytesIO()
+        pq.write_table(table.slice(lo, hi - lo), buf)
+        file = name(k)
+        log.put(log.path(directory, file), buf.getvalue())
+        parts.append({"file": file, "rows": hi - lo, "bytes": buf.tell(), "writer": f"{socket.gethostname()}:{os.getpid()}"})
+    return parts
 
 
 def _stage_on_executors(session: Any, df: Any, source_name: str, log: _Log, directory: str,
