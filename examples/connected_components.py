@@ -53,7 +53,7 @@ def build(source: abs.Source, sink: abs.Sink) -> abs.Dataflow:
 
     def body(loop: abs.Stream):
         labels = loop.key_by("node").process(
-            "propagate", propagate, state=[abs.ValueState("label", pa.int64()), abs.ListState("neighbours")])
+            "propagate", propagate, state=[abs.ValueState("label", pa.int64()), abs.ListState("neighbours", pa.int64())])
         return (labels.filter(lambda r: r["kind"] == LABEL, uid="to-neighbours").key_by("node"),
                 labels.filter(lambda r: r["kind"] == OUT, uid="label-changes"))
 
