@@ -328,7 +328,11 @@ class JobHandle:
         :class:`abs.autoscale.LoadSample` per second as a dict: per worker busy share and
         records processed per second, input records per second, the sources' lag, records per
         second per key group), autoscaling decisions, per task the fill of its input buffers,
-        and the state's bytes per key group in the newest complete checkpoint."""
+        the state's bytes per key group in the newest complete checkpoint, and ``subtasks``:
+        a series (one sample per ``Autoscale.interval``, else per second) of every subtask's
+        busy, idle and backpressured shares and input buffer fill, every operator's records in
+        and out per second per subtask, and each worker's source lag
+        (:mod:`abs.runtime.subtask_metrics`)."""
         d = self._driver
         return {
             "status": d.status,
@@ -344,6 +348,8 @@ class JobHandle:
             "queue_fill": {k: v for w in list(d._worker_metrics.values()) for k, v in w.queue_fill.items()},
             # keyed operator uid -> key group -> bytes of its state in the newest complete checkpoint
             "state_bytes": d.state_bytes(),
+            # per subtask over time: busy/idle/backpressured, queue fill, records in/out per second
+            "subtasks": list(d.subtask_series),
         }
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..autoscale import Autoscale, AutoscalePolicy, Decision, LoadSample
 from . import messages as m
+from . import subtask_metrics
 from .plan import task_key
 
 log = logging.getLogger(__name__)
@@ -24,7 +25,8 @@ log = logging.getLogger(__name__)
 __all__ = ["Autoscaling", "SERIES_LENGTH"]
 
 SERIES_LENGTH = 600
-"""How many load samples the driver keeps (``JobHandle.metrics()["load"]``)."""
+"""How many samples the driver keeps of each series (``JobHandle.metrics()["load"]`` and
+``["subtasks"]``)."""
 
 
 @dataclasses.dataclass
@@ -47,6 +49,10 @@ class Autoscaling:
         self._source_uids = [n.uid for n in self.flow.nodes if n.kind == "source"]
         self._last_sample: tuple | None = None  # (time, per-worker counters) of the previous sample
         self._worker_metrics: dict[int, m.WorkerMetrics] = {}  # the latest of each worker
+        # every operator and task, per subtask (abs.runtime.subtask_metrics), autoscaling or not
+        self.subtask_series: collections.deque = collections.deque(maxlen=SERIES_LENGTH)
+        self._out_from = subtask_metrics.records_out_sources(self.flow, self.plan)
+        self._last_counters: subtask_metrics.Counters | None = None
 
     def _sample(self, now: float) -> LoadSample | None:
         """A sample of the first keyed stage since the previous one (None for the first)."""
@@ -92,6 +98,8 @@ class Autoscaling:
         config = self.autoscale
         now = self.clock()
         interval = config.interval if config is not None else 1.0
+        if self._last_counters is None or now - self._last_counters.time >= interval:
+            self._sample_subtasks(now)
         if self._last_sample is not None and now - self._last_sample[0] < interval:
             self._settle_decisions()
             return
@@ -119,6 +127,15 @@ class Autoscaling:
         self._serve_reconfig(run, req)
         self._last_sample = None  # the next sample starts after the reconfiguration began
         self._settle_decisions()
+
+    def _sample_subtasks(self, now: float) -> None:
+        reading = subtask_metrics.counters(now, self.task_load, self._worker_metrics, self.P)
+        if reading is None:
+            return
+        last, self._last_counters = self._last_counters, reading
+        sample = subtask_metrics.rates(last, reading, self._out_from) if last is not None else None
+        if sample is not None:
+            self.subtask_series.append(sample)
 
     def _settle_decisions(self) -> None:
         for carried in self.autoscale_decisions:

@@ -327,6 +327,7 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
                 case life.ShutDown():
                     self._broadcast(run, m.Shutdown())
                     self._collect_done(run.conns, run.procs)
+                    self._sample_subtasks(self.clock())  # the subtask series ends at the final counts
                     return True
                 case life.FinishSources():
                     self._broadcast(run, m.Finish())

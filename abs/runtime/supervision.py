@@ -232,6 +232,9 @@ class Supervision:
                     continue
                 if isinstance(msg, m.Done):
                     self._records[msg.index] = msg.metrics.records_in
+                    self._worker_metrics[msg.index] = msg.metrics  # the final counts (subtask series)
+                    for key, sample in msg.metrics.load.items():
+                        self.task_load[key] = (self.task_load.get(key, (None, None))[1], sample)
                     pending.discard(i)
                 elif isinstance(msg, (m.Collect, m.CollectCommit)):
                     self._on_collect(msg)
