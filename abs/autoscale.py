@@ -8,14 +8,19 @@ and per key group the records per second (to find hot key groups).
 
 What :meth:`AutoscalePolicy.decide` returns:
 
-* **scale out** when the stage cannot keep up: each worker's *true* rate is what it processed
-  per second of busy time (``processed / busy``: a worker busy half the time at 10 k/s could do
-  20 k/s); the demand is the input rate plus the lag to work off within ``catch_up`` seconds;
-  the parallelism needed is ``ceil(demand / (true rate * target_utilization))`` (not a +1
+* **scale out** when the stage is close to not keeping up: each worker's *true* rate is what
+  it processed per second of busy time (``processed / busy``: a worker busy half the time at
+  10 k/s could do 20 k/s); the demand is the input rate plus the lag to work off within
+  ``catch_up`` seconds; when the demand would keep the workers busier than
+  ``scale_out_utilization``, the stage gets the parallelism that runs them at
+  ``target_utilization``: ``ceil(demand / (true rate * target_utilization))`` (not a +1
   step), bounded by ``min_workers`` and ``max_workers``;
-* **scale in** when that number is below the current one and every worker stayed under
-  ``scale_in_utilization`` busy with no lag: the gap between the two thresholds is the
-  hysteresis that keeps an oscillating load from flapping;
+* **scale in** when fewer workers suffice at the target and every worker stayed under
+  ``scale_in_utilization`` busy with no lag. The target sits between the two thresholds (as
+  in Flink's autoscaler, whose utilisation boundary is the same idea): after a decision the
+  load is that far from either, which keeps an oscillating load from flapping, and a load
+  between the target and ``scale_out_utilization`` keeps its workers (scaling out at the
+  target itself would pay for idle headroom at every step of a rising load);
 * **rebalance** when the parallelism is right but one worker is overloaded: key groups move
   from the busiest worker to the least busy ones, hottest fitting first, until their loads are
   as even as whole key groups allow (one key group with 30 % of the records gets a worker of
@@ -43,8 +48,9 @@ class Autoscale:
 
     min_workers: int = 1
     max_workers: int = 4
-    target_utilization: float = 0.7  # scale out to run each worker about this busy
+    target_utilization: float = 0.7  # size the stage to run each worker about this busy
     scale_in_utilization: float = 0.3  # scale in only when every worker stays below this
+    scale_out_utilization: float = 0.9  # scale out only when the demand would keep the workers busier
     stabilization: float = 10.0  # seconds a condition must hold
     cooldown: float = 20.0  # seconds after a decision before the next one
     catch_up: float = 10.0  # seconds to work a lag off in
@@ -58,9 +64,10 @@ class Autoscale:
                 1 <= self.min_workers <= self.max_workers):
             raise ConfigError(f"Autoscale: need 1 <= min_workers <= max_workers (ints), got min_workers="
                               f"{self.min_workers!r}, max_workers={self.max_workers!r}")
-        if not 0 < self.scale_in_utilization < self.target_utilization <= 1:
-            raise ConfigError(f"Autoscale: need 0 < scale_in_utilization < target_utilization <= 1, got "
-                              f"{self.scale_in_utilization!r} and {self.target_utilization!r}")
+        if not 0 < self.scale_in_utilization < self.target_utilization <= self.scale_out_utilization:
+            raise ConfigError(f"Autoscale: need 0 < scale_in_utilization < target_utilization <= "
+                              f"scale_out_utilization, got {self.scale_in_utilization!r}, {self.target_utilization!r} "
+                              f"and {self.scale_out_utilization!r}")
         for name in ("stabilization", "cooldown", "catch_up", "interval"):
             if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) <= 0:
                 raise ConfigError(f"Autoscale: {name} must be a positive number of seconds, got {getattr(self, name)!r}")
@@ -122,17 +129,18 @@ class AutoscalePolicy:
             return []
         return window
 
-    def _need(self, s: LoadSample, lag: float | None = None) -> int | None:
-        """Workers needed for sample ``s``'s demand (None when the stage was idle: no measure
-        of capacity), before the bounds."""
+    def _need(self, s: LoadSample, utilization: float | None = None) -> int | None:
+        """Workers needed for sample ``s``'s demand to keep each of them ``utilization`` busy
+        (default: the target), before the bounds; None when the stage was idle (no measure of
+        capacity)."""
         c = self.config
         busy = sum(s.busy)
         done = sum(s.processed)
         if busy <= 0.01 * s.workers or done <= 0:
             return None
         true_rate = done / busy  # records per busy second of one worker
-        demand = s.input_rate + (s.lag if lag is None else lag) / c.catch_up
-        return max(1, math.ceil(demand / (true_rate * c.target_utilization) - 1e-9))
+        demand = s.input_rate + s.lag / c.catch_up
+        return max(1, math.ceil(demand / (true_rate * (utilization or c.target_utilization)) - 1e-9))
 
     def decide(self, now: float) -> Decision | None:
         c = self.config
@@ -156,9 +164,15 @@ class AutoscalePolicy:
         if needed is not None:
             figures += f", true rate {sum(processed) / sum(busy):,.0f}/s per worker"
             bounded = max(c.min_workers, min(c.max_workers, needed))
-            if bounded > P and all(x is not None and x > P for x in per_sample):
+            # out when every sample's demand would keep the workers busier than
+            # scale_out_utilization, to the parallelism that runs them at the target
+            over = [self._need(s, c.scale_out_utilization) for s in window]
+            if bounded > P and all(x is not None and x > P for x in over):
+                demand = input_rate + lag / c.catch_up
+                load = demand / (P * sum(processed) / sum(busy))
                 return Decision(now, "scale_out", bounded,
-                                f"{figures}: {input_rate + lag / c.catch_up:,.0f}/s needs {needed} workers at "
+                                f"{figures}: {demand:,.0f}/s would keep {P} worker(s) {load:.0%} busy (over "
+                                f"{c.scale_out_utilization:.0%}), needs {needed} workers at "
                                 f"{c.target_utilization:.0%} busy" + (f" (max_workers={c.max_workers})"
                                                                       if bounded < needed else ""))
             quiet = all(max(s.busy) < c.scale_in_utilization and s.lag <= c.interval * max(s.input_rate, 1.0)

@@ -129,3 +129,18 @@ def test_a_backlog_asks_for_the_workers_that_work_it_off_within_catch_up():
     d = policy.decide(11)
     assert d is not None and d.kind == "scale_out"
     assert d.workers == math.ceil((30_000 + 110_000 / 20) / (CAP * 0.7))  # 6: 5 for the input alone
+
+
+def test_a_load_between_the_target_and_the_scale_out_threshold_keeps_its_workers():
+    """Two workers 80 % busy: above the 70 % target, below the 90 % at which the stage scales
+    out; at 95 % it scales out to the parallelism that runs the workers at the target."""
+    kept, workers = run(AutoscalePolicy(CFG), lambda t: 0.8 * 2 * CAP, 2, 300)
+    assert kept == [] and workers == 2
+    out, workers = run(AutoscalePolicy(CFG), lambda t: 0.95 * 2 * CAP, 2, 300)
+    assert [(d.kind, d.workers) for d in out] == [("scale_out", 3)]  # 19,000/s at 70 %: 2.7 -> 3
+    assert "would keep 2 worker(s) 95% busy (over 90%)" in out[0].reason
+
+
+def test_the_scale_out_threshold_is_not_below_the_target():
+    with pytest.raises(ConfigError, match="scale_out_utilization"):
+        Autoscale(target_utilization=0.8, scale_out_utilization=0.75)
