@@ -122,6 +122,11 @@ class AutoscalePolicy:
         self.last_decision = now
         self.samples = []
 
+    def forget(self) -> None:
+        """Drop the samples so far (the job restarted: its new workers restored an older state
+        and count from zero); the cool-down of the last decision still holds."""
+        self.samples = []
+
     def _window(self, now: float) -> Sequence[LoadSample]:
         c = self.config
         window = [s for s in self.samples if s.time > now - c.stabilization]

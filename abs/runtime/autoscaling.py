@@ -3,7 +3,9 @@
 workers already report (each task's busy/idle/backpressured time, each operator's records),
 fed to the pure :class:`~abs.autoscale.AutoscalePolicy`, and its decisions are carried out with
 the live reconfiguration (:meth:`JobHandle.rescale` / ``rebalance``: no restart). A decision
-that fails leaves the job where it was (the reconfiguration's own guarantee) and is reported.
+that fails leaves the job where it was (the reconfiguration's own guarantee) and is reported;
+the policy may decide again after the cool-down. A restart during one (a worker lost) fails it
+too, and the samples start anew: the restored workers count from zero and replay input.
 
 :class:`Autoscaling` is a part of :class:`~abs.runtime.driver.JobDriver`.
 """
@@ -53,6 +55,7 @@ class Autoscaling:
         self.subtask_series: collections.deque = collections.deque(maxlen=SERIES_LENGTH)
         self._out_from = subtask_metrics.records_out_sources(self.flow, self.plan)
         self._last_counters: subtask_metrics.Counters | None = None
+        self._sampled_attempt = 0  # the run attempt the samples belong to (a restart starts anew)
 
     def _sample(self, now: float) -> LoadSample | None:
         """A sample of the first keyed stage since the previous one (None for the first)."""
@@ -98,6 +101,14 @@ class Autoscaling:
         config = self.autoscale
         now = self.clock()
         interval = config.interval if config is not None else 1.0
+        if self._attempt != self._sampled_attempt:
+            # a restart: the new workers count from zero (a difference with the counters before
+            # would read as an idle stage) and replay from a checkpoint; the load before it
+            # says nothing about the load after it
+            self._sampled_attempt = self._attempt
+            self._last_sample = self._last_counters = None
+            if self._policy is not None:
+                self._policy.forget()
         if self._last_counters is None or now - self._last_counters.time >= interval:
             self._sample_subtasks(now)
         if self._last_sample is not None and now - self._last_sample[0] < interval:
