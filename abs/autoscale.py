@@ -49,7 +49,7 @@ class Autoscale:
     min_workers: int = 1
     max_workers: int = 4
     target_utilization: float = 0.7  # size the stage to run each worker about this busy
-    scale_in_utilization: float = 0.3  # scale in only when every worker stays below this
+    scale_in_utilization: float = 0.4  # scale in only when every worker stays below this
     scale_out_utilization: float = 0.9  # scale out only when the demand would keep the workers busier
     stabilization: float = 10.0  # seconds a condition must hold
     cooldown: float = 20.0  # seconds after a decision before the next one

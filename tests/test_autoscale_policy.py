@@ -144,3 +144,11 @@ def test_a_load_between_the_target_and_the_scale_out_threshold_keeps_its_workers
 def test_the_scale_out_threshold_is_not_below_the_target():
     with pytest.raises(ConfigError, match="scale_out_utilization"):
         Autoscale(target_utilization=0.8, scale_out_utilization=0.75)
+
+
+def test_three_workers_a_third_busy_scale_in_to_the_two_that_stay_under_the_target():
+    """35 % busy: below the 40 % scale-in threshold; two workers would be about 53 % busy,
+    one 105 %: two it is, and they stay (53 % is far from the 90 % of a scale-out)."""
+    decisions, workers = run(AutoscalePolicy(CFG), lambda t: 0.35 * 3 * CAP, 3, 300)
+    assert [(d.kind, d.workers) for d in decisions] == [("scale_in", 2)] and workers == 2
+    assert "2 workers suffice at about 52% busy" in decisions[0].reason
