@@ -150,6 +150,8 @@ def one_run(label: str, profile: Profile, work_ms: float, parallelism: int, auto
     threading.Thread(target=watch, daemon=True).start()
     result = handle.wait(timeout=profile.end + 600)
     stop.set()
+    start = handle._driver.t_start + 2.0  # t0 on the driver's clock
+    load = [(x["time"] - start, x["busy"], x["input_rate"]) for x in handle.metrics()["load"]]
     rows = np.concatenate([np.fromfile(f, dtype=np.float64).reshape(-1, 2) for f in glob.glob(f"{lat_dir}/*.bin")])
     shutil.rmtree(root, ignore_errors=True)
     arrive, lat = rows[:, 0] - t0, rows[:, 1]
@@ -170,7 +172,7 @@ def one_run(label: str, profile: Profile, work_ms: float, parallelism: int, auto
         recover.append(back)
     return dict(label=label, worker_s=worker_s, over=int((p99 > 1.0).sum()), max=float(lat.max()),
                 decisions=decisions, recover=recover, wins=wins, p99=p99, thr=thr, ws=ws,
-                rate=(profile.t, profile.rate), final=result.parallelism)
+                rate=(profile.t, profile.rate), final=result.parallelism, load=load)
 
 
 def plot(run: dict, path: str, cooldown: float | None) -> None:
@@ -229,6 +231,13 @@ def main() -> int:
     for d, back in zip(auto["decisions"], auto["recover"]):
         print(f"    {d['time']:6.1f} s {d['kind']} to {d['workers']} ({d['outcome']}): {d['reason']}; "
               f"lag under 1 s {back:.0f} s later")
+    # what the policy saw: per 10 s, the workers and their busiest and least busy shares
+    spans: dict = {}
+    for t, busy, rate in auto["load"]:
+        spans.setdefault(int(t // 10), []).append((len(busy), max(busy), min(busy), rate))
+    print("    load seen (per 10 s: input/s, workers, busy min-max): " + "; ".join(
+        f"{10 * k}s {np.mean([x[3] for x in v]):,.0f} {'/'.join(str(n) for n in sorted({x[0] for x in v}))}w "
+        f"{min(x[2] for x in v):.0%}-{max(x[1] for x in v):.0%}" for k, v in sorted(spans.items()) if k >= 0))
     keeps_up = [r for r in runs[:-1] if r["over"] <= 0.05 * len(r["wins"])]
     best = min(keeps_up, key=lambda r: r["worker_s"]) if keeps_up else None
     times = [d["time"] for d in auto["decisions"]]
