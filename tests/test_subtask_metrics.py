@@ -43,6 +43,14 @@ def test_rates_between_two_readings_are_per_subtask_and_per_second():
     assert s["source_lag"] == [0.0, None]
 
 
+def test_records_out_the_workers_counted_are_used_also_across_an_exchange():
+    out_from = {"src": "src", "m": None, "r": "out"}
+    older = Counters(10.0, {}, ({"m": 100}, {"m": 50}), {}, (None, None), ({"src": 100, "m": 90, "r": 0}, {"src": 50, "m": 50, "r": 0}))
+    newer = Counters(12.0, {}, ({"m": 300}, {"m": 50}), {}, (None, None), ({"src": 300, "m": 250, "r": 8}, {"src": 50, "m": 50, "r": 2}))
+    s = rates(older, newer, out_from)
+    assert s["records_out_per_s"] == {"src": [100.0, 0.0], "m": [80.0, 0.0], "r": [4.0, 1.0]}
+
+
 def test_rates_are_none_across_a_change_of_workers_and_zero_for_counters_that_restarted():
     one = Counters(1.0, {}, ({"src": 10},), {}, (None,))
     two = Counters(2.0, {}, ({"src": 20}, {"src": 0}), {}, (None, None))

@@ -290,6 +290,7 @@ class WorkerMetrics:
     lag: float | None = None  # records its sources are behind their input (None: none can tell)
     key_group_records: dict = dataclasses.field(default_factory=dict)  # keyed operator uid -> records per key group
     queue_fill: dict = dataclasses.field(default_factory=dict)  # task key -> share of its input buffers in use
+    records_out: dict = dataclasses.field(default_factory=dict)  # operator uid -> rows it emitted
 
 
 @_message

@@ -127,6 +127,7 @@ class OperatorRuntime:
         self.ctx = ctx
         self.outputs: list[Callable[[pa.RecordBatch], None]] = []
         self.records_in = 0
+        self.records_out = 0  # rows emitted (counted per batch; read by the worker's metrics)
         self.task_key = ""  # set by the worker: the task running this operator
 
     def open(self) -> None:
@@ -134,6 +135,7 @@ class OperatorRuntime:
 
     def emit(self, batch: "pa.RecordBatch | None") -> None:
         if batch is not None and batch.num_rows:
+            self.records_out += batch.num_rows
             for out in self.outputs:
                 out(batch)
 

@@ -10,13 +10,10 @@ in and out per second; per worker the records its sources are behind their input
 takes a last reading when the workers have finished, so that the series adds up to the job's
 counts.
 
-Records out are not counted by the workers; an operator's records out are the records in of
-the operator it feeds in the same subtask (:func:`records_out_sources`): exact for a source (it
-emits what it reads) and for an operator chained to its consumer (the same batches). An
-operator whose output crosses an exchange (key_by, rebalance, broadcast, a union) spreads it
-over the next task's subtasks, which count what they receive from all senders together: its
-records out are ``None`` (summed over the subtasks they are the next operator's records in,
-for a key_by or rebalance into an operator with one input). Sinks have no records out.
+Records out are the rows each operator emitted (counted once per batch it emits). Workers
+that do not report them (``WorkerMetrics.records_out`` empty) fall back to the records in of
+the operator fed in the same subtask (:func:`records_out_sources`): exact for a source and for
+an operator chained to its consumer, ``None`` across an exchange. Sinks have no records out.
 """
 from __future__ import annotations
 
@@ -58,6 +55,7 @@ class Counters:
     records_in: tuple  # per worker: operator uid -> records
     queue_fill: Mapping[str, float]  # task key -> share of its input buffers in use
     lag: tuple  # per worker: records its sources are behind (None: none can tell)
+    records_out: tuple = ()  # per worker: operator uid -> rows emitted (empty: not reported)
 
 
 def counters(time: float, task_load: Mapping[str, tuple], worker_metrics: Mapping[int, object],
@@ -70,7 +68,8 @@ def counters(time: float, task_load: Mapping[str, tuple], worker_metrics: Mappin
     load = {key: newer for key, (_older, newer) in task_load.items() if newer is not None}
     fill = {k: v for w in per_worker for k, v in w.queue_fill.items()}
     return Counters(time, load, tuple(dict(w.records_in) for w in per_worker), fill,
-                    tuple(w.lag for w in per_worker))
+                    tuple(w.lag for w in per_worker),
+                    tuple(dict(getattr(w, "records_out", None) or {}) for w in per_worker))
 
 
 def rates(older: Counters, newer: Counters, out_from: Mapping[str, str | None]) -> dict | None:
@@ -94,6 +93,10 @@ def rates(older: Counters, newer: Counters, out_from: Mapping[str, str | None]) 
     uids = sorted({uid for per in newer.records_in for uid in per})
     records_in = {uid: [max(0, newer.records_in[w].get(uid, 0) - older.records_in[w].get(uid, 0)) / dt
                         for w in range(P)] for uid in uids}
-    records_out = {uid: list(records_in[src]) if src in records_in else None for uid, src in out_from.items()}
+    if newer.records_out and len(older.records_out) == P and all(newer.records_out):
+        records_out = {uid: [max(0, newer.records_out[w].get(uid, 0) - older.records_out[w].get(uid, 0)) / dt
+                             for w in range(P)] for uid in out_from}
+    else:
+        records_out = {uid: list(records_in[src]) if src in records_in else None for uid, src in out_from.items()}
     return {"time": newer.time, "interval": dt, "tasks": tasks, "records_in_per_s": records_in, "records_out_per_s": records_out,
             "source_lag": list(newer.lag)}

@@ -64,7 +64,6 @@ class Task(IterationHead, UnalignedCheckpoints, threading.Thread):
         self.worker = worker
         self.reader = reader
         self.mode = worker.checkpoint_mode
-        self.records_out = 0
         self.alignment_started: dict[int, float] = {}
         self.bases: dict[int, int] = {}  # checkpoint id -> its base (see Barrier.base)
         self.last_completed = 0

@@ -428,11 +428,13 @@ class Worker(WorkerChannels):
 
     def _metrics(self) -> m.WorkerMetrics:
         records = {}
+        emitted = {}
         per_kg = {}
         lags = []
         for task in self.tasks.values():
             for op in task.ops.values():
                 records[op.uid] = op.records_in
+                emitted[op.uid] = op.records_out
                 if isinstance(op, KeyedOp):
                     per_kg[op.uid] = op.kg_records.tolist()
             if task.reader is not None and (lag := task.reader.lag()) is not None:
@@ -440,7 +442,7 @@ class Worker(WorkerChannels):
         load = {task.key: task.load() for task in self.tasks.values()}
         fill = {task.key: task.gate.fill() for task in self.tasks.values() if task.reader is None}
         return m.WorkerMetrics(records, self.bytes_written, self.bytes_restored, load,
-                               sum(lags) if lags else None, per_kg, fill)
+                               sum(lags) if lags else None, per_kg, fill, emitted)
 
     def _metrics_loop(self) -> None:
         while not self._stopped.wait(0.5):
