@@ -516,7 +516,7 @@ def test_ddl_schema_without_a_spark_session_is_a_clear_error(tmp_path):
 
 def test_retention_uses_every_stored_checkpoint_and_keeps_what_savepoints_need():
     from abs.connectors.sources import SourceContext
-    from abs.connectors.batchlog import _Retention
+    from abs.connectors.batchlog_backlog import _Retention
 
     lanes = ["0", "1"]
 

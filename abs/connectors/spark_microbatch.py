@@ -49,44 +49,25 @@ Example::
 """
 from __future__ import annotations
 
-import io
 import json
 import logging
-import os
-import socket
 import threading
 import time
 import uuid
-from typing import Any, Callable, Iterator, Mapping
-
-import pyarrow as pa
+from typing import Any, Mapping
 
 from storage.extras import require
 
 from ..errors import ConfigError
-from .batchlog import (
-    _BATCH_DIR,
-    SparkSourceError,
-    _Backlog,
-    _bound,
-    _check_bound,
-    _check_reachable,
-    _check_restored_lanes,
-    _COPIED_MARKERS,
-    _copy_files,
-    _copy_tree,
-    _LaneReader,
-    _Log,
-    _resolve_log_url,
-    _Retention,
-    _savepoint_copy,
-    _savepoint_log,
-    _stage_dir,
-    _write_copy_marker,
-)
+from .batchlog import _BATCH_DIR, SparkSourceError, _check_reachable, _Log, _resolve_log_url, _stage_dir
+from .batchlog_backlog import _Backlog, _bound, _check_bound, _check_restored_lanes, _Retention
+from .batchlog_copies import _COPIED_MARKERS, _copy_files, _copy_tree, _savepoint_copy, _savepoint_log, _write_copy_marker
 from .fs import absolute
 from .sources import Source, SourceContext, SourceReader
 from .spark_arrow import _active_session
+from .spark_microbatch_reader import _MicroBatchLaneReader
+from .spark_microbatch_staging import (_lanes_after, _spark_checkpoint_has_progress, _stage_data_source,
+                                       _stage_on_executors, _write_parts)
 
 __all__ = ["SparkMicroBatchSource", "SparkSourceError"]
 
@@ -503,189 +484,3 @@ class SparkMicroBatchSource(Source):
         for b in [k for k in self._drv_bytes if k < low]:
             del self._drv_bytes[b]
         return total
-
-
-def _stage_data_source(log: _Log, name: str, part_rows: int) -> Any:
-    """A PySpark Python data source (registered as ``name``) whose Arrow writer stages a
-    micro-batch from the executors: each task writes its partition as Parquet parts into
-    the batch's directory of ``log`` and returns their entries; the commit (run by Spark once
-    every task succeeded, with the messages of the tasks it kept) writes the list as
-    ``<directory>/_parts-<token>.json`` for the driver. The options (``directory``,
-    ``token``, ``per_partition``) are plain strings; the log (with its storage options)
-    travels inside the pickled writer, not in the query plan."""
-    from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, WriterCommitMessage
-
-    class Parts(WriterCommitMessage):
-        def __init__(self, parts: list) -> None:
-            self.parts = parts
-
-    class Writer(DataSourceArrowWriter):
-        def __init__(self, options: Any) -> None:
-            self.directory = str(options["directory"])
-            self.token = str(options["token"])
-            self.per_partition = int(options["per_partition"])
-
-        def write(self, iterator: Iterator[pa.RecordBatch]) -> Any:
-            from pyspark import TaskContext
-
-            chunks = [b for b in iterator if b.num_rows]
-            if not chunks:
-                return Parts([])
-            table = pa.Table.from_batches(chunks)
-            ctx = TaskContext.get()
-            pid, attempt = (ctx.partitionId(), ctx.attemptNumber()) if ctx is not None else (0, 0)
-            rows = table.num_rows
-            count = min(rows, max(self.per_partition, -(-rows // part_rows)))
-            token = self.token
-            parts = _write_parts(log, self.directory, table, count,
-                                 lambda k: f"part-{pid:05d}-{k:04d}-{token}-{attempt}.parquet")
-            return Parts([dict(p, partition=pid, seq=k) for k, p in enumerate(parts)])
-
-        def commit(self, messages: list) -> None:
-            parts = sorted((p for m in messages if m is not None for p in m.parts),
-                           key=lambda p: (p["partition"], p["seq"]))
-            log.put(log.path(self.directory, f"_parts-{self.token}.json"), json.dumps(parts).encode())
-
-        def abort(self, messages: list) -> None:
-            return None  # the parts written stay unlisted; Spark replays the batch
-
-    class StageSource(DataSource):
-        @classmethod
-        def name(cls) -> str:
-            return name
-
-        def writer(self, schema: Any, overwrite: bool) -> Any:
-            return Writer(self.options)
-
-    return StageSource
-
-
-def _write_parts(log: Any, directory: str, table: pa.Table, count: int, name: Callable[[int], str]) -> list[dict]:
-    """``table`` as ``count`` Parquet parts of about equal rows in ``directory`` of the log
-    (part ``k`` named ``name(k)``): their entries (file, rows, bytes, the writing process).
-    Run by the driver (``stage_on="driver"``) or in a micro-batch's Spark tasks."""
-    import pyarrow.parquet as pq
-
-    rows = table.num_rows
-    parts = []
-    for k in range(count):
-        lo, hi = rows * k // count, rows * (k + 1) // count
-        buf = io.BytesIO()
-        pq.write_table(table.slice(lo, hi - lo), buf)
-        file = name(k)
-        log.put(log.path(directory, file), buf.getvalue())
-        parts.append({"file": file, "rows": hi - lo, "bytes": buf.tell(), "writer": f"{socket.gethostname()}:{os.getpid()}"})
-    return parts
-
-
-def _stage_on_executors(session: Any, df: Any, source_name: str, log: _Log, directory: str,
-                        num_splits: int) -> list[dict]:
-    """Write micro-batch ``df`` as Parquet parts into ``directory`` from the executors (one
-    Spark job); the parts' entries for the manifest, in partition order."""
-    try:
-        partitions = int(df._jdf.rdd().getNumPartitions())
-    except Exception:  # noqa: BLE001 - not a JVM-backed DataFrame
-        partitions = num_splits
-    token = uuid.uuid4().hex
-    (df.write.format(source_name).mode("append").option("directory", directory).option("token", token)
-     .option("per_partition", str(max(1, -(-num_splits // max(1, partitions))))).save())
-    parts = log.read_json(log.path(directory, f"_parts-{token}.json"))
-    if parts is None:
-        raise SparkSourceError(f"the executors staged {directory} of {log.url} but wrote no list of its parts")
-    return [{k: p[k] for k in ("file", "rows", "bytes", "writer")} for p in parts]
-
-
-def _lanes_after(manifest: Mapping[str, Any], num_splits: int) -> list[int]:
-    """Rows staged per lane up to and including the manifest's batch."""
-    rows = list(manifest["lanes_before"])
-    for k, part in enumerate(manifest["parts"]):
-        rows[(int(manifest["batch"]) + k) % num_splits] += int(part["rows"])
-    return rows
-
-
-def _spark_checkpoint_has_progress(location: str) -> bool:
-    try:
-        from fsspec.core import url_to_fs
-
-        url = location.replace("s3a://", "s3://", 1)
-        fs, path = url_to_fs(url)
-        return bool(fs.ls(path.rstrip("/") + "/commits", detail=False))
-    except Exception:  # noqa: BLE001 - missing or unreadable: treat as empty
-        return False
-
-
-class _MicroBatchLaneReader(_LaneReader):
-    unit_key = "part"
-
-    def __init__(self, source: SparkMicroBatchSource, splits: Mapping[str, Any]) -> None:
-        assert source._log is not None
-        super().__init__(source._log, splits, source.num_splits, "SparkMicroBatchSource", source._progress_token)
-        self._src = source
-        self._before: dict[int, list[int]] = {}  # lanes_before of the batches fetched
-        self._staged: tuple[int, list[int]] | None = None  # (newest batch, rows per lane) of _staged.json
-        self._staged_at = float("-inf")
-        self._lag: float | None = None
-
-    def _fetch(self, batch: int) -> Any:
-        manifest = self._log.read_json(self._log.path(_stage_dir(batch), "_manifest.json"))
-        if manifest is None:
-            return None
-        if "lanes_before" in manifest:
-            self._before[batch] = manifest["lanes_before"]
-        return manifest["parts"]
-
-    # -- lag (rows; see the module docstring)
-    def lag(self) -> float | None:
-        """Rows staged for this reader's lanes that it has not emitted yet, as of its last
-        poll (``None`` until it knows: batches staged by an earlier release carry no counts)."""
-        return self._lag
-
-    def poll(self) -> Any:
-        got = super().poll()
-        self._update_lag()
-        return got
-
-    def _update_lag(self) -> None:
-        now = time.monotonic()
-        if now - self._staged_at >= 0.5:
-            self._staged_at = now
-            staged = self._log.read_json(self._log.path("_staged.json"))
-            if staged is not None:
-                self._staged = (int(staged["batch"]), [int(r) for r in staged["lane_rows"]])
-        if self._staged is None:
-            return
-        high, totals = self._staged
-        lag = 0
-        for lane, (b, j, r) in self._cursors.items():
-            total = totals[int(lane)]
-            if b > high:
-                continue  # read everything staged (as of _staged.json)
-            if b not in self._before or b not in self._cache:
-                units = self._fetch(b)
-                if units is None or b not in self._before:
-                    return  # not readable, or staged without counts: keep the last estimate
-                self._cache[b] = units
-            parts = self._cache[b]
-            first = (int(lane) - b) % self._n
-            read = self._before[b][int(lane)] + sum(int(parts[k]["rows"]) for k in range(first, min(j, len(parts)), self._n))
-            lag += max(0, total - read - r)
-        self._lag = float(lag)
-        for old in [k for k in self._before if k < min(c[0] for c in self._cursors.values())]:
-            del self._before[old]
-
-    def _exists(self, batch: int) -> bool:
-        return self._log.read(self._log.path(_stage_dir(batch), "_manifest.json")) is not None
-
-    def _open_unit(self, batch: int, units: Any, unit: int, skip: int) -> Iterator[pa.RecordBatch]:
-        import pyarrow.parquet as pq
-
-        path = self._log.path(_stage_dir(batch), units[unit]["file"])
-        data = self._log.read(path)
-        if data is None:
-            raise SparkSourceError(
-                f"SparkMicroBatchSource: staged part {path} is missing; something deleted the staging directory"
-            )
-        table = pq.read_table(io.BytesIO(data))
-        if skip:
-            table = table.slice(skip)
-        return iter(table.to_batches(max_chunksize=self._src.batch_size))

@@ -66,7 +66,7 @@ import threading
 import time
 import traceback
 import uuid
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import pyarrow as pa
 
@@ -76,25 +76,17 @@ from ..errors import ConfigError
 from .batchlog import (
     _BATCH_FILE,
     SparkSourceError,
-    _Backlog,
     _batch_name,
-    _bound,
     _canonical,
-    _check_bound,
     _check_reachable,
-    _check_restored_lanes,
-    _COPIED_MARKERS,
-    _copy_files,
-    _LaneReader,
     _Log,
     _resolve_log_url,
-    _Retention,
-    _savepoint_copy,
-    _savepoint_log,
-    _write_copy_marker,
 )
+from .batchlog_backlog import _Backlog, _bound, _check_bound, _check_restored_lanes, _Retention
+from .batchlog_copies import _COPIED_MARKERS, _copy_files, _savepoint_copy, _savepoint_log, _write_copy_marker
 from .sources import Source, SourceContext, SourceReader
-from .spark_arrow import _arrow_chunks, _resolve_schema
+from .spark_arrow import _resolve_schema
+from .spark_stream_reader import _StreamLaneReader
 
 __all__ = ["SparkStreamSource", "SparkSourceError"]
 
@@ -495,31 +487,3 @@ def _options(options: Mapping[str, Any] | None) -> Any:
         return CaseInsensitiveDict(dict(options or {}))
     except ImportError:  # pragma: no cover
         return dict(options or {})
-
-
-class _StreamLaneReader(_LaneReader):
-    unit_key = "partition"
-
-    def __init__(self, source: SparkStreamSource, splits: Mapping[str, Any]) -> None:
-        assert source._log is not None
-        super().__init__(source._log, splits, source.num_splits, f"SparkStreamSource({source.name})",
-                         source._progress_token)
-        self._src = source
-        self._reader: Any = None
-
-    def _fetch(self, batch: int) -> Any:
-        entry = self._log.read_json(self._log.path(_batch_name(batch)))
-        if entry is None:
-            return None
-        import pickle
-
-        return [pickle.loads(base64.b64decode(p)) for p in entry["partitions"]]
-
-    def _exists(self, batch: int) -> bool:
-        return self._log.read(self._log.path(_batch_name(batch))) is not None
-
-    def _open_unit(self, batch: int, units: Any, unit: int, skip: int) -> Iterator[pa.RecordBatch]:
-        if self._reader is None:
-            self._reader = self._src._worker_reader()
-        items = self._reader.read(units[unit])
-        return _arrow_chunks(iter(items), self._src._arrow_schema, self._src.batch_size, skip, self._what)
