@@ -95,10 +95,9 @@ class ChannelStateCapture:
                 continue
             if ended:  # the channel ended before the barrier: everything up to here
                 entry[1] = index
-                self._check_capture(cid)
             elif isinstance(item, pa.RecordBatch):
                 entry[2].append((index, item))
-        for cid in list(self._captures):
+        for cid in self._captures:
             self._check_capture(cid)
 
     @staticmethod
@@ -117,9 +116,4 @@ class ChannelStateCapture:
         if not cap.announced and self._complete(cap):
             cap.announced = True
             self._control.append(CaptureComplete(checkpoint_id))
-            self._cond.notify_all()
-
-    def put_control(self, event: Any) -> None:
-        with self._cond:
-            self._control.append(event)
             self._cond.notify_all()

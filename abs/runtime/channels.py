@@ -224,6 +224,11 @@ class InputGate(ChannelStateCapture):
                 self._capture(channel, index, item, item is EOS)
             self._cond.notify_all()
 
+    def put_control(self, event: Any) -> None:
+        with self._cond:
+            self._control.append(event)
+            self._cond.notify_all()
+
     def take_batches(self, channels: "frozenset[int] | set[int]", max_rows: int) -> list:
         """``(channel, batch)`` for the record batches at the head of ``channels``' queues, in
         order, up to about ``max_rows`` rows (an iteration head merges the small batches that

@@ -73,9 +73,6 @@ class FeedbackLogs:
     def __bool__(self) -> bool:
         return bool(self._open)
 
-    def open_ids(self) -> list[int]:
-        return sorted(self._open)
-
     def start(self, checkpoint_id: int, held: Any) -> list[tuple[int, list, Any]]:
         """The head snapshotted ``checkpoint_id`` and forwarded its barrier: log from now on.
         Returns it at once as finished when no feedback channel is live any more."""

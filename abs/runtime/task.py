@@ -241,7 +241,7 @@ class Task(IterationHead, UnalignedCheckpoints, threading.Thread):
             aligner.on_end_of_stream(ch)  # the feedback channels take no part in alignment
         if self.replay:
             self.worker.fault("during_replay", self)
-            for batch in self.replay:  # the restored loop's records first, as if fed back
+            for batch in self.replay:  # the restored channel state first (a loop's log, overtaken records)
                 head.process(batch)
             self.replay = []
         while True:

@@ -212,12 +212,13 @@ class Worker(WorkerChannels):
         loop_records = None
         channel_records = 0
         for piece in pieces:
-            if piece.channel_log is not None or piece.channel_state is not None:
-                batches = piece.channel_log if piece.channel_log is not None else piece.channel_state
+            batches = piece.channel_log if piece.channel_log is not None else piece.channel_state
+            if batches is not None:  # channel state: a loop head's log or what an unaligned barrier overtook
+                rows = sum(b.num_rows for b in batches)
                 if piece.channel_log is not None:
-                    loop_records = (loop_records or 0) + sum(b.num_rows for b in batches)
+                    loop_records = (loop_records or 0) + rows
                 else:
-                    channel_records += sum(b.num_rows for b in batches)
+                    channel_records += rows
                 ref = write_log(store, checkpoint_id, f"{piece.uid}#{task.subtask}", batches)
                 if ref is not None:
                     self.fault("during_log_upload", task)
