@@ -260,7 +260,7 @@ class Stream:
         if not callable(body):
             raise GraphError(f"iterate {uid!r}: body must be a function loop -> (feedback, output), got {body!r}")
         flow = self.flow
-        if getattr(flow, "_iterating", None) is not None:
+        if flow._iterating is not None:
             raise GraphError(f"iterate {uid!r}: iterations do not nest (inside the body of {flow._iterating!r})")
         head = flow._add(uid, "iterate", (self._edge(),), {})
         flow._iterating = uid

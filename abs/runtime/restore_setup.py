@@ -236,9 +236,7 @@ class RestoreSetup:
         """The checkpoint's channel state (loop logs, records an unaligned barrier overtook)
         belongs to operators that head a task of this dataflow, by uid; else it would be lost
         without a word."""
-        from .plan import compile_plan
-
-        heads = {self.flow.nodes[t.head].uid for t in compile_plan(self.flow).tasks if not t.is_source}
+        heads = {self.flow.nodes[t.head].uid for t in self.plan.tasks if not t.is_source}
         lost = sorted({ref.location().task.rpartition("#")[0] for ref in manifest.channel_logs} - heads)
         if lost and not self.allow_non_restored_state:
             raise ConfigError(
