@@ -170,7 +170,9 @@ def _wait_until(what: str, check: Any, state: dict, timeout: float = READY_TIMEO
         try:
             if check():
                 return
-        except OSError:
+        except (OSError, ValueError):
+            # not up yet; ValueError: the master's UI answered /json/ with its HTML page (its
+            # JSON endpoint was not mounted yet: seen once in a clean-clone run beside a CPU hog)
             pass
         time.sleep(0.3)
     raise ClusterError(f"{what} not within {timeout:.0f} s; see the logs in {state['dir']}/logs")
