@@ -324,7 +324,7 @@ class JobHandle:
 
     def metrics(self) -> dict:
         """Live counters: records in per operator uid, checkpoints completed and failed, the
-        number of workers, the load series of the first keyed stage (``load``: one
+        number of workers, the restarts so far, the load series of the first keyed stage (``load``: one
         :class:`abs.autoscale.LoadSample` per second as a dict: per worker busy share and
         records processed per second, input records per second, the sources' lag, records per
         second per key group), autoscaling decisions, per task the fill of its input buffers,
@@ -341,6 +341,8 @@ class JobHandle:
             "failed_checkpoints": len(d.failed),
             "last_checkpoint": d.completed[-1].checkpoint_id if d.completed else None,
             "workers": d.P,
+            # each restart so far: attempt, error, restored_from, workers (the parallelism it ran at)
+            "restarts": [dict(r) for r in list(d.restarts)],
             # the first keyed stage, one sample per Autoscale.interval (when autoscaling)
             "load": [dataclasses.asdict(s) for s in list(d.load_series)],
             "autoscale_decisions": d.autoscale_report(),

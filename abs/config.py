@@ -133,12 +133,22 @@ class RestartStrategy:
     ``delay`` seconds before the first restart and ``backoff`` times longer before each next
     one, up to ``max_delay``. The default makes no restart: the job fails with an error that
     names the failed worker or operator.
+
+    ``min_workers``: when a restart finds fewer free task slots than the job has workers (a
+    Spark executor or a whole host lost and not replaced within ``SparkExecutor.slot_wait``),
+    go on with as many workers as there are slots, but not fewer than ``min_workers``: the
+    checkpoint is restored into the smaller parallelism (key groups re-divided). Once the
+    slots are back, the job returns to its parallelism by a live rescale (unless an
+    :class:`abs.Autoscale` decides the parallelism). Default ``None``: a restart waits for
+    every slot, then fails naming the free and needed slots. Executors whose workers always
+    start (the local one) never go below the job's parallelism.
     """
 
     max_restarts: int = 0
     delay: float = 0.5
     backoff: float = 2.0
     max_delay: float = 30.0
+    min_workers: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_restarts) or self.max_restarts < 0:
@@ -149,6 +159,9 @@ class RestartStrategy:
                 raise ConfigError(f"RestartStrategy.{name} must be a finite number of seconds >= 0, got {value!r}")
         if not _is_number(self.backoff) or self.backoff < 1:
             raise ConfigError(f"RestartStrategy.backoff must be a number >= 1, got {self.backoff!r}")
+        if self.min_workers is not None and not (_is_int(self.min_workers) and self.min_workers >= 1):
+            raise ConfigError(f"RestartStrategy.min_workers must be an integer >= 1 or None, got {self.min_workers!r}; "
+                              "None keeps the job's parallelism on every restart")
 
     def delay_before(self, restart: int) -> float:
         """Seconds to wait before restart number ``restart`` (1-based)."""

@@ -6,6 +6,8 @@ server (moto) as the storage every host shares.
 
     scripts/cluster up [--hosts N] [--netns] [--dir D]   # prints the master URL and S3 endpoint
     scripts/cluster status [--dir D]
+    scripts/cluster kill-host N [--dir D]                 # lose host N: SIGKILL all its processes
+    scripts/cluster revive-host N [--dir D]               # start host N's worker again
     scripts/cluster down [--dir D]                        # stops exactly what `up` started
 
 Everything runs from the installed pyspark (``SPARK_HOME`` is its package directory; the
@@ -239,11 +241,8 @@ def _up(state: dict, hosts: int, cores: int, memory: str, base_env: dict) -> Non
     state["host_address"] = host_addr
     state["driver_host"] = host_addr
 
-    home = Path(state["spark_home"])
-    spark_class = str(home / "bin" / "spark-class")
-    env = dict(base_env)
-    env.update({"SPARK_HOME": str(home), "PYSPARK_PYTHON": sys.executable, "SPARK_DAEMON_MEMORY": "256m",
-                "SPARK_LOG_DIR": str(Path(state["dir"]) / "logs"), "SPARK_CONF_DIR": str(Path(state["dir"]) / "conf")})
+    spark_class = str(Path(state["spark_home"]) / "bin" / "spark-class")
+    env = _daemon_env(state, base_env)
     (Path(state["dir"]) / "conf").mkdir(exist_ok=True)
 
     # the S3 API server: the storage every host shares
@@ -260,29 +259,67 @@ def _up(state: dict, hosts: int, cores: int, memory: str, base_env: dict) -> Non
     _wait_until("the master's web UI", lambda: _master_json(state).get("status") == "ALIVE", state)
 
     for i, host in enumerate(state["hosts"]):
-        addr = host["address"]
-        if host["namespace"]:
-            port, wui = 7078, 8081  # a fresh namespace: every port is free
-        else:
-            port, wui = _free_port(addr), _free_port(addr)
-        work = Path(state["dir"]) / f"work-{i}"
-        work.mkdir(exist_ok=True)
-        _spawn(state, f"worker{i}", [spark_class, "org.apache.spark.deploy.worker.Worker", "--host", addr,
-                                     "--port", str(port), "--webui-port", str(wui), "--cores", str(cores),
-                                     "--memory", memory, "--work-dir", str(work), state["master_url"]],
-               dict(env, SPARK_LOCAL_IP=addr), namespace=host["namespace"])
-        host["worker"] = f"worker{i}"
-        host["cores"] = cores
+        host["cores"], host["memory"] = cores, memory
+        _start_worker(state, i, f"worker{i}", env)
     state["cores"] = cores * len(state["hosts"])
     _write_state(state)
-
-    def all_registered() -> bool:
-        info = _master_json(state)
-        return sum(1 for w in info.get("workers", []) if w.get("state") == "ALIVE") >= len(state["hosts"])
-
-    _wait_until(f"{len(state['hosts'])} worker(s) registered with the master", all_registered, state)
+    _wait_until(f"{len(state['hosts'])} worker(s) registered with the master",
+                lambda: _alive_workers(state) >= len(state["hosts"]), state)
     _wait_until("the S3 server", lambda: urllib.request.urlopen(state["s3_endpoint"], timeout=2).status < 500, state)
     _write_state(state)
+
+
+def _daemon_env(state: dict, base_env: dict) -> dict:
+    env = dict(base_env)
+    env.update({"SPARK_HOME": state["spark_home"], "PYSPARK_PYTHON": sys.executable, "SPARK_DAEMON_MEMORY": "256m",
+                "SPARK_LOG_DIR": str(Path(state["dir"]) / "logs"), "SPARK_CONF_DIR": str(Path(state["dir"]) / "conf")})
+    return env
+
+
+def _start_worker(state: dict, i: int, name: str, env: dict) -> None:
+    """Start host ``i``'s Spark worker JVM (named ``name`` in the state file)."""
+    host = state["hosts"][i]
+    addr = host["address"]
+    if host["namespace"]:
+        port, wui = 7078, 8081  # a namespace of its own: these ports are free (its old worker is gone)
+    else:
+        port, wui = _free_port(addr), _free_port(addr)
+    work = Path(state["dir"]) / f"work-{i}"
+    work.mkdir(exist_ok=True)
+    spark_class = str(Path(state["spark_home"]) / "bin" / "spark-class")
+    _spawn(state, name, [spark_class, "org.apache.spark.deploy.worker.Worker", "--host", addr,
+                         "--port", str(port), "--webui-port", str(wui), "--cores", str(host["cores"]),
+                         "--memory", host["memory"], "--work-dir", str(work), state["master_url"]],
+           dict(env, SPARK_LOCAL_IP=addr), namespace=host["namespace"])
+    host["worker"] = name
+    _write_state(state)
+
+
+def _alive_workers(state: dict) -> int:
+    return sum(1 for w in _master_json(state).get("workers", []) if w.get("state") == "ALIVE")
+
+
+def revive_host(state: dict, host: int, timeout: float = READY_TIMEOUT_S) -> None:
+    """Bring a host lost with :func:`kill_host` back: a new worker JVM on its address (in its
+    namespace), waited for until the master counts it ALIVE again."""
+    if alive(state["processes"][state["hosts"][host]["worker"]]):
+        raise ClusterError(f"host {host} is up (its worker runs); kill_host it first")
+    before = _alive_workers(state)
+    generation = sum(1 for name in state["processes"] if name.startswith(f"worker{host}"))
+    _start_worker(state, host, f"worker{host}-{generation}", _daemon_env(state, dict(os.environ)))
+    # the killed daemons stay recorded (down skips the dead ones); wait for the new one only
+    new = state["processes"][state["hosts"][host]["worker"]]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive(new):
+            raise ClusterError(f"the revived worker of host {host} exited; see its log {new['log']}")
+        try:
+            if _alive_workers(state) > before:
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.3)
+    raise ClusterError(f"the revived worker of host {host} did not register within {timeout:.0f} s; see {new['log']}")
 
 
 def _signal_group(proc: dict, sig: int) -> None:
@@ -421,11 +458,25 @@ def main(argv: list[str] | None = None) -> int:
     p_up.add_argument("--netns", action="store_true", help="each worker in its own network namespace (root)")
     p_up.add_argument("--cores", type=int, default=1, help="cores per worker (default 1)")
     p_up.add_argument("--memory", default="1g", help="memory per worker for its executors (default 1g)")
+    p_kill = sub.add_parser("kill-host", help="lose a host at once: SIGKILL every process of it")
+    p_revive = sub.add_parser("revive-host", help="start a lost host's worker again")
+    for p in (p_kill, p_revive):
+        p.add_argument("host", type=int, help="the host's number (0-based, as 'up' lists them)")
     for p in (p_up, sub.add_parser("down", help="stop what 'up' started"),
-              sub.add_parser("status", help="show what runs")):
+              sub.add_parser("status", help="show what runs"), p_kill, p_revive):
         p.add_argument("--dir", default=DEFAULT_DIR, help=f"state and logs directory (default {DEFAULT_DIR})")
     args = parser.parse_args(argv)
     try:
+        if args.command in ("kill-host", "revive-host"):
+            state = _read_state(args.dir)
+            if not 0 <= args.host < len(state["hosts"]):
+                raise ClusterError(f"no host {args.host}: the cluster has hosts 0..{len(state['hosts']) - 1}")
+            if args.command == "kill-host":
+                print(f"killed {len(kill_host(state, args.host))} process(es) of host {args.host}")
+            else:
+                revive_host(state, args.host)
+                print(f"host {args.host} is back: its worker registered with the master")
+            return 0
         if args.command == "up":
             state = up(args.hosts, args.netns, args.dir, args.cores, args.memory)
             print(f"master      {state['master_url']}  (web UI {state['master_ui']})")

@@ -13,8 +13,9 @@ snapshot tools and the data source on the root ``same`` wrote, offline ``savepoi
 abs worker process killed with SIGKILL after a checkpoint, then a Spark executor JVM killed
 with SIGKILL in the restarted attempt), ``microbatch`` (a file stream through
 ``SparkMicroBatchSource`` staged on S3, an executor JVM killed mid-stream), ``kill-host``
-(every process of a host running an abs worker killed: the job goes on on the others; last,
-as the host stays lost).
+(every process of a host running an abs worker killed: the job goes on on the others; the
+host stays lost), ``shrink`` (after kill-host: a job of two workers loses one of the two hosts
+left, goes on with one worker, and rescales back to two once the host is revived).
 
 The job's functions live in this file, run as ``__main__``: cloudpickle ships them by value.
 """
@@ -268,6 +269,58 @@ def run_tools(spark, state: dict, root: str, options: dict) -> dict:
     return out
 
 
+def _wait(what: str, ready, handle: abs.JobHandle, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if handle.metrics()["status"] in ("FAILED", "CANCELED", "FINISHED"):
+            raise RuntimeError(f"{what}: the job ended first: {handle.wait(timeout=10)}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: not within {timeout:.0f} s")
+        time.sleep(0.1)
+
+
+def run_shrink(spark, state: dict, root: str, options: dict, work: Path) -> dict:
+    """After kill-host (two hosts left): a job of two workers, one host of them lost; the
+    restart finds one slot and goes on with one worker (RestartStrategy.min_workers=1); the
+    lost host comes back and the job rescales back to two workers, live."""
+    cluster = _cluster_module()
+    gate = work / "go-on"
+    sink_dir = f"{root}/out"
+    flow = abs.Dataflow("cluster-shrink", max_parallelism=32)
+    # every split waits at 3,000 of its 5,000 records until the gate opens: the job runs
+    # while the host is lost, the restart shrinks it and the host comes back
+    src = PacedSource(abs.GeneratorSource(TOTAL, num_keys=KEYS, num_splits=6, batch_size=250), 500,
+                      hold_per_split=3_000, gate=str(gate))
+    flow.source("src", src).key_by("key").process("count", count_fn, state=[abs.ValueState("n", pa.int64())]) \
+        .sink("out", FileSink(sink_dir, format="parquet", storage_options=options))
+    handle = abs.submit(flow, executor=abs.SparkExecutor(spark, num_workers=2, slot_wait=10.0),
+                        checkpoint=abs.CheckpointConfig(interval=0.3, retained=3), storage=f"{root}/snap",
+                        storage_options=options,
+                        restart=abs.RestartStrategy(max_restarts=2, delay=0.5, min_workers=1))
+    out: dict = {}
+    try:
+        _wait("a first checkpoint", lambda: (handle.metrics()["last_checkpoint"] or 0) >= 1, handle)
+        hosts = cluster.abs_worker_hosts(state)
+        out["killed_host"] = hosts[-1] if hosts else None
+        out["killed"] = cluster.kill_host(state, hosts[-1]) if hosts else []
+        _wait("the restart with one worker", lambda: len(handle.metrics()["restarts"]) >= 1
+              and handle.metrics()["status"] == "RUNNING", handle)
+        out["workers_after_restart"] = handle.metrics()["workers"]
+        t0 = time.monotonic()
+        cluster.revive_host(state, out["killed_host"])
+        _wait("the live rescale back to two workers", lambda: any(
+            r.kind == "rescale" and r.status == "COMPLETED" for r in handle.reconfigurations()), handle)
+        out["rescaled_back_s"] = round(time.monotonic() - t0, 1)
+        out["workers_after_rescale"] = handle.metrics()["workers"]
+    finally:
+        gate.write_text("")
+    result = handle.wait(timeout=300)
+    out.update(status=result.status, parallelism=result.parallelism,
+               restarts=[{k: str(v)[:300] for k, v in r.items()} for r in result.restarts],
+               spark=per_key_counts(read_output(sink_dir, "parquet", storage_options=options)))
+    return out
+
+
 def run_scenario(spark, state: dict, scenario: str, work: Path) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     root, options = storage(state)
@@ -334,8 +387,10 @@ def run_scenario(spark, state: dict, scenario: str, work: Path) -> dict:
         out.update(status=result.status, restarts=[str(r.get("error", r))[:300] for r in result.restarts],
                    restored_from=[r.get("restored_from") for r in result.restarts],
                    spark=per_key_counts(read_output(sink_dir, "parquet", storage_options=options)))
+    elif scenario == "shrink":
+        out.update(run_shrink(spark, state, root, options, work))
     else:
-        raise SystemExit(f"unknown scenario {scenario!r}: same, tools, failover, microbatch or kill-host")
+        raise SystemExit(f"unknown scenario {scenario!r}: same, tools, failover, microbatch, kill-host or shrink")
     out["seconds"] = round(time.monotonic() - t0, 1)
     return out
 

@@ -20,6 +20,9 @@ scenario): a process holds one SparkContext, and the rest of the suite shares a 
   the cluster's executors, counted on the cluster's workers, stays exactly-once across an
   executor JVM killed mid-stream;
 - a whole host lost (every process of it killed): the job restores on the two others, exact;
+- then a job of two workers on the two hosts left loses one of them: it restarts with one
+  worker (``RestartStrategy(min_workers=1)``), and once the host is started again it rescales
+  back to two workers while it runs, exact;
 - on the S3 root the counting job wrote: ``abs-snapshot ls/show/verify``, the ``abs-snapshot``
   data source (its checkpoints table and the state, read by several tasks), offline
   ``savepoint --spark`` and ``rekey --spark`` with the cluster's master (their state checked
@@ -42,7 +45,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 # the first test also starts the cluster and runs the driver's scenarios (module fixtures)
-pytestmark = [pytest.mark.integration, pytest.mark.cluster, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.cluster, pytest.mark.timeout(720)]
 
 TOTAL, KEYS = 30_000, 250  # as in tests/cluster_job.py
 EXPECTED = {str(k): list(range(1, n + 1)) for k, n in collections.Counter((np.arange(TOTAL) % KEYS).tolist()).items()}
@@ -91,8 +94,9 @@ def cluster(tmp_path_factory, request) -> Iterator[dict]:
             assert not [ns for ns in state["namespaces"] if ns in names], "scripts/cluster down left a namespace"
 
 
-# tools right after same (it reads the root same wrote); kill-host last: the host stays lost
-SCENARIOS = ("same", "tools", "failover", "microbatch", "kill-host")
+# tools right after same (it reads the root same wrote); kill-host late: the host stays lost;
+# shrink after it (two hosts left: losing one leaves one slot)
+SCENARIOS = ("same", "tools", "failover", "microbatch", "kill-host", "shrink")
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +109,7 @@ def driver(cluster, tmp_path_factory) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p)
     with open(work / "driver.log", "wb") as log:
         proc = subprocess.run([sys.executable, str(HERE / "cluster_job.py"), str(state_file), str(work), *SCENARIOS],
-                              stdout=log, stderr=subprocess.STDOUT, env=env, timeout=480)
+                              stdout=log, stderr=subprocess.STDOUT, env=env, timeout=600)
     results = json.loads((work / "result.json").read_text()) if (work / "result.json").exists() else {}
     results["_log"] = (work / "driver.log").read_text(errors="replace")[-3000:]
     results["_returncode"] = proc.returncode
@@ -212,6 +216,20 @@ def test_a_whole_host_lost_mid_job_recovers_on_the_remaining_hosts_with_exact_ou
     assert result["status"] == "FINISHED"
     assert len(result["restarts"]) == 1, result["restarts"]
     assert result["restored_from"][0] >= result["killed_after_checkpoint"] >= 1
+    assert result["spark"] == EXPECTED
+
+
+def test_a_lost_host_whose_slots_do_not_come_back_leaves_the_job_on_fewer_workers_then_it_rescales_back(driver):
+    # after kill-host two one-core hosts are left; the job's two workers run on both; one
+    # host is lost: the restart waits slot_wait for two slots, finds one and goes on with
+    # one worker (min_workers=1); the host is started again, its executor registers, and the
+    # driver rescales the job back to two workers while it runs
+    result = result_of(driver, "shrink")
+    assert result["killed"], "a host runs an abs worker"
+    assert result["workers_after_restart"] == 1, result
+    assert result["workers_after_rescale"] == 2, result
+    assert result["status"] == "FINISHED" and result["parallelism"] == 2, result
+    assert len(result["restarts"]) == 1 and result["restarts"][0]["workers"] == "1", result["restarts"]
     assert result["spark"] == EXPECTED
 
 

@@ -44,6 +44,7 @@ from .executors import LocalExecutor
 from .failures import should_restart
 from .plan import compile_plan
 from .autoscaling import Autoscaling
+from .capacity import Capacity
 from .reconfigure import LiveReconfiguration
 from .restore import check_restore_option
 from .restore_setup import RESTORE_WORDS, RestoreSetup, RestoreState
@@ -72,7 +73,7 @@ class _Attempt:
     trigger_times: dict = dataclasses.field(default_factory=dict)
 
 
-class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfiguration, Autoscaling):
+class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfiguration, Autoscaling, Capacity):
     """One job: its attempts, their message loops, its checkpoints' commits."""
 
     def __init__(
@@ -175,6 +176,10 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
         self.clock: Callable[[], float] = time.monotonic  # the loop's time (the coordinator's too)
         self._reconfig_init()
         self._autoscale_init(autoscale)
+        self._capacity_init()
+        if self.restart.min_workers is not None and self.restart.min_workers > parallelism:
+            raise ConfigError(f"RestartStrategy.min_workers={self.restart.min_workers} is more than the job's "
+                              f"parallelism {parallelism}; pass at most {parallelism}")
 
     def _spec(self, restore_info: dict, attempt: int = 0) -> WorkerSpec:
         return WorkerSpec(
@@ -203,6 +208,7 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
             conns: dict[int, Any] = {}
             try:
                 self._attempt = attempt
+                self._capacity_attempt(attempt)
                 first_id, restore_info = self._open_storage()
                 spec = self._spec(restore_info, attempt)
                 assignments = self._assignments(restore_info)
@@ -317,6 +323,7 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
             self._serve_requests(run)
             self._rescale_tick(run)
             self._autoscale_tick(run)
+            self._capacity_tick(run)
             if self._after_round(run):
                 return
 
@@ -470,6 +477,8 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
                 raise _Canceled()
             if isinstance(req, m.ReconfigRequest):
                 self._serve_reconfig(run, req)
+                if req.kind == "rescale" and self._reconf is not None and self._reconf_reply is req.reply:
+                    self.wanted_workers = req.args[0]  # the user's parallelism from now on
                 continue
             if not isinstance(req, m.CheckpointRequest):
                 raise m.unexpected(req, f"job {self.flow.name!r}: the driver", "its JobHandle")

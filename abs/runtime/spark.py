@@ -359,6 +359,11 @@ class SparkExecutor:
         problem = None if self._driver_host else driver_address_problem(self.sc.master, self.driver_host())
         if problem is not None:
             raise ConfigError(f"SparkExecutor: {problem}")
+        self._check_slots(parallelism, wait)
+
+    def _check_slots(self, parallelism: int, wait: bool) -> None:
+        """Refuse a stage of ``parallelism`` tasks the cluster has no free slots for, naming
+        the numbers (on a cluster, after waiting ``slot_wait`` s when ``wait``)."""
         total, free = free_task_slots(self.sc)
         cap = None if self.local_master else _max_slots(self.sc)
         if parallelism > free and wait and not self.local_master:
@@ -381,12 +386,19 @@ class SparkExecutor:
                 f"parallelism, free slots, or give Spark more cores/executors ({hint}); {waited}"
             )
 
+    def available_workers(self, wanted: int) -> tuple[int, str]:
+        """How many of ``wanted`` workers can start now (a restart that may go on with fewer:
+        ``RestartStrategy.min_workers``), after waiting up to ``slot_wait`` s for all of them;
+        and a description of the slots for the log."""
+        total, free = self._wait_for_slots(wanted, self.slot_wait)
+        return min(free, wanted), f"the Spark cluster ({self.sc.master}) has {free} free task slot(s) of {total}"
+
     def launch_all(self, boots: list[dict], job_name: str) -> list[_SparkWorker]:
         """Submit the barrier stage; one handle per worker."""
         # after a failure, the tasks of the previous stage may take a moment to be reaped (and
         # on a cluster, a lost executor to be started again): wait for slots before refusing
         self._wait_for_slots(len(boots), self.slot_wait)
-        self.check(len(boots), None, wait=False)
+        self._check_slots(len(boots), wait=False)  # a restart may run fewer (RestartStrategy.min_workers)
         if self.local_master:
             # the same machine: workers import user code the way the driver does (on a
             # cluster, ship it with --py-files / SparkContext.addPyFile like any PySpark code)

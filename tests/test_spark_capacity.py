@@ -1,0 +1,127 @@
+"""Running on the slots there are (``RestartStrategy.min_workers``) on a real local Spark
+master (``local[4]``): a worker killed while another Spark job waits for slots; the restart
+finds fewer than the job's three slots free, goes on with fewer workers from the latest
+checkpoint, and once the other job ends the driver rescales the job back to three, live;
+the output is exact. Without the option the same restart would wait for all three slots."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import abs
+from abs.connectors.file_sink import FileSink, read_output
+from pacing import PacedSource
+from storage import SnapshotStore
+from test_spark_executor import EXPECTED, KEYS, TOTAL, count_fn, per_key_counts
+
+import pyarrow as pa
+
+pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.timeout(300)]
+
+
+def _wait(what: str, ready, handle, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if handle.metrics()["status"] in ("FAILED", "CANCELED", "FINISHED"):
+            raise AssertionError(f"{what}: the job ended first: {handle.wait(timeout=10)}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:.0f} s")
+        time.sleep(0.05)
+
+
+def _abs_workers() -> list[int]:
+    """Pids of abs worker processes below this process (the Spark tasks' children)."""
+    parents: dict[int, int] = {}
+    commands: dict[int, bytes] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                parents[int(entry)] = int(f.read().rsplit(b")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                commands[int(entry)] = f.read()
+        except OSError:
+            continue
+
+    def below_us(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == os.getpid():
+                return True
+        return False
+
+    workers = {p for p, cmd in commands.items() if b"abs.runtime.worker_main" in cmd and below_us(p)}
+    return sorted(p for p in workers if parents.get(p) not in workers)  # not their writer processes
+
+
+def _hold_slots(spark, tasks: int, flag: Path, started: Path) -> threading.Thread:
+    """Another Spark job of ``tasks`` tasks, each holding its slot while ``flag`` exists."""
+    def body(i):
+        import os as _os
+        import time as _time
+        open(_os.path.join(str(started), f"task-{i}"), "w").close()
+        while _os.path.exists(str(flag)):
+            _time.sleep(0.05)
+
+    thread = threading.Thread(target=lambda: spark.sparkContext.parallelize(range(tasks), tasks).foreach(body),
+                              daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_restart_without_enough_slots_goes_on_with_fewer_workers_and_rescales_back_when_they_free(spark, tmp_path):
+    gate, flag, started = tmp_path / "go-on", tmp_path / "hold", tmp_path / "started"
+    flag.write_text("")
+    started.mkdir()
+    flow = abs.Dataflow("spark-capacity")
+    # every split waits at 3,000 of its 5,000 records until the gate opens: the job is
+    # certainly running while slots are taken, freed and the job rescales
+    src = PacedSource(abs.GeneratorSource(TOTAL, num_keys=KEYS, num_splits=6, batch_size=250), 1_000,
+                      hold_per_split=3_000, gate=str(gate))
+    flow.source("src", src).key_by("key").process("count", count_fn, state=[abs.ValueState("n", pa.int64())]) \
+        .sink("out", FileSink(str(tmp_path / "out"), format="parquet"))
+    handle = abs.submit(flow, executor=abs.SparkExecutor(spark, num_workers=3, slot_wait=3.0),
+                        checkpoint=abs.CheckpointConfig(interval=0.2, retained=3), storage=str(tmp_path / "snap"),
+                        restart=abs.RestartStrategy(max_restarts=2, delay=0.1, min_workers=1))
+    try:
+        _wait("a first checkpoint", lambda: (handle.metrics()["last_checkpoint"] or 0) >= 1, handle)
+        assert handle.metrics()["workers"] == 3
+        # the fourth slot is taken by another job; its second task waits for a slot
+        holder = _hold_slots(spark, 2, flag, started)
+        _wait("the other job's first task", lambda: len(os.listdir(started)) >= 1, handle)
+        os.kill(_abs_workers()[-1], signal.SIGKILL)  # the stage fails; the waiting task takes a freed slot
+        _wait("the restart with fewer workers",
+              lambda: len(handle.metrics()["restarts"]) >= 1
+              and handle.metrics()["status"] == "RUNNING" and handle.metrics()["workers"] < 3, handle)
+        reduced = handle.metrics()["workers"]
+        flag.unlink()  # the other job ends: its slots are free again
+        holder.join(60)
+        _wait("the live rescale back to three workers",
+              lambda: any(r.kind == "rescale" and r.status == "COMPLETED" for r in handle.reconfigurations()), handle)
+        assert handle.metrics()["workers"] == 3
+    finally:
+        gate.write_text("")
+        if flag.exists():
+            flag.unlink()
+    result = handle.wait(timeout=240)
+    assert result.status == "FINISHED"
+    assert len(result.restarts) == 1, result.restarts
+    assert result.restarts[0]["workers"] == reduced < 3
+    assert result.parallelism == 3
+    assert per_key_counts(read_output(str(tmp_path / "out"), "parquet")) == EXPECTED
+    assert SnapshotStore.open(str(tmp_path / "snap")).verify().ok
+
+
+def test_min_workers_is_checked():
+    with pytest.raises(abs.ConfigError, match="min_workers must be an integer >= 1"):
+        abs.RestartStrategy(min_workers=0)
+    flow = abs.Dataflow("f")
+    flow.source("s", abs.GeneratorSource(10, num_keys=2)).sink("out", abs.CollectSink())
+    with pytest.raises(abs.ConfigError, match=r"min_workers=3 is more than the job's parallelism 2"):
+        abs.run(flow, parallelism=2, restart=abs.RestartStrategy(max_restarts=1, min_workers=3))
