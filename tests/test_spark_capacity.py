@@ -16,6 +16,7 @@ import pytest
 import abs
 from abs.connectors.file_sink import FileSink, read_output
 from pacing import PacedSource
+from processes import abs_workers
 from storage import SnapshotStore
 from test_spark_executor import EXPECTED, KEYS, TOTAL, count_fn, per_key_counts
 
@@ -32,32 +33,6 @@ def _wait(what: str, ready, handle, timeout: float = 120.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout:.0f} s")
         time.sleep(0.05)
-
-
-def _abs_workers() -> list[int]:
-    """Pids of abs worker processes below this process (the Spark tasks' children)."""
-    parents: dict[int, int] = {}
-    commands: dict[int, bytes] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                parents[int(entry)] = int(f.read().rsplit(b")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                commands[int(entry)] = f.read()
-        except OSError:
-            continue
-
-    def below_us(pid: int) -> bool:
-        while pid > 1:
-            pid = parents.get(pid, 0)
-            if pid == os.getpid():
-                return True
-        return False
-
-    workers = {p for p, cmd in commands.items() if b"abs.runtime.worker_main" in cmd and below_us(p)}
-    return sorted(p for p in workers if parents.get(p) not in workers)  # not their writer processes
 
 
 def _hold_slots(spark, tasks: int, flag: Path, started: Path) -> threading.Thread:
@@ -95,7 +70,7 @@ def test_a_restart_without_enough_slots_goes_on_with_fewer_workers_and_rescales_
         # the fourth slot is taken by another job; its second task waits for a slot
         holder = _hold_slots(spark, 2, flag, started)
         _wait("the other job's first task", lambda: len(os.listdir(started)) >= 1, handle)
-        os.kill(_abs_workers()[-1], signal.SIGKILL)  # the stage fails; the waiting task takes a freed slot
+        os.kill(abs_workers()[-1], signal.SIGKILL)  # the stage fails; the waiting task takes a freed slot
         _wait("the restart with fewer workers",
               lambda: len(handle.metrics()["restarts"]) >= 1
               and handle.metrics()["status"] == "RUNNING" and handle.metrics()["workers"] < 3, handle)
