@@ -2,7 +2,7 @@
 behave exactly like the dict-based KeyedStateBackend path (emitted updates, captured deltas
 under any capture/confirm/abort sequence, table encoding), snapshots must restore across the
 two paths, results must match pyarrow's group_by (nulls, NaN), and other keys must take the
-dict path."""
+dict path. String and binary keys on the columnar path: tests/test_aggregate_strings.py."""
 from __future__ import annotations
 
 import math
@@ -116,14 +116,14 @@ INT_VALUES = st.one_of(st.none(), st.integers(-50, 50))
 FLOAT_VALUES = st.one_of(st.none(), st.just(float("nan")), st.integers(-40, 40).map(lambda i: i / 2))
 
 
-def batches_of(values):
-    return st.lists(st.tuples(st.sampled_from(POOL), values), max_size=30)
+def batches_of(values, pool=POOL):
+    return st.lists(st.tuples(st.sampled_from(pool), values), max_size=30)
 
 
-def op_sequences(values):
+def op_sequences(values, pool=POOL):
     return st.lists(
         st.one_of(
-            st.tuples(st.just("batch"), batches_of(values)),
+            st.tuples(st.just("batch"), batches_of(values, pool)),
             st.tuples(st.just("capture"), st.booleans(), st.integers(1, 2)),
             st.tuples(st.just("full"), st.integers(1, 2)),
             st.tuples(st.just("confirm"), st.integers(0, 4)),
@@ -133,7 +133,7 @@ def op_sequences(values):
     )
 
 
-def run_both(ops, aggs, value_type, col, arrow_value_type):
+def run_both(ops, aggs, value_type, col, arrow_value_type, key_type=pa.int64()):
     col_op = make_op(aggs, value_type=value_type)
     dict_op = make_op(aggs, columnar=False, value_type=value_type)
     assert col_op.backend.columnar is not None and dict_op.backend.columnar is None
@@ -144,7 +144,7 @@ def run_both(ops, aggs, value_type, col, arrow_value_type):
         if kind == "batch":
             keys = [k for k, _ in step[1]]
             vals = [v for _, v in step[1]]
-            b = batch(keys, vals, value_type=arrow_value_type, col=col)
+            b = batch(keys, vals, key_type=key_type, value_type=arrow_value_type, col=col)
             got = feed(col_op, b)
             assert rows_of(got) == rows_of(feed(dict_op, b))
             if got is not None:  # one row per distinct key, in order of first appearance
@@ -419,21 +419,31 @@ def test_int64_sum_that_could_wrap_is_refused():
 # ----------------------------------------------------------------------------- restore
 
 
-def random_batches(seed, n=12, keys=60):
+def string_key(k: int) -> str:
+    """A string key for ``k``: short ones (exact codes in the store's index) and long ones
+    (hashed codes)."""
+    return f"k{k}" if k % 2 else f"customer-{k:+06d}"
+
+
+def random_batches(seed, n=12, keys=60, strings=False):
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
         size = int(rng.integers(1, 80))
         ks = rng.integers(-keys // 2, keys // 2, size).tolist()
         vs = [None if x < -40 else int(x) for x in rng.integers(-50, 50, size)]
-        out.append(batch(ks, vs))
+        if strings:
+            out.append(batch([string_key(k) for k in ks], vs, key_type=pa.string()))
+        else:
+            out.append(batch(ks, vs))
     return out
 
 
+@pytest.mark.parametrize("strings", [False, True], ids=["int keys", "string keys"])
 @pytest.mark.parametrize("src_columnar,dst_columnar", [(True, False), (False, True), (True, True), (False, False)])
-def test_restore_round_trip_between_paths(src_columnar, dst_columnar):
+def test_restore_round_trip_between_paths(src_columnar, dst_columnar, strings):
     src = make_op(columnar=src_columnar)
-    for b in random_batches(1):
+    for b in random_batches(1, strings=strings):
         feed(src, b)
     snap = src.backend.capture_full(1)
     for p in (1, 2):  # also split over two subtasks
@@ -450,7 +460,7 @@ def test_restore_round_trip_between_paths(src_columnar, dst_columnar):
         for state, by_kg in snap.items():
             for kg, table in by_kg.items():
                 live.backend.restore(state, kg, table)
-        for b in random_batches(2):
+        for b in random_batches(2, strings=strings):
             routed = []
             for dst in dsts:
                 g = key_groups(b.column("k"), M)
@@ -503,12 +513,13 @@ def test_restore_checks_like_the_dict_backend():
     assert op.backend.columnar is not None
 
 
-def test_incremental_checkpoints_through_the_snapshot_store_restore_into_both_paths(tmp_path):
+@pytest.mark.parametrize("strings", [False, True], ids=["int keys", "string keys"])
+def test_incremental_checkpoints_through_the_snapshot_store_restore_into_both_paths(tmp_path, strings):
     store = SnapshotStore.open(str(tmp_path))
     store.init_job({"job_name": "agg-test", "max_parallelism": M})
     op = make_op(emit="none")
     cid = 0
-    for i, b in enumerate(random_batches(7, n=20)):
+    for i, b in enumerate(random_batches(7, n=20, strings=strings)):
         feed(op, b)
         if i % 3 == 2:
             cid += 1
@@ -535,11 +546,12 @@ def test_incremental_checkpoints_through_the_snapshot_store_restore_into_both_pa
             assert dict(restored.backend.items(state)) == live
 
 
-def test_snapshot_after_restore_is_consistent_with_the_live_operator(tmp_path):
+@pytest.mark.parametrize("strings", [False, True], ids=["int keys", "string keys"])
+def test_snapshot_after_restore_is_consistent_with_the_live_operator(tmp_path, strings):
     store = SnapshotStore.open(str(tmp_path))
     store.init_job({"job_name": "agg-test", "max_parallelism": M})
     op = make_op(emit="none")
-    batches = random_batches(11, n=10)
+    batches = random_batches(11, n=10, strings=strings)
     chains = {s: {} for s in op.confirmed_chains}
     for cid, b in enumerate(batches, start=1):
         feed(op, b)
@@ -560,8 +572,8 @@ def test_snapshot_after_restore_is_consistent_with_the_live_operator(tmp_path):
 # ----------------------------------------------------------------------------- fallback
 
 
-def test_string_keys_take_the_dict_path():
-    op = make_op({"s": ("v", "sum"), "avg": ("v", "mean")})
+def test_string_keys_on_the_dict_path_write_string_key_columns():
+    op = make_op({"s": ("v", "sum"), "avg": ("v", "mean")}, columnar=False)
     out = feed(op, batch(["a", "b", "a"], [1, 2, 3], key_type=pa.string()))
     assert op.backend.columnar is None
     assert out.column("key").to_pylist() == ["a", "b"]
@@ -590,7 +602,7 @@ def test_string_keys_fold_like_int_keys_with_nulls_nan_and_new_keys():
     rng = np.random.default_rng(11)
     for aggs, col, vtype in ((INT_AGGS, "v", pa.int64()), (FLOAT_AGGS, "f", pa.float64())):
         value_type = pa.float64() if col == "f" else pa.int64()
-        by_str = make_op(aggs, value_type=value_type)
+        by_str = make_op(aggs, value_type=value_type, columnar=False)  # the dict path's fold
         by_int = make_op(aggs, value_type=value_type)
         for i in range(15):
             size = int(rng.integers(1, 90))
@@ -611,7 +623,7 @@ def test_string_keys_fold_like_int_keys_with_nulls_nan_and_new_keys():
 
 
 def test_string_keyed_sums_near_the_int64_limit_merge_key_by_key_and_fail_past_it():
-    op = make_op({"s": ("v", "sum")}, emit="none")
+    op = make_op({"s": ("v", "sum")}, emit="none", columnar=False)
     feed(op, batch(["a", "b"], [2**62, 2**62], key_type=pa.string()))
     feed(op, batch(["a", "c"], [2**61, 5], key_type=pa.string()))  # past 2**62: key by key, exact
     assert dict(op.backend.items("s")) == {"a": 3 * 2**61, "b": 2**62, "c": 5}
@@ -619,14 +631,16 @@ def test_string_keyed_sums_near_the_int64_limit_merge_key_by_key_and_fail_past_i
         feed(op, batch(["a"], [2**62], key_type=pa.string()))
 
 
-def test_restoring_string_keyed_state_moves_to_the_dict_path():
+def test_restoring_string_keyed_state_into_an_int_keyed_store_moves_to_the_dict_path():
     src = make_op({"s": ("v", "sum")})
     feed(src, batch(["x", "y"], [1, 2], key_type=pa.string()))
+    assert src.backend.columnar is not None  # string keys stay columnar
     dst = make_op({"s": ("v", "sum")})
+    feed(dst, batch([7], [3]))
     for kg, t in src.backend.capture_full(1)["s"].items():
         dst.backend.restore("s", kg, t)
     assert dst.backend.columnar is None
-    assert dict(dst.backend.items("s")) == {"x": 1, "y": 2}
+    assert dict(dst.backend.items("s")) == {"x": 1, "y": 2, 7: 3}
 
 
 @pytest.mark.parametrize("second", ["string", "null", "huge_uint64"])

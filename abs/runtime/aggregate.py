@@ -1,12 +1,14 @@
 """The vectorized keyed aggregate (``KeyedStream.aggregate``): the per-batch logic of
 :class:`abs.runtime.operators.AggregateOp`. Its state lives in an
 :class:`~abs.state.aggregate_backend.AggregateBackend`: the columnar store
-(:mod:`abs.state.columnar`) for integer keys, the dict backend for other keys.
+(:mod:`abs.state.columnar`) for integer, string and binary keys, the dict backend for other
+keys.
 
-Columnar path (the key column has an Arrow integer type)
-========================================================
+Columnar path (the key column has an Arrow integer, string or binary type)
+==========================================================================
 A batch is folded in without any group-by: every row is looked up (new keys are deduplicated
-with a sort and inserted), then ``np.add.at`` / ``np.minimum.at`` / ``np.maximum.at``
+with a sort and inserted; string and binary keys by an int64 code, see
+:meth:`~abs.state.columnar.ColumnarKeyedState.slots_for_var`), then ``np.add.at`` / ``np.minimum.at`` / ``np.maximum.at``
 (``np.fmin.at`` / ``np.fmax.at`` for floats: NaN is ignored unless a key only ever saw NaN,
 like Arrow's ``min``/``max``) fold the rows straight into the accumulators; null inputs are
 skipped (``count`` counts non-null values; a key whose inputs were all null holds a null
@@ -38,6 +40,7 @@ from ..state.aggregate_backend import AggregateBackend
 from ..state.columnar import ColumnarKeyedState, StateColumn, acc_dtype
 from ..state.dict_backend import KeyedStateBackend
 from ..state.keyindex import INT64_MAX, distinct_inverse, first_occurrences
+from ..state.varkeys import var_key_kind
 
 __all__ = ["Aggregator"]
 
@@ -81,6 +84,7 @@ class Aggregator:
         self.backend = AggregateBackend(dict_backend, inits, columnar)
         self._schema: pa.Schema | None = None
         self._columnar_schema = False
+        self._key_kind: str | None = None  # "int", "string", "binary" (None: other keys)
 
     # ------------------------------------------------------------------ schema checks
     def _check_schema(self, schema: pa.Schema) -> None:
@@ -103,7 +107,9 @@ class Aggregator:
                 f"operator {self.uid!r}: key column {self.key!r} is not in the stream "
                 f"(columns: {', '.join(schema.names)}); fix the key_by(...) column name"
             )
-        ok = pa.types.is_integer(schema.field(ki).type)
+        kt = schema.field(ki).type
+        self._key_kind = "int" if pa.types.is_integer(kt) else var_key_kind(kt)
+        ok = self._key_kind is not None
         for _s, col, fn in self.plan:
             t = schema.field(col).type
             if fn != "count" and not (pa.types.is_integer(t) or pa.types.is_floating(t)):
@@ -119,7 +125,10 @@ class Aggregator:
         backend = self.backend
         if backend.columnar is not None:
             keycol = batch.column(self.key)
-            if self._columnar_schema and not keycol.null_count:
+            kind = self._key_kind
+            if self._columnar_schema and not keycol.null_count and backend.columnar.takes(kind):
+                if kind != "int":
+                    return self._process_columnar(batch, keycol, None)
                 keys = keycol.to_numpy()
                 if keys.dtype != np.int64:
                     if keys.dtype == np.uint64 and keys.max() > INT64_MAX:
@@ -131,11 +140,12 @@ class Aggregator:
             backend.migrate_to_dict()
         return self._process_dict(batch)
 
-    def _process_columnar(self, batch: pa.RecordBatch, keycol: pa.Array, keys: np.ndarray) -> pa.RecordBatch | None:
+    def _process_columnar(self, batch: pa.RecordBatch, keycol: pa.Array, keys: np.ndarray | None) -> pa.RecordBatch | None:
+        """``keys``: the int64 keys, or None for string/binary keys (``keycol``)."""
         store = self.backend.columnar
         store.refresh_flags()
         n0 = store.n
-        slots = store.slots_for(keys)
+        slots = store.slots_for(keys) if keys is not None else store.slots_for_var(keycol)
         n1 = store.n
         # inputs per column: (rows with a value or None when all have one, their values)
         inputs: dict[str, tuple] = {}

@@ -261,8 +261,8 @@ class ReduceOp(KeyedOp):
 
 class AggregateOp(KeyedOp):
     """Vectorized keyed aggregation (``KeyedStream.aggregate``). The work is done by
-    :class:`abs.runtime.aggregate.Aggregator`: a columnar state store for integer keys, the
-    dict-based KeyedStateBackend for other keys. ``self.backend`` is its
+    :class:`abs.runtime.aggregate.Aggregator`: a columnar state store for integer, string and
+    binary keys, the dict-based KeyedStateBackend for other keys. ``self.backend`` is its
     :class:`~abs.state.AggregateBackend`, which KeyedOp's snapshot/restore use."""
 
     columnar = True  # False: always the dict path (tests compare the two)

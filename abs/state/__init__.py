@@ -11,7 +11,8 @@ Modules (one concept each; import the public names from ``abs.state``):
   :mod:`~abs.state.slots` (the storage of one state) and :mod:`~abs.state.handles` (what
   user code calls, per record);
 * :mod:`~abs.state.columnar`: :class:`ColumnarKeyedState`, the aggregate's columnar store for
-  int64 keys, with its key index :mod:`~abs.state.keyindex`;
+  int64, string or binary keys, with its key index :mod:`~abs.state.keyindex` and its string
+  keys :mod:`~abs.state.varkeys`;
 * :mod:`~abs.state.aggregate_backend`: :class:`AggregateBackend`, columnar while it fits, the
   dict backend after;
 * :mod:`~abs.state.capture`: the deltas a capture returns (encoded later);

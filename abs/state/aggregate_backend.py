@@ -4,9 +4,10 @@ fits, the dict backend (:mod:`abs.state.dict_backend`) after, behind one
 
 :class:`AggregateBackend` is what :class:`~abs.runtime.operators.KeyedOp` sees as
 ``self.backend`` of an aggregate. It starts columnar and migrates, once and for good, to the
-dict backend when a batch's key column is not an integer type, has nulls or holds uint64 keys
-beyond int64, when a value column is neither integer nor floating, or when a restored table is
-not an int64-keyed typed table. The migration keeps every value, and every key changed since
+dict backend when a batch's key column is neither an integer nor a string/binary type, has
+nulls, holds uint64 keys beyond int64 or keys of another kind than the store's (int, string,
+binary: a store holds one), when a value column is neither integer nor floating, or when a
+restored table does not fit the same way. The migration keeps every value, and every key changed since
 the last confirmed checkpoint stays dirty (later deltas may carry a few more keys than
 strictly needed, never fewer).
 """

@@ -256,7 +256,7 @@ class FrozenSlots:
             # views, not copies: a slot's key and key group never change once written (the
             # store only appends slots, and a grown array starts as a copy of the old one)
             self.kgs = store.kg[:n]
-            self.keys = store.keys[:n]
+            self.keys = store.key_rows[:n]
             self._by_kg = store.order_by_key_group
         else:
             sel = slots
@@ -266,7 +266,7 @@ class FrozenSlots:
             counts = np.bincount(store.kg[slots], minlength=len(store.kg_counts))
             self._complete = (counts == store.kg_counts) & (counts > 0)
             self.kgs = store.kg[sel].copy()
-            self.keys = store.keys[sel].copy()
+            self.keys = store.key_rows[sel].copy()
         # (None: every slot of the store is valid / present, nothing to copy)
         self.cols = [(c, c.values[sel].copy(), None if c.all_valid else c.valid[sel].copy(),
                       None if c.all_present else c.present[sel].copy()) for c in store.columns.values()]

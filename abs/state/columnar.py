@@ -1,8 +1,10 @@
-"""The columnar keyed-state backend of the vectorized aggregate, for int64 keys.
+"""The columnar keyed-state backend of the vectorized aggregate, for int64, string or binary
+keys (one kind per store, set by its first keys).
 
 Per subtask, :class:`ColumnarKeyedState` keeps every key of the operator in one *slot*:
 
-* ``keys`` (int64), ``kg`` (int16: the key group, computed once with
+* ``keys`` (int64: the key, or the code of a string/binary key, see below), ``kg`` (int16: the
+  key group, computed once with
   :func:`abs.keygroups.key_groups` when the key first arrives) and ``ver`` (int64: the epoch of
   the last change, 0 = never changed since restore) are numpy arrays indexed by slot, in
   insertion order, grown by doubling;
@@ -14,11 +16,18 @@ Per subtask, :class:`ColumnarKeyedState` keeps every key of the operator in one 
   an open-addressing hash index (linear probing, load <= 1/2, one ``(key, slot)`` row per
   position so a probe is one cache miss; all operations vectorized over a batch, new keys of a
   batch claim free positions with a write-then-check, rebuilds place every key at once from
-  the sorted home positions).
+  the sorted home positions);
+* string and binary keys: their bytes in ``var`` (:class:`~abs.state.varkeys.VarKeyStore`,
+  Arrow's layout in numpy arrays), and in ``keys`` an int64 code (:func:`~abs.state.varkeys.key_codes`:
+  a key of up to 7 bytes exactly, a longer one by a 63-bit hash) that the same index maps to a
+  slot. Where a code is a hash, one vectorized comparison of the batch's keys with the slots'
+  finds the rare rows whose key merely shares its code with another key; those alone go key by
+  key through ``collisions`` (:meth:`ColumnarKeyedState.slots_for_var`).
 
 Only value states of an integer or floating Arrow type fit (:func:`columnar_descriptors_ok`);
 the aggregate operator (:mod:`abs.runtime.aggregate`) folds its batches straight into the
-accumulators (:meth:`ColumnarKeyedState.slots_for`, :meth:`~ColumnarKeyedState.touch`).
+accumulators (:meth:`ColumnarKeyedState.slots_for`, :meth:`~ColumnarKeyedState.slots_for_var`,
+:meth:`~ColumnarKeyedState.touch`).
 The store has no deletes: an aggregate never removes a key.
 
 Dirty tracking with the semantics of KeyedStateBackend
@@ -40,8 +49,8 @@ backend's columnar key groups give: the split by key group (a stable argsort, ke
 then arrays of their own) happens in the asynchronous part, when a delta is first encoded or
 pickled for the worker's writer process, which receives a plain ``ColumnDelta`` of one key
 group's rows and encodes it as it does the dict backend's. The tables have exactly the
-schema the dict backend writes for the same typed ``ValueState`` (``key`` int64, ``value`` of
-the declared type, ``op`` int8 not null, the ``abs.*`` metadata), so storage, restore and
+schema the dict backend writes for the same typed ``ValueState`` (``key`` int64, string or
+binary, ``value`` of the declared type, ``op`` int8 not null, the ``abs.*`` metadata), so storage, restore and
 inspection do not see a difference and snapshots restore into either path.
 """
 from __future__ import annotations
@@ -58,6 +67,7 @@ from abs.keygroups import KeyGroupRange, KeyGroupSet, key_groups
 from .capture import FrozenSlots, SlotsDelta, group_bounds
 from .encoding import ENCODING_ARROW, META_KEY_ENCODING, META_STATE_KIND, META_VALUE_ENCODING, check_restore_table
 from .keyindex import INT64_MAX, SlotMap, distinct, distinct_inverse
+from .varkeys import VarKeyStore, key_codes, var_key_kind
 
 if TYPE_CHECKING:
     from .dict_backend import KeyedStateBackend
@@ -115,7 +125,7 @@ def columnar_descriptors_ok(descriptors: Any) -> bool:
 
 
 class ColumnarKeyedState:
-    """Keyed state of one aggregate subtask for int64 keys; the snapshot API (``capture``,
+    """Keyed state of one aggregate subtask for int64, string or binary keys; the snapshot API (``capture``,
     ``capture_full``, ``confirm``, ``abort``, ``restore``) of :class:`KeyedStateBackend` with
     the same semantics and the same table encoding (see the module docstring)."""
 
@@ -135,6 +145,9 @@ class ColumnarKeyedState:
             d.name: StateColumn(d, inits.get(d.name, 0), self.capacity) for d in descriptors
         }
         self.map = SlotMap()
+        self.key_kind: str | None = None  # "int", "string" or "binary": set by the first keys
+        self.var: VarKeyStore | None = None  # string/binary keys by slot (``keys``: their hashes)
+        self.collisions: dict = {}  # str/bytes key -> slot, for every key whose hash another key has
         self.epoch = 1
         self.confirmed_epoch = 0
         self.dirty: dict[int, list[np.ndarray]] = {1: []}  # epoch -> slots first changed in it
@@ -157,6 +170,28 @@ class ColumnarKeyedState:
     def pending_captures(self) -> tuple[int, ...]:
         return tuple(self._pending)
 
+    @property
+    def key_rows(self) -> Any:
+        """The keys by slot: ``keys`` (int64), or the :class:`~abs.state.varkeys.VarKeyStore`
+        of string/binary keys (both give rows with ``[:n]`` and ``[slots]``)."""
+        return self.keys if self.var is None else self.var
+
+    def takes(self, kind: str) -> bool:
+        """Whether keys of ``kind`` (``"int"``, ``"string"``, ``"binary"``) fit: a store holds
+        the one kind its first keys had."""
+        return self.key_kind is None or self.key_kind == kind
+
+    def _set_kind(self, kind: str) -> None:
+        if self.key_kind is None:
+            self.key_kind = kind
+            if kind != "int":
+                self.var = VarKeyStore(kind, self.capacity)
+        elif self.key_kind != kind:  # callers check takes() first
+            raise StateError(
+                f"operator {self.operator_uid!r}: {kind} keys in a columnar store of {self.key_kind} "
+                "keys; move the state to the dict backend first (AggregateBackend.migrate_to_dict)"
+            )
+
     def _col(self, name: str) -> StateColumn:
         try:
             return self.columns[name]
@@ -176,7 +211,7 @@ class ColumnarKeyedState:
         slots = np.flatnonzero(sel)
         vals = col.values[slots].tolist()
         valid = col.valid[slots].tolist()
-        return iter([(k, v if ok else None) for k, v, ok in zip(self.keys[slots].tolist(), vals, valid)])
+        return iter([(k, v if ok else None) for k, v, ok in zip(self.key_rows[slots].tolist(), vals, valid)])
 
     def changed_since_confirmed(self) -> np.ndarray:
         """Sorted distinct slots changed since the last confirmed capture: the union of the
@@ -210,9 +245,11 @@ class ColumnarKeyedState:
             col.grow(cap, n)
         self.capacity = cap
 
-    def _append(self, keys: np.ndarray, kgs: np.ndarray, start: np.ndarray | None, present: bool) -> np.ndarray:
+    def _append(self, keys: np.ndarray, kgs: np.ndarray, start: np.ndarray | None, present: bool,
+                index: bool = True) -> np.ndarray:
         """New slots for distinct keys absent from the index (``start``: where their lookup
-        ended)."""
+        ended); ``keys``: the int64 keys, or the hashes of string/binary keys already appended
+        to ``var``. ``index=False``: not placed in the index (a hash another key holds there)."""
         n0 = self.n
         n1 = n0 + len(keys)
         if n1 > self.capacity:
@@ -227,12 +264,14 @@ class ColumnarKeyedState:
             col.present[n0:n1] = present
         self.n = n1
         slots = np.arange(n0, n1, dtype=np.int64)
-        self.map.place(self.keys[:n1], keys, slots, start)
+        if index:
+            self.map.place(self.keys[:n1], keys, slots, start)
         return slots
 
     def slots_for(self, keys: np.ndarray) -> np.ndarray:
         """Slot of every key of a batch (int64 array), inserting new keys (present in every
         state; their key groups must be in this subtask's range)."""
+        self._set_kind("int")
         slots, ends = self.map.find(keys)
         miss = slots < 0
         if miss.any():
@@ -242,17 +281,83 @@ class ColumnarKeyedState:
                 start = np.empty(len(new), np.int64)
                 start[inverse] = ends[miss]  # duplicates of a key share its probe end
             kgs = key_groups(new, self.max_parallelism)
-            rng = self.key_group_range
-            bad = ~rng.mask[kgs]
-            if bad.any():
-                i = int(np.flatnonzero(bad)[0])
-                raise StateError(
-                    f"operator {self.operator_uid!r}: key {int(new[i])!r} belongs to key group "
-                    f"{int(kgs[i])}, outside this subtask's range {rng}; the record was routed to "
-                    "the wrong subtask (routing table and key-group range disagree)"
-                )
+            self._check_range(kgs, lambda i: int(new[i]))
             slots[miss] = self._append(new, kgs.astype(np.int16), start, present=True)[inverse]
         return slots
+
+    def _check_range(self, kgs: np.ndarray, key_of: Any) -> None:
+        rng = self.key_group_range
+        bad = ~rng.mask[kgs]
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise StateError(
+                f"operator {self.operator_uid!r}: key {key_of(i)!r} belongs to key group "
+                f"{int(kgs[i])}, outside this subtask's range {rng}; the record was routed to "
+                "the wrong subtask (routing table and key-group range disagree)"
+            )
+
+    def slots_for_var(self, arr: pa.Array, *, kg: int | None = None) -> np.ndarray:
+        """Slot of every key of a null-free string or binary array, inserting new keys.
+
+        The index maps each key's code (:func:`~abs.state.varkeys.key_codes`: a key of up to
+        7 bytes exactly, a longer one by a 63-bit hash) to a slot. Where a code is a hash, one
+        vectorized comparison of the slots' stored keys with the batch's finds the rows whose
+        key is not the key of that slot: another key has the same hash (a true collision).
+        Only those rows go key by key, through ``collisions``, which holds every key whose code
+        another key shares (the key the index found included), so they stay exact however many
+        keys collide. ``kg`` None: a batch (new keys present in every state, their key groups,
+        from the stable hash, checked against the range); else a restore into key group ``kg``
+        (new keys present in no state until the caller loads them)."""
+        kind = var_key_kind(arr.type)
+        self._set_kind(kind)
+        codes, hashed = key_codes(arr)
+        slots, ends = self.map.find(codes)
+        miss = slots < 0
+        if miss.any():
+            rows = np.flatnonzero(miss)
+            new, inverse = distinct_inverse(codes[rows])
+            first = np.empty(len(new), np.int64)
+            first[inverse] = rows  # a row of each new code
+            start = None
+            if ends is not None:
+                start = np.empty(len(new), np.int64)
+                start[inverse] = ends[rows]
+            new_keys = arr.take(pa.array(first))
+            if kg is None:
+                kgs = key_groups(new_keys, self.max_parallelism).astype(np.int16)
+                self._check_range(kgs, lambda i: new_keys[i].as_py())
+            else:
+                kgs = np.full(len(new), kg, np.int16)
+            self.var.append(new_keys)
+            slots[rows] = self._append(new, kgs, start, present=kg is None)[inverse]
+        if hashed is not None:
+            check = None if hashed.all() else np.flatnonzero(hashed)
+            mine = arr if check is None else arr.take(pa.array(check))
+            stored = self.var.large_arrow().take(pa.array(slots if check is None else slots[check]))
+            same = pc.equal(stored, mine.cast(stored.type))
+            if same.false_count:
+                bad = np.flatnonzero(~same.to_numpy(zero_copy_only=False))
+                self._collided(arr, codes, slots, bad if check is None else check[bad], kg)
+        return slots
+
+    def _collided(self, arr: pa.Array, codes: np.ndarray, slots: np.ndarray, rows: np.ndarray, kg: int | None) -> None:
+        """Give ``rows`` (their key differs from the key of the slot their code found) the slot
+        of their own key, key by key (see :meth:`slots_for_var`)."""
+        coll = self.collisions
+        for i, key in zip(rows.tolist(), arr.take(pa.array(rows)).to_pylist()):
+            s = coll.get(key)
+            if s is None:
+                owner = int(slots[i])  # the slot of another key with the same code
+                coll.setdefault(self.var.key(owner), owner)
+                one = pa.array([key], arr.type)
+                g = kg
+                if g is None:
+                    g = int(key_groups(one, self.max_parallelism)[0])
+                    self._check_range(np.array([g]), lambda _i: key)
+                self.var.append(one)
+                s = int(self._append(codes[i:i + 1], np.array([g], np.int16), None, kg is None, index=False)[0])
+                coll[key] = s
+            slots[i] = s
 
     def order_by_key_group(self, n: int) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, int]]]:
         """Slots ``0 .. n-1`` stably sorted by key group: ``(order, keys[order], [(start, end,
@@ -266,8 +371,10 @@ class ColumnarKeyedState:
             order = np.argsort(kg, kind="stable")
             if n < 2**31:
                 order = order.astype(np.int32)
-            keys = self.keys[:n][order]
-            order.flags.writeable = keys.flags.writeable = False  # shared by the captures' rows
+            keys = self.key_rows[:n][order]
+            order.flags.writeable = False  # shared by the captures' rows
+            if isinstance(keys, np.ndarray):
+                keys.flags.writeable = False
             got = self._by_kg = (n, order, keys, group_bounds(kg[order]))
         return got[1], got[2], got[3]
 
@@ -337,7 +444,8 @@ class ColumnarKeyedState:
     # ------------------------------------------------------------------ restore
     def check_restore_table(self, state_name: str, kg: int, table: pa.Table) -> bool:
         """Validate like the dict backend (raises StateError); True when the table fits the
-        columnar store (int keys, typed numeric values), False when it needs the dict path."""
+        columnar store (typed numeric values, keys of the store's kind: int, string or binary
+        without nulls), False when it needs the dict path."""
         col = self._col(state_name)
         if type(kg) is not int or kg not in self.key_group_range:
             raise StateError(
@@ -352,7 +460,8 @@ class ColumnarKeyedState:
             return False
         kt = table.schema.field("key").type
         vt = table.schema.field("value").type
-        if not pa.types.is_integer(kt) or table.column("key").null_count:
+        kind = "int" if pa.types.is_integer(kt) else var_key_kind(kt)
+        if kind is None or not self.takes(kind) or table.column("key").null_count:
             return False
         if pa.types.is_uint64(kt) and table.num_rows and pc.max(table.column("key")).as_py() > INT64_MAX:
             return False
@@ -370,9 +479,9 @@ class ColumnarKeyedState:
             raise StateError(
                 f"operator {self.operator_uid!r}, state {state_name!r}, key group {kg}: the table "
                 f"(key {table.schema.field('key').type}, value {table.schema.field('value').type}, "
-                "encodings in its metadata) does not fit the columnar store, which holds int64 keys "
-                "with numeric values; restore it through AggregateBackend, which moves such state "
-                "to the dict backend"
+                "encodings in its metadata) does not fit the columnar store, which holds int64, "
+                f"string or binary keys (this one: {self.key_kind or 'none yet'}) with numeric values; "
+                "restore it through AggregateBackend, which moves such state to the dict backend"
             )
         self.load_checked(state_name, kg, table, verify=verify)
 
@@ -383,26 +492,34 @@ class ColumnarKeyedState:
         col = self._col(state_name)
         if not table.num_rows:
             return
-        keys = numpy_int64(table.column("key"))
+        keycol = table.column("key")
+        keycol = keycol.combine_chunks() if isinstance(keycol, pa.ChunkedArray) else keycol
+        var = var_key_kind(keycol.type) is not None
+        keys = keycol if var else numpy_int64(keycol)
         if verify:
             actual = key_groups(keys, self.max_parallelism)
             wrong = np.flatnonzero(actual != kg)
             if wrong.size:
-                k = int(keys[wrong[0]])
+                k = keys[int(wrong[0])]
+                k = k.as_py() if var else int(k)
                 raise StateError(
                     f"operator {self.operator_uid!r}, state {state_name!r}, key group {kg}: key "
                     f"{k!r} belongs to key group {int(actual[wrong[0]])}; the snapshot file is in "
                     "the wrong key group (corrupt or re-keyed with another max_parallelism)"
                 )
-        slots, ends = self.map.find(keys)
-        miss = slots < 0
-        if miss.any():
-            new, inverse = distinct_inverse(keys[miss])
-            start = None
-            if ends is not None:
-                start = np.empty(len(new), np.int64)
-                start[inverse] = ends[miss]
-            slots[miss] = self._append(new, np.full(len(new), kg, np.int16), start, present=False)[inverse]
+        if var:
+            slots = self.slots_for_var(keys, kg=kg)
+        else:
+            self._set_kind("int")
+            slots, ends = self.map.find(keys)
+            miss = slots < 0
+            if miss.any():
+                new, inverse = distinct_inverse(keys[miss])
+                start = None
+                if ends is not None:
+                    start = np.empty(len(new), np.int64)
+                    start[inverse] = ends[miss]
+                slots[miss] = self._append(new, np.full(len(new), kg, np.int16), start, present=False)[inverse]
         varr = table.column("value")
         varr = varr.combine_chunks() if isinstance(varr, pa.ChunkedArray) else varr
         if varr.null_count:

@@ -2,8 +2,8 @@
 
 Two backends implement it: :class:`~abs.state.dict_backend.KeyedStateBackend` (any keys, any
 state kind, handles for per-record user code) and
-:class:`~abs.state.columnar.ColumnarKeyedState` (int64 keys, numeric value states, folded a
-batch at a time by the aggregate), and :class:`~abs.state.aggregate_backend.AggregateBackend`,
+:class:`~abs.state.columnar.ColumnarKeyedState` (int64, string or binary keys, numeric value
+states, folded a batch at a time by the aggregate), and :class:`~abs.state.aggregate_backend.AggregateBackend`,
 which is one and then the other. :class:`~abs.runtime.operators.KeyedOp` restores, snapshots,
 confirms and aborts through this protocol alone.
 

@@ -1,0 +1,230 @@
+"""String and binary keys of the columnar store (:mod:`abs.state.columnar`), kept in Arrow's
+layout in numpy arrays: ``offsets`` (int64; key ``i`` is ``data[offsets[i]:offsets[i + 1]]``)
+and ``data`` (uint8, the UTF-8 or raw bytes of every key, back to back).
+
+* :class:`VarKeys`: an immutable run of such keys (the rows of a capture). Indexing with a
+  slice gives keys of their own offsets over a view of the bytes (numpy pickles only the
+  bytes a view spans, so a key group's rows sent to the writer process carry only their own
+  keys); with an integer array, a gather (an Arrow ``take``: new buffers).
+  :meth:`VarKeys.to_arrow` gives the ``string`` (``binary``) column a key group's table has,
+  the type the dict backend writes for ``str`` (``bytes``) keys.
+* :class:`VarKeyStore`: the store's keys by slot, appended a batch at a time (both arrays
+  grow by doubling). Slots never change once written, so views of it stay valid.
+
+Nothing here loops over keys in Python.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+__all__ = ["VarKeyStore", "VarKeys", "arrow_buffers", "var_key_kind"]
+
+_INT32_MAX = 2**31 - 1
+
+
+def var_key_kind(t: pa.DataType) -> str | None:
+    """``"string"`` or ``"binary"`` for the Arrow key types the store holds (the dict backend
+    turns their values into ``str``/``bytes`` keys), else None."""
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return "string"
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        return "binary"
+    return None
+
+
+def arrow_buffers(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(int64 offsets, uint8 data) of a string/binary array (either offset width), without
+    copying the bytes; the offsets need not start at 0."""
+    n = len(arr)
+    bufs = arr.buffers()
+    width = 8 if pa.types.is_large_string(arr.type) or pa.types.is_large_binary(arr.type) else 4
+    if bufs[1] is None:
+        return np.zeros(n + 1, np.int64), np.zeros(0, np.uint8)
+    offsets = np.frombuffer(bufs[1], np.int64 if width == 8 else np.int32, n + 1, arr.offset * width)
+    data = np.frombuffer(bufs[2], np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
+    return offsets.astype(np.int64, copy=False), data
+
+
+def _large(kind: str) -> pa.DataType:
+    return pa.large_string() if kind == "string" else pa.large_binary()
+
+
+class VarKeys:
+    """An immutable run of string (or binary, ``kind``) keys; see the module docstring."""
+
+    __slots__ = ("offsets", "data", "kind")
+
+    def __init__(self, offsets: np.ndarray, data: np.ndarray, kind: str) -> None:
+        self.offsets = offsets
+        self.data = data
+        self.kind = kind
+
+    @classmethod
+    def from_arrow(cls, arr: pa.Array, kind: str) -> VarKeys:
+        offsets, data = arrow_buffers(arr)
+        return cls(offsets, data, kind)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, idx: Any) -> VarKeys:
+        if isinstance(idx, slice):
+            start, stop, step = idx.indices(len(self))
+            if step != 1:
+                raise ValueError(f"VarKeys slices take a step of 1, not {step}")
+            stop = max(start, stop)
+            lo, hi = int(self.offsets[start]), int(self.offsets[stop])
+            offsets = self.offsets[start:stop + 1]
+            return VarKeys(offsets - lo if lo else offsets, self.data[lo:hi], self.kind)
+        return VarKeys.from_arrow(self.large_arrow().take(pa.array(np.asarray(idx))), self.kind)
+
+    def copy(self) -> VarKeys:
+        """The keys never change: the copy is the object itself."""
+        return self
+
+    def large_arrow(self) -> pa.Array:
+        """The keys as a ``large_string`` (``large_binary``) array over these very buffers."""
+        return pa.Array.from_buffers(_large(self.kind), len(self),
+                                     [None, pa.py_buffer(self.offsets), pa.py_buffer(self.data)])
+
+    def to_arrow(self) -> pa.Array:
+        """The keys as a ``string`` (``binary``) array (offsets rebased to 0, the bytes shared)."""
+        lo, hi = int(self.offsets[0]), int(self.offsets[-1])
+        t = pa.string() if self.kind == "string" else pa.binary()
+        if hi - lo > _INT32_MAX:  # more than 2 GiB of keys: the cast names the overflow
+            return self.large_arrow().cast(t)
+        offsets = (self.offsets - lo).astype(np.int32)
+        return pa.Array.from_buffers(t, len(self), [None, pa.py_buffer(offsets), pa.py_buffer(self.data[lo:hi])])
+
+    def tolist(self) -> list:
+        """The keys as Python ``str`` (``bytes``) objects."""
+        return self.to_arrow().to_pylist()
+
+
+class VarKeyStore:
+    """The store's keys by slot (see the module docstring): ``store[:n]`` is a :class:`VarKeys`
+    view of the first ``n``, ``store[slots]`` a gather."""
+
+    __slots__ = ("offsets", "data", "n", "kind")
+
+    def __init__(self, kind: str, capacity: int = 1024) -> None:
+        self.kind = kind
+        self.offsets = np.zeros(capacity + 1, np.int64)
+        self.data = np.zeros(max(16, 8 * capacity), np.uint8)
+        self.n = 0
+
+    def append(self, arr: pa.Array) -> None:
+        """Append the keys of a null-free string/binary array."""
+        offsets, data = arrow_buffers(arr)
+        m = len(offsets) - 1
+        n = self.n
+        end = int(self.offsets[n])
+        lo, hi = int(offsets[0]), int(offsets[-1])
+        if n + m + 1 > len(self.offsets):
+            grown = np.zeros(max(n + m + 1, 2 * len(self.offsets)), np.int64)
+            grown[:n + 1] = self.offsets[:n + 1]
+            self.offsets = grown
+        if end + hi - lo > len(self.data):
+            grown = np.zeros(max(end + hi - lo, 2 * len(self.data)), np.uint8)
+            grown[:end] = self.data[:end]
+            self.data = grown
+        self.data[end:end + hi - lo] = data[lo:hi]
+        self.offsets[n + 1:n + m + 1] = offsets[1:] + (end - lo)
+        self.n = n + m
+
+    def __len__(self) -> int:
+        return self.n
+
+    def view(self, n: int | None = None) -> VarKeys:
+        """The first ``n`` keys (all by default), sharing the store's arrays."""
+        n = self.n if n is None else n
+        return VarKeys(self.offsets[:n + 1], self.data[:int(self.offsets[n])], self.kind)
+
+    def __getitem__(self, idx: Any) -> VarKeys:
+        return self.view()[idx]
+
+    def large_arrow(self) -> pa.Array:
+        """Every key as a ``large_string`` (``large_binary``) array over the store's arrays (an
+        append writes only past its end, or into new arrays: it stays valid)."""
+        return self.view().large_arrow()
+
+    def key(self, slot: int) -> Any:
+        """The key of one slot as a Python ``str`` (``bytes``)."""
+        raw = self.data[int(self.offsets[slot]):int(self.offsets[slot + 1])].tobytes()
+        return raw.decode() if self.kind == "string" else raw
+
+
+# ----------------------------------------------------------------------------- index codes
+
+_LOW_BYTES = np.array([(1 << (8 * i)) - 1 for i in range(9)], np.uint64)  # mask of the first i bytes
+_SHORT = 7  # keys up to this many bytes get an exact code
+_LEN_SHIFT = np.uint64(56)
+_HASHED = np.uint64(1 << 63)
+_M1 = np.uint64(0x9E3779B97F4A7C15)
+_M2 = np.uint64(0xBF58476D1CE4E5B9)
+_M3 = np.uint64(0x94D049BB133111EB)
+_S1, _S3, _S29, _S31, _S32, _S63 = (np.uint64(x) for x in (1, 3, 29, 31, 32, 63))
+
+
+def key_codes(arr: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
+    """The int64 code the store's index holds for each key of a null-free string/binary array,
+    and the rows whose code is a hash (None: none is).
+
+    A key of up to 7 bytes is its own code: its bytes (little-endian, in the low 56 bits) and
+    its length (in the top byte, 0..7), so two such keys never share a code. A longer key's
+    code is a 63-bit hash of its 8-byte words and length (the top bit set, so it never equals
+    a short key's code): two long keys may share one, which the caller must check. Computed
+    column-wise (a key's ``j``-th word is two aligned 8-byte reads of a copy of the bytes,
+    shifted by the key's offset modulo 8), nothing per key in Python. The codes live only in
+    memory (the index); nothing on disk depends on them."""
+    offsets, data = arrow_buffers(arr)
+    n = len(offsets) - 1
+    if not n:
+        return np.zeros(0, np.int64), None
+    lo, hi = int(offsets[0]), int(offsets[-1])
+    buf = np.zeros((hi - lo + 23) // 8 * 8, np.uint8)  # aligned, and a word to spare past every key
+    buf[:hi - lo] = data[lo:hi]
+    aligned = buf.view("<u8")
+    starts = offsets[:-1] - lo
+    lens = offsets[1:] - offsets[:-1]
+    longest = int(lens.max())
+    q = starts >> 3
+    shift = (starts & 7).astype(np.uint64) << _S3
+    back = _S63 - shift  # the next word moves up by 64 - shift bits: by 1, then 63 - shift
+    nxt = aligned[q]
+
+    def word() -> np.ndarray:
+        nonlocal q, nxt
+        cur = nxt
+        q = q + 1
+        nxt = aligned[np.minimum(q, len(aligned) - 1)]
+        return (cur >> shift) | ((nxt << _S1) << back)
+
+    ulens = lens.astype(np.uint64)
+    first = word() & _LOW_BYTES[np.minimum(lens, 8)]
+    if longest <= _SHORT:
+        return (first | (ulens << _LEN_SHIFT)).view(np.int64), None
+    h = (ulens + _M1) * _M2
+    h ^= first
+    h *= _M3
+    h ^= h >> _S32
+    for j in range(8, longest, 8):
+        mixed = h ^ (word() & _LOW_BYTES[np.clip(lens - j, 0, 8)])
+        mixed *= _M2
+        mixed ^= mixed >> _S29
+        going = lens > j  # a key's code must not depend on the other keys' lengths
+        if going.all():
+            h = mixed
+        else:
+            np.copyto(h, mixed, where=going)
+    h ^= h >> _S31  # finalize (SplitMix64's)
+    h *= _M3
+    h ^= h >> _S32
+    h |= _HASHED
+    long = lens > _SHORT
+    if long.all():
+        return h.view(np.int64), long
+    return np.where(long, h, first | (ulens << _LEN_SHIFT)).view(np.int64), long
