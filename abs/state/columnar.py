@@ -50,8 +50,9 @@ then arrays of their own) happens in the asynchronous part, when a delta is firs
 pickled for the worker's writer process, which receives a plain ``ColumnDelta`` of one key
 group's rows and encodes it as it does the dict backend's. The tables have exactly the
 schema the dict backend writes for the same typed ``ValueState`` (``key`` int64, string or
-binary, ``value`` of the declared type, ``op`` int8 not null, the ``abs.*`` metadata), so storage, restore and
-inspection do not see a difference and snapshots restore into either path.
+binary, ``value`` of the declared type, ``op`` int8 not null, the ``abs.*`` metadata), so
+storage, restore and inspection do not see a difference and snapshots restore into either
+path.
 """
 from __future__ import annotations
 
@@ -125,9 +126,10 @@ def columnar_descriptors_ok(descriptors: Any) -> bool:
 
 
 class ColumnarKeyedState:
-    """Keyed state of one aggregate subtask for int64, string or binary keys; the snapshot API (``capture``,
-    ``capture_full``, ``confirm``, ``abort``, ``restore``) of :class:`KeyedStateBackend` with
-    the same semantics and the same table encoding (see the module docstring)."""
+    """Keyed state of one aggregate subtask for int64, string or binary keys; the snapshot
+    API (``capture``, ``capture_full``, ``confirm``, ``abort``, ``restore``) of
+    :class:`KeyedStateBackend` with the same semantics and the same table encoding (see the
+    module docstring)."""
 
     def __init__(self, operator_uid: str, descriptors: Any, max_parallelism: int,
                  key_group_range: KeyGroupRange, inits: dict | None = None) -> None:
@@ -146,8 +148,8 @@ class ColumnarKeyedState:
         }
         self.map = SlotMap()
         self.key_kind: str | None = None  # "int", "string" or "binary": set by the first keys
-        self.var: VarKeyStore | None = None  # string/binary keys by slot (``keys``: their hashes)
-        self.collisions: dict = {}  # str/bytes key -> slot, for every key whose hash another key has
+        self.var: VarKeyStore | None = None  # string/binary keys by slot (``keys``: their codes)
+        self.collisions: dict = {}  # str/bytes key -> slot, for every key whose code another key has
         self.epoch = 1
         self.confirmed_epoch = 0
         self.dirty: dict[int, list[np.ndarray]] = {1: []}  # epoch -> slots first changed in it
@@ -248,8 +250,8 @@ class ColumnarKeyedState:
     def _append(self, keys: np.ndarray, kgs: np.ndarray, start: np.ndarray | None, present: bool,
                 index: bool = True) -> np.ndarray:
         """New slots for distinct keys absent from the index (``start``: where their lookup
-        ended); ``keys``: the int64 keys, or the hashes of string/binary keys already appended
-        to ``var``. ``index=False``: not placed in the index (a hash another key holds there)."""
+        ended); ``keys``: the int64 keys, or the codes of string/binary keys already appended
+        to ``var``. ``index=False``: not placed in the index (a code another key holds there)."""
         n0 = self.n
         n1 = n0 + len(keys)
         if n1 > self.capacity:
