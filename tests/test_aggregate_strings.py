@@ -249,3 +249,16 @@ def test_a_string_keyed_key_group_moves_to_another_subtask_exactly(full):
     dst.take_in(kg, base, tables)
     assert dict(dst.backend.items("s")) == {k: v for k, v in want.items() if key_group(k, M) == kg}
     assert kg not in src.key_group_range
+
+
+def test_restoring_string_keys_checks_like_the_dict_backend():
+    good = make_op({"s": ("v", "sum")})
+    feed(good, batch(["a", "customer-0001", "c"], [1, 2, 3], key_type=pa.string()))
+    kg, table = next(iter(good.backend.capture_full(1)["s"].items()))
+    op = make_op({"s": ("v", "sum")})
+    with pytest.raises(Exception, match="wrong key group"):
+        op.backend.restore("s", (kg + 1) % M, table, verify=True)
+    op.backend.restore("s", kg, table, verify=True)
+    assert op.backend.columnar is not None and op.backend.columnar.key_kind == "string"
+    assert dict(op.backend.items("s")) == dict(zip(table.column("key").to_pylist(), table.column("value").to_pylist()))
+    assert all(not by_kg for by_kg in op.backend.capture(2).values())  # restored keys are not dirty
