@@ -12,7 +12,8 @@ snapshot tools and the data source on the root ``same`` wrote, offline ``savepoi
 ``rekey`` with ``--spark`` on the cluster, a wrong per-job secret from an executor), ``failover`` (an
 abs worker process killed with SIGKILL after a checkpoint, then a Spark executor JVM killed
 with SIGKILL in the restarted attempt), ``microbatch`` (a file stream through
-``SparkMicroBatchSource`` staged on S3, an executor JVM killed mid-stream), ``kill-host``
+``SparkMicroBatchSource`` staged on S3, an executor JVM killed mid-stream), ``rate`` (Spark's
+rate source, unbounded, the same way; the job canceled after the restore), ``kill-host``
 (every process of a host running an abs worker killed: the job goes on on the others; the
 host stays lost), ``shrink`` (after kill-host: a job of two workers loses one of the two hosts
 left, goes on with one worker, and rescales back to two once the host is revived).
@@ -62,6 +63,13 @@ def count_fn(ctx, row):
     n.update(c)
     # the network namespace of the process that counted: which "host" it ran on
     ctx.emit({"key": ctx.key, "count": c, "net": os.readlink("/proc/self/ns/net")})
+
+
+def count_rows_fn(ctx, row):
+    n = ctx.state.n
+    c = (n.value() or 0) + 1
+    n.update(c)
+    ctx.emit({"key": ctx.key, "id": row["id"], "count": c})
 
 
 def counting_flow(sink: abs.Sink, per_checkpoint: int) -> abs.Dataflow:
@@ -163,6 +171,51 @@ def run_microbatch(spark, state: dict, root: str, options: dict, work: Path) -> 
     out.update(status=result.status, restarts=[str(r.get("error", r))[:300] for r in result.restarts],
                total=total, spark=per_key_counts(table), active_queries=len(spark.streams.active),
                writers=sorted(src._drv_writers), driver_writer=f"{socket.gethostname()}:{os.getpid()}")
+    return out
+
+
+def run_rate(spark, state: dict, root: str, options: dict, work: Path) -> dict:
+    """Spark's rate source (unbounded) through the micro-batch bridge, staged on S3 by the
+    query's tasks on the cluster's executors; once rows were counted and checkpointed, the
+    executor JVM of a host running an abs worker is killed; the job is canceled after it
+    counted rows again. What the checkpoints' offsets cover is returned for the test."""
+    import fsspec
+    from abs.connectors.spark_microbatch import SparkMicroBatchSource
+    from microbatch_check import rows_read, staged_batches
+    from storage import SnapshotStore
+
+    stream = (spark.readStream.format("rate").option("rowsPerSecond", 300).option("numPartitions", 2).load()
+              .selectExpr("value AS id", f"value % {MB_KEYS} AS key", "'r' AS name"))
+    staging = f"{root}/staging"
+    src = SparkMicroBatchSource(stream, staging=staging, storage_options=options, num_splits=4,
+                                checkpoint_location=str(work / "spark-checkpoint"),
+                                trigger={"processingTime": "300 milliseconds"}, batch_size=50)
+    flow = abs.Dataflow("cluster-rate")
+    flow.source("src", src).key_by("key").process(
+        "count", count_rows_fn, state=[abs.ValueState("n", pa.int64())]
+    ).sink("out", FileSink(f"{root}/out", format="parquet", storage_options=options))
+    handle = abs.submit(flow, executor=abs.SparkExecutor(spark, num_workers=2, slot_wait=60.0),
+                        checkpoint=abs.CheckpointConfig(interval=0.3, retained=3), storage=f"{root}/snap",
+                        storage_options=options, restart=abs.RestartStrategy(max_restarts=2, delay=0.5))
+    counted = lambda: handle.metrics()["records_in"].get("count", 0)  # noqa: E731 - since the attempt's start
+    _wait("rows counted and checkpointed", lambda: counted() >= 150 and handle.metrics()["completed_checkpoints"] >= 2,
+          handle)
+    out = kill_executor_after_checkpoint(state, handle, checkpoint=handle.metrics()["last_checkpoint"])
+    _wait("a restart", lambda: handle.metrics()["restarts"] and handle.metrics()["status"] == "RUNNING", handle)
+    seen = handle.metrics()["completed_checkpoints"]
+    _wait("rows counted after the restore, three checkpoints",
+          lambda: counted() >= 150 and handle.metrics()["completed_checkpoints"] >= seen + 3, handle)
+    result = handle.cancel()
+    table = read_output(f"{root}/out", "parquet", storage_options=options)
+    store = SnapshotStore.open(f"{root}/snap", storage_options=options)
+    *_, before, latest = store.list_checkpoints()
+    staged = staged_batches(fsspec.filesystem("s3", skip_instance_cache=True, **options), staging)
+    ids = table.column("id").to_pylist() if table.num_columns else []
+    out.update(status=result.status, restarts=[str(r.get("error", r))[:300] for r in result.restarts],
+               ids=len(ids), distinct=len(set(ids)), spark=per_key_counts(table) if table.num_columns else {},
+               missing=len(rows_read(store.read_manifest(before).source_offsets["src"], staged, 4) - set(ids)),
+               beyond=len(set(ids) - rows_read(store.read_manifest(latest).source_offsets["src"], staged, 4)),
+               active_queries=len(spark.streams.active))
     return out
 
 
@@ -387,10 +440,12 @@ def run_scenario(spark, state: dict, scenario: str, work: Path) -> dict:
         out.update(status=result.status, restarts=[str(r.get("error", r))[:300] for r in result.restarts],
                    restored_from=[r.get("restored_from") for r in result.restarts],
                    spark=per_key_counts(read_output(sink_dir, "parquet", storage_options=options)))
+    elif scenario == "rate":
+        out.update(run_rate(spark, state, root, options, work))
     elif scenario == "shrink":
         out.update(run_shrink(spark, state, root, options, work))
     else:
-        raise SystemExit(f"unknown scenario {scenario!r}: same, tools, failover, microbatch, kill-host or shrink")
+        raise SystemExit(f"unknown scenario {scenario!r}: same, tools, failover, microbatch, rate, kill-host or shrink")
     out["seconds"] = round(time.monotonic() - t0, 1)
     return out
 

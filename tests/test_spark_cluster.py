@@ -19,6 +19,8 @@ scenario): a process holds one SparkContext, and the rest of the suite shares a 
 - a Spark file stream through the micro-batch bridge, staged on S3 by the query's tasks on
   the cluster's executors, counted on the cluster's workers, stays exactly-once across an
   executor JVM killed mid-stream;
+- Spark's rate source (unbounded) the same way, the job canceled after its restore: exactly
+  the rows its checkpoints' offsets cover are committed, none twice;
 - a whole host lost (every process of it killed): the job restores on the two others, exact;
 - then a job of two workers on the two hosts left loses one of them: it restarts with one
   worker (``RestartStrategy(min_workers=1)``), and once the host is started again it rescales
@@ -96,7 +98,7 @@ def cluster(tmp_path_factory, request) -> Iterator[dict]:
 
 # tools right after same (it reads the root same wrote); kill-host late: the host stays lost;
 # shrink after it (two hosts left: losing one leaves one slot)
-SCENARIOS = ("same", "tools", "failover", "microbatch", "kill-host", "shrink")
+SCENARIOS = ("same", "tools", "failover", "microbatch", "rate", "kill-host", "shrink")
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +210,19 @@ def test_a_spark_file_stream_staged_on_s3_is_exactly_once_across_a_killed_execut
     assert result["active_queries"] == 0, "the streaming query is stopped when the job ends"
     # the micro-batches were staged on S3 by the query's tasks on the cluster, not by the driver
     assert result["writers"] and result["driver_writer"] not in result["writers"], result["writers"]
+
+
+def test_the_rate_source_staged_on_s3_is_exactly_once_across_a_killed_executor(driver):
+    # unbounded: the job is canceled once it counted rows after its restore; the committed
+    # output holds every row the second-latest checkpoint's offsets cover, none beyond the
+    # latest's, none twice, and every key's counts run 1..n
+    result = result_of(driver, "rate")
+    assert result["killed_executors"], "a host running an abs worker has an executor"
+    assert result["status"] == "CANCELED" and len(result["restarts"]) == 1, result
+    assert result["ids"] == result["distinct"] > 0, "a row counted twice"
+    assert result["missing"] == 0 and result["beyond"] == 0, result
+    assert all(v == list(range(1, len(v) + 1)) for v in result["spark"].values())
+    assert result["active_queries"] == 0, "the streaming query is stopped when the job ends"
 
 
 def test_a_whole_host_lost_mid_job_recovers_on_the_remaining_hosts_with_exact_output(driver):

@@ -30,6 +30,7 @@ from abs.connectors.spark_microbatch import SparkMicroBatchSource
 from abs.connectors.spark_stream import SparkStreamSource
 from pacing import PacedSource
 from processes import abs_workers
+from microbatch_check import rows_read, staged_batches
 from storage import SnapshotStore
 from storage.paths import StoragePaths
 
@@ -873,39 +874,3 @@ def test_micro_batch_source_rate_stream_staged_on_s3_is_exactly_once_across_a_ki
         f"{len(set(ids) - covered_latest)} rows beyond checkpoint {latest}'s offsets committed")
     assert len(covered_before) > 0
 
-
-def staged_batches(fs, staging: str) -> dict:
-    """Batch id -> the values of each of its staged parts, in the manifest's order."""
-    import pyarrow.parquet as pq
-
-    batches = {}
-    for directory in fs.ls(staging.removeprefix("s3://")):
-        name = directory.rsplit("/", 1)[-1]
-        if not name.startswith("batch-") or not fs.exists(f"{directory}/_manifest.json"):
-            continue
-        with fs.open(f"{directory}/_manifest.json", "rb") as f:
-            parts = json.load(f)["parts"]
-        values = []
-        for part in parts:
-            with fs.open(f"{directory}/{part['file']}", "rb") as f:
-                values.append(pq.read_table(f, columns=["id"]).column("id").to_pylist())
-        batches[int(name[6:])] = values
-    return batches
-
-
-def rows_read(offsets: dict, staged: dict, lanes: int) -> set:
-    """The ``id``s a micro-batch source's readers had emitted at ``offsets`` (lane ->
-    batch, part, row): lane L reads parts k = L - b (mod lanes) of batch b. Batches older than
-    every staged one were read whole (their values are those below the oldest staged)."""
-    got = set(range(min((min(part) for b in sorted(staged) for part in staged[b] if part), default=0)))
-    for lane, o in offsets.items():
-        for b in sorted(staged):
-            if b > o["batch"]:
-                break
-            parts = staged[b]
-            for k in range((int(lane) - b) % lanes, len(parts), lanes):
-                if b < o["batch"] or k < o["part"]:
-                    got.update(parts[k])
-                elif k == o["part"]:
-                    got.update(parts[k][:o["row"]])
-    return got
