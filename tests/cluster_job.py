@@ -43,6 +43,7 @@ import abs  # noqa: E402
 from abs.connectors.file_sink import FileSink, read_output  # noqa: E402
 from abs.faults import Fault  # noqa: E402
 from pacing import PacedSource  # noqa: E402
+from processes import wait_while_running  # noqa: E402
 
 TOTAL, KEYS = 30_000, 250
 MB_KEYS = 37  # keys of the micro-batch scenario's rows
@@ -198,12 +199,12 @@ def run_rate(spark, state: dict, root: str, options: dict, work: Path) -> dict:
                         checkpoint=abs.CheckpointConfig(interval=0.3, retained=3), storage=f"{root}/snap",
                         storage_options=options, restart=abs.RestartStrategy(max_restarts=2, delay=0.5))
     counted = lambda: handle.metrics()["records_in"].get("count", 0)  # noqa: E731 - since the attempt's start
-    _wait("rows counted and checkpointed", lambda: counted() >= 150 and handle.metrics()["completed_checkpoints"] >= 2,
+    wait_while_running("rows counted and checkpointed", lambda: counted() >= 150 and handle.metrics()["completed_checkpoints"] >= 2,
           handle)
     out = kill_executor_after_checkpoint(state, handle, checkpoint=handle.metrics()["last_checkpoint"])
-    _wait("a restart", lambda: handle.metrics()["restarts"] and handle.metrics()["status"] == "RUNNING", handle)
+    wait_while_running("a restart", lambda: handle.metrics()["restarts"] and handle.metrics()["status"] == "RUNNING", handle)
     seen = handle.metrics()["completed_checkpoints"]
-    _wait("rows counted after the restore, three checkpoints",
+    wait_while_running("rows counted after the restore, three checkpoints",
           lambda: counted() >= 150 and handle.metrics()["completed_checkpoints"] >= seen + 3, handle)
     result = handle.cancel()
     table = read_output(f"{root}/out", "parquet", storage_options=options)
@@ -322,16 +323,6 @@ def run_tools(spark, state: dict, root: str, options: dict) -> dict:
     return out
 
 
-def _wait(what: str, ready, handle: abs.JobHandle, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not ready():
-        if handle.metrics()["status"] in ("FAILED", "CANCELED", "FINISHED"):
-            raise RuntimeError(f"{what}: the job ended first: {handle.wait(timeout=10)}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what}: not within {timeout:.0f} s")
-        time.sleep(0.1)
-
-
 def run_shrink(spark, state: dict, root: str, options: dict, work: Path) -> dict:
     """After kill-host (two hosts left): a job of two workers, one host of them lost; the
     restart finds one slot and goes on with one worker (RestartStrategy.min_workers=1); the
@@ -352,16 +343,16 @@ def run_shrink(spark, state: dict, root: str, options: dict, work: Path) -> dict
                         restart=abs.RestartStrategy(max_restarts=2, delay=0.5, min_workers=1))
     out: dict = {}
     try:
-        _wait("a first checkpoint", lambda: (handle.metrics()["last_checkpoint"] or 0) >= 1, handle)
+        wait_while_running("a first checkpoint", lambda: (handle.metrics()["last_checkpoint"] or 0) >= 1, handle)
         hosts = cluster.abs_worker_hosts(state)
         out["killed_host"] = hosts[-1] if hosts else None
         out["killed"] = cluster.kill_host(state, hosts[-1]) if hosts else []
-        _wait("the restart with one worker", lambda: len(handle.metrics()["restarts"]) >= 1
+        wait_while_running("the restart with one worker", lambda: len(handle.metrics()["restarts"]) >= 1
               and handle.metrics()["status"] == "RUNNING", handle)
         out["workers_after_restart"] = handle.metrics()["workers"]
         t0 = time.monotonic()
         cluster.revive_host(state, out["killed_host"])
-        _wait("the live rescale back to two workers", lambda: any(
+        wait_while_running("the live rescale back to two workers", lambda: any(
             r.kind == "rescale" and r.status == "COMPLETED" for r in handle.reconfigurations()), handle)
         out["rescaled_back_s"] = round(time.monotonic() - t0, 1)
         out["workers_after_rescale"] = handle.metrics()["workers"]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -16,23 +15,13 @@ import pytest
 import abs
 from abs.connectors.file_sink import FileSink, read_output
 from pacing import PacedSource
-from processes import abs_workers
+from processes import abs_workers, wait_while_running
 from storage import SnapshotStore
 from test_spark_executor import EXPECTED, KEYS, TOTAL, count_fn, per_key_counts
 
 import pyarrow as pa
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.timeout(300)]
-
-
-def _wait(what: str, ready, handle, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not ready():
-        if handle.metrics()["status"] in ("FAILED", "CANCELED", "FINISHED"):
-            raise AssertionError(f"{what}: the job ended first: {handle.wait(timeout=10)}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout:.0f} s")
-        time.sleep(0.05)
 
 
 def _hold_slots(spark, tasks: int, flag: Path, started: Path) -> threading.Thread:
@@ -65,19 +54,19 @@ def test_a_restart_without_enough_slots_goes_on_with_fewer_workers_and_rescales_
                         checkpoint=abs.CheckpointConfig(interval=0.2, retained=3), storage=str(tmp_path / "snap"),
                         restart=abs.RestartStrategy(max_restarts=2, delay=0.1, min_workers=1))
     try:
-        _wait("a first checkpoint", lambda: (handle.metrics()["last_checkpoint"] or 0) >= 1, handle)
+        wait_while_running("a first checkpoint", lambda: (handle.metrics()["last_checkpoint"] or 0) >= 1, handle)
         assert handle.metrics()["workers"] == 3
         # the fourth slot is taken by another job; its second task waits for a slot
         holder = _hold_slots(spark, 2, flag, started)
-        _wait("the other job's first task", lambda: len(os.listdir(started)) >= 1, handle)
+        wait_while_running("the other job's first task", lambda: len(os.listdir(started)) >= 1, handle)
         os.kill(abs_workers()[-1], signal.SIGKILL)  # the stage fails; the waiting task takes a freed slot
-        _wait("the restart with fewer workers",
+        wait_while_running("the restart with fewer workers",
               lambda: len(handle.metrics()["restarts"]) >= 1
               and handle.metrics()["status"] == "RUNNING" and handle.metrics()["workers"] < 3, handle)
         reduced = handle.metrics()["workers"]
         flag.unlink()  # the other job ends: its slots are free again
         holder.join(60)
-        _wait("the live rescale back to three workers",
+        wait_while_running("the live rescale back to three workers",
               lambda: any(r.kind == "rescale" and r.status == "COMPLETED" for r in handle.reconfigurations()), handle)
         assert handle.metrics()["workers"] == 3
     finally:

@@ -273,6 +273,16 @@ class ColumnarKeyedState:
     def slots_for(self, keys: np.ndarray) -> np.ndarray:
         """Slot of every key of a batch (int64 array), inserting new keys (present in every
         state; their key groups must be in this subtask's range)."""
+        def new_key_groups(new: np.ndarray) -> np.ndarray:
+            kgs = key_groups(new, self.max_parallelism)
+            self._check_range(kgs, lambda i: int(new[i]))
+            return kgs.astype(np.int16)
+
+        return self._int_slots(keys, new_key_groups, present=True)
+
+    def _int_slots(self, keys: np.ndarray, key_groups_of: Any, present: bool) -> np.ndarray:
+        """Slot of every int64 key, appending the keys not there yet (``key_groups_of(new)``:
+        their key groups)."""
         self._set_kind("int")
         slots, ends = self.map.find(keys)
         miss = slots < 0
@@ -282,9 +292,7 @@ class ColumnarKeyedState:
             if ends is not None:
                 start = np.empty(len(new), np.int64)
                 start[inverse] = ends[miss]  # duplicates of a key share its probe end
-            kgs = key_groups(new, self.max_parallelism)
-            self._check_range(kgs, lambda i: int(new[i]))
-            slots[miss] = self._append(new, kgs.astype(np.int16), start, present=True)[inverse]
+            slots[miss] = self._append(new, key_groups_of(new), start, present=present)[inverse]
         return slots
 
     def _check_range(self, kgs: np.ndarray, key_of: Any) -> None:
@@ -512,16 +520,7 @@ class ColumnarKeyedState:
         if var:
             slots = self.slots_for_var(keys, kg=kg)
         else:
-            self._set_kind("int")
-            slots, ends = self.map.find(keys)
-            miss = slots < 0
-            if miss.any():
-                new, inverse = distinct_inverse(keys[miss])
-                start = None
-                if ends is not None:
-                    start = np.empty(len(new), np.int64)
-                    start[inverse] = ends[miss]
-                slots[miss] = self._append(new, np.full(len(new), kg, np.int16), start, present=False)[inverse]
+            slots = self._int_slots(keys, lambda new: np.full(len(new), kg, np.int16), present=False)
         varr = table.column("value")
         varr = varr.combine_chunks() if isinstance(varr, pa.ChunkedArray) else varr
         if varr.null_count:
