@@ -12,7 +12,26 @@
 int64 running sum each (the issue's target: the first record <= 0.6 s after restoring 5 M
 keys, and restore >= 0.5 x pyarrow's read speed).
 
+``--reference`` measures issue 23's target 6 on the reference workload's state (``--state
+sums``: string keys, an int64 sum each), for ``process`` (a ``ValueState``) and ``aggregate``,
+at each of ``--reference-keys`` (default 1 M and 5 M). One job per configuration writes the
+state at parallelism 1 (one checkpoint); then every round restores that very checkpoint in
+each configuration, the configurations interleaved:
+
+- *pyarrow*: plain pyarrow reading every file and range of the checkpoint (MB/s);
+- *in-process*: this process restores every key group into the operator's backend as a
+  worker does (``read_chain`` then ``restore``), MB/s against pyarrow's (target >= 0.5), then
+  touches every key group so that each one is usable (key index built); "with index" counts
+  both; the restored sums are checked;
+- *job*: ``abs.run`` at parallelism 1 restoring the checkpoint with 10,000 more events: the
+  worker's restore MB/s against pyarrow's, the time to the sources' start, and for ``process``
+  the time from ``abs.run`` to the end of the first record's call (written by the function
+  itself; target <= 0.6 s at 5 M keys); a job without state gives the start-up baseline.
+
+Printed: medians and ranges (min..max) over the rounds.
+
     .venv/bin/python scripts/bench_recovery.py [--keys N] [--state payload|sums]
+    .venv/bin/python scripts/bench_recovery.py --reference [--reference-keys K [K ...]] [--rounds N]
 """
 from __future__ import annotations
 
@@ -27,10 +46,16 @@ import numpy as np
 import pyarrow as pa
 
 import abs
+from abs.keygroups import key_group_range
+from abs.state.aggregate_backend import AggregateBackend
+from abs.state.dict_backend import KeyedStateBackend
 from storage import SnapshotStore
 
 
 RATIO_TARGET = 0.5  # restore speed against plain pyarrow reading the same files and ranges
+FIRST_RECORD_TARGET = 0.6  # seconds from abs.run to the first record after restoring 5 M keys
+EXTRA_EVENTS = 10_000  # events after the checkpoint in a reference restore job
+FIRST_RECORD_FILE = "ABS_BENCH_FIRST_RECORD"  # environment: where the first record's time goes
 
 
 class Payloads:
@@ -58,6 +83,22 @@ def running_sum(ctx, row):
     total.update((total.value() or 0) + row["value"])
 
 
+def running_sum_marked(ctx, row):
+    """running_sum that writes the wall-clock time its first call ends to the file named by
+    the environment (the reference restore job's first record)."""
+    running_sum(ctx, row)
+    global _marked
+    if not _marked:
+        _marked = True
+        path = os.environ.get(FIRST_RECORD_FILE)
+        if path:
+            with open(path, "w") as f:
+                f.write(repr(time.time()))
+
+
+_marked = False
+
+
 def build(keys: int, count: int | None = None, state: str = "payload") -> abs.Dataflow:
     flow = abs.Dataflow("bench-restore")
     src = abs.GeneratorSource(keys if count is None else count, num_keys=keys, num_splits=8, batch_size=8192,
@@ -69,7 +110,7 @@ def build(keys: int, count: int | None = None, state: str = "payload") -> abs.Da
     return flow
 
 
-def pyarrow_read_speed(root: str) -> tuple[float, int, int]:
+def pyarrow_read_speed(root: str, checkpoint_id: int | None = None) -> tuple[float, int, int]:
     """MB/s of plain pyarrow reading every state file and range of the latest checkpoint (one
     process), the bytes a full restore reads (each file, or each key group's range of a packed
     file, once) and the bytes of the distinct files on disk.
@@ -79,7 +120,7 @@ def pyarrow_read_speed(root: str) -> tuple[float, int, int]:
     it; the whole packed file is not one stream (reading it as one would stop after its first
     range)."""
     store = SnapshotStore.open(root)
-    manifest = store.read_manifest(store.latest_checkpoint())
+    manifest = store.read_manifest(store.latest_checkpoint() if checkpoint_id is None else checkpoint_id)
     by_path: dict[str, list] = {}
     for ref in {ref.range_id: ref for ref in manifest.files().values()}.values():  # a shared range once
         by_path.setdefault(ref.path, []).append(ref)
@@ -101,6 +142,108 @@ def pyarrow_read_speed(root: str) -> tuple[float, int, int]:
     if rows != expected:
         raise RuntimeError(f"pyarrow read {rows} rows, the manifest lists {expected}; the benchmark reads the files wrongly")
     return total / seconds / 1e6, total, on_disk
+
+
+def build_reference(path: str, keys: int, count: int) -> abs.Dataflow:
+    """The reference workload's keyed running sum over ``count`` events of ``keys`` string keys."""
+    flow = abs.Dataflow(f"bench-restore-{path}")
+    src = abs.GeneratorSource(count, num_keys=keys, num_splits=8, batch_size=8192, make_batch=Sums())
+    keyed = flow.source("events", src).key_by("key")
+    if path == "process":
+        keyed.process("sum", running_sum_marked, state=[abs.ValueState("total", pa.int64())])
+    else:
+        keyed.aggregate("sum", {"total": ("value", "sum")}, emit="none")
+    return flow
+
+
+def restore_in_process(flow: abs.Dataflow, root: str, checkpoint_id: int, keys: int) -> tuple[float, float, int]:
+    """Restore every key group of ``checkpoint_id`` into the operator's backend in this process,
+    as a worker of parallelism 1 does: ``(restore seconds, seconds to make every key group
+    usable after it, bytes read)``; checks the keys and sums restored."""
+    store = SnapshotStore.open(root)
+    manifest = store.read_manifest(checkpoint_id)
+    node = next(n for n in flow.nodes if n.kind in ("process", "aggregate"))
+    backend = KeyedStateBackend(node.uid, node.spec["state"], flow.max_parallelism,
+                                key_group_range(flow.max_parallelism, 1, 0))
+    target = AggregateBackend(backend, {"total": 0}) if node.kind == "aggregate" else backend
+    nbytes = 0
+    t0 = time.perf_counter()
+    for state in manifest.keyed[node.uid]:
+        for kg, chain in manifest.chains(node.uid, state).items():
+            nbytes += sum(ref.bytes for ref in chain)
+            target.restore(state, kg, store.read_chain(chain, checkpoint_id=checkpoint_id))
+    t1 = time.perf_counter()
+    found = sum(len(backend._slot("total").data[kg]) for kg in backend.key_group_range)
+    t2 = time.perf_counter()
+    total = sum(v for _k, v in backend.items("total"))
+    expected = (keys // 100) * 4950 + sum(range(keys % 100))
+    if found != keys or total != expected:
+        raise RuntimeError(f"restored {found} keys summing to {total}; expected {keys} keys summing to {expected}")
+    return t1 - t0, t2 - t1, nbytes
+
+
+def reference_round(path: str, keys: int, root: str, checkpoint_id: int, scratch: str) -> dict:
+    """One round of one configuration (see the module docstring): its figures by name."""
+    out: dict = {}
+    raw_mbs, total, _ = pyarrow_read_speed(root, checkpoint_id)
+    out["pyarrow MB/s"] = raw_mbs
+    secs, index_secs, nbytes = restore_in_process(build_reference(path, keys, keys), root, checkpoint_id, keys)
+    out["in-process restore MB/s"] = nbytes / secs / 1e6
+    out["in-process / pyarrow"] = nbytes / secs / 1e6 / raw_mbs
+    out["in-process with index / pyarrow"] = nbytes / (secs + index_secs) / 1e6 / raw_mbs
+    mark = os.path.join(scratch, "first-record")
+    if os.path.exists(mark):
+        os.remove(mark)
+    os.environ[FIRST_RECORD_FILE] = mark
+    t0 = time.time()
+    result = abs.run(build_reference(path, keys, keys + EXTRA_EVENTS), parallelism=1, restore=checkpoint_id,
+                     storage=root, checkpoint=abs.CheckpointConfig(retained=1000))
+    per, rsecs = result.bytes_restored_per_worker, result.restore_seconds_per_worker
+    out["job restore / pyarrow"] = per[0] / rsecs[0] / 1e6 / raw_mbs if rsecs and rsecs[0] > 0 else float("nan")
+    out["job: sources start (s)"] = result.timings["startup_s"]
+    if path == "process":
+        with open(mark) as f:
+            out["job: first record (s)"] = float(f.read()) - t0
+    cold = abs.run(build_reference(path, keys, 0), parallelism=1)
+    out["no state: sources start (s)"] = cold.timings["startup_s"]
+    return out
+
+
+def reference(keys_list: list[int], rounds: int) -> None:
+    """Issue 23 target 6 (see the module docstring)."""
+    configs = [(path, keys) for keys in keys_list for path in ("process", "aggregate")]
+    scratch = tempfile.mkdtemp(prefix="abs-bench-restore-")
+    roots: dict = {}
+    try:
+        for path, keys in configs:
+            root = os.path.join(scratch, f"{path}-{keys}")
+            t0 = time.perf_counter()
+            first = abs.run(build_reference(path, keys, keys), parallelism=1, storage=root,
+                            checkpoint=abs.CheckpointConfig(retained=1000))
+            _, total, _ = pyarrow_read_speed(root, first.last_checkpoint)
+            roots[path, keys] = (root, first.last_checkpoint)
+            print(f"{path}, {keys:,} keys: written in {time.perf_counter() - t0:.1f} s, checkpoint "
+                  f"{first.last_checkpoint}: {total / 1e6:.1f} MB to restore", flush=True)
+        figures: dict = {c: {} for c in configs}
+        for r in range(rounds):
+            for c in configs:
+                for name, value in reference_round(*c, *roots[c], scratch).items():
+                    figures[c].setdefault(name, []).append(value)
+            print(f"round {r + 1}/{rounds} done", flush=True)
+        for (path, keys), by_name in figures.items():
+            print(f"{path}, {keys:,} string keys (medians, range over {rounds} rounds):")
+            for name, values in by_name.items():
+                target = ""
+                if "/ pyarrow" in name and "in-process with" not in name:
+                    target = f"  target >= {RATIO_TARGET}: {'met' if np.median(values) >= RATIO_TARGET else 'NOT met'}"
+                elif name == "in-process with index / pyarrow":
+                    target = f"  target >= {RATIO_TARGET} (index included)"
+                elif name == "job: first record (s)":
+                    target = (f"  target <= {FIRST_RECORD_TARGET} at 5 M keys: "
+                              f"{'met' if np.median(values) <= FIRST_RECORD_TARGET else 'NOT met'}")
+                print(f"  {name:<34} {np.median(values):8.3f}  ({min(values):.3f}..{max(values):.3f}){target}")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def restore(flow: abs.Dataflow, root: str, parallelism: int) -> abs.JobResult:
@@ -129,7 +272,13 @@ def main() -> int:
     ap.add_argument("--keys", type=int, default=1_000_000)
     ap.add_argument("--state", choices=["payload", "sums"], default="payload",
                     help="~100-byte string values under int keys, or int64 sums under string keys")
+    ap.add_argument("--reference", action="store_true", help="issue 23 target 6 (see above)")
+    ap.add_argument("--reference-keys", type=int, nargs="+", default=[1_000_000, 5_000_000])
+    ap.add_argument("--rounds", type=int, default=3, help="--reference: rounds")
     args = ap.parse_args()
+    if args.reference:
+        reference(args.reference_keys, args.rounds)
+        return 0
     root = tempfile.mkdtemp(prefix="abs-bench-restore-")
     try:
         flow = build(args.keys, state=args.state)
