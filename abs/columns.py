@@ -115,7 +115,8 @@ class Captured:
 class Column:
     """One key group of a columnar value state (see the module docstring)."""
 
-    __slots__ = ("index", "keys", "values", "stamps", "nulls", "deleted", "dtype", "objects")
+    # image: a restored key group's arrays until it is first used (abs.state.restored)
+    __slots__ = ("index", "keys", "values", "stamps", "nulls", "deleted", "dtype", "objects", "image")
 
     def __init__(self, typecode: str) -> None:
         self.index: dict = {}
