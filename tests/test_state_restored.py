@@ -197,3 +197,31 @@ def test_the_aggregate_backend_restores_string_keys_lazily_and_folds_into_them()
     assert agg.dict_backend.fold_many("v", kg, [keys[3]], np.array([5]), "sum").tolist() == [8]
     delta = agg.capture(2)["v"]
     assert list(delta) == [kg] and delta[kg].column("value").to_pylist() == [8]
+
+
+# ----------------------------------------------------------------------------- reading ahead
+
+
+@pytest.mark.parametrize("readers", [1, 2, 8])
+def test_read_ahead_gives_every_table_in_order_and_raises_where_the_serial_read_would(readers):
+    from abs.runtime.operators import read_ahead
+
+    items = [("s", kg, [f"file-{kg}"]) for kg in range(40)]
+    assert [(item, table) for item, table in read_ahead(lambda chain: chain[0].upper(), items, readers)] == \
+        [(item, item[-1][0].upper()) for item in items]
+    started = []
+    lock = threading.Lock()
+
+    def read(chain):
+        with lock:
+            started.append(chain[0])
+        if chain[0] == "file-5":
+            raise OSError("file-5 is gone")
+        return chain[0]
+
+    got = []
+    with pytest.raises(OSError, match="file-5 is gone"):
+        for item, table in read_ahead(read, items, readers):
+            got.append(table)
+    assert got == [f"file-{kg}" for kg in range(5)]
+    assert len(started) <= 6 + 2 * readers  # at most 2 * readers ahead of the caller

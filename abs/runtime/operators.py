@@ -9,7 +9,9 @@ snapshot, and it returns an :class:`OpSnapshot` that the uploader turns into fil
 from __future__ import annotations
 
 import types
-from typing import Any, Callable, Sequence
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -85,6 +87,32 @@ class MapBatchesOp(OperatorRuntime):
 # ----------------------------------------------------------------------------- keyed
 
 
+def read_ahead(read_chain: Callable[[list], pa.Table], items: Sequence[tuple], readers: int) -> Iterator[tuple]:
+    """``(item, read_chain(item[-1]))`` for each item, in order, read by ``readers`` threads at
+    most ``2 * readers`` items ahead of the caller (one thread: read as it goes). Reading is
+    decompressing (pyarrow does it without the GIL) or, from an object store, waiting on
+    requests; loading a table is cheap (:mod:`abs.state.restored`). An error is raised where
+    its item comes, as a serial read raises it; the reads not started then are dropped."""
+    if readers <= 1 or len(items) < 2:
+        for item in items:
+            yield item, read_chain(item[-1])
+        return
+    with ThreadPoolExecutor(max_workers=readers, thread_name_prefix="abs-restore") as pool:
+        pending: deque = deque()
+        try:
+            for item in items:
+                pending.append((item, pool.submit(read_chain, item[-1])))
+                if len(pending) >= 2 * readers:
+                    first, future = pending.popleft()
+                    yield first, future.result()
+            while pending:
+                first, future = pending.popleft()
+                yield first, future.result()
+        finally:
+            for _item, future in pending:
+                future.cancel()
+
+
 class KeyedOp(OperatorRuntime):
     """Base of operators with keyed state: owns the state backend, the confirmed chain
     of files per key group, and the snapshot/confirm cycle."""
@@ -113,14 +141,16 @@ class KeyedOp(OperatorRuntime):
         return self.backend.key_group_range
 
     def restore(self, chains: dict, read_chain: Callable[[list], pa.Table], same_root: bool = True,
-                on_read: Callable[[int], None] | None = None) -> int:
+                on_read: Callable[[int], None] | None = None, readers: int = 1) -> int:
         """Load this subtask's key groups: ``chains`` (state -> kg -> [FileRef]) holds exactly
         them, as the driver's restore plan assigned them (``RestorePlan.keyed_chains``); a key
         group outside this subtask's range is a bug of the plan and fails the restore.
 
         ``same_root``: the chains live in the storage root this job writes to, so new deltas
         can build on them; otherwise (a savepoint elsewhere) the first checkpoint is full.
-        Returns bytes read; ``on_read(bytes)`` hears of each key group read (progress)."""
+        Returns bytes read; ``on_read(bytes)`` hears of each key group read (progress).
+        ``readers``: key groups read (fetched and decoded) at once, ahead of the one being
+        loaded (see :func:`read_ahead`)."""
         outside = sorted({kg for by_kg in chains.values() for kg in by_kg if kg not in self.key_group_range})
         if outside:
             raise StateError(
@@ -129,18 +159,16 @@ class KeyedOp(OperatorRuntime):
             )
         self.need_full = not same_root
         nbytes = 0
-        for state, by_kg in chains.items():
-            if state not in self.confirmed_chains:
-                continue  # compatibility is checked by the driver before anything runs
-            for kg, chain in by_kg.items():
-                table = read_chain(chain)
-                read = sum(ref.bytes for ref in chain)
-                nbytes += read
-                if on_read is not None:
-                    on_read(read)
-                self.backend.restore(state, kg, table)
-                if same_root:
-                    self.chains.restored(self.uid, state, kg, chain)
+        wanted = [(state, kg, chain) for state, by_kg in chains.items() if state in self.confirmed_chains
+                  for kg, chain in by_kg.items()]  # compatibility is checked by the driver before anything runs
+        for (state, kg, chain), table in read_ahead(read_chain, wanted, readers):
+            read = sum(ref.bytes for ref in chain)
+            nbytes += read
+            if on_read is not None:
+                on_read(read)
+            self.backend.restore(state, kg, table)
+            if same_root:
+                self.chains.restored(self.uid, state, kg, chain)
         return nbytes
 
     def snapshot(self, checkpoint_id: int, full: bool = False) -> OpSnapshot:

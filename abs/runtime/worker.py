@@ -42,6 +42,11 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Worker", "WorkerSpec"]
 
+# key groups a restore reads at once (KeyedOp.restore): from local disk decompressing is the
+# work (two threads), from an object store waiting on requests
+RESTORE_READERS = 2
+RESTORE_READERS_REMOTE = 8
+
 
 @dataclasses.dataclass
 class WorkerSpec:
@@ -339,7 +344,8 @@ class Worker(WorkerChannels):
                     chains = assignment.keyed_chains[node.uid]
                     t0 = time.perf_counter()
                     # counted per key group read: the start-up heartbeats carry the figure
-                    op.restore(chains, restore_store.read_chain, same_root, on_read=self._restored)
+                    op.restore(chains, restore_store.read_chain, same_root, on_read=self._restored,
+                               readers=RESTORE_READERS_REMOTE if restore_store.object_store else RESTORE_READERS)
                     self.restore_seconds += time.perf_counter() - t0
                     restored_kgs[node.uid] = {state: tuple(sorted(by_kg)) for state, by_kg in chains.items()}
                 ops[n] = op
