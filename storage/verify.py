@@ -8,6 +8,7 @@ The structural checks are pure (:func:`structural_problems`, :func:`lineage_prob
 """
 from __future__ import annotations
 
+import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Literal, Mapping
@@ -116,14 +117,60 @@ def lineage_problems(checked: Mapping[int, Manifest], present: Mapping[int, Mani
 
 
 def count_rows(data: bytes | memoryview) -> int:
-    """Rows of an encoded file (Arrow IPC stream, or a format 1 IPC file), decoding one column
-    batch by batch."""
+    """Rows of an encoded file: of an Arrow IPC stream, the sum of its record batches' lengths
+    read from their message headers (nothing is decompressed: the bodies' bytes are covered
+    by the checksum, and a restore decodes them, naming the file if that fails); of a format 1
+    IPC file, decoding one column batch by batch. ``ValueError`` or an Arrow error when the
+    messages do not parse."""
     buf = pa.py_buffer(data)
-    options = pa.ipc.IpcReadOptions(use_threads=False, included_fields=[0])
     if bytes(memoryview(data)[:len(_FILE_MAGIC)]) == _FILE_MAGIC:
+        options = pa.ipc.IpcReadOptions(use_threads=False, included_fields=[0])
         reader = pa.ipc.open_file(pa.BufferReader(buf), options=options)
         return sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
-    return sum(batch.num_rows for batch in pa.ipc.open_stream(pa.BufferReader(buf), options=options))
+    rows = 0
+    schema = False
+    for message in pa.ipc.MessageReader.open_stream(pa.BufferReader(buf)):
+        if not schema:
+            if message.type != "schema":
+                raise ValueError(f"the stream starts with a {message.type} message, not its schema")
+            schema = True
+        elif message.type == "record batch":
+            rows += _batch_length(message.metadata.to_pybytes())
+    if not schema:
+        raise ValueError("the stream holds no schema message")
+    return rows
+
+
+def _batch_length(meta: bytes) -> int:
+    """``RecordBatch.length`` of an IPC message's flatbuffer (Arrow's ``Message.fbs``: the root
+    table ``Message``, its field 2 ``header`` a ``RecordBatch`` table whose field 0 is the
+    int64 ``length``)."""
+    try:
+        message = _U32.unpack_from(meta, 0)[0]
+        at = _field(meta, message, 2)
+        if at is None:
+            raise ValueError("a record batch message without a header")
+        header = at + _U32.unpack_from(meta, at)[0]
+        at = _field(meta, header, 0)
+        length = 0 if at is None else _I64.unpack_from(meta, at)[0]
+    except struct.error as exc:
+        raise ValueError(f"a record batch message header is cut short ({exc})") from None
+    if length < 0:
+        raise ValueError(f"a record batch message says it holds {length} rows")
+    return length
+
+
+def _field(buf: bytes, table: int, index: int) -> int | None:
+    """Position of field ``index`` of the flatbuffer table at ``table`` (None: absent, its
+    default)."""
+    vtable = table - _I32.unpack_from(buf, table)[0]
+    size = _U16.unpack_from(buf, vtable)[0]
+    slot = 4 + 2 * index
+    offset = _U16.unpack_from(buf, vtable + slot)[0] if slot + 2 <= size else 0
+    return table + offset if offset else None
+
+
+_U16, _U32, _I32, _I64 = (struct.Struct(f) for f in ("<H", "<I", "<i", "<q"))
 
 
 def check_files(

@@ -4,9 +4,7 @@ corrupt manifests shown as such everywhere while GC goes on."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import sys
 import uuid
 from pathlib import Path
 
@@ -321,3 +319,23 @@ def test_any_manifest_round_trips_its_checksum_and_any_changed_value_is_detected
     target[path[-1]] = "changed" if old != "changed" else "changed again"
     with pytest.raises(CorruptManifestError, match="checksum|lineage|is not|invalid|refus|kind|created_at"):
         Manifest.from_json(json.dumps(doc))
+
+
+def test_rows_are_counted_from_the_batch_headers_without_decoding_and_a_broken_stream_fails():
+    import numpy as np
+
+    from storage.format import encode_shared, encode_table, prepare_table
+    from storage.verify import count_rows
+
+    for n in (0, 1, 70_000):
+        table = pa.table({"key": pa.array([f"k{i}" for i in range(n)]), "value": pa.array(np.arange(n))})
+        streams = [encode_table(table, "base").data, encode_shared([prepare_table(table, "base")] * 3).data]
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_file(sink, table.schema) as writer:  # format 1: an IPC file
+            writer.write_table(table, max_chunksize=1000)
+        assert [count_rows(d) for d in streams] == [n, 3 * n]
+        assert count_rows(sink.getvalue().to_pybytes()) == n
+        assert count_rows(memoryview(streams[0])) == n
+    for broken in (b"", b"\xff\xff\xff\xff" + bytes(4), b"not an Arrow stream at all"):
+        with pytest.raises((ValueError, pa.ArrowException)):
+            count_rows(broken)
