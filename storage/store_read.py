@@ -8,6 +8,7 @@ read a chain back when it compacts it.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -52,10 +53,21 @@ class SharedRangeCache:
         self._entries = entries
         self._lock = threading.Lock()
         self._data: OrderedDict[tuple, list] = OrderedDict()  # key -> [bytes, table or None]
+        self._flights: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> its lock
 
     @staticmethod
     def key(ref: FileRef) -> tuple:
         return (ref.path, ref.offset, ref.read_size, ref.checksum)
+
+    def flight(self, ref: FileRef) -> threading.Lock:
+        """The lock of ``ref``'s range: held while it is fetched or decoded, so that threads
+        reading key groups of one range at once (a restore reads ahead) fetch and decode it
+        once, the others taking it from the cache."""
+        with self._lock:
+            lock = self._flights.get(self.key(ref))
+            if lock is None:
+                lock = self._flights[self.key(ref)] = threading.Lock()
+            return lock
 
     def get(self, ref: FileRef, what: int) -> "bytes | pa.Table | None":
         """The cached bytes (``what`` 0) or decoded table (1) of ``ref``'s range, or ``None``."""
@@ -88,14 +100,15 @@ class ChainReader:
     def read_bytes(self, ref: FileRef, *, checkpoint_id: int | None = None) -> bytes:
         """:meth:`SnapshotStore.read_bytes`: a file's bytes (or its range of a packed file),
         after checking their size and checksum."""
-        if ref.shared and self.shared is not None:
+        if not ref.shared or self.shared is None:
+            return self._read_bytes(ref, checkpoint_id)
+        with self.shared.flight(ref):
             cached = self.shared.get(ref, 0)
             if cached is not None:
                 return cached  # type: ignore[return-value]
-        data = self._read_bytes(ref, checkpoint_id)
-        if ref.shared and self.shared is not None:
+            data = self._read_bytes(ref, checkpoint_id)
             self.shared.put(ref, data)
-        return data
+            return data
 
     def _read_bytes(self, ref: FileRef, checkpoint_id: int | None) -> bytes:
         try:
@@ -193,9 +206,13 @@ class ChainReader:
         return table
 
     def _decode_shared(self, ref: FileRef, data: bytes) -> pa.Table:
-        table = self.shared.get(ref, 1) if self.shared is not None else None
-        if table is not None:
-            return table  # type: ignore[return-value]
+        if self.shared is None:
+            return self._decode_range(ref, data)
+        with self.shared.flight(ref):
+            table = self.shared.get(ref, 1)
+            return self._decode_range(ref, data) if table is None else table  # type: ignore[return-value]
+
+    def _decode_range(self, ref: FileRef, data: bytes) -> pa.Table:
         table = decode_table(data, source=f"{self.io.url}: file {ref.where}", limits=self.limits)
         if table.num_rows != ref.range_rows:
             raise CorruptFileError(

@@ -3,6 +3,7 @@ into a packed file share one Arrow stream, each key group's rows located by the 
 from __future__ import annotations
 
 import json
+import threading
 
 import pyarrow as pa
 import pytest
@@ -201,3 +202,30 @@ def test_shared_ranges_on_an_object_store_read_back_and_verify(s3_server, s3_roo
     for kg, model in models.items():
         assert as_dict(fresh.read_key_group(m2, OP, "n", kg)) == model
     assert fresh.verify().ok
+
+
+def test_threads_reading_key_groups_of_one_shared_range_at_once_fetch_and_decode_it_once(store, memory_root):
+    from abs.runtime.operators import read_ahead
+
+    models, _m1, m2 = history(store)
+    fresh = SnapshotStore.open(memory_root)
+    reader = fresh._reader
+    shared_path = m2.chains(OP, "n")[0][-1].path
+    fetched: list = []
+    again = threading.Event()
+    real = reader.io.get_range
+
+    def counted(path, offset, size):
+        if path == shared_path:
+            fetched.append(offset)
+            if len(fetched) == 1:
+                again.wait(0.5)  # the first fetch lingers: a second one would come meanwhile
+            else:
+                again.set()
+        return real(path, offset, size)
+
+    object.__setattr__(reader.io, "get_range", counted)
+    items = [("n", kg, m2.chains(OP, "n")[kg]) for kg in range(M)]
+    got = {item[1]: as_dict(table) for item, table in read_ahead(fresh.read_chain, items, 8)}
+    assert got == models
+    assert len(fetched) == 1  # the delta range of every key group: fetched once
