@@ -8,8 +8,9 @@ Modules (one concept each; import the public names from ``abs.state``):
 * :mod:`~abs.state.protocol`: :class:`KeyedBackend`, what every backend promises the runtime
   (capture, confirm, abort, restore, key groups), and :class:`Delta`, a captured delta;
 * :mod:`~abs.state.dict_backend`: :class:`KeyedStateBackend`, any keys and state kinds, with
-  :mod:`~abs.state.slots` (the storage of one state) and :mod:`~abs.state.handles` (what
-  user code calls, per record);
+  :mod:`~abs.state.slots` (the storage of one state), :mod:`~abs.state.handles` (what
+  user code calls, per record) and :mod:`~abs.state.restored` (restored columnar key groups,
+  built on first use);
 * :mod:`~abs.state.columnar`: :class:`ColumnarKeyedState`, the aggregate's columnar store for
   int64, string or binary keys, with its key index :mod:`~abs.state.keyindex` and its string
   keys :mod:`~abs.state.varkeys`;
