@@ -149,6 +149,29 @@ class FileRef:
         rows = f" rows [{self.row_offset}, {self.row_offset + self.rows})" if self.row_offset is not None else ""
         return f"{self.path} bytes [{self.offset}, {self.offset + self.read_size}){rows}"
 
+    def in_range(self, key_group: int, *, row_offset: int | None = None, rows: int | None = None,
+                 share: int | None = None) -> "FileRef":
+        """This reference to a whole range of a packed file, as key group ``key_group``'s: all of
+        the range, or (``row_offset``, ``rows``, its ``share`` of the bytes) its rows of a shared
+        range. Only what differs is checked (the range was checked when this reference was
+        built): reading a manifest builds one reference per key group and chain position."""
+        if not self.packed or self.shared:
+            raise ValueError(f"file {self.where}: in_range needs a reference to a whole range of a packed file")
+        # the key of the chain that holds the reference: one outside [0, max_parallelism) is the
+        # manifest's structural problem, named by manifest_problems (verify, restore plans)
+        if type(key_group) is not int or not 0 <= key_group <= MAX_INT:
+            raise InvalidPathError(f"file {self.path}: key_group={_short(key_group)} is not an integer in [0, 2**63)")
+        fields = dict(self.__dict__, key_group=key_group)
+        if row_offset is not None:
+            if rows is None or share is None or not 0 <= row_offset <= row_offset + rows <= self.rows \
+                    or not 0 <= share <= self.bytes:
+                raise InvalidPathError(f"file {self.where}: rows [{row_offset}, +{rows}) or share {share} do not fit "
+                                       "the range; refusing the reference")
+            fields.update(rows=rows, bytes=share, row_offset=row_offset, range_rows=self.rows, range_bytes=self.bytes)
+        ref = object.__new__(FileRef)
+        ref.__dict__.update(fields)  # a frozen dataclass: built as __init__ would, without its checks
+        return ref
+
     def location(self) -> ParsedPath:
         """Operator / state / key group / subtask / task encoded in the path (the key group of a
         range of a packed file comes from the reference)."""

@@ -1,8 +1,9 @@
-"""Checkpoint manifests and their lineage, with their JSON form (format versions 1 to 6), and
+"""Checkpoint manifests and their lineage, with their JSON form (format versions 1 to 7), and
 the structural checks of a manifest (pure).
 
-File references (:mod:`storage.file_ref`) and the bounded JSON documents with the manifest
-checksum (:mod:`storage.manifest_json`) live next door and are handed on from here.
+File references (:mod:`storage.file_ref`), the reference tables of format 7
+(:mod:`storage.manifest_refs`) and the bounded JSON documents with the manifest checksum
+(:mod:`storage.manifest_json`) live next door and are handed on from here.
 """
 from __future__ import annotations
 
@@ -24,9 +25,11 @@ from .manifest_json import (
     MAX_MANIFEST_BYTES,
     _short,
     json_depth_exceeds,
+    layout_json,
     manifest_checksum,
     parse_json_document,
 )
+from .manifest_refs import RefReader, RefTables
 from .paths import StoragePaths
 
 __all__ = [
@@ -44,7 +47,7 @@ __all__ = [
     "manifest_problems",
 ]
 
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 """Version of the on-disk format (manifests, ``_job.json``, file layout) this code writes; it
 reads every version from 1 up to this one. Version 2: file references name their checksum
 algorithm, data files are Arrow IPC streams. Version 3: a reference may be a range of a packed
@@ -52,9 +55,15 @@ file (``offset``, ``key_group``). Version 4: the delta right after a chain's bas
 *values image* (no ``key`` column; the values of the base's rows). Version 5: a manifest
 carries a checksum of its own content and a lineage; pins (``pins/``) hold checkpoints
 against GC. Version 6: the small files of a checkpoint's packed file share one Arrow stream
-(a reference's ``row_offset``, ``range_rows``, ``range_bytes``). See ``storage/FORMAT.md``."""
+(a reference's ``row_offset``, ``range_rows``, ``range_bytes``). Version 7: a manifest names
+each file and each range of a file once (``files``, ``ranges``) and its references are short
+arrays of indexes into them. See ``storage/FORMAT.md``."""
+
+TABLES_VERSION = 7
+"""The first format whose manifests hold reference tables (:mod:`storage.manifest_refs`)."""
 
 ManifestKind = Literal["checkpoint", "savepoint"]
+_FREE_FORM = ("source_offsets", "sink_transactions", "stats")  # a manifest's parts the runtime fills with JSON values
 
 
 def _now() -> float:
@@ -183,31 +192,43 @@ class Manifest:
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
-        """The manifest's JSON document without its checksum (see :meth:`to_json`)."""
-        out = {
+        """The manifest's JSON document without its checksum (see :meth:`to_json`), in the form
+        of its ``format_version``: from version 7 on, references are entries of the reference
+        tables ``files`` and ``ranges``; before, each is spelled out (:meth:`FileRef.to_dict`).
+        ``ValueError`` if references to one range disagree about it."""
+        out: dict[str, Any] = {
             "format_version": self.format_version,
             "checkpoint_id": self.checkpoint_id,
             "kind": self.kind,
             "job_name": self.job_name,
             "max_parallelism": self.max_parallelism,
             "created_at": self.created_at,
+        }
+        if self.format_version >= TABLES_VERSION:
+            tables = RefTables()
+            entry = tables.entry
+            # filled in by the entries below, but written before them: a reader meets the tables first
+            out["files"], out["ranges"] = tables.files, tables.ranges
+        else:
+            entry = FileRef.to_dict  # type: ignore[assignment]
+        out.update({
             "keyed": {
                 op: {
-                    st: {str(kg): [r.to_dict() for r in chain] for kg, chain in sorted(chains.items())}
+                    st: {str(kg): [entry(r) for r in chain] for kg, chain in sorted(chains.items())}
                     for st, chains in states.items()
                 }
                 for op, states in self.keyed.items()
             },
             "operator_state": {
-                op: {str(i): ref.to_dict() for i, ref in sorted(subtasks.items())}
+                op: {str(i): entry(ref) for i, ref in sorted(subtasks.items())}
                 for op, subtasks in self.operator_state.items()
             },
             "operator_state_rules": dict(self.operator_state_rules),
-            "channel_logs": [r.to_dict() for r in self.channel_logs],
+            "channel_logs": [entry(r) for r in self.channel_logs],
             "source_offsets": self.source_offsets,
             "sink_transactions": self.sink_transactions,
             "stats": self.stats,
-        }
+        })
         if self.lineage is not None:
             out["lineage"] = self.lineage.to_dict()
         if self.assignment is not None:
@@ -221,15 +242,21 @@ class Manifest:
 
     def _encode(self, algorithm: str = WRITE_CHECKSUM_ALGORITHM) -> tuple[str, str]:
         """(JSON text, checksum)."""
-        doc = self.to_dict()
         try:
-            body = json.dumps(doc, allow_nan=False)
-            if json_depth_exceeds(doc, MAX_JSON_DEPTH):
+            doc = self.to_dict()
+        except ValueError as exc:  # references to one range disagree
+            raise CorruptManifestError(
+                f"checkpoint {self.checkpoint_id}: {str(exc)[:300]}; refusing to commit the manifest; pass the "
+                "references the store's writes returned, unchanged", reason="inconsistent references") from None
+        try:
+            # the runtime's JSON values are the only parts that may nest deep (the rest has a fixed depth)
+            if json_depth_exceeds({k: doc[k] for k in _FREE_FORM if k in doc}, MAX_JSON_DEPTH):
                 raise ValueError(f"arrays or objects nest deeper than {MAX_JSON_DEPTH} levels")
-            digest = manifest_checksum(json.loads(body), algorithm)  # exactly what a reader will hash
-            stored = {"format_version": doc.pop("format_version"), "checksum_algorithm": algorithm,
-                      "checksum": digest, **doc}
-            return json.dumps(stored, indent=1, sort_keys=False, allow_nan=False), digest
+            parsed = json.loads(json.dumps(doc, allow_nan=False))  # exactly what a reader will parse and hash
+            digest = manifest_checksum(parsed, algorithm)
+            stored = {"format_version": parsed.pop("format_version"), "checksum_algorithm": algorithm,
+                      "checksum": digest, **parsed}
+            return layout_json(stored), digest
         except (TypeError, ValueError, RecursionError) as exc:
             raise CorruptManifestError(
                 f"checkpoint {self.checkpoint_id}: the manifest is not JSON-serialisable ({str(exc)[:200]}); "
@@ -260,8 +287,9 @@ class Manifest:
                 f"{FORMAT_VERSION}; upgrade to a release that supports format version {version}"
             )
         try:
-            # version 2 only adds FileRef.checksum_algorithm, version 3 FileRef.offset / key_group
-            manifest = cls._from_dict_v1(data)
+            # version 2 only adds FileRef.checksum_algorithm, version 3 FileRef.offset / key_group,
+            # version 7 the reference tables
+            manifest = cls._from_dict_v1(data, tables=version >= TABLES_VERSION)
             if version < 3 and any(ref.packed for ref in manifest.iter_refs()):
                 raise ValueError(f"a format {version} manifest references a range of a packed file (format 3 and later)")
             if version < 6 and any(ref.shared for ref in manifest.iter_refs()):
@@ -306,11 +334,16 @@ class Manifest:
         return checksum, algorithm
 
     @classmethod
-    def _from_dict_v1(cls, data: dict[str, Any]) -> "Manifest":
-        def refs_of(items: Any, section: str, kinds: tuple[str, ...]) -> list[FileRef]:
+    def _from_dict_v1(cls, data: dict[str, Any], *, tables: bool = False) -> "Manifest":
+        reader = RefReader(data["files"], data["ranges"]) if tables else None
+
+        def refs_of(items: Any, section: str, kinds: tuple[str, ...], key_group: int | None = None) -> list[FileRef]:
             if not isinstance(items, list):
                 raise ValueError(f"{section} is not a list")
-            out = [FileRef.from_dict(item) for item in items]
+            if reader is None:
+                out = [FileRef.from_dict(item) for item in items]
+            else:
+                out = [reader.ref(item, section, key_group) for item in items]
             for ref in out:
                 if ref.kind not in kinds:
                     raise ValueError(f"{section}: file {ref.path} of kind {ref.kind} does not belong there")
@@ -336,7 +369,8 @@ class Manifest:
         keyed = {
             str(op): {
                 str(st): {
-                    int_key(kg, "key group"): refs_of(chain, f"keyed/{op}/{st}/{kg}", KEYED_KINDS)
+                    int_key(kg, "key group"): refs_of(chain, f"keyed/{op}/{st}/{kg}", KEYED_KINDS,
+                                                      int_key(kg, "key group") if tables else None)
                     for kg, chain in chains.items()
                 }
                 for st, chains in states.items()

@@ -13,13 +13,15 @@ __all__ = [
     "MAX_JSON_DEPTH",
     "MAX_INT",
     "json_depth_exceeds",
+    "layout_json",
     "parse_json_document",
     "manifest_checksum",
 ]
 
 MAX_MANIFEST_BYTES = 256 << 20
 """A manifest or ``_job.json`` larger than this is refused before it is parsed (bounded memory).
-A manifest of 32,768 key groups with chains of 10 files per state is about 80 MiB per state."""
+A manifest of 32,768 key groups with chains of 10 files per state was about 80 MiB per state in
+format 6 (every reference spelled out); in format 7 it is a few MiB (see :mod:`storage.manifest_refs`)."""
 
 MAX_JSON_DEPTH = 64
 """Deepest nesting of arrays and objects a manifest or ``_job.json`` may have (a manifest's own
@@ -39,20 +41,61 @@ def _short(value: Any) -> str:
 
 
 def json_depth_exceeds(value: Any, limit: int) -> bool:
-    """Whether arrays/objects nest deeper than ``limit`` in ``value`` (iterative: no recursion)."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: Any = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
+    """Whether arrays/objects nest deeper than ``limit`` in ``value`` (level by level: no recursion)."""
+    level = [value] if isinstance(value, (dict, list)) else []
+    depth = 0
+    while level:
+        depth += 1
         if depth > limit:
             return True
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+        below: list[Any] = []
+        for item in level:
+            below.extend([c for c in (item.values() if isinstance(item, dict) else item) if isinstance(c, (dict, list))])
+        level = below
     return False
+
+
+def layout_json(doc: Any, width: int = 100) -> str:
+    """``doc`` as JSON laid out for reading: an array or object whose compact form is longer
+    than ``width`` characters gets one line per item (indented one space per level), anything
+    shorter stays on one line. A manifest thus shows one line per file, range and key group's
+    chain, without the whitespace of one line per number."""
+    return _layout(doc, "", width)
+
+
+_compact = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+
+
+def _is_refs(value: Any) -> bool:
+    """Whether ``value`` is a list of lists of integers (a chain of references of format 7)."""
+    return type(value) is list and all(type(e) is list and all(type(x) is int for x in e) for e in value)
+
+
+def _compact_refs(value: list[list[int]]) -> str:
+    """``_compact`` of a list of lists of integers, without the encoder's cost per call (a
+    manifest has one such list per key group)."""
+    return "[" + ",".join(["[" + ",".join(map(str, e)) + "]" for e in value]) + "]"
+
+
+def _layout(value: Any, indent: str, width: int) -> str:
+    if not isinstance(value, (dict, list)):
+        return _compact(value)
+    if 2 * len(value) <= width:  # else no compact form fits: every item costs a character and a comma
+        compact = _compact_refs(value) if _is_refs(value) else _compact(value)
+        if len(compact) <= width:
+            return compact
+    inner = indent + " "
+    if isinstance(value, list) and value and all(type(e) is list for e in value):
+        # one encoder call for a long list of arrays (a manifest's ranges): split its compact form
+        # at the "],[" between items; a string holding "],[" would split more often: then item by item
+        pieces = _compact(value)[2:-2].split("],[")
+        if len(pieces) == len(value) and all(len(p) + 2 <= width for p in pieces) \
+                and not any(isinstance(x, (dict, list)) for e in value for x in e):
+            return "[\n" + ",\n".join(f"{inner}[{p}]" for p in pieces) + "\n" + indent + "]"
+    if isinstance(value, dict):
+        items = [f"{inner}{_compact(k)}: {_layout(v, inner, width)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + "\n" + indent + "}"
+    return "[\n" + ",\n".join(inner + _layout(v, inner, width) for v in value) + "\n" + indent + "]"
 
 
 def parse_json_document(raw: str | bytes, *, source: str, what: str = "manifest",

@@ -98,6 +98,11 @@ def validate_relative_path(path: str) -> str:
     """Return ``path`` if it is a plain relative POSIX path inside a root, else raise."""
     if not isinstance(path, str) or not path:
         raise InvalidPathError(f"storage path {path!r} is empty or not a string; refusing it")
+    return _validate_relative_path(path)
+
+
+@functools.lru_cache(maxsize=1 << 16)  # a manifest names a packed file once per range of it
+def _validate_relative_path(path: str) -> str:
     if path.startswith("/") or "\\" in path or ":" in path or "\x00" in path:
         raise InvalidPathError(
             f"storage path {path!r} is absolute, has a scheme, a backslash or a NUL; "

@@ -25,6 +25,7 @@ import pytest
 import abs
 from abs.cli import main
 from storage.manifest import manifest_checksum
+from storage.manifest_refs import RANGE_FIELDS
 from storage import SnapshotStore, StoragePaths
 from storage.format import WRITE_CHECKSUM_ALGORITHM, EncodedFile, checksum_hex
 
@@ -167,6 +168,9 @@ def manifest_mutation(rng: random.Random, doc: dict) -> tuple[str, bytes]:
         return f"{'/'.join(map(str, path))} deleted", sealed(doc)
     refs = [p for p in paths if isinstance(p[-1], str) and p[-1] in ("bytes", "offset", "rows", "key_group",
                                                                      "checkpoint_id")]
+    # format 7: a range's offset, bytes, rows; a reference's range index, row offset, rows
+    refs += [p for p in paths if (p[0] == "ranges" and len(p) == 3 and p[2] in (2, 3, 4))
+             or (p[0] == "keyed" and len(p) == 6)]
     if choice in (4, 5) and refs:  # a file reference's numbers
         path = rng.choice(refs)
         value = rng.choice([10**18, 2**63 - 1, 2**40, 10**12 + 3, -5, 7, 123456789])
@@ -265,13 +269,15 @@ def rewrite_latest(root: str, edit: Callable[[dict], None]) -> str:
     return path
 
 
-def first_packed_ref(doc: dict) -> dict:
+def first_packed_range(doc: dict) -> list:
+    """The entry in ``ranges`` of the first reference to a range of a packed file (format 7)."""
     for states in doc["keyed"].values():
         for chains in states.values():
             for chain in chains.values():
-                for ref in chain:
-                    if "offset" in ref:
-                        return ref
+                for entry in chain:
+                    rng = doc["ranges"][entry[0]]
+                    if "/packed/" in doc["files"][rng[0]]:
+                        return rng
     raise AssertionError("no packed reference")
 
 
@@ -282,10 +288,9 @@ def test_a_range_past_the_end_of_its_file_is_refused_naming_the_file(capsys, job
     target: dict = {}
 
     def edit(doc: dict) -> None:
-        ref = first_packed_ref(doc)
-        # a key group in a shared range (format 6) reads the range's range_bytes; its bytes are its share
-        ref["range_bytes" if field == "bytes" and "range_bytes" in ref else field] = value
-        target.update(ref)
+        rng = first_packed_range(doc)  # a key group in a shared range reads the whole range
+        rng[RANGE_FIELDS.index(field)] = value
+        target["path"] = doc["files"][rng[0]]
 
     rewrite_latest(root, edit)
     code, _, err = run_cli(capsys, ["dump", root, "latest", "--operator", "count", "--state", "n", "--limit", "0"])

@@ -192,7 +192,7 @@ def test_newer_format_version_is_fatal(root):
 
 def test_newer_job_file_format_is_fatal(root):
     doc = json.loads(root.store.fs.cat_file(f"{root.store.url}/_job.json"))
-    root.damage("_job.json", json.dumps({**doc, "format_version": 7}).encode())
+    root.damage("_job.json", json.dumps({**doc, "format_version": NEWER}).encode())
     problem = only(check(JOB, root.reopen(), parallelism=2), "format_version")
     assert problem.fatal and problem.subject == "_job.json"
 

@@ -52,7 +52,7 @@ def test_the_documented_pyarrow_example_resolves_a_key_group_like_the_store(tmp_
     root = str(tmp_path / "ckpt")
     store, manifest = build(root)
     code = re.search(r"```python\n(.*?)```", FORMAT_MD.read_text(), re.S).group(1)
-    assert len(code.strip().splitlines()) <= 12
+    assert len(code.strip().splitlines()) <= 16  # 12 until format 7's reference tables took a helper of 4 lines
     for kg, rows in [(37, [(1, 11), (2, 21), (3, 30), (4, 41)]), (38, [(5, 51), (7, 71), (8, 80)])]:
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
@@ -84,13 +84,17 @@ def test_files_are_zstd_compressed_arrow_ipc_streams_and_manifests_plain_json(tm
         else:
             assert "op" not in table.column_names
     doc = json.loads((root / StoragePaths.manifest(42)).read_text())
-    assert doc["format_version"] == FORMAT_VERSION == 6
-    assert set(doc) >= {"checksum", "checksum_algorithm", "checkpoint_id", "kind", "job_name", "max_parallelism", "created_at", "keyed",
-                        "operator_state", "operator_state_rules", "channel_logs", "source_offsets",
-                        "sink_transactions", "stats"}
-    assert all(ref["checksum_algorithm"] == WRITE_CHECKSUM_ALGORITHM for ref in doc["keyed"]["count"]["n"]["37"])
+    assert doc["format_version"] == FORMAT_VERSION == 7
+    assert set(doc) >= {"checksum", "checksum_algorithm", "checkpoint_id", "kind", "job_name", "max_parallelism", "created_at",
+                        "files", "ranges", "keyed", "operator_state", "operator_state_rules", "channel_logs",
+                        "source_offsets", "sink_transactions", "stats"}
+    # every file and range named once; references index them
+    assert sorted(doc["files"]) == sorted(manifest.paths()) and len(doc["ranges"]) == len(manifest.files())
+    assert all(rng[5] == WRITE_CHECKSUM_ALGORITHM for rng in doc["ranges"])
+    assert all(isinstance(entry, list) and all(type(i) is int for i in entry)
+               for kg in ("37", "38") for entry in doc["keyed"]["count"]["n"][kg])
     job = json.loads((root / "_job.json").read_text())
-    assert job == {"format_version": 6, "job_name": "wc", "max_parallelism": 128}
+    assert job == {"format_version": 7, "job_name": "wc", "max_parallelism": 128}
 
 
 def test_xxhash_is_installed_so_new_files_get_xxh3_checksums():
@@ -184,7 +188,7 @@ def test_a_version_1_root_is_read_verified_and_continued(tmp_path):
     chain = store.write_key_group(3, "count", "n", 5, m2.chains("count", "n")[5],
                                   pa.table({"key": [50, 30], "value": [5, 33]}).replace_schema_metadata(state.schema.metadata))
     m3 = store.commit(Manifest(checkpoint_id=3, job_name="wc", max_parallelism=8, keyed={"count": {"n": {5: chain}}}))
-    assert m3.format_version == 6 and [r.checksum_algorithm for r in chain] == ["sha256", "sha256", WRITE_CHECKSUM_ALGORITHM]
+    assert m3.format_version == 7 and [r.checksum_algorithm for r in chain] == ["sha256", "sha256", WRITE_CHECKSUM_ALGORITHM]
     again = SnapshotStore.open(str(root))
     assert again.verify().ok
     assert as_sorted(again.read_key_group(again.read_manifest(3), "count", "n", 5)) == [
@@ -202,6 +206,6 @@ def as_sorted(table: pa.Table) -> list[tuple]:
     return sorted(zip(table.column("key").to_pylist(), table.column("value").to_pylist()))
 
 
-def test_older_code_would_refuse_a_version_6_manifest_by_its_version():
+def test_older_code_would_refuse_a_version_7_manifest_by_its_version():
     doc = Manifest(checkpoint_id=1, job_name="j", max_parallelism=1).to_dict()
-    assert doc["format_version"] == 6  # version 1 to 5 readers raise UnsupportedFormatError on > their own
+    assert doc["format_version"] == 7  # version 1 to 6 readers raise UnsupportedFormatError on > their own

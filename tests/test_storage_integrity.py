@@ -3,6 +3,7 @@ lineage (run, previous checkpoint), row counts checked against the files, bounde
 corrupt manifests shown as such everywhere while GC goes on."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import uuid
@@ -17,6 +18,8 @@ from abs.runtime.cleanup import BackgroundGc, GcRequest
 from recovery import check, choose_checkpoint
 from storage import CorruptManifestError, Lineage, Manifest, SnapshotStore, StoragePaths
 from storage.manifest import MAX_JSON_DEPTH, manifest_checksum
+
+from manifest_docs import chain_entries, ref_field, set_ref
 
 JOB = {"job_name": "wc", "max_parallelism": 8}
 
@@ -64,7 +67,7 @@ def cli(capsys, *argv: str) -> tuple[int, str, str]:
 def test_a_committed_manifest_carries_a_checksum_of_its_content_and_a_lineage(tmp_path):
     store = build(tmp_path, 3, run_id="r" * 32)
     docs = [json.loads(manifest_file(tmp_path, c).read_text()) for c in (1, 2, 3)]
-    assert all(d["format_version"] == 6 and d["checksum_algorithm"] == "xxh3_128" for d in docs)
+    assert all(d["format_version"] == 7 and d["checksum_algorithm"] == "xxh3_128" for d in docs)
     assert all(d["checksum"] == manifest_checksum(d) for d in docs)
     assert docs[0]["lineage"] == {"run_id": "r" * 32, "previous": None}
     assert docs[2]["lineage"]["previous"] == {"checkpoint_id": 2, "checksum": docs[1]["checksum"]}
@@ -104,11 +107,11 @@ def test_an_edited_source_offset_is_detected_by_read_restore_and_verify(tmp_path
 
 def test_an_edited_rows_field_is_caught_by_the_checksum_and_if_rechecksummed_by_verify(tmp_path):
     build(tmp_path, 2)
-    ref = lambda d: d["keyed"]["count"]["n"]["3"][-1]  # noqa: E731
-    edit(tmp_path, 2, lambda d: ref(d).update(rows=5))
+    rows_5 = lambda d: set_ref(d, chain_entries(d, "count", "n", 3)[-1], rows=5)  # noqa: E731
+    edit(tmp_path, 2, rows_5)
     with pytest.raises(CorruptManifestError, match="checkpoint 2: .*checksum"):
         SnapshotStore.open(str(tmp_path)).read_manifest(2)
-    edit(tmp_path, 2, lambda d: ref(d).update(rows=5), rechecksum=True)
+    edit(tmp_path, 2, rows_5, rechecksum=True)
     store = SnapshotStore.open(str(tmp_path))
     path = store.read_manifest(2).keyed["count"]["n"][3][-1].path
     report = store.verify()
@@ -159,17 +162,17 @@ def test_a_restored_run_continues_the_lineage_of_the_checkpoint_it_restored(tmp_
 def test_a_format_4_manifest_without_a_checksum_still_reads(tmp_path):
     build(tmp_path, 2)
 
-    def downgrade(d: dict) -> None:
-        for key in ("checksum", "checksum_algorithm", "lineage"):
-            d.pop(key)
-        d["format_version"] = 4
+    def downgrade(d: dict) -> None:  # format 4: references spelled out, no checksum, no lineage
+        old = dataclasses.replace(Manifest.from_dict(d), format_version=4, lineage=None).to_dict()
+        d.clear()
+        d.update(old)
 
     edit(tmp_path, 2, downgrade)
     store = SnapshotStore.open(str(tmp_path))
     m = store.read_manifest(2)
     assert m.format_version == 4 and m.checksum is None and m.lineage is None and store.verify().ok
     edit(tmp_path, 1, lambda d: (d.pop("checksum"), d.pop("checksum_algorithm")))
-    with pytest.raises(CorruptManifestError, match="checkpoint 1: .*format 6 manifest without its checksum"):
+    with pytest.raises(CorruptManifestError, match="checkpoint 1: .*format 7 manifest without its checksum"):
         SnapshotStore.open(str(tmp_path)).read_manifest(1)
 
 
@@ -194,17 +197,20 @@ def test_deeply_nested_json_gives_a_one_line_error_in_every_command(tmp_path, ca
 
 
 @pytest.mark.parametrize("field,value", [
-    ("bytes", 10 ** 30), ("rows", 2 ** 63), ("offset", 2 ** 64), ("checkpoint_id", 10 ** 40), ("key_group", 10 ** 9),
+    ("bytes", 10 ** 30), ("rows", 2 ** 63), ("offset", 2 ** 64), ("checkpoint_id", 10 ** 40), ("key_group", 10 ** 20),
     ("bytes", "9" * 5000),  # more digits than Python converts by default
 ])
 def test_huge_integers_in_a_manifest_are_refused(tmp_path, field, value):
     build(tmp_path, 1)
     path = manifest_file(tmp_path, 1)
     doc = json.loads(path.read_text())
-    ref = doc["keyed"]["count"]["n"]["3"][0]
-    if field in ("offset", "key_group"):
-        ref.update(offset=0, key_group=3)
-    ref[field] = value if isinstance(value, int) else 123456789
+    entry = chain_entries(doc, "count", "n", 3)[0]
+    if field == "checkpoint_id":  # named by the file's name
+        set_ref(doc, entry, path=ref_field(doc, entry, "path").replace("/00000001-", f"/{value}-"))
+    elif field == "key_group":  # named by the chain's key
+        doc["keyed"]["count"]["n"] = {str(value): doc["keyed"]["count"]["n"]["3"]}
+    else:
+        set_ref(doc, entry, **{field: value if isinstance(value, int) else 123456789})
     doc["checksum"] = manifest_checksum(doc, doc["checksum_algorithm"])
     text = json.dumps(doc)
     if not isinstance(value, int):  # written by hand: the checksum cannot cover it, the parser stops first

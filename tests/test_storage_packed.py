@@ -3,6 +3,7 @@ into one file, each key group referenced as a range of it. Run on memory://, loc
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -424,9 +425,9 @@ def _manifest_doc(**kw: Any) -> dict[str, Any]:
                     format_version=4, **kw).to_dict()
 
 
-def test_the_format_version_is_6():
-    assert FORMAT_VERSION == storage.FORMAT_VERSION == 6
-    assert Manifest(checkpoint_id=4, job_name="j", max_parallelism=1).to_dict()["format_version"] == 6
+def test_the_format_version_is_7():
+    assert FORMAT_VERSION == storage.FORMAT_VERSION == 7
+    assert Manifest(checkpoint_id=4, job_name="j", max_parallelism=1).to_dict()["format_version"] == 7
 
 
 def test_a_range_reference_round_trips_through_manifest_json():
@@ -437,8 +438,12 @@ def test_a_range_reference_round_trips_through_manifest_json():
     manifest = Manifest(checkpoint_id=4, job_name="wordcount", max_parallelism=16, keyed={OP: {"n": {3: [base, rng]}}})
     assert manifest_problems(manifest) == []
     doc = json.loads(manifest.to_json())
-    assert (doc["keyed"][OP]["n"]["3"][1]["offset"], doc["keyed"][OP]["n"]["3"][1]["key_group"]) == (4096, 3)
-    assert "offset" not in doc["keyed"][OP]["n"]["3"][0] and "key_group" not in doc["keyed"][OP]["n"]["3"][0]
+    assert doc["files"] == [base.path, rng.path] and doc["keyed"][OP]["n"]["3"] == [[0], [1]]
+    assert doc["ranges"] == [[0, "base", 0, 300, 5, "xxh3_128", "a" * 32], [1, "delta", 4096, 120, 2, "xxh3_128", "b" * 32]]
+    legacy = json.loads(dataclasses.replace(manifest, format_version=6).to_json())  # format 6: spelled out
+    assert (legacy["keyed"][OP]["n"]["3"][1]["offset"], legacy["keyed"][OP]["n"]["3"][1]["key_group"]) == (4096, 3)
+    assert "offset" not in legacy["keyed"][OP]["n"]["3"][0] and "key_group" not in legacy["keyed"][OP]["n"]["3"][0]
+    assert Manifest.from_json(json.dumps(legacy)) == dataclasses.replace(manifest, format_version=6)
     back = Manifest.from_json(manifest.to_json())
     assert back == manifest and back.keyed[OP]["n"][3][1].offset == 4096 and back.keyed[OP]["n"][3][1].key_group == 3
     assert set(back.files()) == {base.path, rng.id} and back.paths() == {base.path, rng.path}

@@ -9,6 +9,7 @@ import pyarrow as pa
 import pytest
 
 from storage import CompactionPolicy, CorruptFileError, CorruptManifestError, FileRef, Manifest, SnapshotStore, StoragePaths
+from storage.manifest_refs import RANGE_FIELDS
 from storage.store import KeyGroupWrite
 
 OP, M = "count", 16
@@ -106,8 +107,8 @@ def test_a_flipped_byte_in_a_shared_range_fails_every_key_group_in_it(store):
 def test_a_shared_range_of_another_row_count_is_corrupt(store):
     _, _, m2 = history(store)
     doc = json.loads(m2.to_json())
-    for refs in doc["keyed"][OP]["n"].values():
-        refs[-1]["range_rows"] += 1
+    for i in {refs[-1][0] for refs in doc["keyed"][OP]["n"].values()}:  # the ranges of the deltas
+        doc["ranges"][i][RANGE_FIELDS.index("rows")] += 1
     doc["checkpoint_id"] = 3
     doc.pop("checksum"), doc.pop("checksum_algorithm")
     bad = Manifest.from_dict(doc)

@@ -26,6 +26,8 @@ from storage import (
     UnsupportedFormatError,
 )
 
+from manifest_docs import chain_entries, set_ref
+
 JOB = {"job_name": "wordcount", "max_parallelism": 16, "operators": ["count"]}
 
 
@@ -301,7 +303,7 @@ class StoreContract(StoreFixtures):
         chain = store.write_key_group(1, "count", "n", 0, [], delta([(1, "a", 0)]))
         doc = self.commit(store, 1, {0: chain}).to_dict()
         doc["checkpoint_id"] = 2
-        doc["keyed"]["count"]["n"]["0"][0]["path"] = bad_path
+        set_ref(doc, chain_entries(doc, "count", "n", 0)[0], path=bad_path)
         self._write_manifest_file(store, 2, json.dumps(doc).encode())
         with pytest.raises(CorruptManifestError, match="checkpoint 2.*outside the root|checkpoint 2.*refusing"):
             store.read_manifest(2)
