@@ -38,5 +38,6 @@ def test_quick_deltas_run_prints_both_layouts_with_the_state_verified(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    assert "format 5 (a stream per key group)" in out and "format 6 (shared ranges)" in out
+    assert "a stream per key group (format 5)" in out and "shared ranges (format 6+)" in out
     assert out.count("state verified: yes") == 2 and "delta / full" in out
+    assert out.count("with the manifests:") == 2 and out.count("delta manifest: commit") == 2  # target 5 counts both
