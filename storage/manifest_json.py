@@ -77,6 +77,11 @@ def _compact_refs(value: list[list[int]]) -> str:
     return "[" + ",".join(["[" + ",".join(map(str, e)) + "]" for e in value]) + "]"
 
 
+def _key(key: Any) -> str:
+    """An object key as JSON writes it (a string; ``1``, ``True``, ``None`` as ``"1"``, ...)."""
+    return _compact(key) if isinstance(key, str) else _compact({key: 0})[1:-3]
+
+
 def _layout(value: Any, indent: str, width: int) -> str:
     if not isinstance(value, (dict, list)):
         return _compact(value)
@@ -93,7 +98,7 @@ def _layout(value: Any, indent: str, width: int) -> str:
                 and not any(isinstance(x, (dict, list)) for e in value for x in e):
             return "[\n" + ",\n".join(f"{inner}[{p}]" for p in pieces) + "\n" + indent + "]"
     if isinstance(value, dict):
-        items = [f"{inner}{_compact(k)}: {_layout(v, inner, width)}" for k, v in value.items()]
+        items = [f"{inner}{_key(k)}: {_layout(v, inner, width)}" for k, v in value.items()]
         return "{\n" + ",\n".join(items) + "\n" + indent + "}"
     return "[\n" + ",\n".join(inner + _layout(v, inner, width) for v in value) + "\n" + indent + "]"
 

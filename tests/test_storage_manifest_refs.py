@@ -12,6 +12,7 @@ import pytest
 
 import storage.manifest_refs
 from storage import CorruptManifestError, FileRef, Manifest, SnapshotStore, StoragePaths
+from storage.manifest_json import layout_json
 from storage.manifest_refs import RANGE_FIELDS
 from storage.store import KeyGroupWrite
 
@@ -81,6 +82,16 @@ def test_the_manifest_is_laid_out_one_line_per_file_range_and_chain():
     many.keyed[OP]["n"].update({kg: [many.keyed[OP]["n"][1][0]] for kg in range(4, 16)})  # longer: a line a chain
     lines = [line.strip().rstrip(",") for line in many.to_json().splitlines()]
     assert '"2": [[1],[2,0,3]]' in lines and '"15": [[0]]' in lines
+
+
+@pytest.mark.parametrize("doc", [
+    {"r": [[i, "s"] for i in range(40)] + [[1, "x],[y"]] * 30},  # a string that looks like an item boundary
+    {"r": [[[1]], [2]] * 50, "e": [[]] * 80, "m": [[1, 2]] + [[3]] * 60},
+    {2: "a" * 120, True: [None, 1.5, "\u00e9\n"] * 40, None: {}, "deep": [[[["x" * 30] * 5] * 3] * 2]},
+])
+def test_the_layout_is_json_of_the_same_document(doc):
+    text = layout_json(doc)
+    assert json.loads(text) == json.loads(json.dumps(doc)) and all(len(line) < 200 for line in text.splitlines())
 
 
 def test_an_older_manifest_keeps_its_own_form_and_checksum():
