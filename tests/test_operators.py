@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from abs.errors import GraphError
-from abs.runtime.operators import KeyExtractor, batch_rows
+from abs.keygroups import key_groups
+from abs.runtime.operators import KeyExtractor, batch_rows, keyed_loop
 
 
 def _cases() -> list[pa.RecordBatch]:
@@ -55,3 +56,21 @@ def test_keys_from_converted_columns_match_the_batch():
     assert by_function.keys(batch, rows, columns) == by_function.keys(batch) == ["aa", "bb", "cc"]
     with pytest.raises(GraphError, match="key column 'nope' is not in the stream"):
         KeyExtractor("op", "nope", 128).keys(batch, rows, columns)
+
+
+class _Backend:
+    current_key = current_kg = None
+
+
+@pytest.mark.parametrize("batch", _cases()[:4], ids=["mixed-types", "repeated-name", "odd-name", "empty"])
+def test_keyed_loop_calls_with_the_rows_keys_and_key_groups_of_batch_rows(batch):
+    at = 0
+    kgs = key_groups(batch.column(at), 128).tolist()
+    backend, ctx = _Backend(), type("Ctx", (), {})()
+    seen = []
+    keyed_loop(tuple(batch.schema.names), at)(
+        lambda c, row: seen.append((backend.current_key, backend.current_kg, c.key, row)), ctx, backend, kgs,
+        [c.to_pylist() for c in batch.columns])
+    keys = batch.column(at).to_pylist()
+    assert seen == [(k, g, k, row) for k, g, row in zip(keys, kgs, batch_rows(batch)[0])]
+    assert len({id(row) for *_, row in seen}) == len(seen)  # a dict of its own per record

