@@ -19,6 +19,14 @@ that every key is in state.
    K keys, nothing else running): its duration (trigger to manifest committed), ``aggregate``
    against ``process`` at the same K.
 
+   Peak memory (issue 23 target 8) of the ``process`` job at p=1 with string keys: in every
+   round one more such job runs alone in a fresh interpreter (``--memory-job``: the
+   benchmark's own data would otherwise sit in the driver and in the workers forked from
+   it), and a thread here samples the proportional set size (``Pss`` of
+   ``/proc/<pid>/smaps_rollup``) of that driver and of every process below it (workers,
+   snapshot writers) every 20 ms, from its start until ``abs.run`` returned; printed: the
+   peak of the sum. Linux only (elsewhere the row says why it is missing).
+
 4. ``--deltas`` (issue 23 target 5): the storage alone, no job. A state of K string keys in
    128 key groups (a ValueState's schema: ``key`` string, ``value`` int64) is written as a full
    checkpoint (every key group's image, packed), then 1 % of the keys, drawn at random, change
@@ -48,10 +56,13 @@ the range (min..max) over the rounds.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 
@@ -73,6 +84,7 @@ PROCESS_P2_END_TO_END = 1_000_000
 PROCESS_P1_OF_DICT = 0.20
 AGGREGATE_OF_GROUP_BY = 0.30
 CHECKPOINT_SECONDS = {1_000_000: 0.3, 5_000_000: 1.2}
+PEAK_PSS_MB = 140  # process, p=1: <= 1.3x Bytewax's peak with snapshots
 DELTA_OF_FULL = 0.03  # a 1 % change of 100 k keys writes <= 3 % of a full snapshot (state files + manifest)
 DELTA_FIXED_BYTES = 64  # ... <= 64 bytes of fixed cost per changed key group
 DELTA_KEY_GROUPS = 128
@@ -183,6 +195,103 @@ def run_job(path: str, events: int, keys: int, key_type: str, parallelism: int, 
         shutil.rmtree(root, ignore_errors=True)
 
 
+# ----------------------------------------------------------------------------- peak memory
+
+
+def _pss_bytes(pid: int) -> int:
+    """``Pss`` of ``pid`` (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _children(pid: int) -> list[int]:
+    """The children of every thread of ``pid`` (``/proc/<pid>/task/<tid>/children``)."""
+    out: list[int] = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out.extend(int(c) for c in f.read().split())
+        except OSError:
+            pass
+    return out
+
+
+def tree_pss(root: int) -> int:
+    """Summed ``Pss`` of ``root`` and every process below it."""
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        total += _pss_bytes(pid)
+        todo.extend(_children(pid))
+    return total
+
+
+def memory_unavailable() -> str | None:
+    """Why peak PSS cannot be measured here, or None."""
+    if not os.path.exists("/proc/self/smaps_rollup"):
+        return "no /proc/<pid>/smaps_rollup here (Linux 4.14 or later)"
+    if not os.path.exists(f"/proc/self/task/{os.getpid()}/children"):
+        return "no /proc/<pid>/task/<tid>/children here (a kernel without CONFIG_PROC_CHILDREN)"
+    return None
+
+
+def peak_pss(events: int, keys: int, key_type: str, root_dir: str | None) -> tuple[float, bool]:
+    """Peak summed PSS (bytes) of a ``process`` job at p=1 run alone in a fresh interpreter
+    (``--memory-job``), sampled every 20 ms until its ``abs.run`` returned, and whether its
+    final sums were right."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--memory-job", "--events", str(events), "--keys", str(keys),
+           "--key-types", key_type] + (["--root", root_dir] if root_dir else [])
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    peak = 0
+    ran = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not ran.wait(0.02):
+            peak = max(peak, tree_pss(child.pid))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    assert child.stdout is not None
+    lines = []
+    for line in child.stdout:
+        if line.startswith("ran"):
+            ran.set()  # abs.run returned: what the child does next (the check) is not the job's
+        lines.append(line)
+    ran.set()
+    sampler.join()
+    if child.wait() != 0:
+        raise RuntimeError(f"the memory job ({' '.join(cmd)}) failed with exit code {child.returncode}")
+    verdict_line = [json.loads(line) for line in lines if line.startswith("{")]
+    return peak, bool(verdict_line and verdict_line[0]["verified"])
+
+
+def memory_job(args: argparse.Namespace) -> int:
+    """``--memory-job``: one ``process`` job at p=1 in this fresh interpreter; prints ``ran``
+    when ``abs.run`` returned, then the check of its sums as JSON."""
+    keys, key_type = args.keys[0], args.key_types[0]
+    events = max(args.events, keys)
+    root = tempfile.mkdtemp(prefix="abs-reference-memory-", dir=args.root)
+    try:
+        abs.run(build("process", events, keys, key_type), parallelism=1, storage=root,
+                checkpoint=abs.CheckpointConfig(interval=1.0, retained=2))
+        print("ran", flush=True)
+        print(json.dumps({"verified": state_matches(root, expected_sums(events, keys))}), flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
 def dict_loop_rate(batches: list[pa.RecordBatch]) -> float:
     keys: list = []
     values: list = []
@@ -250,7 +359,12 @@ def headline(args: argparse.Namespace, paths: list[str]) -> None:
             loops: list[float] = []
             groups: list[float] = []
             groups_ok = True
+            memory: list[tuple[float, bool]] = []
+            measure_memory = ("process" in paths and 1 in args.parallelism and key_type == "string"
+                              and memory_unavailable() is None)
             for _ in range(args.rounds):
+                if measure_memory:
+                    memory.append(peak_pss(events, keys, key_type, args.root))
                 if "process" in paths:
                     loops.append(dict_loop_rate(batches))
                 if "aggregate" in paths:
@@ -276,6 +390,17 @@ def headline(args: argparse.Namespace, paths: list[str]) -> None:
                     print(f"      processing / dict loop {spread(share, pct)}"
                           + (f"   target >= {pct(PROCESS_P1_OF_DICT)}: {verdict(float(np.median(share)) >= PROCESS_P1_OF_DICT)}"
                              if strings else ""))
+                if path == "process" and par == 1 and strings:
+                    why = memory_unavailable()
+                    if why is not None:
+                        print(f"      peak PSS: not measured ({why})")
+                    elif memory:
+                        mb = [peak / 2**20 for peak, _ in memory]
+                        ok = sum(v for _, v in memory)
+                        print(f"      peak PSS (the job alone in a fresh interpreter: driver, worker, writer) "
+                              f"{spread(mb, lambda x: f'{x:.0f} MB')}   target <= {PEAK_PSS_MB} MB: "
+                              f"{verdict(float(np.median(mb)) <= PEAK_PSS_MB)}   sums verified: "
+                              f"{'yes' if ok == len(memory) else 'NO'} ({ok}/{len(memory)})", flush=True)
                 if path == "process" and par == 2 and strings:
                     proc = float(np.median([r.processing for r in got]))
                     e2e = float(np.median([r.end_to_end for r in got]))
@@ -453,7 +578,10 @@ def main() -> int:
                     help="only section 4: the bytes of a 1 %% delta against a full checkpoint, format 5 and 6 layouts")
     ap.add_argument("--delta-keys", type=int, nargs="+", default=[100_000, 1_000_000, 5_000_000], metavar="K",
                     help="state sizes of --deltas (default: 100000 1000000 5000000)")
+    ap.add_argument("--memory-job", action="store_true", help=argparse.SUPPRESS)  # peak_pss's child
     args = ap.parse_args()
+    if args.memory_job:
+        return memory_job(args)
     if args.quick:
         args.events, args.keys, args.rounds, args.parallelism = 100_000, [10_000], 1, [1]
         args.checkpoint_keys, args.delta_keys = [20_000], [20_000]
