@@ -121,3 +121,45 @@ def test_a_forked_worker_reports_its_exit_code_and_its_kill_like_popen():
     finally:
         os.close(r)
         os.close(w)
+
+
+FREEZE_JOB = textwrap.dedent(
+    """
+    import gc, json
+    import pyarrow as pa
+    import abs
+
+    def count(ctx, row):
+        n = ctx.state.n
+        n.update((n.value() or 0) + 1)
+        if n.value() == 1:
+            ctx.emit({"key": ctx.key, "frozen": gc.get_freeze_count()})
+
+    def run():
+        flow = abs.Dataflow("freeze")
+        flow.source("src", abs.GeneratorSource(100, num_keys=5, num_splits=1)).key_by("key").process(
+            "count", count, state=[abs.ValueState("n", pa.int64())]).sink("out", abs.CollectSink())
+        result = abs.run(flow, parallelism=1, executor=abs.LocalExecutor(start="auto"))
+        return min(result.collected("out").column("frozen").to_pylist())
+
+    if __name__ == "__main__":
+        worker = run()
+        driver = gc.get_freeze_count()
+        gc.freeze()  # the application's own freeze
+        own = gc.get_freeze_count()
+        run()
+        print(json.dumps({"worker": worker, "driver": driver, "own": own, "after": gc.get_freeze_count()}))
+    """
+)
+
+
+@needs_fork
+def test_a_forked_worker_keeps_the_driver_objects_frozen_and_the_driver_gets_its_freeze_back(tmp_path):
+    script = tmp_path / "freeze_job.py"
+    script.write_text(FREEZE_JOB)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["worker"] > 0, "the worker's collections examine the objects it shares with the driver"
+    assert seen["driver"] == 0, "the driver's objects stayed frozen after its worker was forked"
+    assert seen["after"] == seen["own"] > 0, "a job changed the application's own freeze"

@@ -18,9 +18,19 @@ attempt's), takes the default signal handlers back, flushes nothing it inherited
 fork), never returns into the driver's code and never runs the driver's exit handlers
 (``os._exit``). Regular files and terminals stay open: the application's log files keep
 working in the worker.
+
+Memory: the child shares the driver's pages until one of them writes a page (copy on write).
+The garbage collector writes to every object it examines, so one full collection in either
+process would copy every page of the modules both imported. The driver's objects are
+therefore frozen (``gc.freeze``: the collector ignores them) across the fork; the driver
+unfreezes its own at once, the worker keeps them frozen (module-level objects it never
+frees) and freezes its own again before it forks its snapshot writer
+(:mod:`abs.runtime.worker_main`). Measured on the reference workload (``process``, 100 k
+string keys, p=1): the job's peak PSS fell from 142-147 MB to 133-137 MB.
 """
 from __future__ import annotations
 
+import gc
 import os
 import select
 import signal
@@ -64,12 +74,20 @@ def fork_worker(boot: dict) -> "ForkedWorker":
     :func:`fork_refusal` first."""
     from .worker_main import main  # imported here, before the fork: the child finds it loaded
 
+    parent = os.getpid()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()  # or the child would write the driver's buffered output again
         except (AttributeError, OSError, ValueError):
             pass
-    pid = os.fork()
+    freeze = gc.get_freeze_count() == 0  # an application that froze objects itself keeps its own freeze
+    if freeze:
+        gc.freeze()  # the worker's collections leave the shared pages alone (see the module docstring)
+    try:
+        pid = os.fork()
+    finally:
+        if freeze and os.getpid() == parent:
+            gc.unfreeze()
     if pid == 0:  # the worker: never returns
         code = 1
         try:

@@ -5,6 +5,7 @@ and takes the :class:`~abs.runtime.worker.Worker` through the start-up handshake
 :mod:`abs.runtime.messages`, sending heartbeats (with its restore progress) until it starts."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -25,6 +26,9 @@ def main(boot: dict | None = None) -> None:
     """Entry point of a worker process: ``boot``, or its bootstrap JSON read from stdin."""
     if boot is None:
         boot = json.loads(sys.stdin.readline())
+    # the writer shares this process's pages: frozen, the objects of both stay out of their
+    # collections, which would copy every page they examine (see abs.runtime.forked)
+    gc.freeze()
     writer = SnapshotWriter.fork()  # before any thread exists (see abs.runtime.writer)
     # LocalExecutor(pin_cpus=True): set while this is the only thread (threads inherit it);
     # the writer, forked above, stays free
