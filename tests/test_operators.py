@@ -74,3 +74,16 @@ def test_keyed_loop_calls_with_the_rows_keys_and_key_groups_of_batch_rows(batch)
     keys = batch.column(at).to_pylist()
     assert seen == [(k, g, k, row) for k, g, row in zip(keys, kgs, batch_rows(batch)[0])]
     assert len({id(row) for *_, row in seen}) == len(seen)  # a dict of its own per record
+
+
+def test_process_context_holds_key_emit_state_and_any_attribute_a_function_sets():
+    from abs.runtime.operators import ProcessContext, _state_namespace
+
+    state = _state_namespace({"total": 1, "seen": 2})
+    ctx = ProcessContext(state)
+    assert (ctx.key, ctx.emit, ctx.state.total, ctx.state.seen) == (None, None, 1, 2)
+    ctx.key, ctx.cache = "k", {}  # a function may keep its own things on ctx
+    assert ctx.key == "k" and ctx.cache == {}
+    assert repr(state) == "namespace(total=1, seen=2)"
+    odd = _state_namespace({"my-state": 1, "__private": 2})  # names a slot cannot have
+    assert getattr(odd, "my-state") == 1 and getattr(odd, "__private") == 2
