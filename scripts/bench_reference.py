@@ -25,7 +25,11 @@ that every key is in state.
    it), and a thread here samples the proportional set size (``Pss`` of
    ``/proc/<pid>/smaps_rollup``) of that driver and of every process below it (workers,
    snapshot writers) every 20 ms, from its start until ``abs.run`` returned; printed: the
-   peak of the sum. Linux only (elsewhere the row says why it is missing).
+   peak of the sum. Linux only (elsewhere the row says why it is missing). PSS shares each
+   page among the processes that map it, the machine's other processes included: on a
+   machine where other Python processes map the same pyarrow and numpy libraries the figure
+   is lower than on an idle one (reference workload: ~135 MB on a busy machine, ~170 MB
+   counting every library page as the job's own).
 
 4. ``--deltas`` (issue 23 target 5): the storage alone, no job. A state of K string keys in
    128 key groups (a ValueState's schema: ``key`` string, ``value`` int64) is written as a full
