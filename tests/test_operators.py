@@ -87,3 +87,41 @@ def test_process_context_holds_key_emit_state_and_any_attribute_a_function_sets(
     assert repr(state) == "namespace(total=1, seen=2)"
     odd = _state_namespace({"my-state": 1, "__private": 2})  # names a slot cannot have
     assert getattr(odd, "my-state") == 1 and getattr(odd, "__private") == 2
+
+
+def _process_op(key, fn, states):
+    import types
+
+    import abs
+    from abs.keygroups import KeyGroupRange
+    from abs.runtime.operators import ProcessOp
+
+    flow = abs.Dataflow("ops")
+    flow.source("src", abs.GeneratorSource(10)).key_by(key).process("p", fn, state=states)
+    nodes = flow.nodes.values() if isinstance(flow.nodes, dict) else flow.nodes
+    node = next(n for n in nodes if n.kind == "process")
+    op = ProcessOp(node, types.SimpleNamespace(max_parallelism=flow.max_parallelism,
+                                              key_group_range=KeyGroupRange(0, flow.max_parallelism - 1)))
+    op.open()
+    return op
+
+
+def test_process_keyed_by_a_column_sees_what_a_key_function_sees():
+    import abs
+
+    def count(ctx, row):
+        n = ctx.state.n
+        n.update((n.value() or 0) + row["v"])
+        ctx.emit({"key": ctx.key, "n": n.value(), "row": str(sorted(row.items()))})
+
+    batch = pa.RecordBatch.from_pydict({"k": ["a", "b", "a", "c", "a"], "v": [1, 2, 3, 4, 5]})
+    got = {}
+    for name, key in (("column", "k"), ("function", lambda r: r["k"])):
+        op = _process_op(key, count, [abs.ValueState("n", pa.int64())])
+        out = []
+        op.outputs.append(out.append)
+        op.process(batch)
+        op.process(batch)
+        got[name] = pa.Table.from_batches(out).to_pylist()
+    assert got["column"] == got["function"]
+    assert [r["n"] for r in got["column"]][-5:] == [10, 4, 13, 8, 18]
