@@ -10,12 +10,20 @@ checkpoint or a savepoint (the job's :class:`~abs.JobHandle` methods).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from .server import Dashboard, DashboardServer
-from .snapshot import job_snapshot
+from abscore.lazy import lazy_names as _lazy_names
+
+if TYPE_CHECKING:  # at run time the names load on first use (below)
+    from .server import Dashboard, DashboardServer
+    from .snapshot import job_snapshot
 
 __all__ = ["Dashboard", "DashboardServer", "job_snapshot", "start_dashboard"]
+
+# Every driver imports abs.observe.snapshot (the checkpoints' figures); the dashboard's HTTP
+# server (http.server, http.client, ssl, email) loads only in a driver that serves one.
+__getattr__, __dir__ = _lazy_names(__name__, globals(), {".server": ("Dashboard", "DashboardServer"),
+                                                         ".snapshot": ("job_snapshot",)})
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +32,9 @@ def start_dashboard(driver: Any, options: Dashboard, *, checkpoint: Callable[[],
                     savepoint: Callable[[], str] | None = None) -> DashboardServer:
     """Serve the dashboard of ``driver``'s job; logs its URL (at INFO) and returns the server
     (``.url``, ``.stop()``). Savepoints are offered only to a job with storage."""
+    from .server import DashboardServer
+    from .snapshot import job_snapshot
+
     server = DashboardServer(lambda limit: job_snapshot(driver, limit=limit), options=options,
                              checkpoint=checkpoint if driver.checkpointing else None,
                              savepoint=savepoint if driver.checkpointing else None)
