@@ -142,15 +142,20 @@ def prepare_table(table: pa.Table, kind: str) -> pa.Table:
     return table
 
 
-def encode_shared(tables: Sequence[pa.Table]) -> EncodedFile:
+def encode_shared(tables: Sequence[pa.Table], *, level: int = _SMALL_TABLE_LEVEL) -> EncodedFile:
     """The rows of ``tables`` (each as :func:`prepare_table` returned it, all of one schema,
     metadata included) one after the other in one Arrow IPC stream: a shared range of a packed
-    file (format 6). Written as record batches of about :data:`_SMALL_TABLE_BYTES` each, at the
-    level of small tables: zstd tunes its parameters to the size of what it compresses, and
-    buffers of up to 16 KiB compress better at that level than one large buffer (the bases of
-    18 key groups of 100 k string keys with random 40-bit values: 119 KB in 16 KiB batches,
-    155 KB in one batch, 126 KB as a stream per key group)."""
+    file (format 6). At the level of small tables (the default), written as record batches of
+    about :data:`_SMALL_TABLE_BYTES` each: zstd tunes its parameters to the size of what it
+    compresses, and buffers of up to 16 KiB compress better at that level than one large
+    buffer (the bases of 18 key groups of 100 k string keys with random 40-bit values: 119 KB
+    in 16 KiB batches, 155 KB in one batch, 126 KB as a stream per key group). At
+    :data:`FAST_LEVEL` (a writer with much to compress, see
+    :data:`storage.store_write.HIGH_LEVEL_LIMIT`), in batches of up to 128 Ki rows: there
+    16 KiB batches were both larger and twice as slow."""
     table = pa.concat_tables(tables).combine_chunks()
+    if level != _SMALL_TABLE_LEVEL:
+        return encode_prepared(table, level=level)
     rows = max(1, table.num_rows * _SMALL_TABLE_BYTES // max(table.nbytes, 1))
     return encode_prepared(table, level=_SMALL_TABLE_LEVEL, batch_rows=min(rows, _MAX_BATCH_ROWS))
 

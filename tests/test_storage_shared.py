@@ -230,3 +230,25 @@ def test_threads_reading_key_groups_of_one_shared_range_at_once_fetch_and_decode
     got = {item[1]: as_dict(table) for item, table in read_ahead(fresh.read_chain, items, 8)}
     assert got == models
     assert len(fetched) == 1  # the delta range of every key group: fetched once
+
+
+def test_small_files_past_the_high_level_limit_are_compressed_at_the_fast_level(store, memory_root, monkeypatch):
+    import storage.store_write as store_write
+
+    levels = []
+    real = store_write.encode_shared
+    monkeypatch.setattr(store_write, "encode_shared", lambda tables, **kw: levels.append(kw.get("level")) or real(tables, **kw))
+    models = {kg: {f"k{kg}-{i}": i for i in range(100)} for kg in range(M)}  # each key group a small base
+    writes = [KeyGroupWrite(OP, "n", kg, [], table(list(m), list(m.values())), complete=True) for kg, m in models.items()]
+    small = sum(w.delta.nbytes for w in writes)
+    for checkpoint_id, limit in ((1, small * 2), (2, small // 2)):
+        monkeypatch.setattr(store_write, "HIGH_LEVEL_LIMIT", limit)
+        chains = dict(enumerate(store.write_key_groups(checkpoint_id, writes)))
+        manifest = store.commit(Manifest(checkpoint_id=checkpoint_id, job_name="j", max_parallelism=M,
+                                         keyed={OP: {"n": chains}}))
+        assert all(chains[kg][-1].shared for kg in range(M))
+        fresh = SnapshotStore.open(memory_root)
+        for kg, model in models.items():
+            assert as_dict(fresh.read_key_group(manifest, OP, "n", kg)) == model
+    assert levels == [None, store_write.FAST_LEVEL]  # the high level, then the fast one
+    assert SnapshotStore.open(memory_root).verify().ok
