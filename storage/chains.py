@@ -93,12 +93,32 @@ def _has_deletes(ops: pa.ChunkedArray | pa.Array) -> bool:
     return bool(np.count_nonzero(ops.to_numpy() != OP_UPSERT))
 
 
+def _text_strictly_increasing(keys: pa.ChunkedArray | pa.Array) -> bool:
+    """Whether string or binary ``keys`` in one chunk (one sorted table: a writer's delta or
+    image; several deltas of a chain come in several chunks and are not asked) strictly
+    increase. Every key group of a checkpoint of string keys goes through here when it is
+    written as a base: a distinct count cost ~3x this comparison."""
+    if isinstance(keys, pa.ChunkedArray):
+        if keys.num_chunks != 1:
+            return False
+        keys = keys.chunk(0)
+    t = keys.type
+    if keys.null_count or not (pa.types.is_string(t) or pa.types.is_binary(t) or pa.types.is_large_string(t)
+                               or pa.types.is_large_binary(t)):
+        return False
+    if len(keys) < 2:
+        return True
+    return bool(pc.all(pc.less(keys.slice(0, len(keys) - 1), keys.slice(1))).as_py())
+
+
 def _last_per_key(deltas: pa.Table) -> pa.Table:
     """Rows of ``deltas`` that are the last occurrence of their key (vectorized)."""
     keys = deltas.column(KEY_COLUMN)
     ints = _int_keys(keys)
     if ints is not None and strictly_increasing(ints):
         return deltas  # strictly increasing keys (one delta file, sorted on write): every key once
+    if ints is None and _text_strictly_increasing(keys):
+        return deltas  # the same for string or binary keys: one comparison, a third of a distinct count
     try:
         if pc.count_distinct(keys).as_py() == deltas.num_rows:
             return deltas  # every key once: nothing to fold (the common case, and 10x cheaper)

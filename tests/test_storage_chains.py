@@ -306,3 +306,29 @@ def test_a_base_and_one_sorted_delta_resolve_to_the_kept_rows_then_the_upserts(d
     assert list(zip(out.column("key").to_pylist(), out.column("value").to_pylist())) == expected
     assert out.schema.metadata == {b"abs.value_encoding": b"arrow", b"abs.key_encoding": b"arrow"}
     assert out.schema.field("value").type == pa.string()
+
+
+@pytest.mark.parametrize("key_type", [pa.string(), pa.binary(), pa.large_string()])
+def test_one_delta_of_text_keys_resolves_whether_sorted_or_repeating(key_type, monkeypatch):
+    """A sorted table of unique string or binary keys (a writer's image) is every key once
+    without a distinct count; unsorted, repeated keys and several deltas still fold."""
+    import pyarrow.compute as pc
+
+    def keys(xs: list[str]) -> pa.Array:
+        return pa.array([x.encode() if key_type == pa.binary() else x for x in xs], key_type)
+
+    def delta(xs: list[str], values: list[int]) -> pa.Table:
+        return pa.table({"key": keys(xs), "value": pa.array(values, pa.int64())})
+
+    counted = []
+    real = pc.count_distinct
+    monkeypatch.setattr(pc, "count_distinct", lambda *a, **kw: counted.append(1) or real(*a, **kw))
+    sorted_image = delta(["a", "b", "c"], [1, 2, 3])
+    assert resolve_chain([sorted_image], first_is_base=False).equals(sorted_image)
+    assert not counted
+    repeated = resolve_chain([delta(["b", "a", "b"], [1, 2, 3])], first_is_base=False)
+    assert dict(zip(repeated.column("key").to_pylist(), repeated.column("value").to_pylist())) == {
+        keys(["a"])[0].as_py(): 2, keys(["b"])[0].as_py(): 3}
+    two = resolve_chain([delta(["a", "b"], [1, 2]), delta(["b", "c"], [5, 6])], first_is_base=False)
+    assert sorted(zip(two.column("key").to_pylist(), two.column("value").to_pylist())) == [
+        (keys([k])[0].as_py(), v) for k, v in (("a", 1), ("b", 5), ("c", 6))]
