@@ -42,8 +42,9 @@ from typing import Any, Iterator
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
-__all__ = ["Captured", "Column", "KeyOrders", "OBJECTS", "typecode_of"]
+__all__ = ["Captured", "Column", "KeyOrders", "OBJECTS", "SameKeys", "typecode_of"]
 
 OBJECTS = "O"
 """Typecode of a column of Python objects (an untyped ``ValueState``): its values are a list."""
@@ -358,6 +359,7 @@ class KeyOrders:
 
     def __init__(self) -> None:
         self._known: dict[Any, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._text: dict[Any, tuple[np.ndarray | None, pa.Array | list]] = {}
 
     def sort(self, slot: Any, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(order, keys[order])`` for unique int64 ``keys``; remembered for ``slot``. The
@@ -370,6 +372,56 @@ class KeyOrders:
         order.flags.writeable = ordered.flags.writeable = False  # shared with later calls
         self._known[slot] = (keys.copy(), order, ordered)
         return order, ordered
+
+
+    def sort_text(self, slot: Any, keys: list) -> tuple[np.ndarray | None, pa.Array | list]:
+        """``(order, keys in that order as an Arrow string or binary array)`` for the unique
+        keys of a full image when they are all ``str`` or all ``bytes`` (the array
+        ``abs.state``'s encoding makes of them), else ``(None, keys)``; remembered for
+        ``slot`` until the next call (:meth:`text`). The writer process calls it for every
+        full image of such keys it receives, and :meth:`text` when the worker sent
+        :class:`SameKeys` instead of keys it had sent before: their Arrow array, sort
+        order and the sort are then spared, as is pickling them through the pipe."""
+        arr = _text_array(keys)
+        if arr is None:
+            got: tuple = (None, keys)
+        else:
+            order = pc.sort_indices(arr).to_numpy()
+            got = (order, arr.take(order))
+        self._text[slot] = got
+        return got
+
+    def text(self, slot: Any) -> tuple[np.ndarray | None, pa.Array | list] | None:
+        """What :meth:`sort_text` last returned for ``slot`` (``None``: never called)."""
+        return self._text.get(slot)
+
+
+class SameKeys:
+    """Stands, in a full image the worker sends its writer process, for the ``n`` keys of the
+    full image of the same key group it sent last (see :meth:`KeyOrders.sort_text`)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __reduce__(self) -> tuple:
+        return SameKeys, (self.n,)
+
+
+def _text_array(keys: list) -> pa.Array | None:
+    """``keys`` as an Arrow string (all ``str``) or binary (all ``bytes``) array, else None."""
+    types = set(map(type, keys))
+    t = pa.string() if types == {str} else pa.binary() if types == {bytes} else None
+    if t is None:
+        return None
+    try:
+        return pa.array(keys, t)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, UnicodeEncodeError):
+        return None  # lone surrogates: pickled by the encoding
 
 
 def _key_storage(keys: list) -> array | list:

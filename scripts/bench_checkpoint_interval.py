@@ -19,11 +19,15 @@ every round (the final checkpoint, taken after the sources ended, is left out):
 Configurations alternate within each round (the machine is shared and its speed drifts).
 
     .venv/bin/python scripts/bench_checkpoint_interval.py [--rounds N] [--events N] [--keys K]
-        [--parallelism P [P ...]] [--interval S] [--root DIR]
+        [--parallelism P [P ...]] [--interval S] [--root DIR] [--dump FILE]
+
+``--dump FILE`` appends one JSON line per run (its checkpoints' figures), to compare two
+versions of the code run alternately.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -112,6 +116,7 @@ def main() -> int:
     ap.add_argument("--parallelism", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--interval", type=float, default=1.0)
     ap.add_argument("--root", default=None, metavar="DIR", help="directory for the jobs' storage roots")
+    ap.add_argument("--dump", default=None, metavar="FILE", help="append each run's figures to FILE as a JSON line")
     args = ap.parse_args()
     if args.rounds < 1 or args.events < 1 or args.keys < 1 or args.interval <= 0:
         ap.error("--rounds, --events, --keys and --interval must be positive")
@@ -123,6 +128,11 @@ def main() -> int:
         for p in args.parallelism:
             got = run_once(args.events, args.keys, p, args.interval, expected, args.root)
             runs[p].append(got)
+            if args.dump:
+                with open(args.dump, "a") as f:
+                    f.write(json.dumps({"parallelism": p, "first": got["first"], "verified": got["verified"],
+                                        "checkpoints": [[c.duration, c.sync_time, c.async_time, c.async_cpu,
+                                                         c.bytes_written] for c in got["periodic"]]}) + "\n")
             per = "  ".join(f"{c.duration:.2f}/{c.async_cpu:.2f}" for c in got["periodic"])
             print(f"  round {r + 1} p={p}: first {got['first']:.2f} s; duration/async CPU per checkpoint: {per}",
                   flush=True)

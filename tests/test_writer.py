@@ -586,3 +586,89 @@ def test_a_writer_stopped_for_a_while_then_continued_lets_checkpoints_resume(tmp
     assert "timeout" in why and "missing acks" in why
     assert any(c.checkpoint_id > first_failed for c in result.completed_checkpoints), "checkpoints resume"
     assert_counted_once(result)
+
+
+def string_backend() -> KeyedStateBackend:
+    return KeyedStateBackend("op", [ValueState("v", pa.int64())], M, KeyGroupRange(0, M - 1))
+
+
+def set_values(b: KeyedStateBackend, values: dict) -> dict:
+    for k, v in values.items():
+        b.current_key, b.current_kg = k, key_group(k, M)
+        b.state("v").update(v)
+    return values
+
+
+def test_full_images_of_unchanged_string_keys_go_to_the_writer_without_their_keys(tmp_path, writer):
+    """A key group whose string keys stay sends them once: later full images carry SameKeys and
+    the writer writes the keys it kept, sorted; an inserted key sends the key group's keys
+    again; after a failed write every key is sent again. Every checkpoint reads back exact."""
+    from abs.columns import SameKeys
+    from abs.runtime.writer import SentKeys
+
+    SnapshotStore.open(str(tmp_path)).init_job({"job_name": "j", "max_parallelism": M})
+    writer.open(str(tmp_path), None)
+    store = SnapshotStore.open(str(tmp_path))
+    b = string_backend()
+    values: dict = {}
+    sent: list = []
+    real = SentKeys.substitute
+    writer._sent.substitute = lambda jobs: sent.append(out := real(writer._sent, jobs)) or out
+
+    def checkpoint(cid: int, bad_kg: int | None = None) -> None:
+        deltas = b.capture(cid, lazy=True)["v"]
+        jobs = [WriteJob("op", "v", kg, [], d, False) for kg, d in deltas.items()]
+        if bad_kg is not None:
+            with pytest.raises(RuntimeError, match=f"key group {bad_kg} is outside"):
+                writer.write(cid, jobs + [WriteJob("op", "v", bad_kg, [], next(iter(deltas.values())), False)])
+            b.abort(cid)
+            return
+        chains = writer.write(cid, jobs)
+        b.confirm(cid)
+        got = {}
+        for chain in chains:
+            t = store.read_chain(chain)
+            keys = t.column("key").to_pylist()
+            assert keys == sorted(keys)
+            got.update(zip(keys, t.column("value").to_pylist()))
+        assert got == values
+
+    def same_keys(i: int) -> set:
+        return {j.key_group for j in sent[i] if isinstance(j.delta._rows().keys, SameKeys)}
+
+    values.update(set_values(b, {f"key-{i}": i for i in range(300)}))
+    checkpoint(1)
+    assert not same_keys(0)
+    values.update(set_values(b, {k: v + 1 for k, v in values.items()}))
+    checkpoint(2)
+    assert same_keys(1) == set(range(M))
+    added = "key-new"
+    values.update(set_values(b, {**{k: v * 2 for k, v in values.items()}, added: -1}))
+    checkpoint(3)
+    assert same_keys(2) == set(range(M)) - {key_group(added, M)}
+    values.update(set_values(b, {k: v + 3 for k, v in values.items()}))
+    checkpoint(4, bad_kg=99)  # fails: the worker forgets what it sent
+    checkpoint(5)
+    assert not same_keys(4)
+    values.update(set_values(b, {k: v - 5 for k, v in values.items()}))
+    checkpoint(6)
+    assert same_keys(5) == set(range(M))
+
+
+def test_a_writer_without_the_keys_a_full_image_stands_for_refuses_the_write(tmp_path):
+    from abs.columns import KeyOrders
+    from abs.runtime.writer import SentKeys, _write
+    from storage import CheckpointSession, SnapshotStore as Store
+
+    store = Store.open(str(tmp_path))
+    store.init_job({"job_name": "j", "max_parallelism": M})
+    b = string_backend()
+    sent = SentKeys()
+    set_values(b, {f"k{i}": i for i in range(50)})
+    first = sent.substitute([WriteJob("op", "v", kg, [], d, False) for kg, d in b.capture(1, lazy=True)["v"].items()])
+    b.confirm(1)
+    assert _write(store, KeyOrders(), 1, first, CheckpointSession()).chains
+    set_values(b, {f"k{i}": -i for i in range(50)})
+    second = sent.substitute([WriteJob("op", "v", kg, [], d, False) for kg, d in b.capture(2, lazy=True)["v"].items()])
+    reply = _write(store, KeyOrders(), 2, second, CheckpointSession())  # a writer that never saw the keys
+    assert "does not hold them" in reply.message

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from abs.columns import Captured, KeyOrders
+from abs.columns import Captured, KeyOrders, SameKeys
 from abs.errors import StateError
 
 from .encoding import ENCODING_PICKLE, MISSING, column_table, delta_table, encode_keys, encode_pairs, pickled_values, split_deletes
@@ -161,6 +161,33 @@ class ColumnDelta:
             keys, values, nulls = _sorted_rows(self, orders, slot, keys, values, nulls)
         return column_table(self._arrow_type, self._kind, keys, values, nulls, c.deleted)
 
+    def full_list_keys(self) -> list | None:
+        """The keys of the delta when it is a full image (no deletes) whose keys are a list
+        (not int64): those :class:`KeyOrders` sorts and remembers by key group
+        (:meth:`KeyOrders.sort_text`). Else ``None``."""
+        c = self._rows()
+        if c.all_rows and c.changed is None and not c.deleted and isinstance(c.keys, list):
+            return c.keys
+        return None
+
+    def with_same_keys(self) -> ColumnDelta:
+        """This delta with :class:`SameKeys` for its :meth:`full_list_keys`, to send to a writer
+        process that received those very keys in the last full image of the key group."""
+        c = self._rows()
+        return ColumnDelta(replace(c, keys=SameKeys(len(c.keys))), self._arrow_type, self._kind, self._blob)
+
+    def receive_keys(self, orders: KeyOrders, slot: Any) -> None:
+        """In the writer process, at receipt (before any write can fail): sort and remember the
+        :meth:`full_list_keys` of the delta for ``slot`` (or check that ``orders`` holds those
+        :class:`SameKeys` stands for), then hold :class:`SameKeys` in their place, so that the
+        writer's memory matches what the worker remembers having sent."""
+        c = self._rows()
+        if not (c.all_rows and c.changed is None and not c.deleted and isinstance(c.keys, (list, SameKeys))):
+            return
+        _text_keys(orders, slot, c.keys)
+        if isinstance(c.keys, list):
+            self._captured = replace(c, keys=SameKeys(len(c.keys)))
+
     def image_keys(self, orders: KeyOrders, slot: Any) -> np.ndarray | None:
         """When the delta is the key group's full image of two or more int64 keys (the rows
         :meth:`to_table` sorts with ``orders``): its keys in ascending order, as the array
@@ -187,12 +214,32 @@ class ColumnDelta:
 def _sorted_rows(delta: ColumnDelta, orders: KeyOrders, slot: Any, keys: Any, values: Any,
                  nulls: np.ndarray | None) -> tuple:
     """A full image's rows (``delta``'s captured keys) in key order, when its keys are an int64
-    array (else unchanged)."""
-    if not isinstance(keys, np.ndarray) or len(keys) < 2:
+    array, or ``str`` or ``bytes`` keys (then an Arrow array; :class:`SameKeys`: those of the
+    full image ``orders`` last saw for ``slot``); else unchanged."""
+    if isinstance(keys, (list, SameKeys)):
+        order, ordered = _text_keys(orders, slot, keys)
+        if order is None:
+            return ordered, values, nulls
+    elif not isinstance(keys, np.ndarray) or len(keys) < 2:
         return keys, values, nulls
-    order, ordered = delta._sort(orders, slot)
+    else:
+        order, ordered = delta._sort(orders, slot)
     values = values[order] if isinstance(values, np.ndarray) else [values[i] for i in order.tolist()]
     return ordered, values, None if nulls is None else nulls[order]
+
+
+def _text_keys(orders: KeyOrders, slot: Any, keys: list | SameKeys) -> tuple[np.ndarray | None, Any]:
+    """:meth:`KeyOrders.sort_text` of a full image's list of keys, or what it gave for the
+    keys :class:`SameKeys` stands for."""
+    if not isinstance(keys, SameKeys):
+        return orders.sort_text(slot, keys)
+    known = orders.text(slot)
+    if known is None or len(known[1]) != len(keys):
+        raise StateError(
+            f"key group {slot}: the worker sent a full image of the keys it sent before, and this writer "
+            "does not hold them; the checkpoint is declined and the worker sends every key again"
+        )
+    return known[0], known[1]
 
 
 class PickledDelta:

@@ -126,7 +126,7 @@ def pickled_values(values: list, ops: Any) -> pa.Array:
     return pa.array(blobs, pa.binary())
 
 
-def column_table(t: pa.DataType | None, kind: str, keys: np.ndarray | VarKeys | list, values: np.ndarray | list,
+def column_table(t: pa.DataType | None, kind: str, keys: np.ndarray | VarKeys | pa.Array | list, values: np.ndarray | list,
                   nulls: np.ndarray | None, deleted: list) -> pa.Table:
     """A delta table from captured columns: upserts of ``keys``, then deletes of ``deleted``.
     ``t`` None: an untyped column, its values pickled one by one (the rows a dict key group
@@ -137,13 +137,16 @@ def column_table(t: pa.DataType | None, kind: str, keys: np.ndarray | VarKeys | 
         value_arr, value_enc = pa.array(values, t, mask=nulls), ENCODING_ARROW
     ops = np.zeros(len(values) + len(deleted), dtype=np.int8)
     if deleted:
-        key_arr, key_enc = encode_keys((keys.tolist() if isinstance(keys, (np.ndarray, VarKeys)) else list(keys)) + deleted)
+        key_arr, key_enc = encode_keys((keys.to_pylist() if isinstance(keys, pa.Array) else keys.tolist()
+                                          if isinstance(keys, (np.ndarray, VarKeys)) else list(keys)) + deleted)
         value_arr = pa.concat_arrays([value_arr, pa.nulls(len(deleted), value_arr.type)])
         ops[len(values):] = OP_DELETE
     elif isinstance(keys, np.ndarray):
         key_arr, key_enc = pa.array(keys, pa.int64()), ENCODING_ARROW
     elif isinstance(keys, VarKeys):
         key_arr, key_enc = keys.to_arrow(), ENCODING_ARROW
+    elif isinstance(keys, pa.Array):  # str or bytes keys the writer sorted (abs.columns.KeyOrders.sort_text)
+        key_arr, key_enc = keys, ENCODING_ARROW
     else:
         key_arr, key_enc = encode_keys(list(keys))
     return delta_table(kind, key_arr, key_enc, value_arr, value_enc, ops, with_op=True)
