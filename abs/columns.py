@@ -386,8 +386,8 @@ class KeyOrders:
         if arr is None:
             got: tuple = (None, keys)
         else:
-            order = pc.sort_indices(arr).to_numpy()
-            got = (order, arr.take(order))
+            indices = pc.sort_indices(arr)  # taken as Arrow indices: no conversion from numpy and back
+            got = (indices.to_numpy(), arr.take(indices))
         self._text[slot] = got
         return got
 
