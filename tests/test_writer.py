@@ -672,3 +672,43 @@ def test_a_writer_without_the_keys_a_full_image_stands_for_refuses_the_write(tmp
     second = sent.substitute([WriteJob("op", "v", kg, [], d, False) for kg, d in b.capture(2, lazy=True)["v"].items()])
     reply = _write(store, KeyOrders(), 2, second, CheckpointSession())  # a writer that never saw the keys
     assert "does not hold them" in reply.message
+
+
+def string_key_batch(idx: np.ndarray) -> pa.RecordBatch:
+    """Events ``i``: key ``"s{i % 300}"``, value ``i % 7``."""
+    import pyarrow.compute as pc
+
+    key = pc.binary_join_element_wise("s", pa.array(idx % 300).cast(pa.string()), "")
+    return pa.RecordBatch.from_arrays([key, pa.array(idx % 7)], names=["key", "value"])
+
+
+def running_sum(ctx, event):
+    total = ctx.state.total
+    total.update((total.value() or 0) + event["value"])
+
+
+@pytest.mark.parametrize("parallelism", [1, 2])
+def test_a_job_of_string_keys_checkpoints_through_its_writers_exactly(tmp_path, parallelism):
+    """Every key changes between checkpoints and no key is added after the first ones: the
+    full images after the first go to the writers without their keys (SameKeys); the last
+    checkpoint holds every key once with its exact sum, sorted in its files."""
+    events = 24_000
+    flow = abs.Dataflow("writer-strings")
+    src = PacedSource(abs.GeneratorSource(events, num_keys=300, num_splits=2, batch_size=1_000,
+                                          make_batch=string_key_batch), 3_000)
+    flow.source("events", src).key_by("key").process("sum", running_sum, state=[ValueState("total", pa.int64())])
+    root = str(tmp_path / "snap")
+    result = abs.run(flow, parallelism=parallelism, storage=root, checkpoint=abs.CheckpointConfig(interval=0.05))
+    assert result.status == "FINISHED" and len(result.completed_checkpoints) >= 4
+    store = SnapshotStore.open(root)
+    manifest = store.read_manifest(store.latest_checkpoint())
+    got: dict = {}
+    for kg in manifest.keyed["sum"]["total"]:
+        t = store.read_key_group(manifest, "sum", "total", kg)
+        keys = t.column("key").to_pylist()
+        assert keys == sorted(keys) and not set(keys) & set(got)
+        got.update(zip(keys, t.column("value").to_pylist()))
+    expected: dict = {}
+    for i in range(events):
+        expected[f"s{i % 300}"] = expected.get(f"s{i % 300}", 0) + i % 7
+    assert got == expected
