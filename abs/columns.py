@@ -373,7 +373,6 @@ class KeyOrders:
         self._known[slot] = (keys.copy(), order, ordered)
         return order, ordered
 
-
     def sort_text(self, slot: Any, keys: list) -> tuple[np.ndarray | None, pa.Array | list]:
         """``(order, keys in that order as an Arrow string or binary array)`` for the unique
         keys of a full image when they are all ``str`` or all ``bytes`` (the array

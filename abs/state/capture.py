@@ -236,8 +236,9 @@ def _text_keys(orders: KeyOrders, slot: Any, keys: list | SameKeys) -> tuple[np.
     known = orders.text(slot)
     if known is None or len(known[1]) != len(keys):
         raise StateError(
-            f"key group {slot}: the worker sent a full image of the keys it sent before, and this writer "
-            "does not hold them; the checkpoint is declined and the worker sends every key again"
+            f"{' / '.join(map(str, slot)) if isinstance(slot, tuple) else slot} (operator / state / key group): "
+            "the worker sent a full image standing for the keys it sent before, and this writer does not "
+            "hold them; the checkpoint is declined and the worker sends every key again"
         )
     return known[0], known[1]
 
