@@ -386,7 +386,10 @@ class KeyOrders:
             got: tuple = (None, keys)
         else:
             indices = pc.sort_indices(arr)  # taken as Arrow indices: no conversion from numpy and back
-            got = (indices.to_numpy(), arr.take(indices))
+            # kept as int32 where it fits: with the sorted keys ~14 bytes a key of a string
+            # state, held by the writer process between checkpoints
+            order = indices.to_numpy()
+            got = (order.astype(np.int32) if len(order) < 2**31 else order, arr.take(indices))
         self._text[slot] = got
         return got
 
