@@ -182,7 +182,7 @@ def run_rate(spark, state: dict, root: str, options: dict, work: Path) -> dict:
     counted rows again. What the checkpoints' offsets cover is returned for the test."""
     import fsspec
     from abs.connectors.spark_microbatch import SparkMicroBatchSource
-    from microbatch_check import rows_read, staged_batches
+    from microbatch_check import check_committed, rows_read, staged_batches
     from storage import SnapshotStore
 
     stream = (spark.readStream.format("rate").option("rowsPerSecond", 300).option("numPartitions", 2).load()
@@ -199,23 +199,25 @@ def run_rate(spark, state: dict, root: str, options: dict, work: Path) -> dict:
                         checkpoint=abs.CheckpointConfig(interval=0.3, retained=3), storage=f"{root}/snap",
                         storage_options=options, restart=abs.RestartStrategy(max_restarts=2, delay=0.5))
     counted = lambda: handle.metrics()["records_in"].get("count", 0)  # noqa: E731 - since the attempt's start
-    wait_while_running("rows counted and checkpointed", lambda: counted() >= 150 and handle.metrics()["completed_checkpoints"] >= 2,
-          handle)
+    wait_while_running("rows counted and checkpointed",
+                       lambda: counted() >= 150 and handle.metrics()["completed_checkpoints"] >= 2, handle)
     out = kill_executor_after_checkpoint(state, handle, checkpoint=handle.metrics()["last_checkpoint"])
     wait_while_running("a restart", lambda: handle.metrics()["restarts"] and handle.metrics()["status"] == "RUNNING", handle)
     seen = handle.metrics()["completed_checkpoints"]
     wait_while_running("rows counted after the restore, three checkpoints",
-          lambda: counted() >= 150 and handle.metrics()["completed_checkpoints"] >= seen + 3, handle)
+                       lambda: counted() >= 150 and handle.metrics()["completed_checkpoints"] >= seen + 3, handle)
     result = handle.cancel()
     table = read_output(f"{root}/out", "parquet", storage_options=options)
     store = SnapshotStore.open(f"{root}/snap", storage_options=options)
     *_, before, latest = store.list_checkpoints()
     staged = staged_batches(fsspec.filesystem("s3", skip_instance_cache=True, **options), staging)
     ids = table.column("id").to_pylist() if table.num_columns else []
+    missing, beyond = check_committed(ids, rows_read(store.read_manifest(before).source_offsets["src"], staged, 4),
+                                      rows_read(store.read_manifest(latest).source_offsets["src"], staged, 4))
     out.update(status=result.status, restarts=[str(r.get("error", r))[:300] for r in result.restarts],
                ids=len(ids), distinct=len(set(ids)), spark=per_key_counts(table) if table.num_columns else {},
-               missing=len(rows_read(store.read_manifest(before).source_offsets["src"], staged, 4) - set(ids)),
-               beyond=len(set(ids) - rows_read(store.read_manifest(latest).source_offsets["src"], staged, 4)),
+               missing=missing, beyond=beyond, latest=[latest, store.read_manifest(latest).source_offsets["src"]],
+               staged={b: [len(p) for p in parts] for b, parts in staged.items()},
                active_queries=len(spark.streams.active))
     return out
 

@@ -25,11 +25,16 @@ def staged_batches(fs, staging: str) -> dict:
     return batches
 
 
-def rows_read(offsets: dict, staged: dict, lanes: int) -> set:
+def rows_read(offsets: dict, staged: dict, lanes: int) -> set | None:
     """The ``id``s a micro-batch source's readers had emitted at ``offsets`` (lane ->
     batch, part, row): lane L reads parts k = L - b (mod lanes) of batch b. Batches older than
-    every staged one were read whole (their values are those below the oldest staged)."""
-    got = set(range(min((min(part) for b in sorted(staged) for part in staged[b] if part), default=0)))
+    every staged one were read whole and deleted (their values are those below the oldest
+    staged). None when no batch with rows is staged any more: the readers had then read every
+    batch whole, so what they read is a prefix 0 .. n-1 of the ids, its n not known here."""
+    low = min((min(part) for b in sorted(staged) for part in staged[b] if part), default=None)
+    if low is None:
+        return None
+    got = set(range(low))
     for lane, o in offsets.items():
         for b in sorted(staged):
             if b > o["batch"]:
@@ -41,3 +46,15 @@ def rows_read(offsets: dict, staged: dict, lanes: int) -> set:
                 elif k == o["part"]:
                     got.update(parts[k][:o["row"]])
     return got
+
+
+def check_committed(ids: list, before: set | None, latest: set | None) -> tuple[int, int]:
+    """(rows read at the earlier checkpoint missing from the committed ``ids``, committed rows
+    beyond what the latest had read); the ids must be distinct. Where nothing is staged any
+    more (``None``), the committed rows must be a prefix 0 .. n-1 of the ids."""
+    got = set(ids)
+    assert len(got) == len(ids), "a row committed twice"
+    prefix = set(range(len(ids)))
+    missing = len((before if before is not None else set()) - got)
+    beyond = len(got - (latest if latest is not None else prefix))
+    return missing, beyond

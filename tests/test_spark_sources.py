@@ -7,7 +7,6 @@ import collections
 import functools
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -29,8 +28,6 @@ from abs.connectors.file_sink import FileSink, read_output
 from abs.connectors.spark_microbatch import SparkMicroBatchSource
 from abs.connectors.spark_stream import SparkStreamSource
 from pacing import PacedSource
-from processes import abs_workers
-from microbatch_check import rows_read, staged_batches
 from storage import SnapshotStore
 from storage.paths import StoragePaths
 
@@ -821,56 +818,4 @@ def test_micro_batch_readers_lag_is_the_staged_rows_they_have_not_emitted_also_a
         assert sum(r.lag() for r in lanes) == total - emitted
     finally:
         src.driver_close()
-
-
-def test_micro_batch_source_rate_stream_staged_on_s3_is_exactly_once_across_a_killed_worker(spark, tmp_path, s3_server,
-                                                                                           s3_root):
-    # Spark's rate source: unbounded, a row a value 0, 1, 2, ... (each micro-batch a range of
-    # values); staged on the S3 server by the query's tasks; an abs worker killed (SIGKILL)
-    # once rows were counted and checkpointed; the job is canceled once it has counted rows
-    # and completed checkpoints after its restore. Checked: no value twice, every key's counts 1..n (state and output agree),
-    # and every value of the micro-batches wholly read at the second-latest checkpoint there
-    options = s3_server.storage_options
-    stream = (spark.readStream.format("rate").option("rowsPerSecond", 400).option("numPartitions", 2).load()
-              .selectExpr("value AS id", f"value % {KEYS} AS key"))
-    staging = f"{s3_root}/staging"
-    src = SparkMicroBatchSource(stream, staging=staging, storage_options=options, num_splits=4,
-                                checkpoint_location=str(tmp_path / "spark-checkpoint"),
-                                trigger={"processingTime": "200 milliseconds"}, batch_size=50)
-    snap, out = f"{s3_root}/snap", str(tmp_path / "out")
-    handle = abs.submit(
-        counting_flow(src, FileSink(out)), executor=abs.SparkExecutor(spark, num_workers=2),
-        checkpoint=abs.CheckpointConfig(interval=0.3, retained=3), storage=snap, storage_options=options,
-        restart=abs.RestartStrategy(max_restarts=2, delay=0.1),
-    )
-    deadline = time.monotonic() + 240  # only bounds a hang
-    counted = lambda: handle.metrics()["records_in"].get("count", 0)  # noqa: E731 - since the attempt's start
-    wait_for("rows counted and checkpointed", lambda: counted() >= 400 and handle.metrics()["completed_checkpoints"] >= 2,
-             deadline)
-    os.kill(abs_workers()[-1], signal.SIGKILL)
-    wait_for("a restart", lambda: handle.metrics()["restarts"] and handle.metrics()["status"] == "RUNNING", deadline)
-    seen = handle.metrics()["completed_checkpoints"]
-    wait_for("rows counted after the restore, three checkpoints",
-             lambda: counted() >= 400 and handle.metrics()["completed_checkpoints"] >= seen + 3, deadline)
-    result = handle.cancel()
-    assert result.status == "CANCELED"
-    assert len(result.restarts) == 1 and "worker" in result.restarts[0]["error"], result.restarts
-    table = read_output(out)
-    ids = table.column("id").to_pylist()
-    assert len(ids) == len(set(ids)) > 0, "a value counted twice"
-    per_key: dict = collections.defaultdict(list)
-    for k, c in zip(table.column("key").to_pylist(), table.column("count").to_pylist()):
-        per_key[k].append(c)
-    assert all(sorted(v) == list(range(1, len(v) + 1)) for v in per_key.values()), "a count missing or repeated"
-    # exactly the rows the checkpoints' offsets cover were committed: every row the
-    # second-latest checkpoint had read, nothing beyond what the latest one had read
-    store = SnapshotStore.open(snap, storage_options=options)
-    *_, before, latest = store.list_checkpoints()
-    staged = staged_batches(s3_server.filesystem(), staging)
-    covered_before = rows_read(store.read_manifest(before).source_offsets["src"], staged, 4)
-    covered_latest = rows_read(store.read_manifest(latest).source_offsets["src"], staged, 4)
-    assert covered_before <= set(ids) <= covered_latest, (
-        f"{len(covered_before - set(ids))} rows read before checkpoint {before} missing, "
-        f"{len(set(ids) - covered_latest)} rows beyond checkpoint {latest}'s offsets committed")
-    assert len(covered_before) > 0
 
