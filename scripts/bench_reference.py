@@ -29,7 +29,14 @@ that every key is in state.
    page among the processes that map it, the machine's other processes included: on a
    machine where other Python processes map the same pyarrow and numpy libraries the figure
    is lower than on an idle one (reference workload: ~135 MB on a busy machine, ~170 MB
-   counting every library page as the job's own).
+   counting every library page as the job's own). Hence a second row, the figure of an idle
+   machine whatever runs beside: the peak of the job's *distinct pages*, every physical page
+   that the driver, the worker or the writer maps (page frame numbers from
+   ``/proc/<pid>/pagemap``) counted once, however many of the job's processes map it and
+   whatever other process maps it too; what the job's summed PSS is where no other process
+   shares its pages. Sampled every 0.2 s (reading the page tables costs tens of ms), so its
+   peak may miss a shorter one. Reading page frame numbers needs CAP_SYS_ADMIN (root);
+   without it the row says it was not measured.
 
 4. ``--deltas`` (issue 23 target 5): the storage alone, no job. A state of K string keys in
    128 key groups (a ValueState's schema: ``key`` string, ``value`` int64) is written as a full
@@ -240,6 +247,52 @@ def tree_pss(root: int) -> int:
     return total
 
 
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_PFN_MASK = np.uint64((1 << 55) - 1)
+
+
+def _frames(pid: int) -> np.ndarray | None:
+    """The page frame numbers of every page of ``pid`` present in memory (``/proc/<pid>/pagemap``;
+    empty once it is gone); None when the kernel hides them (they read as 0 without
+    CAP_SYS_ADMIN)."""
+    parts = []
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            ranges = [fields[0].split("-") for fields in map(str.split, f) if fields[1] != "---p"]  # guard pages: never present
+        with open(f"/proc/{pid}/pagemap", "rb", buffering=0) as pagemap:
+            for lo, hi in ranges:
+                start, end = int(lo, 16) // _PAGE, int(hi, 16) // _PAGE
+                if start >= 1 << 40:  # [vsyscall]: pagemap has no entries for it
+                    continue
+                pagemap.seek(start * 8)
+                entries = np.frombuffer(pagemap.read((end - start) * 8), dtype=np.uint64)
+                present = entries[(entries >> np.uint64(63)).astype(bool)]
+                if len(present):
+                    parts.append(present & _PFN_MASK)
+    except OSError:
+        return np.empty(0, np.uint64)
+    if not parts:
+        return np.empty(0, np.uint64)
+    frames = np.concatenate(parts)
+    return None if not frames.any() else frames
+
+
+def tree_distinct_bytes(root: int) -> int | None:
+    """Bytes of the distinct physical pages that ``root`` and every process below it map,
+    each page counted once however many of them map it (the peak PSS such a job would show
+    on a machine where no other process maps its libraries); None when page frame numbers
+    are hidden from this process (CAP_SYS_ADMIN)."""
+    frames, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        got = _frames(pid)
+        if got is None:
+            return None
+        frames.append(got)
+        todo.extend(_children(pid))
+    return len(np.unique(np.concatenate(frames))) * _PAGE
+
+
 def memory_unavailable() -> str | None:
     """Why peak PSS cannot be measured here, or None."""
     if not os.path.exists("/proc/self/smaps_rollup"):
@@ -249,14 +302,17 @@ def memory_unavailable() -> str | None:
     return None
 
 
-def peak_pss(events: int, keys: int, key_type: str, root_dir: str | None) -> tuple[float, bool]:
+def peak_pss(events: int, keys: int, key_type: str, root_dir: str | None) -> tuple[float, float | None, bool]:
     """Peak summed PSS (bytes) of a ``process`` job at p=1 run alone in a fresh interpreter
-    (``--memory-job``), sampled every 20 ms until its ``abs.run`` returned, and whether its
-    final sums were right."""
+    (``--memory-job``), sampled every 20 ms until its ``abs.run`` returned; the peak of its
+    distinct pages (:func:`tree_distinct_bytes`, sampled every 0.2 s: reading the page tables
+    costs tens of ms; None where page frame numbers are hidden); and whether its final sums
+    were right."""
     cmd = [sys.executable, os.path.abspath(__file__), "--memory-job", "--events", str(events), "--keys", str(keys),
            "--key-types", key_type] + (["--root", root_dir] if root_dir else [])
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     peak = 0
+    distinct: list[int | None] = [0]
     ran = threading.Event()
 
     def sample() -> None:
@@ -264,8 +320,17 @@ def peak_pss(events: int, keys: int, key_type: str, root_dir: str | None) -> tup
         while not ran.wait(0.02):
             peak = max(peak, tree_pss(child.pid))
 
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
+    def sample_distinct() -> None:
+        while not ran.wait(0.2):
+            got = tree_distinct_bytes(child.pid)
+            if got is None:
+                distinct[0] = None
+                return
+            distinct[0] = max(distinct[0], got)
+
+    samplers = [threading.Thread(target=sample, daemon=True), threading.Thread(target=sample_distinct, daemon=True)]
+    for sampler in samplers:
+        sampler.start()
     assert child.stdout is not None
     lines = []
     for line in child.stdout:
@@ -273,11 +338,12 @@ def peak_pss(events: int, keys: int, key_type: str, root_dir: str | None) -> tup
             ran.set()  # abs.run returned: what the child does next (the check) is not the job's
         lines.append(line)
     ran.set()
-    sampler.join()
+    for sampler in samplers:
+        sampler.join()
     if child.wait() != 0:
         raise RuntimeError(f"the memory job ({' '.join(cmd)}) failed with exit code {child.returncode}")
     verdict_line = [json.loads(line) for line in lines if line.startswith("{")]
-    return peak, bool(verdict_line and verdict_line[0]["verified"])
+    return peak, distinct[0], bool(verdict_line and verdict_line[0]["verified"])
 
 
 def memory_job(args: argparse.Namespace) -> int:
@@ -363,7 +429,7 @@ def headline(args: argparse.Namespace, paths: list[str]) -> None:
             loops: list[float] = []
             groups: list[float] = []
             groups_ok = True
-            memory: list[tuple[float, bool]] = []
+            memory: list[tuple[float, float | None, bool]] = []
             measure_memory = ("process" in paths and 1 in args.parallelism and key_type == "string"
                               and memory_unavailable() is None)
             for _ in range(args.rounds):
@@ -399,12 +465,19 @@ def headline(args: argparse.Namespace, paths: list[str]) -> None:
                     if why is not None:
                         print(f"      peak PSS: not measured ({why})")
                     elif memory:
-                        mb = [peak / 2**20 for peak, _ in memory]
-                        ok = sum(v for _, v in memory)
+                        mb = [peak / 2**20 for peak, _, _ in memory]
+                        ok = sum(v for _, _, v in memory)
                         print(f"      peak PSS (the job alone in a fresh interpreter: driver, worker, writer) "
                               f"{spread(mb, lambda x: f'{x:.0f} MB')}   target <= {PEAK_PSS_MB} MB: "
                               f"{verdict(float(np.median(mb)) <= PEAK_PSS_MB)}   sums verified: "
                               f"{'yes' if ok == len(memory) else 'NO'} ({ok}/{len(memory)})", flush=True)
+                        if any(d is None for _, d, _ in memory):
+                            print("      peak distinct pages: not measured (page frame numbers need CAP_SYS_ADMIN)")
+                        else:
+                            mb = [d / 2**20 for _, d, _ in memory]
+                            print(f"      peak distinct pages (each page the job maps counted once: its PSS on an idle "
+                                  f"machine) {spread(mb, lambda x: f'{x:.0f} MB')}   target <= {PEAK_PSS_MB} MB: "
+                                  f"{verdict(float(np.median(mb)) <= PEAK_PSS_MB)}", flush=True)
                 if path == "process" and par == 2 and strings:
                     proc = float(np.median([r.processing for r in got]))
                     e2e = float(np.median([r.end_to_end for r in got]))

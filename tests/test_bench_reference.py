@@ -29,6 +29,9 @@ def test_quick_run_prints_every_row_with_its_sums_verified(tmp_path):
     memory = [line for line in out.splitlines() if "peak PSS" in line]
     assert len(memory) == 1, out  # process, p=1, string keys
     assert "target <= 140 MB" in memory[0] and "sums verified: yes (1/1)" in memory[0] or "not measured" in memory[0], out
+    if "not measured" not in memory[0]:
+        distinct = [line for line in out.splitlines() if "peak distinct pages" in line]
+        assert len(distinct) == 1 and ("target <= 140 MB" in distinct[0] or "not measured" in distinct[0]), out
     checkpoints = [line for line in out.splitlines() if line.lstrip().startswith("checkpoint ")]
     assert len(checkpoints) == 2 and all("aggregate" in c and "process" in c and "sums verified: yes" in c
                                          for c in checkpoints), out
