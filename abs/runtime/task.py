@@ -472,6 +472,11 @@ class Task(IterationHead, UnalignedCheckpoints, threading.Thread):
         for out in self.outputs:
             out.send_all(barrier)
         self.worker.fault("after_barrier_forward", self)
+        # Arrow's allocator keeps what this thread freed (a source's first batches, the
+        # batches since the last checkpoint) for its next allocations: handed back once a
+        # checkpoint (well under 1 ms), after the barrier went on. Reference job (process, 100 k string
+        # keys, p=1): peak distinct pages 156-164 -> 152-160 MB, PSS 127-133 -> 125-131 MB
+        pa.default_memory_pool().release_unused()
         if hold:
             return job
         if self.loop is not None:
