@@ -416,6 +416,8 @@ class SameKeys:
 
 def _text_array(keys: list) -> pa.Array | None:
     """``keys`` as an Arrow string (all ``str``) or binary (all ``bytes``) array, else None."""
+    if isinstance(keys, pa.Array):
+        return keys
     types = set(map(type, keys))
     t = pa.string() if types == {str} else pa.binary() if types == {bytes} else None
     if t is None:

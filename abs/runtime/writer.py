@@ -265,6 +265,7 @@ class SnapshotWriter:
                 watchdog.start()
             try:
                 send_frame(self._conn, m.WriteSnapshot(checkpoint_id, self._sent.substitute(jobs)))
+                _release_arrow_memory()  # the keys' Arrow arrays, made in this thread
                 reply = self._conn.recv()
             except (EOFError, OSError) as exc:
                 self._process.join(timeout=5)
@@ -319,6 +320,13 @@ class SnapshotWriter:
             self._lock.release()
 
 
+def _release_arrow_memory() -> None:
+    """Hand back what Arrow's allocator keeps of what this thread freed (well under 1 ms)."""
+    import pyarrow as pa
+
+    pa.default_memory_pool().release_unused()
+
+
 class SentKeys:
     """What a worker remembers of the keys it sent its writer process: per key group, the list
     of ``str`` (or other non-int64) keys of the last full image it sent (the same objects the
@@ -327,7 +335,12 @@ class SentKeys:
     :class:`~abs.columns.SameKeys`, and the writer uses the sorted Arrow keys it kept
     (:meth:`abs.columns.KeyOrders.sort_text`). Pickling 100 k string keys cost ~20 ms of the
     worker's uploader thread (holding the GIL) and ~10 ms of the writer, building their Arrow
-    array and sorting them ~30 ms more, at every checkpoint of a state whose keys stay.
+    array and sorting them ~30 ms more, at every checkpoint of a state whose keys stay. Keys
+    it has not sent go as the Arrow array the writer makes of them
+    (:meth:`~abs.state.ColumnDelta.with_arrow_keys`: ~3 ms per 100 k string keys here instead
+    of ~2 ms of pickling), so that the writer never holds them as Python objects (reference
+    job, 100 k string keys, p=1, 4 interleaved rounds: the writer's peak private memory
+    24-31 -> 21-26 MB, the job's peak distinct pages 154-161 -> 148-155 MB).
 
     The writer records the keys of every frame it reads before it writes anything; a write it
     reports as failed makes the worker forget everything (:meth:`forget`), so that the next
@@ -349,6 +362,9 @@ class SentKeys:
                     job = dataclasses.replace(job, delta=delta.with_same_keys())
                 else:
                     self._sent[slot] = keys
+                    # as the Arrow array the writer would make of them (out of band in the
+                    # frame): the writer then never holds them as Python objects
+                    job = dataclasses.replace(job, delta=delta.with_arrow_keys())
             out.append(job)
         return out
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from abs.columns import Captured, KeyOrders, SameKeys
+from abs.columns import Captured, KeyOrders, SameKeys, _text_array
 from abs.errors import StateError
 
 from .encoding import ENCODING_PICKLE, MISSING, column_table, delta_table, encode_keys, encode_pairs, pickled_values, split_deletes
@@ -176,16 +176,27 @@ class ColumnDelta:
         c = self._rows()
         return ColumnDelta(replace(c, keys=SameKeys(len(c.keys))), self._arrow_type, self._kind, self._blob)
 
+    def with_arrow_keys(self) -> ColumnDelta:
+        """This delta with its :meth:`full_list_keys` as an Arrow string or binary array (the
+        one :meth:`KeyOrders.sort_text` makes of them), for a writer process: it then never
+        holds the keys as Python objects. Itself when they are neither all ``str`` nor all
+        ``bytes``."""
+        c = self._rows()
+        arr = _text_array(c.keys)
+        if arr is None:
+            return self
+        return ColumnDelta(replace(c, keys=arr), self._arrow_type, self._kind, self._blob)
+
     def receive_keys(self, orders: KeyOrders, slot: Any) -> None:
         """In the writer process, at receipt (before any write can fail): sort and remember the
         :meth:`full_list_keys` of the delta for ``slot`` (or check that ``orders`` holds those
         :class:`SameKeys` stands for), then hold :class:`SameKeys` in their place, so that the
         writer's memory matches what the worker remembers having sent."""
         c = self._rows()
-        if not (c.all_rows and c.changed is None and not c.deleted and isinstance(c.keys, (list, SameKeys))):
+        if not (c.all_rows and c.changed is None and not c.deleted and isinstance(c.keys, (list, SameKeys, pa.Array))):
             return
         _text_keys(orders, slot, c.keys)
-        if isinstance(c.keys, list):
+        if not isinstance(c.keys, SameKeys):
             self._captured = replace(c, keys=SameKeys(len(c.keys)))
 
     def image_keys(self, orders: KeyOrders, slot: Any) -> np.ndarray | None:
