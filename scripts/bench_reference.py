@@ -28,8 +28,10 @@ that every key is in state.
    peak of the sum. Linux only (elsewhere the row says why it is missing). PSS shares each
    page among the processes that map it, the machine's other processes included: on a
    machine where other Python processes map the same pyarrow and numpy libraries the figure
-   is lower than on an idle one (reference workload: ~135 MB on a busy machine, ~170 MB
-   counting every library page as the job's own). Hence a second row, the figure of an idle
+   is lower than on an idle one (reference workload: 115-126 MB on a busy machine; 148-156 MB
+   counting every library page as the job's own, 165-171 MB before the driver warmed pyarrow
+   before its forks, the tasks handed Arrow's unused memory back at each checkpoint and new
+   string keys went to the writer as Arrow arrays). Hence a second row, the figure of an idle
    machine whatever runs beside: the peak of the job's *distinct pages*, every physical page
    that the driver, the worker or the writer maps (page frame numbers from
    ``/proc/<pid>/pagemap``) counted once, however many of the job's processes map it and
