@@ -180,10 +180,10 @@ class ColumnDelta:
         """This delta with its :meth:`full_list_keys` as an Arrow string or binary array (the
         one :meth:`KeyOrders.sort_text` makes of them), for a writer process: it then never
         holds the keys as Python objects. Itself when they are neither all ``str`` nor all
-        ``bytes``."""
+        ``bytes`` (or too many for one array)."""
         c = self._rows()
         arr = _text_array(c.keys)
-        if arr is None:
+        if not isinstance(arr, pa.Array):  # None, or chunked (over 2 GB of keys): sent as they are
             return self
         return ColumnDelta(replace(c, keys=arr), self._arrow_type, self._kind, self._blob)
 
