@@ -13,6 +13,9 @@ every round (the final checkpoint, taken after the sources ended, is left out):
 * ``sync``, ``async``: the slowest task's synchronous and asynchronous parts (wall);
 * ``async CPU``: the CPU seconds of the asynchronous part, summed over the tasks (the
   uploader threads and the writer processes);
+* where the duration goes (``CheckpointStats.phases``): seconds after the trigger at which the
+  barrier reached the sources and the keyed tasks, the last snapshot began, the last uploader
+  took its snapshot and sent its ack, the driver had every ack, the manifest was committed;
 * ``first``: from the first event any worker's source produced to the completion of the
   first checkpoint, one figure per round (target: <= 1.5 s).
 
@@ -43,6 +46,15 @@ from bench_reference import SPLITS, BATCH, Events, expected_sums, state_matches 
 
 TARGET_SHARE = 0.25  # of the interval
 TARGET_FIRST_S = 1.5
+PHASES = (  # CheckpointStats.phases, in the order a checkpoint goes through them
+    ("source", "barrier at the sources"),
+    ("barrier", "barrier at the keyed tasks"),
+    ("snapshot", "snapshot begun (aligned)"),
+    ("upload", "uploader took the snapshot"),
+    ("uploaded", "ack sent (upload done)"),
+    ("acked", "every ack at the driver"),
+    ("committed", "manifest committed"),
+)
 
 
 class StampedEvents(Events):
@@ -53,6 +65,9 @@ class StampedEvents(Events):
         super().__init__(keys, key_type)
         self.stamp = stamp
         self.stamped = False
+
+    def __getstate__(self) -> dict:  # Events' leaves out the strings it makes again where it runs
+        return {**super().__getstate__(), "stamp": self.stamp, "stamped": False}
 
     def __call__(self, idx: np.ndarray):
         if not self.stamped:
@@ -132,7 +147,8 @@ def main() -> int:
                 with open(args.dump, "a") as f:
                     f.write(json.dumps({"parallelism": p, "first": got["first"], "verified": got["verified"],
                                         "checkpoints": [[c.duration, c.sync_time, c.async_time, c.async_cpu,
-                                                         c.bytes_written] for c in got["periodic"]]}) + "\n")
+                                                         c.bytes_written, c.phases] for c in got["periodic"]]})
+                            + "\n")
             per = "  ".join(f"{c.duration:.2f}/{c.async_cpu:.2f}" for c in got["periodic"])
             print(f"  round {r + 1} p={p}: first {got['first']:.2f} s; duration/async CPU per checkpoint: {per}",
                   flush=True)
@@ -146,6 +162,9 @@ def main() -> int:
               f"{'met' if dur and np.median(dur) <= TARGET_SHARE * args.interval else 'NOT met'}")
         print(f"    sync {spread([c.sync_time for c in cps])} s   async {spread([c.async_time for c in cps])} s   "
               f"async CPU {spread([c.async_cpu for c in cps])} s")
+        print("    seconds after the trigger, median (min..max), the slowest task's:")
+        for name, what in PHASES:
+            print(f"      {what:<34} {spread([c.phases[name] for c in cps if name in c.phases])}")
         first = [g["first"] for g in got]
         print(f"    first checkpoint complete after the first event {spread(first, '{:.2f}')} s   target <= "
               f"{TARGET_FIRST_S} s: {'met' if np.median(first) <= TARGET_FIRST_S else 'NOT met'}")

@@ -83,6 +83,11 @@ def test_keyed_count_with_checkpoints_every_200ms_gives_exact_output(tmp_path):
     assert len(result.completed_checkpoints) >= 3
     assert result.records_in["count"] == 48_000
     assert_exact_running_counts(result.collected("out"), 48_000)
+    for c in result.completed_checkpoints:  # where each one's duration went, step after step
+        p = c.phases
+        steps = [p["source"], p["snapshot"], p["upload"], p["uploaded"], p["acked"], p["committed"]]
+        assert steps == sorted(steps) and p.get("barrier", 0.0) <= p["snapshot"], p
+        assert p["acked"] == c.duration, (p, c.duration)
 
 
 def test_snapshot_n_holds_exactly_the_records_before_barrier_n(tmp_path):

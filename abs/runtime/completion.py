@@ -69,6 +69,7 @@ class CheckpointCompletion:
             except Exception as exc:  # noqa: BLE001 - the checkpoint is complete either way
                 log.warning(f"checkpoint {a.checkpoint_id}: writing the commit record failed ({exc}); "
                             "a restore could miss that its output exists if its manifest is lost")
+        committed = time.monotonic()
         # CollectSink epochs staged in this driver become visible with the manifest, not when
         # the workers hear of it: a job canceled (or lost) right after the commit keeps them,
         # and a restore in another process, which cannot re-commit them, starts after them
@@ -85,10 +86,12 @@ class CheckpointCompletion:
         for old in sorted(self.checkpoint_tasks)[:-KEEP_TASK_DETAILS]:
             del self.checkpoint_tasks[old]
         full = sum(r.bytes for r in manifest.files().values())
+        phases = _phases(a.acks.values(), triggered)
+        phases.update(acked=now - triggered, committed=committed - triggered)
         self.completed.append(
             CheckpointStats(
                 a.checkpoint_id, triggered - self.t_start, now - triggered, align, sync, asyn, written, full, files,
-                async_cpu,
+                async_cpu, phases,
             )
         )
 
@@ -123,3 +126,23 @@ class CheckpointCompletion:
             if staged is not None:
                 self._collected.setdefault(staged[0], []).extend(staged[1])
                 self._collected_ids.setdefault(staged[0], []).extend([collect_key_id(key)] * len(staged[1]))
+
+
+def _phases(acks: Any, triggered: float) -> dict:
+    """Of the tasks' acks (``TaskAck.times``), seconds after the trigger at which the sources
+    took their snapshots, the barriers reached the other tasks, the last snapshot began, the
+    last uploader took its job and the last ack went out (see ``CheckpointStats.phases``)."""
+    out: dict = {}
+
+    def latest(name: str, t: float) -> None:
+        out[name] = max(out.get(name, 0.0), t - triggered)
+
+    for ack in acks:
+        if len(ack.times) != 3:
+            continue  # an ack without times (none of its task's snapshot was timed)
+        snapshot_at, upload, uploaded = ack.times
+        latest("source" if ack.source_offsets else "barrier", snapshot_at - ack.alignment_time)
+        latest("snapshot", snapshot_at)
+        latest("upload", upload)
+        latest("uploaded", uploaded)
+    return out

@@ -226,6 +226,9 @@ class TaskAck:
     channel_logs: tuple = ()
     loop_records: int | None = None
     channel_records: int = 0  # records an unaligned barrier overtook (channel state)
+    # when (time.monotonic of the worker) the snapshot began, the uploader took it and the ack
+    # went out: where a checkpoint's duration goes (CheckpointStats.phases)
+    times: tuple = ()
 
 
 @_message
@@ -452,6 +455,7 @@ class UploadJob:
     pieces: list  # [OpSnapshot]
     alignment_time: float
     sync_time: float
+    snapshot_at: float = 0.0  # time.monotonic() when the snapshot began (barrier aligned, or trigger)
 
 
 # ---------------------------------------------------------------------- worker <-> snapshot writer process

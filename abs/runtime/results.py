@@ -23,6 +23,12 @@ class CheckpointStats:
     full_size: int
     files_written: int
     async_cpu: float = 0.0  # sum over tasks: CPU seconds of the asynchronous part (uploader + writer process)
+    # where the duration went, in seconds after the trigger (the slowest task's of each step):
+    # "source" the trigger reached the sources, "barrier" the barrier reached the other tasks,
+    # "snapshot" the last snapshot began, "upload" the last uploader took its snapshot, "uploaded"
+    # the last ack went out, "acked" the driver had every ack, "committed" the manifest was stored.
+    # The workers' times are on their host's monotonic clock: meaningful on the driver's host only.
+    phases: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

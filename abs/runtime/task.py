@@ -450,6 +450,7 @@ class Task(IterationHead, UnalignedCheckpoints, threading.Thread):
         hold: bool = False,
     ) -> Any:
         full = self.mode == "stop_the_world"
+        snapshot_at = time.monotonic()
         t0 = time.perf_counter()
         self.worker.fault("before_snapshot", self)
         pieces: list[OpSnapshot] = []
@@ -462,7 +463,7 @@ class Task(IterationHead, UnalignedCheckpoints, threading.Thread):
             pieces.append(OpSnapshot(self.head.uid, source_offsets=source_offsets))
         sync_time = time.perf_counter() - t0
         self.worker.fault("after_sync_snapshot", self)
-        job = m.UploadJob(checkpoint_id, self, pieces, alignment_time, sync_time)
+        job = m.UploadJob(checkpoint_id, self, pieces, alignment_time, sync_time, snapshot_at)
         if full:
             self.worker.upload_now(job)  # stop-the-world: nothing moves until it is stored
         barrier = Barrier(checkpoint_id, base)

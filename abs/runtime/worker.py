@@ -167,6 +167,7 @@ class Worker(WorkerChannels):
 
     def _upload(self, job: m.UploadJob) -> None:
         checkpoint_id, task, pieces = job.checkpoint_id, job.task, job.pieces
+        started = time.monotonic()
         t0 = time.perf_counter()
         cpu0 = time.thread_time()
         try:
@@ -187,6 +188,7 @@ class Worker(WorkerChannels):
         ack = dataclasses.replace(
             ack, alignment_time=job.alignment_time, sync_time=job.sync_time, async_time=time.perf_counter() - t0,
             async_cpu=ack.async_cpu + time.thread_time() - cpu0,  # plus the writer process's, counted in _write
+            times=(job.snapshot_at, started, time.monotonic()),
         )
         self.fault("before_ack", task)
         self.send_to_driver(m.Ack(checkpoint_id, task.key, ack))
