@@ -61,9 +61,10 @@ class Capacity:
             workers = wanted  # the launch fails naming the numbers, as without the option
         else:
             workers = can
-        if workers != self.P:
+        if workers < wanted:
             log.warning(f"job {self.flow.name!r}: {slots}: restarting with {workers} of its {wanted} workers "
                         f"(RestartStrategy.min_workers={minimum}); it rescales back once the slots are free")
+        if workers != self.P:
             self._resize(workers)
         if self.restarts:
             self.restarts[-1]["workers"] = self.P
