@@ -214,6 +214,12 @@ class CheckpointSession:
                 self._remember_base(checkpoint_id, capture.slot, chain, capture.image_keys())
         return chains
 
+    def over_base(self, capture: KeyGroupCapture) -> FileRef | None:
+        """The base :meth:`write` would write ``capture``, a full image, over as a values image
+        (its keys are still those the base was written with, and the base heads its chain),
+        or ``None``."""
+        return self._over_base(capture)
+
     def _over_base(self, capture: KeyGroupCapture) -> FileRef | None:
         known = self._bases.get(capture.slot) if capture.image_keys is not None else None
         if known is None or not capture.prev_chain or capture.prev_chain[0] != known[0]:

@@ -270,6 +270,70 @@ def _values_images_scenario(store: SnapshotStore, writer) -> None:
     assert len(sixth[1]) == 1 and sixth[1][0].checkpoint_id == 6 and sixth[1][0].rows == fifth[1][0].rows
 
 
+@pytest.mark.parametrize("where", ["process", "thread"])
+def test_a_capture_in_which_most_keys_changed_is_written_as_a_values_image(tmp_path, where):
+    """A capture of every row (at least abs.columns._COPY_ALL_SHARE changed) in which at least
+    VALUES_IMAGE_SHARE of the keys changed, none inserted or deleted, goes as a values image
+    over the base; fewer changes, or a new key, go as a delta; every chain reads back exact."""
+    from abs.state.capture import VALUES_IMAGE_SHARE
+
+    url = str(tmp_path) if where == "process" else f"memory://partial-{os.getpid()}"
+    store = SnapshotStore.open(url)
+    store.init_job({"job_name": "j", "max_parallelism": M})
+    writer = SnapshotWriter.fork() if where == "process" else InThreadWriter(SnapshotStore.open(url))
+    if where == "process":
+        writer.open(url, None)
+    b = KeyedStateBackend("op", [ValueState("v", pa.int64())], M, KeyGroupRange(0, M - 1))
+    values: dict[int, int] = {}
+
+    def checkpoint(cid: int, prev: dict, keys) -> dict:
+        for k in keys:
+            values[k] = values.get(k, 0) + k + cid
+            b.current_key, b.current_kg = k, key_group(k, M)
+            b.state("v").update(values[k])
+        deltas = b.capture(cid, lazy=True)["v"]
+        b.confirm(cid)
+        chains = writer.write(cid, [WriteJob("op", "v", kg, prev.get(kg, []), d, False) for kg, d in deltas.items()])
+        new = {**prev, **dict(zip(deltas, chains))}
+        got = {}
+        for chain in new.values():
+            t = store.read_chain(chain)
+            got.update(zip(t.column("key").to_pylist(), t.column("value").to_pylist()))
+        assert got == values
+        return new
+
+    def columns(ref) -> list[str]:
+        return store.read_file(ref).column_names
+
+    try:
+        first = checkpoint(1, {}, range(VI_KEYS))
+        half = [k for k in range(VI_KEYS) if k % 2]  # 50 %: between VALUES_IMAGE_SHARE and a full image
+        assert VALUES_IMAGE_SHARE <= 0.5 < 0.75
+        second = checkpoint(2, first, half)
+        for kg, chain in second.items():
+            assert chain[0] == first[kg][0] and len(chain) == 2 and columns(chain[1]) == ["value"]
+        few = [k for k in range(VI_KEYS) if k % 5 == 0]  # 20 %: a delta (or the compaction it calls for)
+        assert 0.1 <= 0.2 < VALUES_IMAGE_SHARE
+        third = checkpoint(3, second, few)
+        for kg, chain in third.items():
+            assert chain[-1].checkpoint_id == 3 and "key" in columns(chain[-1])
+        fourth = checkpoint(4, third, half)  # a values image over the chain's base
+        for kg, chain in fourth.items():
+            assert chain[0] == third[kg][0] and len(chain) == 2 and columns(chain[1]) == ["value"]
+        added = 10 * VI_KEYS  # a new key: its key group's keys changed, so no values image there
+        fifth = checkpoint(5, fourth, [*half, added])
+        for kg, chain in fifth.items():
+            if kg == key_group(added, M):
+                assert chain[-1].checkpoint_id == 5 and "key" in columns(chain[-1])
+            else:
+                assert chain[0] == fourth[kg][0] and len(chain) == 2 and columns(chain[1]) == ["value"]
+    finally:
+        if where == "process":
+            writer.close()
+        else:
+            fsspec.filesystem("memory").rm(f"/partial-{os.getpid()}", recursive=True)
+
+
 @pytest.mark.parametrize("kind", ["value", "list"])
 def test_the_writer_process_writes_untyped_deltas_frozen_at_capture(tmp_path, writer, kind):
     """Untyped value states (columns: ColumnDelta) and list states (dicts: PickledDelta)

@@ -460,7 +460,10 @@ def write_jobs(store: Any, orders: Any, checkpoint_id: int, jobs: list, session:
     image whose keys are still the very array the session saw with the base it last wrote
     for the key group (no insert or delete since) is written as a values image over that
     base, so a state whose keys stay while its values change, such as counters over a fixed
-    key set, writes its keys once instead of at every checkpoint.
+    key set, writes its keys once instead of at every checkpoint. A capture of every row in
+    which at least :data:`abs.state.capture.VALUES_IMAGE_SHARE` of the keys changed is
+    written as that full image when its keys are the base's (:meth:`ColumnDelta.as_image`):
+    a values image instead of a delta the chain would soon be compacted for.
     """
     import pyarrow as pa
 
@@ -476,6 +479,11 @@ def write_jobs(store: Any, orders: Any, checkpoint_id: int, jobs: list, session:
             table, image = delta, None
         elif isinstance(delta, ColumnDelta):
             slot = (operator, state, kg)
+            whole = delta.as_image()
+            if whole is not None and session.over_base(KeyGroupCapture(
+                    operator, state, kg, prev_chain, functools.partial(whole.to_table, orders, slot), True,
+                    image_keys=functools.partial(whole.image_keys, orders, slot))) is not None:
+                delta = whole  # most keys changed, none came or went: a values image (VALUES_IMAGE_SHARE)
             table, complete = functools.partial(delta.to_table, orders, slot), delta.complete
             image = functools.partial(delta.image, orders, slot)
             keys = functools.partial(delta.image_keys, orders, slot)
