@@ -68,6 +68,7 @@ value once with zlib.
 from __future__ import annotations
 
 import struct
+import sys
 import zlib
 from typing import Any
 
@@ -258,6 +259,7 @@ _CRC32_TABLE = _crc32_table()
 # Values up to this many bytes are hashed column-wise with numpy (one pass per byte
 # position over the values that long); longer ones with zlib, one Python call each.
 _VECTOR_CRC_MAX_LEN = 64
+_LOW_BYTE = 0 if sys.byteorder == "little" else 3  # of a uint32 in memory
 
 
 def _hash_distinct_bytes(values: pa.Array) -> np.ndarray:
@@ -279,29 +281,50 @@ def _hash_short_bytes(values: pa.Array) -> np.ndarray | None:
     """Bytes rule on each value slot of a binary/large_binary array, computed column-wise
     (CRC-32 with its byte table, one numpy pass per byte position over the values at least
     that long); ``None`` when a slot is longer than ``_VECTOR_CRC_MAX_LEN`` bytes. A null
-    slot gets the hash of the bytes it spans (the caller overwrites it)."""
+    slot gets the hash of the bytes it spans (the caller overwrites it).
+
+    The values are put longest first (a radix sort of their lengths; none when they are all
+    as long), so that the values still going at each byte position are a prefix; each pass
+    works in place on that prefix: the CRC's low byte read through a byte view, the byte of
+    each value taken at its running position (8192 keys of 6 bytes: ~30 ns a key, from ~45
+    with a comparison sort and a new array per operation)."""
     n = len(values)
     width = 8 if pa.types.is_large_binary(values.type) else 4
     offsets = np.frombuffer(values.buffers()[1], dtype=np.int64 if width == 8 else np.int32,
                             count=n + 1, offset=values.offset * width) if n else np.zeros(1, np.int64)
-    lengths = np.diff(offsets).astype(np.int64)
+    lengths = np.diff(offsets)
     longest = int(lengths.max()) if n else 0
     if longest > _VECTOR_CRC_MAX_LEN:
         return None
     data_buffer = values.buffers()[2] if n else None
     data = np.frombuffer(data_buffer, dtype=np.uint8) if data_buffer is not None else np.zeros(0, np.uint8)
-    order = np.argsort(-lengths, kind="stable")  # longest first: the values still going are a prefix
-    starts = offsets[:-1][order].astype(np.int64)
-    longer = np.cumsum(np.bincount(lengths, minlength=longest + 1)[::-1])[::-1]  # longer[j]: values >= j bytes
+    if n == 0 or int(lengths.min()) == longest:
+        order = None
+        pos = offsets[:-1].astype(np.intp)  # each value's next byte
+        longer = np.full(longest + 1, n, dtype=np.intp)
+    else:
+        order = np.argsort((longest - lengths).astype(np.uint8), kind="stable")  # lengths <= 64: a radix sort
+        pos = offsets[:-1].astype(np.intp)[order]
+        longer = np.cumsum(np.bincount(lengths, minlength=longest + 1)[::-1])[::-1]  # longer[j]: values >= j bytes
     crc = np.full(n, 0xFFFFFFFF, dtype=np.uint32)
+    low = crc.view(np.uint8)[_LOW_BYTE::4]  # the low byte of each CRC
     table = _CRC32_TABLE
     for j in range(longest):
         k = int(longer[j + 1])
-        c = crc[:k]
-        crc[:k] = table[(c ^ data[starts[:k] + j]) & np.uint32(0xFF)] ^ (c >> np.uint32(8))
+        c, p = crc[:k], pos[:k]
+        step = table.take(low[:k] ^ data.take(p))
+        c >>= np.uint32(8)
+        c ^= step
+        p += 1
     crc ^= np.uint32(0xFFFFFFFF)
-    out = np.empty(n, dtype=np.uint64)
-    out[order] = (crc.astype(np.uint64) << np.uint64(32)) | lengths[order].astype(np.uint64)
+    packed = crc.astype(np.uint64)
+    packed <<= np.uint64(32)
+    if order is None:
+        out = packed
+    else:
+        out = np.empty(n, dtype=np.uint64)
+        out[order] = packed
+    out |= lengths.astype(np.uint64)
     return _fmix64_np(out)
 
 

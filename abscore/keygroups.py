@@ -94,7 +94,10 @@ def key_groups(keys: Any, max_parallelism: int) -> np.ndarray:
     Accepts what :func:`abscore.hashing.stable_hashes` accepts.
     """
     check_max_parallelism(max_parallelism)
-    return (stable_hashes(keys) % np.uint64(max_parallelism)).astype(np.int32)
+    hashes = stable_hashes(keys)
+    if max_parallelism & (max_parallelism - 1) == 0:  # a power of two: the remainder is a mask (~10x cheaper)
+        return (hashes & np.uint64(max_parallelism - 1)).astype(np.int32)
+    return (hashes % np.uint64(max_parallelism)).astype(np.int32)
 
 
 @dataclass(frozen=True)
