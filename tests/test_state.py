@@ -1034,6 +1034,26 @@ def test_column_handle_update_after_a_slot_moved_writes_its_own_key(delete):
     assert got == {a: 5, b_key: None, c: 3}
 
 
+@pytest.mark.parametrize("bad", ["text", 1 << 63, 1.5])
+def test_column_handle_remembered_slot_refuses_a_value_the_type_cannot_hold(bad):
+    """The update of a read-modify-write writes the slot value() found; a value an int64
+    cannot hold is refused there as on a lookup (StateError or the array's error, nothing
+    changed), and the next update of the key still writes its slot."""
+    b = KeyedStateBackend("op", [ValueState("n", pa.int64())], 1, KeyGroupRange(0, 0))
+    n = b.state("n")
+    b.current_key, b.current_kg = "a", 0
+    n.update(1)
+    assert n.value() == 1
+    with pytest.raises((StateError, TypeError, OverflowError)):
+        n.update(bad)
+    assert n.value() == 1
+    n.update(n.value() + 1)
+    b.current_key = "b"
+    assert n.value() is None
+    b.current_key = "a"
+    assert n.value() == 2
+
+
 def test_untyped_value_state_round_trips_through_restore_with_any_keys():
     """An untyped value state's column restores in bulk (empty column, int keys), with a
     key list (mixed key types), key by key into a non-empty column, and with verify."""

@@ -127,14 +127,26 @@ class ColumnValueStateHandle(StateHandle):
     def update(self, value: Any) -> None:
         """Set the value of the current key (None is stored as a value; use clear())."""
         b = self._backend
+        if b.current_key is self._hit_key:  # the slot value() found: a read-modify-write
+            col = self._hit_col
+            if not col.nulls:
+                i = self._hit_slot
+                try:
+                    col.values[i] = value
+                except (TypeError, OverflowError):
+                    pass  # nothing changed; the checked path below names the problem
+                else:
+                    col.stamps[i] = b.epoch
+                    return
+        self._update_by_lookup(value)
+
+    def _update_by_lookup(self, value: Any) -> None:
+        """:meth:`update` without a remembered slot: one lookup."""
+        b = self._backend
         key = b.current_key
         try:
-            if key is self._hit_key:
-                col = self._hit_col
-                i = self._hit_slot
-            else:
-                col = self._data[b.current_kg]
-                i = col.index.get(key)
+            col = self._data[b.current_kg]
+            i = col.index.get(key)
             if i is None:
                 col.insert(key, value, b.epoch)
                 return
