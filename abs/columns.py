@@ -36,6 +36,7 @@ tables from a :class:`Captured`.
 from __future__ import annotations
 
 import itertools
+import threading
 from array import array
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -70,6 +71,24 @@ _FOLD_DTYPES = (np.dtype(np.int64), np.dtype(np.float64))
 _FOLDS = {"sum": {"i": np.add, "f": np.add}, "count": {"i": np.add, "f": np.add},
           "min": {"i": np.minimum, "f": np.fmin}, "max": {"i": np.maximum, "f": np.fmax}}
 _FOLD_INT_LIMIT = 2.0**62
+
+
+# Slot numbers as shared int objects: every key group's ``index`` maps its keys to the same
+# objects 0, 1, 2... made once, side by side in memory, instead of an int object per key (ints
+# from 256 on are not cached by Python). A lookup touches (increments) the int it returns:
+# these stay in cache however many keys there are, and each key costs 32 bytes less.
+_SLOTS: list[int] = list(range(1024))
+_SLOTS_GROW = threading.Lock()
+
+
+def _slots(n: int) -> list[int]:
+    """The shared slot ints, at least ``n`` of them (``_SLOTS[i] == i``)."""
+    if len(_SLOTS) < n:
+        with _SLOTS_GROW:
+            have = len(_SLOTS)
+            if have < n:
+                _SLOTS.extend(range(have, max(n, 2 * have)))
+    return _SLOTS
 
 
 def typecode_of(arrow_type: pa.DataType | None) -> str | None:
@@ -183,7 +202,7 @@ class Column:
         stamps = self.stamps
         i = len(stamps)
         stamps.append(epoch)
-        self.index[key] = i
+        self.index[key] = _SLOTS[i] if i < len(_SLOTS) else _slots(i + 1)[i]
         if self.deleted:
             self.deleted.pop(key, None)
         if value is None and not objects:
@@ -234,7 +253,7 @@ class Column:
         n = len(keys)
         if len(values) != n:
             return False
-        index = dict(zip(keys.tolist() if isinstance(keys, np.ndarray) else keys, range(n)))
+        index = dict(zip(keys.tolist() if isinstance(keys, np.ndarray) else keys, _slots(n)))  # zip stops at the keys
         if len(index) != n:
             return False
         if isinstance(keys, np.ndarray):
