@@ -15,6 +15,11 @@
     rename makes the content appear at once, but two writers racing for the same name are
     not excluded (check-then-rename). Only the coordinator commits, so this is acceptable.
 - :meth:`RootIO.delete` is idempotent.
+- A local root opened from a plain path or ``file://`` URL without storage options has no
+  fsspec file system: every operation uses ``os`` and ``open`` directly, and fsspec is not
+  even imported (its import, asyncio's among its modules, costs a process ~10 MB, counted in
+  the driver and in every worker and snapshot writer forked from it). :attr:`RootIO.fs`
+  builds fsspec's local file system the first time a caller asks for it.
 - Errors of the file system become :class:`StorageUnavailableError` naming the root;
   ``FileNotFoundError`` / ``FileExistsError`` pass through for the caller to interpret.
 """
@@ -68,17 +73,32 @@ def _is_foreign_error(exc: BaseException) -> bool:
 class RootIO:
     """File operations relative to one snapshot root."""
 
-    def __init__(self, fs: AbstractFileSystem, root: str, url: str, *, fsync: bool = True) -> None:
-        self.fs = fs
+    def __init__(self, fs: AbstractFileSystem | None, root: str, url: str, *, fsync: bool = True) -> None:
+        """``fs`` None: a local root without fsspec (see the module docstring), ``root`` an
+        absolute path."""
+        self._fs = fs
         self.root = root.rstrip("/")
         self.url = url
         self.fsync = fsync
-        self.object_store = bool(protocols_of(fs) & OBJECT_STORE_PROTOCOLS)
-        from fsspec.implementations.local import LocalFileSystem
+        self.object_store = fs is not None and bool(protocols_of(fs) & OBJECT_STORE_PROTOCOLS)
+        if fs is None:
+            self.local = True
+        else:
+            from fsspec.implementations.local import LocalFileSystem
 
-        self.local = isinstance(fs, LocalFileSystem)
+            self.local = isinstance(fs, LocalFileSystem)
         self._made_dirs: set[str] = set()
         self._lock = threading.Lock()
+
+    @property
+    def fs(self) -> AbstractFileSystem:
+        """The fsspec file system of the root (for a local root without one, fsspec's local
+        file system, made on first use)."""
+        if self._fs is None:
+            from fsspec.implementations.local import LocalFileSystem
+
+            self._fs = LocalFileSystem()
+        return self._fs
 
     # ------------------------------------------------------------------ helpers
     def full(self, rel: str) -> str:
@@ -120,7 +140,10 @@ class RootIO:
         with self._lock:
             if parent in self._made_dirs:
                 return
-        self.fs.makedirs(parent, exist_ok=True)
+        if self._fs is None:
+            os.makedirs(parent, exist_ok=True)
+        else:
+            self.fs.makedirs(parent, exist_ok=True)
         with self._lock:
             self._made_dirs.add(parent)
 
@@ -220,11 +243,16 @@ class RootIO:
     def exists(self, rel: str) -> bool:
         full = self.full(rel)
         with self.errors(f"checking {rel}"):
+            if self._fs is None:
+                return os.path.exists(full)
             return bool(self.fs.exists(full))
 
     def list(self, prefix: str = "") -> dict[str, int]:
         """Every file under ``prefix`` (relative; ``""`` = the whole root): relative path -> size."""
         base = self.full(prefix) if prefix else self.root
+        if self._fs is None:
+            with self.errors(f"listing {prefix or 'the root'}"):
+                return self._local_list(base)
         with self.errors(f"listing {prefix or 'the root'}"):
             with contextlib.suppress(Exception):
                 self.fs.invalidate_cache(base)
@@ -250,12 +278,44 @@ class RootIO:
         full = self.full(rel)
         with self.errors(f"deleting {rel}"):
             try:
-                self.fs.rm_file(full)
+                if self._fs is None:
+                    os.unlink(full)
+                else:
+                    self.fs.rm_file(full)
             except FileNotFoundError:
                 return False
             return True
 
     # ------------------------------------------------------------------ local disk
+    def _local_list(self, base: str) -> dict[str, int]:
+        """:meth:`list` of a root without fsspec: the files under ``base`` (none when it does
+        not exist), in path order, as fsspec's ``find`` lists them."""
+        if os.path.isfile(base):
+            rel = self.rel(base)
+            return {rel: os.stat(base).st_size} if rel else {}
+        found: dict[str, int] = {}
+
+        def walk(directory: str) -> None:
+            try:
+                entries = list(os.scandir(directory))
+            except (FileNotFoundError, NotADirectoryError):
+                return  # gone meanwhile (a concurrent GC): as fsspec's find, nothing there
+            for entry in entries:
+                try:
+                    if entry.is_dir():
+                        walk(entry.path)
+                    elif entry.is_file():
+                        found[entry.path] = entry.stat().st_size
+                except FileNotFoundError:
+                    continue
+        walk(base)
+        out: dict[str, int] = {}
+        for full in sorted(found):
+            rel = self.rel(full)
+            if rel:
+                out[rel] = found[full]
+        return out
+
     def _local_write(self, full: str, data: bytes, *, exclusive: bool) -> None:
         flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
         fd = os.open(full, flags, 0o644)

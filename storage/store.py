@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
-import fsspec.core
 import pyarrow as pa
-from fsspec import AbstractFileSystem
 
 from abscore.progress import ProgressCallback
 
@@ -44,6 +42,9 @@ from .store_root import check_probe, delete_probe, open_root, write_probe
 from .store_write import (PACK_LIMIT, SHARE_BELOW, KeyGroupWrite, KeyGroupWriter, put_file, write_channel_log, write_operator_state,
                           write_table)
 from .verify import VerifyReport, check_files, lineage_problems, structural_problems
+
+if TYPE_CHECKING:  # a local root needs no fsspec (see storage.backend): imported where a URL needs it
+    from fsspec import AbstractFileSystem
 
 __all__ = ["KeyGroupWrite", "SnapshotStore"]
 
@@ -447,6 +448,8 @@ class SnapshotStore:
         in this root while it is copied (``source_pin``: a lease the caller already holds on
         it). ``progress``: called per key group copied. See :func:`storage.savepoint.take_savepoint`."""
         if storage_options is None and fs is None:
+            import fsspec.core
+
             protocol = fsspec.core.split_protocol(dest_url)[0] or "file"
             if protocol in protocols_of(self._io.fs):
                 fs = self._io.fs

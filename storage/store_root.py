@@ -6,17 +6,38 @@ Part of :class:`storage.store.SnapshotStore`: :meth:`SnapshotStore.open` builds 
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
-
-import fsspec.core
-from fsspec import AbstractFileSystem
+import os
+from typing import TYPE_CHECKING, Any, Mapping
 
 from .backend import RootIO
 from .errors import MissingExtraError, RootNotSharedError, StorageConfigError
 from .extras import extra_for_url, missing_extra_message, missing_module
 from .paths import StoragePaths, new_token
 
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
+
 __all__ = ["open_root", "write_probe", "check_probe", "delete_probe"]
+
+
+def local_root(url: str) -> str | None:
+    """The absolute path of a local root named by a plain path or a ``file://`` URL, as
+    fsspec's local file system resolves it (relative to the working directory, ``~``
+    expanded, no trailing ``/``); None for any other URL (another protocol, an fsspec chain)
+    and on platforms whose paths are not POSIX."""
+    if os.sep != "/" or "::" in url:
+        return None
+    if url.startswith("file://"):
+        path = url[len("file://"):]
+    elif "://" in url or url.startswith(("file:", "local:", "data:")):
+        return None
+    else:
+        path = url
+    if path.startswith("~"):
+        path = os.path.expanduser(path)
+    if not path.startswith("/"):
+        path = f"{os.getcwd()}/{path[2:] if path.startswith('./') else '' if path == '.' else path}"
+    return path.rstrip("/") or "/"
 
 
 def open_root(url: str, storage_options: Mapping[str, Any] | None, *, fs: AbstractFileSystem | None,
@@ -25,6 +46,14 @@ def open_root(url: str, storage_options: Mapping[str, Any] | None, *, fs: Abstra
     if not isinstance(url, str) or not url:
         raise StorageConfigError(f"snapshot root {url!r} is not a URL or path; pass e.g. /data/ckpt or s3://bucket/prefix")
     options = dict(storage_options or {})
+    root = local_root(url) if fs is None and not options else None
+    if root is not None:  # plain os calls: fsspec is not even imported (see storage.backend)
+        io = RootIO(None, root, url, fsync=fsync)
+        if check:
+            io.list(StoragePaths.CHECKPOINTS_DIR)
+        return io
+    import fsspec.core
+
     try:
         if fs is None:
             fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True, **options)
