@@ -235,6 +235,7 @@ class _GeneratorReader(SourceReader):
         self._src = source
         self._offsets = dict(offsets)
         self._order = sorted(self._offsets, key=int)
+        self._lengths = {s: source.split_length(int(s)) for s in self._order}  # None: unbounded
         self._turn = 0
         self._started = time.monotonic()
         self._emitted_since_start = 0
@@ -263,7 +264,8 @@ class _GeneratorReader(SourceReader):
         import numpy as np
 
         src = self._src
-        live = [s for s in self._order if src.split_length(int(s)) is None or self._offsets[s] < src.split_length(int(s))]
+        lengths, offsets = self._lengths, self._offsets
+        live = [s for s in self._order if lengths[s] is None or offsets[s] < lengths[s]]
         if not live:
             return END
         n = src.batch_size
@@ -276,7 +278,7 @@ class _GeneratorReader(SourceReader):
         split = live[self._turn % len(live)]
         self._turn += 1
         start = self._offsets[split]
-        length = src.split_length(int(split))
+        length = lengths[split]
         if length is not None:
             n = min(n, length - start)
         idx = int(split) + src.num_splits * np.arange(start, start + n, dtype=np.int64)
