@@ -7,7 +7,7 @@ import threading
 import pyarrow as pa
 import pytest
 
-from abs.runtime.channels import EOS, Barrier, InputGate
+from abs.runtime.channels import EOS, WAKE_AT, Barrier, InputGate
 
 
 def rows(n: int) -> pa.RecordBatch:
@@ -53,6 +53,43 @@ def test_a_sender_waiting_for_room_goes_on_once_the_rows_are_taken():
     assert done.wait(10), "the take made room but the sender was not woken"
     sender.join(10)
     assert [gate.take(frozenset(), 0)[1].num_rows, gate.take(frozenset(), 0)[1]] == [60, EOS]
+
+
+def test_a_waiting_sender_is_woken_once_its_channel_is_down_to_wake_at_elements_not_at_each_take():
+    capacity = WAKE_AT + 3
+    gate = InputGate(1, capacity=capacity, rows=1_000_000)
+    for i in range(capacity):
+        gate.put(0, rows(i + 1))
+    waiting, done = threading.Event(), threading.Event()
+    wait = gate._cond.wait
+
+    def noted_wait(*args) -> bool:
+        waiting.set()  # the sender is about to wait: the lock is still held, so no take comes between
+        return wait(*args)
+
+    gate._cond.wait = noted_wait
+
+    def send() -> None:
+        gate.put(0, EOS)
+        done.set()
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    assert waiting.wait(10), "the sender never waited for room in a full channel"
+    gate._cond.wait = wait
+    taken = []
+    while len(gate._queues[0]) > WAKE_AT + 1:
+        taken.append(gate.take(frozenset(), 0)[1].num_rows)
+        assert not done.is_set() and gate._sender_waits[0], "the sender was woken above WAKE_AT elements"
+    taken.append(gate.take(frozenset(), 0)[1].num_rows)  # down to WAKE_AT: the sender is woken
+    assert done.wait(10), "the channel held WAKE_AT elements but the sender was not woken"
+    sender.join(10)
+    while True:
+        got = gate.take(frozenset(), 0)
+        if got is None:
+            break
+        taken.append(got[1] if got[1] is EOS else got[1].num_rows)
+    assert taken == [*range(1, capacity + 1), EOS]
 
 
 def test_a_gate_without_room_for_an_element_is_refused_with_the_reason():
