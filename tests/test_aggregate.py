@@ -19,7 +19,7 @@ import abs
 from abs.errors import StateError
 from abs.keygroups import key_group, key_group_range, key_groups
 from abs.state import AggregateBackend, ColumnarKeyedState
-from abs.state.keyindex import IntKeyIndex, SlotMap
+from abs.state.keyindex import IntKeyIndex, SlotMap, representatives
 from abs.runtime.operators import AggregateOp, build_operator
 from storage import SnapshotStore
 
@@ -760,6 +760,19 @@ def test_slot_map_dense_range_and_hash_agree_with_a_dict(pattern):
         assert m.direct is not None
     if pattern == "takeover":
         assert m.base + len(m.direct) > 200_300  # the range took the hashed keys over
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=300), st.integers(1, 3000),
+       st.sampled_from([1, 7, 64, 2**32 + 1, 2**56]))
+def test_representatives_give_one_row_of_each_distinct_value_and_its_index(pool, n, scale):
+    rng = np.random.default_rng(n)
+    values = np.array(pool, np.int64) if pool else np.zeros(1, np.int64)
+    x = values[rng.integers(0, len(values), n)] * np.int64(scale)  # many repeats; and keys a stride apart
+    rows, inverse = representatives(x)
+    assert len(rows) == len(np.unique(x))
+    assert np.array_equal(np.sort(x[rows]), np.unique(x))  # each distinct value once
+    assert np.array_equal(x[rows][inverse], x)  # every element points at a row of its own value
 
 
 def test_many_keys_grow_the_store_and_capture_only_what_changed():

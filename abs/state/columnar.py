@@ -67,7 +67,7 @@ from abs.keygroups import KeyGroupRange, KeyGroupSet, key_groups
 
 from .capture import FrozenSlots, SlotsDelta, group_bounds
 from .encoding import ENCODING_ARROW, META_KEY_ENCODING, META_STATE_KIND, META_VALUE_ENCODING, check_restore_table
-from .keyindex import INT64_MAX, SlotMap, distinct, distinct_inverse
+from .keyindex import INT64_MAX, SlotMap, distinct, distinct_inverse, representatives
 from .varkeys import VarKeyStore, key_codes, var_key_kind
 
 if TYPE_CHECKING:
@@ -325,13 +325,10 @@ class ColumnarKeyedState:
         miss = slots < 0
         if miss.any():
             rows = np.flatnonzero(miss)
-            new, inverse = distinct_inverse(codes[rows])
-            first = np.empty(len(new), np.int64)
-            first[inverse] = rows  # a row of each new code
-            start = None
-            if ends is not None:
-                start = np.empty(len(new), np.int64)
-                start[inverse] = ends[rows]
+            reps, inverse = representatives(codes[rows])
+            first = rows[reps]  # a row of each new code
+            new = codes[first]
+            start = None if ends is None else ends[first]  # rows of one code share its probe end
             new_keys = arr.take(pa.array(first))
             if kg is None:
                 kgs = key_groups(new_keys, self.max_parallelism).astype(np.int16)
