@@ -168,6 +168,26 @@ def test_stop_the_world_baseline_gives_the_same_exact_output(tmp_path):
         assert state_at(store, cid, "count", "n") == dict(collections.Counter((before % NUM_KEYS).tolist()))
 
 
+@pytest.mark.parametrize("parallelism", [1, 2])
+def test_aggregate_taking_queued_batches_together_checkpoints_exactly_the_records_before_each_barrier(tmp_path, parallelism):
+    """With emit="none" the keyed task hands the aggregate the batches queued on a channel as
+    one (Task._with_queued): never past a barrier, so every checkpoint holds exactly the sums
+    of the records before its source offsets."""
+    src = slow_source(24_000)
+    flow = abs.Dataflow("agg-merged")
+    flow.source("src", src).key_by("key").aggregate("sums", {"total": ("seq", "sum")}, emit="none")
+    result = abs.run(flow, parallelism=parallelism, storage=str(tmp_path),
+                     checkpoint=abs.CheckpointConfig(interval=0.05, retained=100))
+    assert len(result.completed_checkpoints) >= 3
+    store = SnapshotStore.open(str(tmp_path))
+    for cid in store.list_checkpoints():
+        before = src.inner.records_before(store.read_manifest(cid).source_offsets["src"])
+        sums = np.bincount(before % NUM_KEYS, weights=before, minlength=NUM_KEYS).astype(np.int64)
+        expected = {k: int(sums[k]) for k in np.unique(before % NUM_KEYS).tolist()}
+        assert state_at(store, cid, "sums", "total") == expected, f"checkpoint {cid}"
+    assert len(before) == 24_000
+
+
 def test_vectorized_aggregate_and_reduce(tmp_path):
     flow = abs.Dataflow("agg")
     src = abs.GeneratorSource(30_000, num_keys=NUM_KEYS, num_splits=4, batch_size=1000)

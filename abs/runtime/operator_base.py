@@ -157,6 +157,10 @@ class OperatorRuntime:
     """Base: a stateless pass-through."""
 
     stateful = False
+    # > 0: the task hands this operator the record batches queued behind the one it took on
+    # the same channel with it, merged into one batch of about this many rows (an operator whose
+    # cost per batch is high and per row low; see Task._with_queued)
+    merge_rows = 0
 
     def __init__(self, node: Node, ctx: "Any") -> None:
         self.node = node

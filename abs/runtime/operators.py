@@ -328,6 +328,10 @@ class ReduceOp(KeyedOp):
         self.emit(_to_batch(out, self.uid))
 
 
+MERGE_ROWS = 32_768
+"""About how many queued rows :class:`AggregateOp` takes in as one batch (``merge_rows``)."""
+
+
 class AggregateOp(KeyedOp):
     """Vectorized keyed aggregation (``KeyedStream.aggregate``). The work is done by
     :class:`abs.runtime.aggregate.Aggregator`: a columnar state store for integer, string and
@@ -343,6 +347,10 @@ class AggregateOp(KeyedOp):
 
         self.aggregator = Aggregator(node, self.backend, columnar=self.columnar)
         self.backend = self.aggregator.backend
+        # each batch costs the columnar path ~80 numpy calls whatever its size: batches queued
+        # together go in as one (the rows of 3 batches of 8,192 string keys: 15-20 % less CPU).
+        # Not with emit="updates", whose updates are one row per key of each batch processed.
+        self.merge_rows = MERGE_ROWS if node.spec["emit"] == "none" else 0
 
     def _movable_backend(self) -> KeyedStateBackend:
         self.backend.migrate_to_dict()  # key groups move in the dict backend's encoding

@@ -31,7 +31,7 @@ from ..reconfig.holding import Holding
 from .operators import KeyedOp, OperatorRuntime, OpSnapshot, SinkOp, UserFunctionError
 from .plan import TaskPlan, task_key
 from .exchange import ExchangeWriter
-from .loops import FeedbackLogs, IterationHead
+from .loops import FeedbackLogs, IterationHead, _merged
 from .split_readers import SourceReaders
 from .unaligned import UnalignedCheckpoints
 
@@ -296,6 +296,10 @@ class Task(IterationHead, UnalignedCheckpoints, threading.Thread):
                     item = holding.split(item, head.extractor.key_groups(item))
                     if item is None:
                         continue
+                elif head.merge_rows > item.num_rows and not self.announce:
+                    for batch in self._with_queued(channel, item):
+                        head.process(batch)
+                    continue
                 head.process(item)
             elif isinstance(item, Barrier):
                 if aligner.aligning is None:
@@ -317,6 +321,18 @@ class Task(IterationHead, UnalignedCheckpoints, threading.Thread):
                     self._apply_step(self._marker)
                 if self._act(aligner.on_end_of_stream(channel)):
                     return
+
+    def _with_queued(self, channel: int, item: pa.RecordBatch) -> list:
+        """``item`` and the record batches queued behind it on ``channel`` (none past a barrier,
+        marker or end of stream: they stay queued), up to about the head's ``merge_rows`` rows,
+        merged into one batch (left as they are when their schemas differ). Not while
+        checkpoints may be unaligned (``announce``): there, what is queued is channel state."""
+        more = self.gate.take_batches((channel,), self.head.merge_rows - item.num_rows)
+        if not more:
+            return [item]
+        for _ in more:
+            self.worker.fault("process", self)
+        return _merged([item, *(batch for _ch, batch in more)])
 
     def load(self) -> tuple[float, float, float]:
         """Seconds since the task started, of them waiting for input (idle) and blocked on
