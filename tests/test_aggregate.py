@@ -19,7 +19,7 @@ import abs
 from abs.errors import StateError
 from abs.keygroups import key_group, key_group_range, key_groups
 from abs.state import AggregateBackend, ColumnarKeyedState
-from abs.state.keyindex import IntKeyIndex, SlotMap, representatives
+from abs.state.keyindex import IntKeyIndex, SlotMap, _by_home, representatives
 from abs.runtime.operators import AggregateOp, build_operator
 from storage import SnapshotStore
 
@@ -760,6 +760,16 @@ def test_slot_map_dense_range_and_hash_agree_with_a_dict(pattern):
         assert m.direct is not None
     if pattern == "takeover":
         assert m.base + len(m.direct) > 200_300  # the range took the hashed keys over
+
+
+@pytest.mark.parametrize("bits", [4, 16, 17, 20, 32, 33])
+def test_home_positions_are_ordered_by_radix_passes_up_to_2_to_the_32(bits):
+    rng = np.random.default_rng(bits)
+    for n in (0, 1, 7, 5000):
+        home = rng.integers(0, 1 << bits, n)
+        order = _by_home(home, 1 << bits)
+        assert np.array_equal(np.sort(order), np.arange(n))
+        assert np.array_equal(home[order], np.sort(home))
 
 
 @settings(max_examples=150, deadline=None)
