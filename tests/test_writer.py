@@ -189,6 +189,62 @@ def test_the_writer_writes_the_aggregates_lazy_capture_frozen_at_the_barrier(tmp
     assert sum(store.read_chain(c).num_rows for c in chains) == len(keys)
 
 
+@pytest.mark.parametrize("key_type", ["int", "string"])
+@pytest.mark.parametrize("where", ["process", "thread"])
+def test_a_large_aggregate_capture_goes_to_the_writer_in_chunks_and_writes_the_same_files(tmp_path, monkeypatch,
+                                                                                          where, key_type):
+    """A columnar capture is cut a chunk of key groups at a time and each chunk goes to the
+    writer process in a frame of its own (the worker cuts the next chunk while the writer
+    encodes the last): the chains come back in job order and every key group's file holds
+    what one frame would have written, in a packed file per chunk."""
+    import abs.state.capture as capture_module
+    from abs.state import AggregateBackend
+
+    def write(chunk_rows: int, root: str) -> tuple[list, list]:
+        monkeypatch.setattr(capture_module, "CHUNK_ROWS", chunk_rows)
+        url = root if where == "process" else f"memory://chunks-{os.getpid()}-{chunk_rows}"
+        store = SnapshotStore.open(url)
+        store.init_job({"job_name": "j", "max_parallelism": M})
+        b = AggregateBackend(KeyedStateBackend("op", [ValueState("v", pa.int64()), ValueState("w", pa.int32())], M,
+                                               KeyGroupRange(0, M - 1)), {"v": 0, "w": 0})
+        col = b.columnar
+        keys = np.arange(0, 4000, 3, dtype=np.int64)
+        if key_type == "int":
+            slots = col.slots_for(keys)
+        else:
+            slots = col.slots_for_var(pa.array([f"key-{k}" for k in keys.tolist()]))
+        col.touch(slots)
+        col.columns["v"].values[slots] = keys * 3
+        col.columns["v"].valid[slots] = keys % 5 > 0  # some nulls
+        col.columns["v"].all_valid = False
+        col.columns["w"].values[slots] = keys
+        col.columns["w"].valid[slots] = True
+        col.columns["w"].present[slots] = keys % 7 > 0  # some keys without an entry of state w
+        col.columns["w"].all_present = False
+        jobs = [WriteJob("op", state, kg, [], d, False) for state, by_kg in b.capture(1, lazy=True).items()
+                for kg, d in by_kg.items()]
+        if where == "process":
+            w = SnapshotWriter.fork()
+            try:
+                w.open(url, None)
+                chains = w.write(1, jobs)
+            finally:
+                w.close()
+        else:
+            chains = InThreadWriter(store).write(1, jobs)
+        assert len(chains) == len(jobs)
+        return [(j.state, j.key_group) for j in jobs], [store.read_chain(c) for c in chains], chains
+
+    slots, whole, whole_chains = write(1 << 30, str(tmp_path / "whole"))
+    slots_cut, cut, cut_chains = write(100, str(tmp_path / "cut"))
+    assert slots_cut == slots
+    assert len({c[0].path for c in whole_chains if c}) == 2  # a packed file per state
+    if where == "process":  # the worker's thread writes them at once
+        assert len({c[0].path for c in cut_chains if c}) > 2  # ... and per chunk
+    for (state, kg), a, b in zip(slots, whole, cut):
+        assert a.num_rows and a.equals(b) and a.schema.metadata == b.schema.metadata, (state, kg)
+
+
 @pytest.mark.parametrize("where", ["process", "thread"])
 def test_the_writer_writes_values_images_while_a_key_groups_keys_stay(tmp_path, where):
     """Counters over a fixed key set: from the second checkpoint on, every key group's chain is

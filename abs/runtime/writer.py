@@ -6,7 +6,8 @@ worker whose task threads run Python flat out, every re-take waits for the inter
 switch interval (5 ms): encoding 128 key groups took 28 s of wall time for 0.6 s of CPU, and
 checkpoints stopped completing once a second. In a process of its own the same work takes the
 CPU it needs on whatever core is free, and the worker's uploader thread only hands it the
-captured copies (one pickled message per checkpoint, one reply).
+captured copies (one pickled message per checkpoint, one reply; a large capture of the
+columnar aggregate store goes a chunk of key groups per message, see below).
 
 The process is forked at the very start of the worker, before the worker has a thread (so no
 lock can be held across the fork) and after its modules are imported (so it starts in a few
@@ -26,6 +27,13 @@ worker: ``Connection.send``):
   order with the CPU time the writer spent on receiving and writing them, or
   :class:`~abs.runtime.messages.WriteFailed` ``(message)`` after the first failing job (the
   checkpoint is then declined; files already written are garbage for GC).
+  A capture of the columnar aggregate store of more than
+  :data:`~abs.state.capture.CHUNK_ROWS` rows is cut in chunks of key groups
+  (:meth:`~abs.state.capture.FrozenSlots.chunk`) and goes as one ``WriteSnapshot`` per chunk,
+  each answered before the next is sent: the worker cuts chunk ``i + 1`` (gathers its keys,
+  copies its values) while the writer encodes chunk ``i``, on the other core, instead of the
+  writer waiting for the whole capture to be cut (a full checkpoint of 1 M string keys: the
+  critical path of the two CPU parts 333 -> 266 ms). Each chunk is a packed file of its own.
 
 The process exits when the pipe closes (its worker ended or was killed: the read sees EOF)
 and, on Linux, when its parent dies (``PR_SET_PDEATHSIG``). A worker whose writer died
@@ -264,9 +272,24 @@ class SnapshotWriter:
                 watchdog = threading.Timer(timeout, self._kill_hung, args=(hung,))
                 watchdog.daemon = True
                 watchdog.start()
+            chains: list = []
+            cpu = 0.0
             try:
-                send_frame(self._conn, m.WriteSnapshot(checkpoint_id, self._sent.substitute(jobs)))
+                frames = _frames(jobs)
+                send_frame(self._conn, m.WriteSnapshot(checkpoint_id, self._sent.substitute(frames[0])))
                 _release_arrow_memory()  # the keys' Arrow arrays, made in this thread
+                for frame in frames[1:]:
+                    # cut (and gather) the next chunk while the writer encodes the last one
+                    try:
+                        frame = self._sent.substitute(frame)
+                    except Exception:
+                        self._conn.recv()  # the answer to the frame sent: not left for the next write
+                        raise
+                    done, done_cpu = self._reply(self._conn.recv())
+                    chains.extend(done)
+                    cpu += done_cpu
+                    send_frame(self._conn, m.WriteSnapshot(checkpoint_id, frame))
+                    _release_arrow_memory()
                 reply = self._conn.recv()
             except (EOFError, OSError) as exc:
                 self._process.join(timeout=5)
@@ -281,15 +304,20 @@ class SnapshotWriter:
             finally:
                 if watchdog is not None:
                     watchdog.cancel()
-            match reply:
-                case m.WriteDone(chains=chains, cpu=cpu):
-                    self.last_cpu = cpu
-                case m.WriteFailed(message=message):
-                    self._sent.forget()  # what the writer holds is unknown: the next write sends every key
-                    raise RuntimeError(message)
-                case _:
-                    raise m.unexpected(reply, "snapshot writer client", "its writer process", "WriteDone or WriteFailed")
-        return chains
+            last, last_cpu = self._reply(reply)
+            self.last_cpu = cpu + last_cpu
+        return chains + last
+
+    def _reply(self, reply: Any) -> tuple[list, float]:
+        """(chains, CPU seconds) of a :class:`WriteDone`; a :class:`WriteFailed` raises."""
+        match reply:
+            case m.WriteDone(chains=chains, cpu=cpu):
+                return chains, cpu
+            case m.WriteFailed(message=message):
+                self._sent.forget()  # what the writer holds is unknown: the next write sends every key
+                raise RuntimeError(message)
+            case _:
+                raise m.unexpected(reply, "snapshot writer client", "its writer process", "WriteDone or WriteFailed")
 
     def _kill_hung(self, hung: threading.Event) -> None:
         hung.set()
@@ -319,6 +347,29 @@ class SnapshotWriter:
             self._close()
         finally:
             self._lock.release()
+
+
+def _frames(jobs: list[m.WriteJob]) -> list[list[m.WriteJob]]:
+    """``jobs`` in consecutive frames, one per chunk of a columnar capture
+    (:meth:`~abs.state.capture.FrozenSlots.chunk`): the worker cuts a chunk's rows while the
+    writer encodes the frame before (the two processes work at once, on two cores). Other
+    jobs go with the frame they follow. Each frame is written as one ``WriteSnapshot`` (a
+    packed file of its own per state)."""
+    from abs.state.capture import SlotsDelta
+
+    frames: list[list[m.WriteJob]] = []
+    current: list[m.WriteJob] = []
+    key: Any = None
+    for job in jobs:
+        if isinstance(job.delta, SlotsDelta):
+            chunk = job.delta.chunk()
+            if current and chunk != key:
+                frames.append(current)
+                current = []
+            key = chunk
+        current.append(job)
+    frames.append(current)
+    return frames
 
 
 def _release_arrow_memory() -> None:

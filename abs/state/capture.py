@@ -26,6 +26,7 @@ from abs.columns import Captured, KeyOrders, SameKeys, _text_array
 from abs.errors import StateError
 
 from .encoding import ENCODING_PICKLE, MISSING, column_table, delta_table, encode_keys, encode_pairs, pickled_values, split_deletes
+from .varkeys import Gathered
 
 if TYPE_CHECKING:
     from .protocol import KeyedBackend
@@ -321,7 +322,7 @@ class PickledDelta:
 class FrozenSlots:
     """Copies, taken at capture, of some slots' key groups, keys and per-state values (of
     every slot: views of the keys and key groups, which never change), cut into per-key-group
-    rows on demand (once; thread-safe).
+    rows on demand (once; thread-safe), a chunk of key groups at a time (:meth:`chunk`).
 
     The rows of each key group are numpy views of arrays of their own (the copies, sorted by
     key group), never slices of one Arrow array: pyarrow pickles a slice with its parent's
@@ -357,7 +358,9 @@ class FrozenSlots:
                       None if c.all_present else c.present[sel].copy()) for c in store.columns.values()]
         self.arrow_types = {c.name: c.arrow_type for c in store.columns.values()}
         self._lock = threading.Lock()
-        self._rows: dict[str, dict[int, Captured]] | None = None
+        self._rows: dict[str, dict[int, Captured]] | None = None  # cut so far
+        self._layout: tuple | None = None  # (order, keys in that order, chunks, chunk of each key group)
+        self._cut_chunks: set[int] = set()
 
     def complete(self, kg: int) -> bool:
         """True when the delta of ``kg`` holds every key the key group has."""
@@ -373,46 +376,85 @@ class FrozenSlots:
 
     def rows(self, name: str, kg: int) -> Captured:
         """The rows of key group ``kg`` in state ``name`` (none when its slots hold no entry of
-        that state)."""
-        got = self.split()[name].get(kg)
+        that state); cuts the chunk of key groups ``kg`` is in (:meth:`chunk`), once."""
+        with self._lock:
+            self._cut_chunk(self._plan()[3].get(kg))
+            got = self._rows[name].get(kg)  # type: ignore[index]
         if got is None:
             dtype = _numpy_dtype(self.arrow_types[name])
             got = Captured(keys=np.zeros(0, np.int64), values=np.zeros(0, dtype), nulls=None, changed=None,
                            deleted=[], all_rows=self.complete(kg), complete=self.complete(kg))
         return got
 
-    def split(self) -> dict[str, dict[int, Captured]]:
-        """State name -> key group -> its rows, cut once."""
+    def chunk(self, kg: int) -> int | None:
+        """The chunk of key groups ``kg`` is cut with: consecutive key groups of about
+        :data:`CHUNK_ROWS` rows or more (at most :data:`MAX_CHUNKS` chunks), cut (keys gathered,
+        values copied) when one of their rows is first asked for, so that a writer can encode
+        one chunk while the next is cut (see ``abs.runtime.writer.SnapshotWriter.write``).
+        None: ``kg`` has no row."""
         with self._lock:
-            if self._rows is None:
-                self._rows = self._split()
-            return self._rows
+            return self._plan()[3].get(kg)
+
+    def split(self) -> dict[str, dict[int, Captured]]:
+        """State name -> key group -> its rows, every chunk cut."""
+        with self._lock:
+            chunks = self._plan()[2]
+            for i in range(len(chunks)):
+                self._cut_chunk(i)
+            return self._rows  # type: ignore[return-value]
 
     def encode(self) -> dict[str, dict[int, pa.Table]]:
         """State name -> key group -> delta table (key groups with an entry of the state)."""
         return {name: {kg: _rows_table(self.arrow_types[name], rows) for kg, rows in by_kg.items()}
                 for name, by_kg in self.split().items()}
 
-    def _split(self) -> dict[str, dict[int, Captured]]:
-        out: dict[str, dict[int, Captured]] = {}
-        if not len(self.kgs):
-            return {c.name: {} for c, *_ in self.cols}
-        if self._by_kg is not None:
-            order, keys, bounds = self._by_kg(len(self.kgs))
-        else:
-            order = np.argsort(self.kgs, kind="stable")
-            keys = self.keys[order]
-            bounds = group_bounds(self.kgs[order])
-        for col, values, valid, present in self.cols:
-            values = self._narrow(col, values, valid)
-            if present is None or present.all():
-                out[col.name] = self._cut(keys, bounds, values[order], None if valid is None else valid[order])
+    def _plan(self) -> tuple:
+        """(order, keys in that order (or what cuts them), chunks ``[(start, end, bounds)]``,
+        key group -> chunk), made once (under the lock): the slots by key group, and the
+        values narrowed to their Arrow types (a value that does not fit raises here)."""
+        if self._layout is None:
+            if not len(self.kgs):
+                order, keys, bounds = np.zeros(0, np.int64), self.keys, []
+            elif self._by_kg is not None:
+                order, keys, bounds = self._by_kg(len(self.kgs))
             else:
-                sel = order[present[order]]
-                out[col.name] = self._cut(self.keys[sel], group_bounds(self.kgs[sel]), values[sel],
-                                          None if valid is None else valid[sel])
-        self.cols = [(c, None, None, None) for c, *_ in self.cols]  # free the copies
-        return out
+                order = np.argsort(self.kgs, kind="stable")
+                keys = self.keys[order] if isinstance(self.keys, np.ndarray) else Gathered(self.keys, order)
+                bounds = group_bounds(self.kgs[order])
+            # valid None: every value (of a slot present in the state) is valid, no null mask
+            self.cols = [(col, self._narrow(col, values, valid),
+                          None if valid is None or valid[slice(None) if present is None else present].all() else valid,
+                          present) for col, values, valid, present in self.cols]
+            chunks = _chunks(bounds, len(order))
+            chunk_of = {g: i for i, (_, _, part) in enumerate(chunks) for _, _, g in part}
+            self._rows = {c.name: {} for c, *_ in self.cols}
+            self._layout = (order, keys, chunks, chunk_of)
+        return self._layout
+
+    def _cut_chunk(self, i: int | None) -> None:
+        """Cut chunk ``i``'s rows of every state (under the lock; once)."""
+        if i is None or i in self._cut_chunks:
+            return
+        order, keys, chunks, _ = self._layout  # type: ignore[misc]
+        start, end, bounds = chunks[i]
+        sub = order[start:end]
+        local = [(s - start, e - start, g) for s, e, g in bounds]
+        chunk_keys = None
+        for col, values, valid, present in self.cols:
+            nulls = None if valid is None else ~valid
+            if present is None or present.all():
+                if chunk_keys is None:
+                    chunk_keys = keys[start:end]
+                cut = self._cut(chunk_keys, local, values[sub], None if nulls is None else nulls[sub])
+            else:
+                sel = sub[present[sub]]
+                cut = self._cut(self.keys[sel], group_bounds(self.kgs[sel]), values[sel],
+                                None if nulls is None else nulls[sel])
+            self._rows[col.name].update(cut)  # type: ignore[index]
+        self._cut_chunks.add(i)
+        if len(self._cut_chunks) == len(chunks):  # every row cut: free the copies
+            self.cols = [(c, None, None, None) for c, *_ in self.cols]
+            self._layout = (None, None, chunks, self._layout[3])  # type: ignore[index]
 
     def _narrow(self, col: Any, values: np.ndarray, valid: np.ndarray | None) -> np.ndarray:
         """``values`` (the accumulators' dtype) in the numpy dtype of the state's Arrow type;
@@ -432,15 +474,37 @@ class FrozenSlots:
                 )
         return values.astype(dtype)
 
-    def _cut(self, keys: np.ndarray, bounds: list[tuple[int, int, int]], vals: np.ndarray,
-             valid: np.ndarray | None) -> dict[int, Captured]:
-        nulls = None if valid is None or valid.all() else ~valid
+    def _cut(self, keys: Any, bounds: list[tuple[int, int, int]], vals: np.ndarray,
+             nulls: np.ndarray | None) -> dict[int, Captured]:
         out = {}
         for s, e, g in bounds:
             whole = self.complete(g)
             out[g] = Captured(keys=keys[s:e], values=vals[s:e], nulls=None if nulls is None else nulls[s:e],
                               changed=None, deleted=[], all_rows=whole, complete=whole)
         return out
+
+
+CHUNK_ROWS = 1 << 18
+"""A capture of the columnar store is cut in chunks of key groups of at least this many rows
+(:meth:`FrozenSlots.chunk`) ..."""
+MAX_CHUNKS = 4
+"""... and at most this many (larger chunks then)."""
+
+
+def _chunks(bounds: list[tuple[int, int, int]], rows: int) -> list[tuple[int, int, list]]:
+    """``bounds`` (key group runs, in order) grouped into consecutive chunks ``(start, end,
+    runs)`` of at least ``max(CHUNK_ROWS, rows / MAX_CHUNKS)`` rows (the last may hold fewer)."""
+    size = max(CHUNK_ROWS, -(-rows // MAX_CHUNKS))
+    chunks: list[tuple[int, int, list]] = []
+    part: list = []
+    for run in bounds:
+        part.append(run)
+        if run[1] - part[0][0] >= size:
+            chunks.append((part[0][0], run[1], part))
+            part = []
+    if part:
+        chunks.append((part[0][0], part[-1][1], part))
+    return chunks
 
 
 def group_bounds(kgs: np.ndarray) -> list[tuple[int, int, int]]:
@@ -490,6 +554,10 @@ class SlotsDelta(ColumnDelta):
 
     def __reduce__(self) -> tuple:
         return ColumnDelta, (self._rows(), self._arrow_type, self._kind)
+
+    def chunk(self) -> tuple[int, int | None]:
+        """Which chunk of which capture its rows are cut with (:meth:`FrozenSlots.chunk`)."""
+        return id(self._frozen), self._frozen.chunk(self._kg)
 
 
 # Sort-based set operations: numpy 2.x's np.unique takes a slow hashing path for integers

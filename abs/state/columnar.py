@@ -68,7 +68,7 @@ from abs.keygroups import KeyGroupRange, KeyGroupSet, key_groups
 from .capture import FrozenSlots, SlotsDelta, group_bounds
 from .encoding import ENCODING_ARROW, META_KEY_ENCODING, META_STATE_KIND, META_VALUE_ENCODING, check_restore_table
 from .keyindex import INT64_MAX, SlotMap, distinct, distinct_inverse, representatives
-from .varkeys import VarKeyStore, key_codes, var_key_kind
+from .varkeys import Gathered, VarKeyStore, key_codes, var_key_kind
 
 if TYPE_CHECKING:
     from .dict_backend import KeyedStateBackend
@@ -378,7 +378,8 @@ class ColumnarKeyedState:
             order = np.argsort(kg, kind="stable")
             if n < 2**31:
                 order = order.astype(np.int32)
-            keys = self.key_rows[:n][order]
+            # string/binary keys: gathered a chunk at a time, when a capture cuts it (varkeys.Gathered)
+            keys = self.keys[:n][order] if self.var is None else Gathered(self.var.view(n), order)
             order.flags.writeable = False  # shared by the captures' rows
             if isinstance(keys, np.ndarray):
                 keys.flags.writeable = False

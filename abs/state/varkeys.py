@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-__all__ = ["VarKeyStore", "VarKeys", "arrow_buffers", "var_key_kind"]
+__all__ = ["Gathered", "VarKeyStore", "VarKeys", "arrow_buffers", "var_key_kind"]
 
 _INT32_MAX = 2**31 - 1
 
@@ -155,6 +155,30 @@ class VarKeyStore:
         """The key of one slot as a Python ``str`` (``bytes``)."""
         raw = self.data[int(self.offsets[slot]):int(self.offsets[slot + 1])].tobytes()
         return raw.decode() if self.kind == "string" else raw
+
+
+class Gathered:
+    """``keys[order]`` gathered a slice at a time: ``gathered[start:end]`` is the
+    :class:`VarKeys` ``keys[order[start:end]]``, gathered on first use and kept (a capture cut
+    in chunks gathers each chunk's keys when it is cut; a store keeps this for the captures that
+    follow while no key is added)."""
+
+    __slots__ = ("keys", "order", "_cut")
+
+    def __init__(self, keys: VarKeys, order: np.ndarray) -> None:
+        self.keys = keys
+        self.order = order
+        self._cut: dict[tuple[int, int], VarKeys] = {}
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, idx: slice) -> VarKeys:
+        start, stop, _ = idx.indices(len(self.order))
+        got = self._cut.get((start, stop))
+        if got is None:
+            got = self._cut[(start, stop)] = self.keys[self.order[start:stop]]
+        return got
 
 
 # ----------------------------------------------------------------------------- index codes
