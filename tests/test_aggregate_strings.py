@@ -11,6 +11,7 @@ from unittest import mock
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -18,7 +19,8 @@ from hypothesis import strategies as st
 import abs.columns
 from abs.keygroups import key_group, key_groups
 from abs.state import columnar as columnar_module
-from abs.state.varkeys import VarKeys, VarKeyStore, key_codes
+from abs.state.capture import group_bounds
+from abs.state.varkeys import Gathered, VarKeys, VarKeyStore, key_codes
 from test_aggregate import (
     INT_AGGS,
     INT_VALUES,
@@ -214,6 +216,29 @@ def test_key_codes_are_exact_for_short_keys_and_equal_for_equal_keys(keys, cut):
     cut = min(cut, len(keys) - 1)  # a slice (offsets not starting at 0, any alignment) and the large type
     assert key_codes(arr.slice(cut))[0].tolist() == codes[cut:].tolist()
     assert key_codes(arr.cast(pa.large_binary()))[0].tolist() == codes.tolist()
+
+
+@SETTINGS
+@given(st.lists(st.tuples(st.integers(0, 3), st.one_of(
+    st.binary(max_size=20),
+    st.builds(lambda tail: b"customer-" + tail, st.binary(max_size=12)),
+    st.lists(st.sampled_from([b"\0", b"a", b"z", b"\xff"]), max_size=19).map(b"".join))), max_size=60),
+    st.booleans())
+def test_gathered_keys_come_sorted_within_each_key_group_like_arrow_sorts_them(rows, sliced):
+    """What storage writes: Arrow's order of binaries (byte by byte, a prefix first), stable;
+    shared prefixes, zero bytes, keys of 8 bytes and more, equal keys."""
+    kgs = np.array([g for g, _ in rows], np.int16)
+    keys = [k for _, k in rows]
+    arr = pa.array([b"x"] + keys, pa.binary()).slice(1) if sliced else pa.array(keys, pa.binary())
+    order = np.argsort(kgs, kind="stable")
+    bounds = group_bounds(kgs[order])
+    sub, got = Gathered(VarKeys.from_arrow(arr, "binary"), order).sorted_slice(0, len(keys), bounds)
+    want = sorted(range(len(keys)), key=lambda i: (kgs[i], keys[i], i))
+    assert sub.tolist() == want
+    assert got.tolist() == [keys[i] for i in want]
+    for s, e, _ in bounds:
+        run = arr.take(pa.array(order[s:e]))
+        assert got.tolist()[s:e] == run.take(pc.sort_indices(run)).to_pylist()
 
 
 def test_var_keys_cut_gather_and_convert():

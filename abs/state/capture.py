@@ -437,9 +437,11 @@ class FrozenSlots:
             return
         order, keys, chunks, _ = self._layout  # type: ignore[misc]
         start, end, bounds = chunks[i]
-        sub = order[start:end]
         local = [(s - start, e - start, g) for s, e, g in bounds]
-        chunk_keys = None
+        if isinstance(keys, Gathered):  # string/binary keys: each key group's sorted, as storage writes them
+            sub, chunk_keys = keys.sorted_slice(start, end, local)
+        else:
+            sub, chunk_keys = order[start:end], None
         for col, values, valid, present in self.cols:
             nulls = None if valid is None else ~valid
             if present is None or present.all():

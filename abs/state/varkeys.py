@@ -158,27 +158,145 @@ class VarKeyStore:
 
 
 class Gathered:
-    """``keys[order]`` gathered a slice at a time: ``gathered[start:end]`` is the
-    :class:`VarKeys` ``keys[order[start:end]]``, gathered on first use and kept (a capture cut
-    in chunks gathers each chunk's keys when it is cut; a store keeps this for the captures that
-    follow while no key is added)."""
+    """``keys[order]`` (``order``: by key group) gathered a slice at a time, each key group's
+    keys in ascending byte order: :meth:`sorted_slice` gives ``order[start:end]`` with every
+    key group's run sorted by key, and the :class:`VarKeys` it gathers, made on first use and
+    kept (a capture cut in chunks gathers each chunk's keys when it is cut; a store keeps this
+    for the captures that follow while no key is added). The rows then reach the writer in
+    the order storage writes them (``storage.tables.sort_by_key``: Arrow's order of strings
+    and binaries), so the writer, which works on the other core while the worker cuts the
+    next chunk, does not sort strings."""
 
-    __slots__ = ("keys", "order", "_cut")
+    __slots__ = ("keys", "order", "_cut", "_reader")
 
     def __init__(self, keys: VarKeys, order: np.ndarray) -> None:
         self.keys = keys
         self.order = order
-        self._cut: dict[tuple[int, int], VarKeys] = {}
+        self._cut: dict[tuple[int, int], tuple[np.ndarray, VarKeys]] = {}
+        self._reader: _WordReader | None = None
 
     def __len__(self) -> int:
         return len(self.order)
 
-    def __getitem__(self, idx: slice) -> VarKeys:
-        start, stop, _ = idx.indices(len(self.order))
+    def sorted_slice(self, start: int, stop: int, runs: list[tuple[int, int, int]]) -> tuple[np.ndarray, VarKeys]:
+        """``order[start:stop]`` with each of its ``runs`` (``(start, end, key group)``, from
+        ``start``) sorted by key, and those keys."""
         got = self._cut.get((start, stop))
         if got is None:
-            got = self._cut[(start, stop)] = self.keys[self.order[start:stop]]
+            if self._reader is None:
+                self._reader = _WordReader(self.keys)
+            sub = np.array(self.order[start:stop], np.int64)
+            for s, e, _ in runs:
+                if e - s > 1:
+                    sub[s:e] = _sort_run(sub[s:e], self._reader)
+            got = self._cut[(start, stop)] = (sub, self.keys[sub])
         return got
+
+
+class _WordReader:
+    """8 bytes of the keys from any position, as big-endian words (two aligned reads of a
+    padded copy of the keys' bytes, shifted by the position modulo 8, as :func:`key_codes`)."""
+
+    def __init__(self, keys: VarKeys) -> None:
+        self.offsets = keys.offsets
+        self.lo = lo = int(keys.offsets[0])
+        size = int(keys.offsets[-1]) - lo
+        buf = np.zeros((size + 23) // 8 * 8, np.uint8)  # two words to spare past every key
+        buf[:size] = keys.data[lo:lo + size]
+        self.aligned = buf.view("<u8")
+
+    def spans(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Where the keys ``idx`` start (in the copy) and their lengths."""
+        starts = self.offsets[idx]
+        lens = self.offsets[idx + 1] - starts
+        starts -= self.lo
+        return starts, lens
+
+    def words(self, starts: np.ndarray, lens: np.ndarray, at: int) -> np.ndarray:
+        """The 8 bytes from byte ``at`` of each key (zero past its end) as big-endian uint64:
+        they compare as the bytes do."""
+        aligned = self.aligned
+        pos = starts + at if at else starts
+        q = pos >> 3
+        np.minimum(q, len(aligned) - 2, out=q)  # a key ending before ``at``: any word, masked to 0
+        shift = pos & 7
+        shift <<= 3
+        shift = shift.view(np.uint64)
+        word = aligned[q]
+        word >>= shift
+        q += 1
+        high = aligned[q]
+        high <<= _S1
+        np.subtract(_S63, shift, out=shift)
+        high <<= shift
+        word |= high
+        rest = lens - at
+        np.clip(rest, 0, 8, out=rest)
+        word &= _LOW_BYTES[rest]
+        return word.byteswap(inplace=True)
+
+
+def _sort_run(idx: np.ndarray, reader: _WordReader) -> np.ndarray:
+    """The keys ``idx`` sorted by their bytes, stably.
+
+    A key compares as its bytes zero-padded to whole 8-byte words, then its length (equal
+    padded bytes: the shorter key is a prefix of the longer). The bytes every key of the run
+    begins with are skipped (``"customer-..."``), the next 8 sorted as big-endian integers,
+    and only runs of keys still equal are sorted further, by their next word (then their
+    length), in vectorized passes over those runs alone."""
+    starts, lens = reader.spans(idx)
+    words = reader.words(starts, lens, 0)
+    if int(lens.max()) > 8:  # else the first word tells (then the lengths)
+        skip = _common_prefix(words, lens)
+        if skip:
+            starts += skip
+            lens -= skip
+            words = reader.words(starts, lens, 0)
+    local = np.argsort(words, kind="stable")  # timsort: fast on keys that came in order
+    words = words[local]
+    tie = words[1:] == words[:-1]
+    if tie.any():
+        _break_ties(local, tie, reader, starts, lens)
+    return idx[local]
+
+
+def _common_prefix(words: np.ndarray, lens: np.ndarray) -> int:
+    """How many of their first 8 bytes (``words``, see :meth:`_WordReader.words`) all keys
+    begin with (the same bytes; at most the shortest key's length)."""
+    diff = int((words ^ words[0]).max())
+    # big-endian words: the largest difference has the highest first differing bit
+    same = 8 if not diff else (64 - diff.bit_length()) // 8
+    return min(same, int(lens.min()))
+
+
+def _break_ties(order: np.ndarray, tie: np.ndarray, reader: _WordReader, starts: np.ndarray,
+                lens: np.ndarray) -> None:
+    """Sort, in place in ``order`` (indices into ``starts`` and ``lens``), the runs of keys
+    whose first words are equal (``tie[i]``: positions ``i`` and ``i + 1`` of ``order`` are),
+    by their next words, then their lengths (stably: equal keys keep their order)."""
+    at = 8
+    pos = np.arange(len(order))  # positions in ``order`` of the keys ``tie`` compares
+    while True:
+        new = np.ones(len(pos), bool)
+        new[1:] = ~tie
+        runs = np.cumsum(new)
+        tied = np.zeros(len(pos), bool)
+        tied[1:] = tie
+        tied[:-1] |= tie
+        pos, run = pos[tied], runs[tied]
+        idx = order[pos]
+        longer = lens[idx] > at
+        last = not longer.any()
+        key = lens[idx] if last else reader.words(starts[idx], lens[idx], at)
+        sub = np.lexsort((key, run))  # the runs keep their places: ``run`` is ascending
+        order[pos] = idx[sub]
+        if last:
+            return  # equal words, then the lengths: in order (equal keys: as they came)
+        key = key[sub]
+        tie = (key[1:] == key[:-1]) & (run[1:] == run[:-1])
+        if not tie.any():
+            return
+        at += 8
 
 
 # ----------------------------------------------------------------------------- index codes
