@@ -46,9 +46,12 @@ and key groups, which never change once written); with ``lazy=True`` the deltas 
 :class:`~abs.state.capture.SlotsDelta` objects, ``ColumnDelta`` instances like the dict
 backend's columnar key groups give: the split by key group (a stable argsort, kept by
 :meth:`ColumnarKeyedState.order_by_key_group` while no key is added; each key group's rows
-then arrays of their own) happens in the asynchronous part, when a delta is first encoded or
-pickled for the worker's writer process, which receives a plain ``ColumnDelta`` of one key
-group's rows and encodes it as it does the dict backend's. The tables have exactly the
+then arrays of their own; string and binary keys also sorted within their key group, as
+storage writes them) happens in the asynchronous part, a chunk of key groups at a time
+(:meth:`~abs.state.capture.FrozenSlots.chunk`), when a delta of the chunk is first encoded
+or pickled for the worker's writer process, which receives a plain ``ColumnDelta`` of one key
+group's rows and encodes it as it does the dict backend's, while the worker cuts the next
+chunk. The tables have exactly the
 schema the dict backend writes for the same typed ``ValueState`` (``key`` int64, string or
 binary, ``value`` of the declared type, ``op`` int8 not null, the ``abs.*`` metadata), so
 storage, restore and inspection do not see a difference and snapshots restore into either
@@ -368,9 +371,11 @@ class ColumnarKeyedState:
 
     def order_by_key_group(self, n: int) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, int]]]:
         """Slots ``0 .. n-1`` stably sorted by key group: ``(order, keys[order], [(start, end,
-        key group), ...])``. Kept until a slot is added (a slot's key and key group never
-        change once written), so full captures of a store whose keys stay do not sort again:
-        12 bytes per key (int32 order, the sorted keys). Safe to call from the uploader thread
+        key group), ...])``, string and binary keys as a :class:`~abs.state.varkeys.Gathered`
+        (gathered, each key group's sorted, a chunk at a time as captures cut them). Kept until
+        a slot is added (a slot's key and key group never change once written), so full
+        captures of a store whose keys stay do not sort again: 12 bytes per key (int32 order,
+        the sorted keys; string keys: 4 more, their sorted order). Safe to call from the uploader thread
         while the task thread appends (only slots below ``n`` are read)."""
         got = self._by_kg
         if got is None or got[0] != n:

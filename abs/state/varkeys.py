@@ -185,7 +185,7 @@ class Gathered:
         if got is None:
             if self._reader is None:
                 self._reader = _WordReader(self.keys)
-            sub = np.array(self.order[start:stop], np.int64)
+            sub = self.order[start:stop].copy()  # int32 for a store's order: kept
             words: list | None = []
             lens = []
             for s, e, _ in runs:
