@@ -202,6 +202,7 @@ def test_a_large_aggregate_capture_goes_to_the_writer_in_chunks_and_writes_the_s
 
     def write(chunk_rows: int, root: str) -> tuple[list, list]:
         monkeypatch.setattr(capture_module, "CHUNK_ROWS", chunk_rows)
+        monkeypatch.setattr(capture_module, "INT_CHUNK_ROWS", chunk_rows)
         url = root if where == "process" else f"memory://chunks-{os.getpid()}-{chunk_rows}"
         store = SnapshotStore.open(url)
         store.init_job({"job_name": "j", "max_parallelism": M})

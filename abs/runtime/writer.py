@@ -28,7 +28,8 @@ worker: ``Connection.send``):
   :class:`~abs.runtime.messages.WriteFailed` ``(message)`` after the first failing job (the
   checkpoint is then declined; files already written are garbage for GC).
   A capture of the columnar aggregate store of more than
-  :data:`~abs.state.capture.CHUNK_ROWS` rows is cut in chunks of key groups
+  :data:`~abs.state.capture.CHUNK_ROWS` rows (:data:`~abs.state.capture.INT_CHUNK_ROWS` for
+  integer keys) is cut in chunks of key groups
   (:meth:`~abs.state.capture.FrozenSlots.chunk`) and goes as one ``WriteSnapshot`` per chunk,
   each answered before the next is sent: the worker cuts chunk ``i + 1`` (gathers its keys,
   copies its values) while the writer encodes chunk ``i``, on the other core, instead of the

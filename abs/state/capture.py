@@ -388,7 +388,8 @@ class FrozenSlots:
 
     def chunk(self, kg: int) -> int | None:
         """The chunk of key groups ``kg`` is cut with: consecutive key groups of about
-        :data:`CHUNK_ROWS` rows or more (at most :data:`MAX_CHUNKS` chunks), cut (keys gathered,
+        :data:`CHUNK_ROWS` (:data:`INT_CHUNK_ROWS`) rows or more (at most :data:`MAX_CHUNKS`
+        chunks), cut (keys gathered,
         values copied) when one of their rows is first asked for, so that a writer can encode
         one chunk while the next is cut (see ``abs.runtime.writer.SnapshotWriter.write``).
         None: ``kg`` has no row."""
@@ -425,7 +426,7 @@ class FrozenSlots:
             self.cols = [(col, self._narrow(col, values, valid),
                           None if valid is None or valid[slice(None) if present is None else present].all() else valid,
                           present) for col, values, valid, present in self.cols]
-            chunks = _chunks(bounds, len(order))
+            chunks = _chunks(bounds, len(order), CHUNK_ROWS if isinstance(keys, Gathered) else INT_CHUNK_ROWS)
             chunk_of = {g: i for i, (_, _, part) in enumerate(chunks) for _, _, g in part}
             self._rows = {c.name: {} for c, *_ in self.cols}
             self._layout = (order, keys, chunks, chunk_of)
@@ -486,17 +487,21 @@ class FrozenSlots:
         return out
 
 
-CHUNK_ROWS = 1 << 18
-"""A capture of the columnar store is cut in chunks of key groups of at least this many rows
-(:meth:`FrozenSlots.chunk`) ..."""
+CHUNK_ROWS = 1 << 19
+"""A capture of the columnar store with string or binary keys is cut in chunks of key groups
+of at least this many rows (:meth:`FrozenSlots.chunk`; their cut, the keys sorted and
+gathered, costs the worker about what their encoding costs the writer) ..."""
+INT_CHUNK_ROWS = 1 << 20
+"""... with integer keys, of at least this many (a cheap cut: the writer, which syncs every
+chunk's packed file to disk, ~20-40 ms each here, is the longer part) ..."""
 MAX_CHUNKS = 4
 """... and at most this many (larger chunks then)."""
 
 
-def _chunks(bounds: list[tuple[int, int, int]], rows: int) -> list[tuple[int, int, list]]:
+def _chunks(bounds: list[tuple[int, int, int]], rows: int, least: int) -> list[tuple[int, int, list]]:
     """``bounds`` (key group runs, in order) grouped into consecutive chunks ``(start, end,
-    runs)`` of at least ``max(CHUNK_ROWS, rows / MAX_CHUNKS)`` rows (the last may hold fewer)."""
-    size = max(CHUNK_ROWS, -(-rows // MAX_CHUNKS))
+    runs)`` of at least ``max(least, rows / MAX_CHUNKS)`` rows (the last may hold fewer)."""
+    size = max(least, -(-rows // MAX_CHUNKS))
     chunks: list[tuple[int, int, list]] = []
     part: list = []
     for run in bounds:
