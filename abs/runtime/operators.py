@@ -169,6 +169,7 @@ class KeyedOp(OperatorRuntime):
             self.backend.restore(state, kg, table)
             if same_root:
                 self.chains.restored(self.uid, state, kg, chain)
+        self.backend.finish_restore()
         return nbytes
 
     def snapshot(self, checkpoint_id: int, full: bool = False) -> OpSnapshot:

@@ -96,6 +96,12 @@ class AggregateBackend:
             self.migrate_to_dict()
         self.dict_backend.restore(state_name, kg, table, verify=verify)
 
+    def finish_restore(self) -> None:
+        """After the last key group of a restore: the columnar store indexes the keys it
+        restored in bulk (:meth:`ColumnarKeyedState.finish_restore`)."""
+        if self.columnar is not None:
+            self.columnar.finish_restore()
+
     def items(self, name: str, kg: int | None = None) -> Iterator[tuple[Any, Any]]:
         return self.impl.items(name, kg)
 

@@ -70,8 +70,8 @@ from abs.keygroups import KeyGroupRange, KeyGroupSet, key_groups
 
 from .capture import FrozenSlots, SlotsDelta, group_bounds
 from .encoding import ENCODING_ARROW, META_KEY_ENCODING, META_STATE_KIND, META_VALUE_ENCODING, check_restore_table
-from .keyindex import INT64_MAX, SlotMap, distinct, distinct_inverse, representatives
-from .varkeys import Gathered, VarKeyStore, key_codes, var_key_kind
+from .keyindex import INT64_MAX, IntKeyIndex, SlotMap, distinct, distinct_inverse, representatives
+from .varkeys import Gathered, VarKeyStore, arrow_buffers, key_codes, var_key_kind
 
 if TYPE_CHECKING:
     from .dict_backend import KeyedStateBackend
@@ -161,6 +161,9 @@ class ColumnarKeyedState:
         self._last_captured: int | None = None
         self._last_confirmed: int | None = None
         self._by_kg: tuple | None = None  # (n, order, keys, bounds) of slots 0..n-1 (order_by_key_group)
+        # restored in bulk (load_checked): slots from here on are not in the index yet
+        self._unindexed: int | None = None
+        self._bulk: dict[int, tuple[int, int]] = {}  # key group -> its slots, of the bulk not indexed yet
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -287,6 +290,8 @@ class ColumnarKeyedState:
         """Slot of every int64 key, appending the keys not there yet (``key_groups_of(new)``:
         their key groups)."""
         self._set_kind("int")
+        if self._unindexed is not None:
+            self.finish_restore()
         slots, ends = self.map.find(keys)
         miss = slots < 0
         if miss.any():
@@ -323,6 +328,8 @@ class ColumnarKeyedState:
         (new keys present in no state until the caller loads them)."""
         kind = var_key_kind(arr.type)
         self._set_kind(kind)
+        if self._unindexed is not None:
+            self.finish_restore()
         codes, hashed = key_codes(arr)
         slots, ends = self.map.find(codes)
         miss = slots < 0
@@ -521,7 +528,9 @@ class ColumnarKeyedState:
                     "the wrong key group (corrupt or re-keyed with another max_parallelism)"
                 )
         if var:
-            slots = self.slots_for_var(keys, kg=kg)
+            slots = self._bulk_slots(kg, keys)
+            if slots is None:
+                slots = self.slots_for_var(keys, kg=kg)
         else:
             slots = self._int_slots(keys, lambda new: np.full(len(new), kg, np.int16), present=False)
         varr = table.column("value")
@@ -540,6 +549,91 @@ class ColumnarKeyedState:
             c.all_valid = None
             c.all_present = None
             c.bound = None
+
+    def _bulk_slots(self, kg: int, arr: pa.Array) -> slice | None:
+        """Slots of the string/binary keys of a table restored into key group ``kg`` when they
+        can be loaded in bulk, without the index (None: they cannot, use slots_for_var).
+
+        A key group the store holds no key of (a restore into a fresh store, the common case):
+        its keys are appended as they come, with their codes, and indexed once, by
+        :meth:`finish_restore`, after the last key group (a resolved table holds each key once,
+        and keys of distinct key groups differ, so there is nothing to look up meanwhile).
+        Another state of a key group loaded so, with the same keys in the same order (the
+        store writes every state of a key group from the same slots): that key group's slots."""
+        got = self._bulk.get(kg)
+        if got is not None:
+            lo, hi = got
+            if hi - lo != len(arr):
+                return None
+            offsets, data = arrow_buffers(arr)
+            store = self.var
+            mine = store.offsets[lo:hi + 1]
+            a, b = int(offsets[0]), int(offsets[-1])
+            if (b - a != mine[-1] - mine[0] or not np.array_equal(offsets - a, mine - mine[0])
+                    or not np.array_equal(data[a:b], store.data[mine[0]:mine[-1]])):
+                return None
+            return slice(lo, hi)
+        kind = var_key_kind(arr.type)
+        if self.kg_counts[kg] or not self.takes(kind):
+            return None
+        self._set_kind(kind)
+        codes, _hashed = key_codes(arr)
+        n0 = self.n
+        self.var.append(arr)
+        self._append(codes, np.full(len(codes), kg, np.int16), None, present=False, index=False)
+        if self._unindexed is None:
+            self._unindexed = n0
+        self._bulk[kg] = (n0, self.n)
+        return slice(n0, self.n)
+
+    def finish_restore(self) -> None:
+        """Index the keys restored in bulk (:meth:`_bulk_slots`); slot lookups call it first,
+        the runtime after the last key group of a restore. Keys whose code another key has go
+        to ``collisions``, as :meth:`slots_for_var` puts them there; a key restored twice (in
+        two key groups, or twice in one table: a corrupt snapshot) is refused."""
+        lo = self._unindexed
+        if lo is None:
+            return
+        n = self.n
+        codes = self.keys[lo:n]
+        self._bulk = {}
+        if lo == 0 and self.map.direct is None and not self.map.hash.size:
+            index = IntKeyIndex(int(_BULK_ROOM * n))
+            rows, owners = index.fill(codes, 0)
+            self.map.hash = index
+            self._unindexed = None
+        else:  # keys there before the bulk: look the new ones up, as slots_for_var does
+            slots, ends = self.map.find(codes)
+            miss = np.flatnonzero(slots < 0)
+            new, inverse = distinct_inverse(codes[miss])
+            first = np.empty(len(new), np.int64)
+            first[inverse] = miss  # a row of each new code: the index gets that one
+            start = None if ends is None else ends[first]
+            self._unindexed = None
+            if len(new):
+                self.map.place(self.keys[:n], new, first + lo, start)
+            slots[miss] = first[inverse] + lo
+            rows = np.flatnonzero(slots != np.arange(lo, n))
+            owners = slots[rows]
+            rows = rows + lo
+        if len(rows):
+            self._bulk_collided(rows, owners)
+
+    def _bulk_collided(self, rows: np.ndarray, owners: np.ndarray) -> None:
+        """Slots ``rows`` share their code with slots ``owners`` (which the index finds):
+        both keys go to ``collisions``; the same key twice is refused."""
+        coll = self.collisions
+        var = self.var
+        for s, o in zip(rows.tolist(), owners.tolist()):
+            key, owner_key = var.key(s), var.key(o)
+            if key == owner_key or coll.get(key, s) != s:
+                raise StateError(
+                    f"operator {self.operator_uid!r}: restore: key {key!r} is in the restored state twice "
+                    f"(key groups {int(self.kg[o])} and {int(self.kg[s])}); the snapshot is corrupt or was "
+                    "re-keyed with another max_parallelism; restore another checkpoint or repair this one"
+                )
+            coll.setdefault(owner_key, o)
+            coll[key] = s
 
     def refresh_flags(self) -> None:
         n = self.n
@@ -567,6 +661,9 @@ class ColumnarKeyedState:
                         target.put_many(name, g, table.column("key").to_pylist(), table.column("value").to_pylist())
                     else:
                         target.restore(name, g, table)
+
+
+_BULK_ROOM = 2  # home positions per key of an index built by finish_restore at least (load <= 1/2, as after a rebuild)
 
 
 def numpy_int64(arr: Any) -> np.ndarray:

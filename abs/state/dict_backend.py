@@ -447,6 +447,10 @@ class KeyedStateBackend:
             ) from exc
 
     # ------------------------------------------------------------------ restore
+    def finish_restore(self) -> None:
+        """Nothing to do: each restored key group is complete as it comes (its Python objects
+        are built on its first use, :mod:`abs.state.restored`)."""
+
     def restore(self, state_name: str, kg: int, table: pa.Table, *, verify: bool = False) -> None:
         """Load a resolved table (``key``, ``value``; no ``op`` column or only upserts) of key
         group ``kg`` into state ``state_name``, decoding per the schema metadata. Entries are

@@ -152,7 +152,55 @@ class IntKeyIndex:
         self.t[pos, 1] = slots[order]
         self.size = len(keys)
 
+    def fill(self, keys: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray]:
+        """Fill an empty index with ``keys[i] -> first + i`` at once, where keys may repeat;
+        returns ``(rows, owners)``: the rows whose key an earlier position of its probe sequence
+        holds (a lookup of that key finds ``first + owners``, never them). Like :meth:`build`,
+        but one sort of packed ``(hash, row)`` words instead of an argsort of the home positions
+        (3-5x faster), and equal keys come out adjacent (equal keys have equal hashes)."""
+        n = len(keys)
+        bits = int(np.uint64(64) - self.shift)
+        x = keys.view(np.uint64) * _H1  # the hash of _homes, before its shift
+        x ^= x >> _S31
+        x *= _H2
+        rb = max(1, (n - 1).bit_length())  # bits of a row
+        if bits + rb <= _PACK_BITS:  # sort (hash with its low rb bits replaced by the row): by home, equal hashes together
+            x &= ~np.uint64((1 << rb) - 1)
+            x |= np.arange(n, dtype=np.uint64)
+            x.sort()
+            rows = (x & np.uint64((1 << rb) - 1)).view(np.int64)
+            x >>= np.uint64(rb)  # the hash's top 64 - rb bits: equal for equal keys
+            prefix = x
+            home = (x >> np.uint64(64 - rb - bits)).view(np.int64)
+        else:  # too many rows to pack: an argsort of the hashes
+            rows = np.argsort(x)
+            prefix = x[rows]
+            home = (prefix >> self.shift).view(np.int64)
+        i = np.arange(n)
+        pos = i + np.maximum.accumulate(home - i) if n else i
+        if n and pos[-1] + 1 + _WINDOW > len(self.t):
+            self.t = self._alloc(int(pos[-1]) + 1 + _WINDOW + self.cap // 64)
+        sorted_keys = keys[rows]
+        self.t[pos, 0] = sorted_keys
+        self.t[pos, 1] = rows + first
+        self.size = n
+        # equal keys have equal prefixes, and rows of one prefix are adjacent: check those alone
+        near = np.flatnonzero(prefix[1:] == prefix[:-1])
+        if not near.size:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        cand = distinct(np.concatenate((near, near + 1)))  # sorted positions (probe order within a prefix)
+        ck = sorted_keys[cand]
+        order = np.lexsort((cand, ck))  # by key, then by position: each key's owner first
+        ck, cand = ck[order], cand[order]
+        head = np.empty(len(ck), bool)
+        head[:1] = True
+        np.not_equal(ck[1:], ck[:-1], out=head[1:])
+        owner = cand[np.flatnonzero(head)[np.cumsum(head) - 1]]
+        dup = ~head
+        return rows[cand[dup]], rows[owner[dup]]
 
+
+_PACK_BITS = 64  # IntKeyIndex.fill packs a home position and a row into one word while they fit
 _WINDOW = 32  # positions scanned at once when few probes are left
 _WIN = np.arange(_WINDOW)
 _STEP_ABOVE = 128  # more unresolved keys than this: step them one position at a time

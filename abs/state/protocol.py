@@ -24,6 +24,8 @@ What they promise (``tests/test_state_contract.py`` checks it against each):
   table, no deletes) into ``state``; restored keys are not changed keys (the next delta does not
   carry them); ``verify=True`` also checks that each key hashes to ``kg``; a table of another
   state kind, or one with unresolved deletes, is refused with a :class:`~abs.errors.StateError`;
+* **finish_restore()**: after the last restore of a batch of them (the runtime calls it once
+  a subtask's key groups are all loaded), finish what the restores deferred;
 * **items(state, kg=None)**: the live ``(key, value)`` pairs, for inspection and tests.
 
 The tables have one encoding whatever the backend (:mod:`abs.state.encoding`), so a snapshot
@@ -114,6 +116,11 @@ class KeyedBackend(Protocol):
 
     def restore(self, state_name: str, kg: int, table: pa.Table, *, verify: bool = False) -> None:
         """Upsert a resolved table of key group ``kg`` into ``state_name`` (keys stay clean)."""
+        ...
+
+    def finish_restore(self) -> None:
+        """After the last :meth:`restore` of a restore: finish what the restore deferred (the
+        columnar store's key index). Anything that needs it finishes it first anyway."""
         ...
 
     def items(self, name: str, kg: int | None = None) -> Iterator[tuple[Any, Any]]:

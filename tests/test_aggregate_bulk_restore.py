@@ -1,0 +1,198 @@
+"""Restoring string and binary keys into the aggregate's columnar store in bulk
+(``ColumnarKeyedState._bulk_slots`` / ``finish_restore`` in abs/state/columnar.py,
+``IntKeyIndex.fill`` in abs/state/keyindex.py): the store is the one ``slots_for_var`` builds
+from the same tables (slots may differ, key -> value may not), whatever the codes' collisions
+(forced by cutting the codes to a few bits), the states, their key orders and the keys the
+store held before; it answers lookups and captures like it; a key restored twice is refused."""
+from __future__ import annotations
+
+import types
+from contextlib import contextmanager, nullcontext
+from unittest import mock
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import abs
+from abs.errors import StateError
+from abs.keygroups import key_group_range, key_groups
+from abs.runtime.operators import build_operator
+from abs.state import columnar as columnar_module
+from abs.state.columnar import ColumnarKeyedState
+from abs.state import keyindex as keyindex_module
+from abs.state.keyindex import IntKeyIndex
+from abs.state.varkeys import key_codes
+from storage import SnapshotStore
+from test_aggregate import SETTINGS, as_table
+
+M = 8
+DESCRIPTORS = [abs.ValueState("a", pa.int64()), abs.ValueState("b", pa.float64())]
+real_key_codes = key_codes
+
+# short keys (exact codes) and longer ones (hashed codes), multi-byte UTF-8, NULs
+KEYS = st.one_of(st.text(max_size=3), st.text(min_size=8, max_size=14), st.sampled_from(["k1234567", "ключ", "a\x00"]))
+
+
+@contextmanager
+def codes_cut_to(bits: int):
+    """Index codes cut to ``bits`` bits (64: the real ones), every one flagged as a hash."""
+    if bits >= 64:
+        yield
+        return
+
+    def few_bits(arr):
+        codes, _ = real_key_codes(arr)
+        return codes & np.int64((1 << bits) - 1), np.ones(len(codes), bool)
+
+    with mock.patch.object(columnar_module, "key_codes", few_bits):
+        yield
+
+
+def store() -> ColumnarKeyedState:
+    return ColumnarKeyedState("agg", DESCRIPTORS, M, key_group_range(M, 1, 0))
+
+
+def key_group_tables(keys: list, key_type: pa.DataType, rng: np.random.Generator, hows=(0, 1, 2)) -> list:
+    """(state, kg, table) to restore: per key group a table of state "a" (every key) and one of
+    state "b" (the same keys in the same order (0), shuffled (1), or a part of them (2): one of
+    ``hows`` at random)."""
+    arr = pa.array(keys, key_type)
+    kgs = key_groups(arr, M)
+    out = []
+    for kg in sorted(set(kgs.tolist())):
+        rows = np.flatnonzero(kgs == kg)
+        ks = arr.take(pa.array(rows))
+        out.append(("a", kg, pa.table({"key": ks, "value": pa.array(rows * 3 - 7, pa.int64())})))
+        how = rng.choice(hows)
+        sub = rows if how == 0 else rng.permutation(rows) if how == 1 else rows[rng.random(len(rows)) < 0.5]
+        if len(sub):
+            out.append(("b", kg, pa.table({"key": arr.take(pa.array(sub)), "value": pa.array(sub / 4, pa.float64())})))
+    return out
+
+
+def contents(s: ColumnarKeyedState) -> dict:
+    return {name: sorted(s.items(name), key=repr) for name in ("a", "b")}
+
+
+def by_key(s: ColumnarKeyedState, keys: list, key_type: pa.DataType) -> list:
+    slots = s.slots_for_var(pa.array(keys, key_type))
+    return [(s.columns["a"].values[x], s.columns["a"].present[x], s.columns["b"].values[x]) for x in slots.tolist()]
+
+
+@SETTINGS
+@given(st.lists(KEYS, max_size=60, unique=True), st.lists(KEYS, max_size=10), st.lists(KEYS, max_size=10),
+       st.sampled_from([0, 1, 3, 64]), st.sampled_from([pa.string(), pa.large_binary()]), st.integers(0, 2**32))
+def test_a_bulk_restore_gives_the_store_slots_for_var_builds(keys, before, after, bits, key_type, seed):
+    if key_type == pa.large_binary():
+        keys, before, after = ([k.encode() for k in ks] for ks in (keys, before, after))
+    tables = key_group_tables(keys, key_type, np.random.default_rng(seed))
+    with codes_cut_to(bits):
+        bulk, plain = store(), store()
+        for s in (bulk, plain):
+            if before:  # keys already there (new key groups are still loaded in bulk)
+                s.touch(s.slots_for_var(pa.array(before, key_type)))
+        with mock.patch.object(ColumnarKeyedState, "_bulk_slots", lambda self, kg, arr: None):
+            for state, kg, table in tables:
+                plain.restore(state, kg, table)
+        for state, kg, table in tables:
+            bulk.restore(state, kg, table)
+        assert contents(bulk) == contents(plain)
+        assert bulk.n == plain.n
+        assert np.array_equal(np.sort(bulk.kg_counts), np.sort(plain.kg_counts))
+        assert sorted(bulk.capture(1, lazy=False)) == sorted(plain.capture(1, lazy=False))
+        bulk.finish_restore()
+        assert bulk._unindexed is None
+        # every key finds its own slot, new keys get new ones, in both stores alike
+        probe = list(dict.fromkeys(keys + before + after))
+        assert by_key(bulk, probe, key_type) == by_key(plain, probe, key_type)
+        assert bulk.n == plain.n == len(probe)
+        assert contents(bulk) == contents(plain)
+        for s in (bulk, plain):
+            s.touch(s.slots_for_var(pa.array(after + keys[:3], key_type)))
+        got = {name: {kg: sorted(map(str, as_table(d).to_pylist())) for kg, d in by_kg.items()}
+               for name, by_kg in bulk.capture(2, lazy=True).items()}
+        want = {name: {kg: sorted(map(str, as_table(d).to_pylist())) for kg, d in by_kg.items()}
+                for name, by_kg in plain.capture(2, lazy=True).items()}
+        assert got == want
+
+
+@pytest.mark.parametrize("bits", [0, 4, 64])
+def test_many_keys_restored_in_bulk_over_few_codes_find_their_own_slots(bits):
+    keys = [f"customer-{i:05d}" if i % 3 else f"{i}" for i in range(3000)]
+    tables = key_group_tables(keys, pa.string(), np.random.default_rng(bits), hows=(0,))  # as the store writes them
+    with codes_cut_to(bits):
+        s = store()
+        for state, kg, table in tables:
+            s.restore(state, kg, table)
+        assert s._unindexed == 0  # nothing indexed until finish_restore
+        s.finish_restore()
+        slots = s.slots_for_var(pa.array(keys))
+        assert s.n == len(keys) and sorted(slots.tolist()) == list(range(len(keys)))
+        assert s.columns["a"].values[slots].tolist() == [i * 3 - 7 for i in range(len(keys))]
+        if bits < 64:
+            assert len(s.collisions) == len(keys)  # every key shares its code
+        assert all(not by_kg for by_kg in s.capture(1).values())  # restored keys are not dirty
+
+
+@pytest.mark.parametrize("twice", ["short key in two key groups", "long key in two key groups", "long key twice in a table"])
+def test_a_key_restored_twice_is_refused_by_name(twice):
+    key = "k1" if twice.startswith("short") else "customer-000001"
+    s = store()
+    if twice.endswith("table"):
+        s.restore("a", 1, pa.table({"key": pa.array([key, "x", key]), "value": pa.array([1, 2, 3])}))
+    else:
+        s.restore("a", 1, pa.table({"key": pa.array([key, "x"]), "value": pa.array([1, 2])}))
+        s.restore("a", 2, pa.table({"key": pa.array(["y", key]), "value": pa.array([3, 4])}))
+    with pytest.raises(StateError, match=f"key '{key}' is in the restored state twice .*corrupt"):
+        s.finish_restore()
+
+
+def test_a_key_group_restored_again_upserts_after_indexing_the_bulk():
+    s = store()
+    s.restore("a", 3, pa.table({"key": pa.array(["p", "customer-7"]), "value": pa.array([1, 2])}))
+    s.restore("a", 3, pa.table({"key": pa.array(["customer-7", "q"]), "value": pa.array([5, 6])}))
+    assert dict(s.items("a")) == {"p": 1, "customer-7": 5, "q": 6}
+    assert s._unindexed is None and s.n == 3
+
+
+def test_the_runtime_indexes_the_bulk_after_the_last_key_group(tmp_path):
+    """A restore through the operator (KeyedOp.restore) leaves nothing to index."""
+    flow = abs.Dataflow("bulk", max_parallelism=M)
+    names = pa.array([f"name-{i:04d}" for i in range(500)])
+    src = abs.GeneratorSource(500, num_keys=500, make_batch=lambda idx: pa.RecordBatch.from_arrays(
+        [names.take(pa.array(idx)), pa.array(idx)], names=["k", "v"]))
+    flow.source("src", src).key_by("k").aggregate("agg", {"s": ("v", "sum")}, emit="none")
+    first = abs.run(flow, parallelism=1, storage=str(tmp_path))
+    store_ = SnapshotStore.open(str(tmp_path))
+    manifest = store_.read_manifest(first.last_checkpoint)
+    node = next(n for n in flow.nodes if n.kind == "aggregate")
+    ctx = types.SimpleNamespace(subtask=0, parallelism=1, max_parallelism=M,
+                                key_group_range=key_group_range(M, 1, 0), send_to_driver=None)
+    op = build_operator(node, ctx)
+    op.restore({state: manifest.chains(node.uid, state) for state in manifest.keyed[node.uid]}, store_.read_chain)
+    col = op.backend.columnar
+    assert col is not None and col._unindexed is None and col.n == 500
+    assert dict(op.backend.items("s")) == {f"name-{i:04d}": i for i in range(500)}
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_index_fill_places_keys_where_lookups_find_them_and_names_the_repeated_ones(packed):
+    rng = np.random.default_rng(5)
+    keys = rng.integers(-(2**40), 2**40, 20_000)
+    keys[100:110] = keys[7]  # repeated: lookups find one of them, fill names the others
+    index = IntKeyIndex(2 * len(keys))
+    with nullcontext() if packed else mock.patch.object(keyindex_module, "_PACK_BITS", 0):
+        rows, owners = index.fill(keys, 1000)
+    found, _ = index.lookup(keys)
+    owner = int(found[7]) - 1000
+    same = {7, *range(100, 110)}
+    assert owner in same
+    want = np.arange(len(keys)) + 1000
+    want[list(same)] = owner + 1000
+    assert found.tolist() == want.tolist()
+    assert sorted(rows.tolist()) == sorted(same - {owner})
+    assert set(owners.tolist()) == {owner}
+    assert index.size == len(keys)
