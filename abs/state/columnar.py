@@ -115,7 +115,9 @@ class StateColumn:
         )
 
     def grow(self, capacity: int, n: int) -> None:
-        values = np.full(capacity, self.init, self.dtype)
+        zero = not np.full(1, self.init, self.dtype).view(np.uint8).any()
+        # zeros: pages are touched when written, not all at once (a restore of millions of keys)
+        values = np.zeros(capacity, self.dtype) if zero else np.full(capacity, self.init, self.dtype)
         values[:n] = self.values[:n]
         valid = np.zeros(capacity, bool)
         valid[:n] = self.valid[:n]
@@ -579,12 +581,20 @@ class ColumnarKeyedState:
         self._set_kind(kind)
         codes, _hashed = key_codes(arr)
         n0 = self.n
+        n1 = n0 + len(codes)
+        if n1 > self.capacity:
+            self._grow(n1)
         self.var.append(arr)
-        self._append(codes, np.full(len(codes), kg, np.int16), None, present=False, index=False)
+        # _append without its writes of the defaults (ver 0, values init, valid and present
+        # False), which slots past n hold already (grow fills them so, nothing writes there)
+        self.keys[n0:n1] = codes
+        self.kg[n0:n1] = kg
+        self.kg_counts[kg] += n1 - n0
+        self.n = n1
         if self._unindexed is None:
             self._unindexed = n0
-        self._bulk[kg] = (n0, self.n)
-        return slice(n0, self.n)
+        self._bulk[kg] = (n0, n1)
+        return slice(n0, n1)
 
     def finish_restore(self) -> None:
         """Index the keys restored in bulk (:meth:`_bulk_slots`); slot lookups call it first,

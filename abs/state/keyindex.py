@@ -160,29 +160,34 @@ class IntKeyIndex:
         (3-5x faster), and equal keys come out adjacent (equal keys have equal hashes)."""
         n = len(keys)
         bits = int(np.uint64(64) - self.shift)
-        x = keys.view(np.uint64) * _H1  # the hash of _homes, before its shift
-        x ^= x >> _S31
-        x *= _H2
         rb = max(1, (n - 1).bit_length())  # bits of a row
+        # four arrays of n words at most: fresh memory is slow to touch (page faults)
+        i = np.arange(n, dtype=np.int64)
+        x = keys.view(np.uint64) * _H1  # the hash of _homes, before its shift
+        tmp = x >> _S31
+        x ^= tmp
+        x *= _H2
         if bits + rb <= _PACK_BITS:  # sort (hash with its low rb bits replaced by the row): by home, equal hashes together
-            x &= ~np.uint64((1 << rb) - 1)
-            x |= np.arange(n, dtype=np.uint64)
+            low = np.uint64((1 << rb) - 1)
+            x &= ~low
+            x |= i.view(np.uint64)
             x.sort()
-            rows = (x & np.uint64((1 << rb) - 1)).view(np.int64)
+            rows = np.bitwise_and(x, low, out=tmp).view(np.int64)
             x >>= np.uint64(rb)  # the hash's top 64 - rb bits: equal for equal keys
             prefix = x
-            home = (x >> np.uint64(64 - rb - bits)).view(np.int64)
+            pos = (x >> np.uint64(64 - rb - bits)).view(np.int64)  # the home positions, ascending
         else:  # too many rows to pack: an argsort of the hashes
             rows = np.argsort(x)
             prefix = x[rows]
-            home = (prefix >> self.shift).view(np.int64)
-        i = np.arange(n)
-        pos = i + np.maximum.accumulate(home - i) if n else i
+            pos = (prefix >> self.shift).view(np.int64)
+        pos -= i  # key i lands at max(home_i, position_{i-1} + 1) = i + cummax(home - i)
+        np.maximum.accumulate(pos, out=pos)
+        pos += i
         if n and pos[-1] + 1 + _WINDOW > len(self.t):
             self.t = self._alloc(int(pos[-1]) + 1 + _WINDOW + self.cap // 64)
-        sorted_keys = keys[rows]
-        self.t[pos, 0] = sorted_keys
-        self.t[pos, 1] = rows + first
+        sorted_keys = np.take(keys, rows, out=i)
+        self.t[:, 0][pos] = sorted_keys
+        self.t[:, 1][pos] = rows + first if first else rows
         self.size = n
         # equal keys have equal prefixes, and rows of one prefix are adjacent: check those alone
         near = np.flatnonzero(prefix[1:] == prefix[:-1])
