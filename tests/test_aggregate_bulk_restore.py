@@ -146,7 +146,8 @@ def test_a_key_restored_twice_is_refused_by_name(twice):
     else:
         s.restore("a", 1, pa.table({"key": pa.array([key, "x"]), "value": pa.array([1, 2])}))
         s.restore("a", 2, pa.table({"key": pa.array(["y", key]), "value": pa.array([3, 4])}))
-    with pytest.raises(StateError, match=f"key '{key}' is in the restored state twice .*corrupt"):
+    where = r"\(key group 1\)" if twice.endswith("table") else r"\(key groups 1 and 2\)"
+    with pytest.raises(StateError, match=f"key '{key}' is in the restored state twice {where}.*corrupt"):
         s.finish_restore()
 
 

@@ -637,10 +637,13 @@ class ColumnarKeyedState:
         for s, o in zip(rows.tolist(), owners.tolist()):
             key, owner_key = var.key(s), var.key(o)
             if key == owner_key or coll.get(key, s) != s:
+                other = o if key == owner_key else coll[key]
+                g, h = sorted((int(self.kg[other]), int(self.kg[s])))
+                where = f"key group {g}" if g == h else f"key groups {g} and {h}"
                 raise StateError(
                     f"operator {self.operator_uid!r}: restore: key {key!r} is in the restored state twice "
-                    f"(key groups {int(self.kg[o])} and {int(self.kg[s])}); the snapshot is corrupt or was "
-                    "re-keyed with another max_parallelism; restore another checkpoint or repair this one"
+                    f"({where}); the snapshot is corrupt or was re-keyed with another max_parallelism; "
+                    "restore another checkpoint or repair this one"
                 )
             coll.setdefault(owner_key, o)
             coll[key] = s
