@@ -582,6 +582,13 @@ class ColumnarKeyedState:
         codes, _hashed = key_codes(arr)
         n0 = self.n
         n1 = n0 + len(codes)
+        if not n0:  # the first key group of a restore: room for as many in each key group of the range
+            groups = int(self.key_group_range.mask.sum())
+            guess = n1 * groups + n1 // 8 * int(groups ** 0.5)
+            if guess > self.capacity:
+                self._grow(guess)
+            offsets, _ = arrow_buffers(arr)
+            self.var.reserve(guess, int(offsets[-1] - offsets[0]) * guess // max(n1, 1))
         if n1 > self.capacity:
             self._grow(n1)
         self.var.append(arr)

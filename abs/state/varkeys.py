@@ -135,6 +135,19 @@ class VarKeyStore:
         self.offsets[n + 1:n + m + 1] = offsets[1:] + (end - lo)
         self.n = n + m
 
+    def reserve(self, keys: int, nbytes: int) -> None:
+        """Room for ``keys`` keys of ``nbytes`` bytes in all (appends past it still grow)."""
+        n = self.n
+        end = int(self.offsets[n])
+        if keys + 1 > len(self.offsets):
+            grown = np.zeros(keys + 1, np.int64)
+            grown[:n + 1] = self.offsets[:n + 1]
+            self.offsets = grown
+        if nbytes > len(self.data):
+            grown = np.zeros(nbytes, np.uint8)
+            grown[:end] = self.data[:end]
+            self.data = grown
+
     def __len__(self) -> int:
         return self.n
 
