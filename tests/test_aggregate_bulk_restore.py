@@ -1,4 +1,4 @@
-"""Restoring string and binary keys into the aggregate's columnar store in bulk
+"""Restoring keys (string, binary, int) into the aggregate's columnar store in bulk
 (``ColumnarKeyedState._bulk_slots`` / ``finish_restore`` in abs/state/columnar.py,
 ``IntKeyIndex.fill`` in abs/state/keyindex.py): the store is the one ``slots_for_var`` builds
 from the same tables (slots may differ, key -> value may not), whatever the codes' collisions
@@ -117,6 +117,42 @@ def test_a_bulk_restore_gives_the_store_slots_for_var_builds(keys, before, after
         want = {name: {kg: sorted(map(str, as_table(d).to_pylist())) for kg, d in by_kg.items()}
                 for name, by_kg in plain.capture(2, lazy=True).items()}
         assert got == want
+
+
+INT_KEYS = st.one_of(st.integers(0, 300), st.integers(-(2**63), 2**63 - 1))  # dense (direct range) and sparse (hash)
+
+
+@SETTINGS
+@given(st.lists(INT_KEYS, max_size=60, unique=True), st.lists(INT_KEYS, max_size=10), st.lists(INT_KEYS, max_size=10),
+       st.integers(0, 2**32))
+def test_int_keys_restored_in_bulk_give_the_store_slots_for_builds(keys, before, after, seed):
+    tables = key_group_tables(keys, pa.int64(), np.random.default_rng(seed))
+    bulk, plain = store(), store()
+    for s in (bulk, plain):
+        if before:
+            s.touch(s.slots_for(np.array(before, np.int64)))
+    with mock.patch.object(ColumnarKeyedState, "_bulk_slots", lambda self, kg, arr: None):
+        for state, kg, table in tables:
+            plain.restore(state, kg, table)
+    for state, kg, table in tables:
+        bulk.restore(state, kg, table)
+    assert contents(bulk) == contents(plain) and bulk.n == plain.n
+    bulk.finish_restore()
+    probe = np.array(list(dict.fromkeys(keys + before + after)), np.int64)
+    got = [bulk.columns["a"].values[x] for x in bulk.slots_for(probe).tolist()]
+    assert got == [plain.columns["a"].values[x] for x in plain.slots_for(probe).tolist()]
+    assert bulk.n == plain.n == len(probe)
+    assert contents(bulk) == contents(plain)
+    assert sorted(bulk.slots_for(probe).tolist()) == list(range(len(probe)))
+
+
+@pytest.mark.parametrize("key", [5, 2**62 + 7])
+def test_an_int_key_restored_twice_is_refused_by_name(key):
+    s = store()
+    s.restore("a", 1, pa.table({"key": pa.array([key, 11]), "value": pa.array([1, 2])}))
+    s.restore("a", 2, pa.table({"key": pa.array([12, key]), "value": pa.array([3, 4])}))
+    with pytest.raises(StateError, match=rf"key {key} is in the restored state twice \(key groups 1 and 2\).*corrupt"):
+        s.finish_restore()
 
 
 @pytest.mark.parametrize("bits", [0, 4, 64])

@@ -529,11 +529,10 @@ class ColumnarKeyedState:
                     f"{k!r} belongs to key group {int(actual[wrong[0]])}; the snapshot file is in "
                     "the wrong key group (corrupt or re-keyed with another max_parallelism)"
                 )
-        if var:
-            slots = self._bulk_slots(kg, keys)
-            if slots is None:
-                slots = self.slots_for_var(keys, kg=kg)
-        else:
+        slots = self._bulk_slots(kg, keys)
+        if slots is None and var:
+            slots = self.slots_for_var(keys, kg=kg)
+        elif slots is None:
             slots = self._int_slots(keys, lambda new: np.full(len(new), kg, np.int16), present=False)
         varr = table.column("value")
         varr = varr.combine_chunks() if isinstance(varr, pa.ChunkedArray) else varr
@@ -552,21 +551,25 @@ class ColumnarKeyedState:
             c.all_present = None
             c.bound = None
 
-    def _bulk_slots(self, kg: int, arr: pa.Array) -> slice | None:
-        """Slots of the string/binary keys of a table restored into key group ``kg`` when they
-        can be loaded in bulk, without the index (None: they cannot, use slots_for_var).
+    def _bulk_slots(self, kg: int, arr: pa.Array | np.ndarray) -> slice | None:
+        """Slots of the keys of a table restored into key group ``kg`` (a string/binary array,
+        or int64 keys in numpy) when they can be loaded in bulk, without the index (None: they
+        cannot, use slots_for_var or _int_slots).
 
         A key group the store holds no key of (a restore into a fresh store, the common case):
-        its keys are appended as they come, with their codes, and indexed once, by
+        its keys (string/binary ones with their codes) are appended as they come, and indexed once, by
         :meth:`finish_restore`, after the last key group (a resolved table holds each key once,
         and keys of distinct key groups differ, so there is nothing to look up meanwhile).
         Another state of a key group loaded so, with the same keys in the same order (the
         store writes every state of a key group from the same slots): that key group's slots."""
+        ints = isinstance(arr, np.ndarray)
         got = self._bulk.get(kg)
         if got is not None:
             lo, hi = got
             if hi - lo != len(arr):
                 return None
+            if ints:
+                return slice(lo, hi) if np.array_equal(self.keys[lo:hi], arr) else None
             offsets, data = arrow_buffers(arr)
             store = self.var
             mine = store.offsets[lo:hi + 1]
@@ -575,11 +578,11 @@ class ColumnarKeyedState:
                     or not np.array_equal(data[a:b], store.data[mine[0]:mine[-1]])):
                 return None
             return slice(lo, hi)
-        kind = var_key_kind(arr.type)
+        kind = "int" if ints else var_key_kind(arr.type)
         if self.kg_counts[kg] or not self.takes(kind):
             return None
         self._set_kind(kind)
-        codes, _hashed = key_codes(arr)
+        codes = arr if ints else key_codes(arr)[0]
         n0 = self.n
         n1 = n0 + len(codes)
         if not n0:  # the first key group of a restore: room for as many in each key group of the range
@@ -587,11 +590,13 @@ class ColumnarKeyedState:
             guess = n1 * groups + n1 // 8 * int(groups ** 0.5)
             if guess > self.capacity:
                 self._grow(guess)
-            offsets, _ = arrow_buffers(arr)
-            self.var.reserve(guess, int(offsets[-1] - offsets[0]) * guess // max(n1, 1))
+            if not ints:
+                offsets, _ = arrow_buffers(arr)
+                self.var.reserve(guess, int(offsets[-1] - offsets[0]) * guess // max(n1, 1))
         if n1 > self.capacity:
             self._grow(n1)
-        self.var.append(arr)
+        if not ints:
+            self.var.append(arr)
         # _append without its writes of the defaults (ver 0, values init, valid and present
         # False), which slots past n hold already (grow fills them so, nothing writes there)
         self.keys[n0:n1] = codes
@@ -605,15 +610,19 @@ class ColumnarKeyedState:
 
     def finish_restore(self) -> None:
         """Index the keys restored in bulk (:meth:`_bulk_slots`); slot lookups call it first,
-        the runtime after the last key group of a restore. Keys whose code another key has go
-        to ``collisions``, as :meth:`slots_for_var` puts them there; a key restored twice (in
-        two key groups, or twice in one table: a corrupt snapshot) is refused."""
+        the runtime after the last key group of a restore. String/binary keys whose code
+        another key has go to ``collisions``, as :meth:`slots_for_var` puts them there; a key
+        restored twice (in two key groups, or twice in one table: a corrupt snapshot) is
+        refused."""
         lo = self._unindexed
         if lo is None:
             return
         n = self.n
         codes = self.keys[lo:n]
         self._bulk = {}
+        if self.var is None:
+            self._index_int_bulk(lo, n)
+            return
         if lo == 0 and self.map.direct is None and not self.map.hash.size:
             index = IntKeyIndex(int(_BULK_ROOM * n))
             rows, owners = index.fill(codes, 0)
@@ -635,6 +644,29 @@ class ColumnarKeyedState:
             rows = rows + lo
         if len(rows):
             self._bulk_collided(rows, owners)
+
+    def _index_int_bulk(self, lo: int, n: int) -> None:
+        """:meth:`finish_restore` of int keys: the index places them at once (dense ones in
+        its direct range), then finds them all again: a key restored twice finds another slot."""
+        keys = self.keys[lo:n]
+        slots = np.arange(lo, n, dtype=np.int64)
+        found, ends = self.map.find(keys)
+        self._unindexed = None
+        known = found >= 0
+        if not known.any():
+            self.map.place(self.keys[:n], keys, slots, ends)
+            found, _ = self.map.find(keys)
+            known = found != slots
+        if known.any():
+            s = lo + int(np.flatnonzero(known)[0])
+            other = int(found[s - lo]) if found[s - lo] >= 0 and found[s - lo] != s else s
+            g, h = sorted((int(self.kg[other]), int(self.kg[s])))
+            where = f"key group {g}" if g == h else f"key groups {g} and {h}"
+            raise StateError(
+                f"operator {self.operator_uid!r}: restore: key {int(self.keys[s])!r} is in the restored state "
+                f"twice ({where}); the snapshot is corrupt or was re-keyed with another max_parallelism; "
+                "restore another checkpoint or repair this one"
+            )
 
     def _bulk_collided(self, rows: np.ndarray, owners: np.ndarray) -> None:
         """Slots ``rows`` share their code with slots ``owners`` (which the index finds):
