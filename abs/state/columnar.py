@@ -24,6 +24,15 @@ Per subtask, :class:`ColumnarKeyedState` keeps every key of the operator in one 
   finds the rare rows whose key merely shares its code with another key; those alone go key by
   key through ``collisions`` (:meth:`ColumnarKeyedState.slots_for_var`).
 
+A restore loads a key group the store holds no key of in bulk (:meth:`ColumnarKeyedState._bulk_slots`):
+a resolved table holds each key once and keys of distinct key groups differ, so its keys are
+appended as they come, without lookups, and indexed once after the last key group
+(:meth:`ColumnarKeyedState.finish_restore`: string/binary codes by one sort of packed
+``(hash, row)`` words, :meth:`~abs.state.keyindex.IntKeyIndex.fill`, which also finds the keys
+that share a code; int keys by one :meth:`~abs.state.keyindex.SlotMap.place`); the store is
+then the one :meth:`~ColumnarKeyedState.slots_for_var` / :meth:`~ColumnarKeyedState.slots_for`
+would have built, slots aside.
+
 Only value states of an integer or floating Arrow type fit (:func:`columnar_descriptors_ok`);
 the aggregate operator (:mod:`abs.runtime.aggregate`) folds its batches straight into the
 accumulators (:meth:`ColumnarKeyedState.slots_for`, :meth:`~ColumnarKeyedState.slots_for_var`,
