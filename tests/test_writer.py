@@ -151,6 +151,28 @@ def test_the_writer_process_writes_column_deltas_and_tables(tmp_path, writer):
     assert store.read_chain(chains[-1]).column("value").to_pylist() == ["a", "b"]
 
 
+def values_of(store: SnapshotStore, chains) -> dict:
+    """``{key: value}`` of the key groups whose chains are ``chains``."""
+    got: dict = {}
+    for chain in chains:
+        t = store.read_chain(chain)
+        got.update(zip(t.column("key").to_pylist(), t.column("value").to_pylist()))
+    return got
+
+
+def write_once(where: str, url: str, store: SnapshotStore, checkpoint_id: int, jobs: list) -> list:
+    """``jobs`` written by a writer process of their own (``where="process"``) or in this
+    thread, as a worker without one writes them; their chains."""
+    if where != "process":
+        return InThreadWriter(store).write(checkpoint_id, jobs)
+    w = SnapshotWriter.fork()
+    try:
+        w.open(url, None)
+        return w.write(checkpoint_id, jobs)
+    finally:
+        w.close()
+
+
 @pytest.mark.parametrize("where", ["process", "thread"])
 def test_the_writer_writes_the_aggregates_lazy_capture_frozen_at_the_barrier(tmp_path, where):
     """The columnar aggregate's lazy capture (ColumnDelta instances cut from one capture) goes
@@ -172,15 +194,7 @@ def test_the_writer_writes_the_aggregates_lazy_capture_frozen_at_the_barrier(tmp
     assert all(isinstance(d, ColumnDelta) for d in deltas.values())
     col.columns["v"].values[slots] = -1  # after the barrier: not in the snapshot
     jobs = [WriteJob("op", "v", kg, [], d, False) for kg, d in deltas.items()]
-    if where == "process":
-        w = SnapshotWriter.fork()
-        try:
-            w.open(url, None)
-            chains = w.write(1, jobs)
-        finally:
-            w.close()
-    else:
-        chains = InThreadWriter(store).write(1, jobs)
+    chains = write_once(where, url, store, 1, jobs)
     for kg, chain in zip(deltas, chains):
         t = store.read_chain(chain)
         got = t.column("key").to_pylist()
@@ -224,15 +238,7 @@ def test_a_large_aggregate_capture_goes_to_the_writer_in_chunks_and_writes_the_s
         col.columns["w"].all_present = False
         jobs = [WriteJob("op", state, kg, [], d, False) for state, by_kg in b.capture(1, lazy=True).items()
                 for kg, d in by_kg.items()]
-        if where == "process":
-            w = SnapshotWriter.fork()
-            try:
-                w.open(url, None)
-                chains = w.write(1, jobs)
-            finally:
-                w.close()
-        else:
-            chains = InThreadWriter(store).write(1, jobs)
+        chains = write_once(where, url, store, 1, jobs)
         assert len(chains) == len(jobs)
         return [(j.state, j.key_group) for j in jobs], [store.read_chain(c) for c in chains], chains
 
@@ -292,11 +298,7 @@ def _values_images_scenario(store: SnapshotStore, writer) -> None:
         assert all(d.complete for d in deltas.values())
         chains = writer.write(cid, [WriteJob("op", "v", kg, prev.get(kg, []), d, False) for kg, d in deltas.items()])
         new = dict(zip(deltas, chains))
-        got = {}
-        for chain in new.values():
-            t = store.read_chain(chain)
-            got.update(zip(t.column("key").to_pylist(), t.column("value").to_pylist()))
-        assert got == values
+        assert values_of(store, new.values()) == values
         return new
 
     first = checkpoint(1, {})
@@ -352,11 +354,7 @@ def test_a_capture_in_which_most_keys_changed_is_written_as_a_values_image(tmp_p
         b.confirm(cid)
         chains = writer.write(cid, [WriteJob("op", "v", kg, prev.get(kg, []), d, False) for kg, d in deltas.items()])
         new = {**prev, **dict(zip(deltas, chains))}
-        got = {}
-        for chain in new.values():
-            t = store.read_chain(chain)
-            got.update(zip(t.column("key").to_pylist(), t.column("value").to_pylist()))
-        assert got == values
+        assert values_of(store, new.values()) == values
         return new
 
     def columns(ref) -> list[str]:

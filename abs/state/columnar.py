@@ -669,13 +669,17 @@ class ColumnarKeyedState:
         if known.any():
             s = lo + int(np.flatnonzero(known)[0])
             other = int(found[s - lo]) if found[s - lo] >= 0 and found[s - lo] != s else s
-            g, h = sorted((int(self.kg[other]), int(self.kg[s])))
-            where = f"key group {g}" if g == h else f"key groups {g} and {h}"
-            raise StateError(
-                f"operator {self.operator_uid!r}: restore: key {int(self.keys[s])!r} is in the restored state "
-                f"twice ({where}); the snapshot is corrupt or was re-keyed with another max_parallelism; "
-                "restore another checkpoint or repair this one"
-            )
+            raise self._restored_twice(int(self.keys[s]), s, other)
+
+    def _restored_twice(self, key: Any, slot: int, other: int) -> StateError:
+        """The error of a restore that found ``key`` twice (slots ``slot`` and ``other``)."""
+        g, h = sorted((int(self.kg[other]), int(self.kg[slot])))
+        where = f"key group {g}" if g == h else f"key groups {g} and {h}"
+        return StateError(
+            f"operator {self.operator_uid!r}: restore: key {key!r} is in the restored state twice ({where}); "
+            "the snapshot is corrupt or was re-keyed with another max_parallelism; restore another "
+            "checkpoint or repair this one"
+        )
 
     def _bulk_collided(self, rows: np.ndarray, owners: np.ndarray) -> None:
         """Slots ``rows`` share their code with slots ``owners`` (which the index finds):
@@ -685,14 +689,7 @@ class ColumnarKeyedState:
         for s, o in zip(rows.tolist(), owners.tolist()):
             key, owner_key = var.key(s), var.key(o)
             if key == owner_key or coll.get(key, s) != s:
-                other = o if key == owner_key else coll[key]
-                g, h = sorted((int(self.kg[other]), int(self.kg[s])))
-                where = f"key group {g}" if g == h else f"key groups {g} and {h}"
-                raise StateError(
-                    f"operator {self.operator_uid!r}: restore: key {key!r} is in the restored state twice "
-                    f"({where}); the snapshot is corrupt or was re-keyed with another max_parallelism; "
-                    "restore another checkpoint or repair this one"
-                )
+                raise self._restored_twice(key, s, o if key == owner_key else coll[key])
             coll.setdefault(owner_key, o)
             coll[key] = s
 
