@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import types
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,54 @@ def test_a_restart_without_enough_slots_goes_on_with_fewer_workers_and_rescales_
     assert result.parallelism == 3
     assert per_key_counts(read_output(str(tmp_path / "out"), "parquet")) == EXPECTED
     assert SnapshotStore.open(str(tmp_path / "snap")).verify().ok
+
+
+def _lingering_body(marker: str):
+    """Barrier tasks: task 0 fails at once; the others outlive the failed stage by ~3 s (they
+    ignore the interrupt and SIGTERM), as a worker's task does while its process is reaped."""
+    def body(it):
+        import os as _os
+        import signal as _signal
+        import time as _time
+        if list(it)[0] == 0:
+            while not _os.path.exists(marker):  # both others run: their slots are taken
+                _time.sleep(0.05)
+            raise RuntimeError("the first task fails")
+        _signal.signal(_signal.SIGTERM, _signal.SIG_IGN)
+        open(marker, "a").close()
+        end = _time.monotonic() + 3.0
+        while _time.monotonic() < end:
+            try:
+                _time.sleep(0.05)
+            except BaseException:  # noqa: BLE001 - outlive the kill on purpose
+                pass
+        return []
+    return body
+
+
+def test_a_restart_counts_the_slots_of_its_own_failed_stage_as_free_once_its_tasks_end(spark, tmp_path):
+    """A failed barrier stage ends for the driver before Spark has reaped its other tasks: a
+    restart waits for them instead of counting their slots as taken by someone else."""
+    from abs.runtime.spark import _active_tasks
+    sc = spark.sparkContext
+    run = types.SimpleNamespace(group="abs-test-lingering", done=threading.Event())
+
+    def stage():
+        sc.setJobGroup(run.group, "lingering tasks", interruptOnCancel=True)
+        try:
+            sc.parallelize(range(3), 3).barrier().mapPartitions(_lingering_body(str(tmp_path / "m"))).collect()
+        except Exception:  # noqa: BLE001 - the failure is the point
+            pass
+        finally:
+            run.done.set()
+
+    threading.Thread(target=stage, daemon=True).start()
+    assert run.done.wait(120), "the barrier stage did not fail"
+    assert _active_tasks(sc, run.group) == 2  # the two others still hold their slots
+    executor = abs.SparkExecutor(spark, num_workers=3, slot_wait=0.2)
+    executor._runs.append(run)
+    can, slots = executor.available_workers(3)
+    assert (can, _active_tasks(sc, run.group)) == (3, 0), slots
 
 
 def test_min_workers_is_checked():

@@ -67,6 +67,7 @@ log = logging.getLogger(__name__)
 __all__ = ["SparkExecutor", "driver_address_problem", "free_task_slots"]
 
 _SLOT_WAIT_S = 20.0  # how long a (re)launch waits for busy slots to free up
+_OWN_TASKS_WAIT_S = 60.0  # how long a (re)launch waits for the tasks of its own failed stage to end
 _FAIL_RE = re.compile(r"abs worker (\d+) (?:exited with code|was killed by signal) (-?\d+)")
 
 
@@ -97,6 +98,20 @@ def free_task_slots(sc: Any) -> tuple[int, int]:
     except Exception:  # noqa: BLE001 - a best-effort figure: not every deployment exposes it
         running = 0
     return total, max(0, total - running)
+
+
+def _active_tasks(sc: Any, group: str) -> int:
+    """Tasks still running in the Spark jobs of job group ``group`` (0 when Spark no longer
+    knows the group)."""
+    tracker = sc.statusTracker()
+    active = 0
+    for job in tracker.getJobIdsForGroup(group):
+        info = tracker.getJobInfo(job)
+        for stage in (info.stageIds if info is not None else ()):
+            stage_info = tracker.getStageInfo(stage)
+            if stage_info is not None:
+                active += int(stage_info.numActiveTasks)
+    return active
 
 
 def _registered_slots(sc: Any) -> int:
@@ -305,6 +320,7 @@ class SparkExecutor:
         self._driver_bind_host = driver_bind_host
         self.slot_wait = float(slot_wait)
         self._stage: _StageRun | None = None
+        self._runs: list[_StageRun] = []  # every stage this executor submitted whose tasks may still run
 
     # -- what JobDriver asks of an executor ---------------------------------------------------
     @property
@@ -333,6 +349,26 @@ class SparkExecutor:
         if self.local_master or self._driver_host:
             return self.driver_host()
         return self.sc.getConf().get("spark.driver.bindAddress", None) or self.driver_host()
+
+    def _wait_for_own_tasks(self, seconds: float = _OWN_TASKS_WAIT_S) -> None:
+        """Wait until the tasks of this executor's ended stages have ended too. A failed barrier
+        stage ends for the driver before Spark has killed and reaped its other tasks (seconds on
+        a loaded machine); their slots are the job's own, not missing capacity, and a restart
+        that counted them as taken would start with fewer workers than it can have."""
+        start = time.monotonic()
+        deadline = start + seconds
+        while True:
+            self._runs = [r for r in self._runs if not r.done.is_set() or _active_tasks(self.sc, r.group) > 0]
+            lingering = [r.group for r in self._runs if r.done.is_set()]
+            if not lingering:
+                if time.monotonic() - start > 0.05:
+                    log.info(f"waited {time.monotonic() - start:.1f} s for the tasks of an ended stage to end")
+                return
+            if time.monotonic() >= deadline:
+                log.warning(f"tasks of the ended Spark job group(s) {', '.join(lingering)} still run after "
+                            f"{seconds:.0f} s; counting their slots as taken")
+                return
+            time.sleep(0.1)
 
     def _wait_for_slots(self, needed: int, seconds: float) -> tuple[int, int]:
         """Wait up to ``seconds`` for ``needed`` free slots; returns ``(total, free)`` then."""
@@ -388,8 +424,10 @@ class SparkExecutor:
 
     def available_workers(self, wanted: int) -> tuple[int, str]:
         """How many of ``wanted`` workers can start now (a restart that may go on with fewer:
-        ``RestartStrategy.min_workers``), after waiting up to ``slot_wait`` s for all of them;
-        and a description of the slots for the log."""
+        ``RestartStrategy.min_workers``), once the tasks of the job's ended stages have ended, and
+        after waiting up to ``slot_wait`` s more for all of them; and a description of the slots
+        for the log."""
+        self._wait_for_own_tasks()
         total, free = self._wait_for_slots(wanted, self.slot_wait)
         return min(free, wanted), f"the Spark cluster ({self.sc.master}) has {free} free task slot(s) of {total}"
 
@@ -397,6 +435,7 @@ class SparkExecutor:
         """Submit the barrier stage; one handle per worker."""
         # after a failure, the tasks of the previous stage may take a moment to be reaped (and
         # on a cluster, a lost executor to be started again): wait for slots before refusing
+        self._wait_for_own_tasks()
         self._wait_for_slots(len(boots), self.slot_wait)
         self._check_slots(len(boots), wait=False)  # a restart may run fewer (RestartStrategy.min_workers)
         if self.local_master:
@@ -407,6 +446,7 @@ class SparkExecutor:
         stage = _StageRun(self.spark, boots, remote_hosts=not self.local_master,
                           description=f"abs job {job_name!r}: {len(boots)} workers")
         self._stage = stage
+        self._runs.append(stage)
         return [_SparkWorker(stage, i, self.local_master) for i in range(len(boots))]
 
     def check_launch(self, count: int) -> str | None:
@@ -425,6 +465,7 @@ class SparkExecutor:
             boot = dict(boot, pythonpath=[p for p in sys.path if p])
         stage = _StageRun(self.spark, [dict(boot, index=index)], remote_hosts=not self.local_master,
                           description=f"abs worker {index} joining a running job")
+        self._runs.append(stage)
         return _SparkWorker(stage, index, self.local_master)
 
     def __repr__(self) -> str:
