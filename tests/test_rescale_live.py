@@ -172,6 +172,10 @@ ops = st.lists(st.one_of(
          checkpoints=True)
 @example(schedule=[("move", {6, 7, 9, 10, 11, 15}, "all_at_once"), ("rescale", 1, "batched"),
                    ("rescale", 4, "fluid")], checkpoints=True)
+# a worker index that left and joins again: its new source task's end once looked stale for
+# ever (the driver counted the splits relayed to the index, not to the task), and the job hung
+@example(schedule=[("rescale", 3, "all_at_once"), ("rescale", 2, "fluid"), ("rescale", 3, "all_at_once")],
+         checkpoints=False)
 def test_any_schedule_of_rescales_and_moves_gives_the_output_of_a_run_without_them(tmp_path_factory, schedule,
                                                                                    checkpoints):
     tmp = tmp_path_factory.mktemp("schedule")

@@ -278,6 +278,9 @@ class Rescaling:
             run.life.remove_tasks(keys, range(workers, self.P))
             for key in keys:
                 self.task_load.pop(key, None)
+                # a worker that joins later under the same index runs new tasks, whose count
+                # of splits gained starts at 0 (else their end would look stale for ever)
+                self._splits_relayed.pop(key, None)
             log.info(f"job {self.flow.name!r}: workers {workers}..{self.P - 1} left")
             self._resize(workers)
             self._step_done(run)
