@@ -14,7 +14,7 @@ import abs
 from abs.faults import Fault
 from abs.connectors.file_sink import FileSink, read_output
 from pacing import PacedSource
-from storage import JobMismatchError, SnapshotStore
+from storage import JobMismatchError, SnapshotStore, StorageUnavailableError
 from storage.testing import Fault as StorageFault
 
 pytestmark = pytest.mark.integration
@@ -233,6 +233,19 @@ def test_a_full_disk_when_the_job_fingerprint_is_written_is_retried(tmp_path):
                       storage_options={"target_protocol": "file", "faults": faults})
     assert len(result.restarts) == 1 and "_job.json" in result.restarts[0]["error"], result.restarts
     assert result.restored_from is None  # nothing to restore yet: the retry starts from scratch
+
+
+def test_a_storage_failure_at_every_attempt_says_the_job_gave_up_and_carries_its_restarts(tmp_path):
+    """The root cannot take ``_job.json`` at any attempt (a disk that stays full): the storage
+    error is raised as itself, says that the restarts were used up, and carries the result."""
+    faults = FaultsInAttempts([StorageFault(op="write", times=None, path_glob="*_job*")], attempts={0, 1},
+                              where="driver")
+    with pytest.raises(StorageUnavailableError) as err:
+        run_with(tmp_path, restarts=1, storage=f"faulty://{tmp_path / 'snap'}",
+                 storage_options={"target_protocol": "file", "faults": faults})
+    assert "_job.json" in str(err.value) and "gave up after 1 restart" in str(err.value), str(err.value)
+    assert "restore='latest'" in str(err.value)
+    assert len(err.value.result.restarts) == 1 and err.value.result.status == "FAILED"
 
 
 def test_a_restore_failure_in_a_worker_names_the_worker_and_its_cause_when_the_job_gives_up(tmp_path):

@@ -272,6 +272,8 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
                 err.result = self.result
                 raise err
             if isinstance(err, (ConfigError, StorageError)) or not isinstance(err, Exception):
+                if isinstance(err, StorageError):
+                    err.result = self.result  # type: ignore[attr-defined]  # the restarts before it
                 raise err  # type: ignore[misc]
             raise JobFailedError(f"job {self.flow.name!r} failed: {err}", self.result) from err
         return self.result

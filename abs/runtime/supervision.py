@@ -312,8 +312,10 @@ class Supervision:
 
     def _gave_up(self, exc: Exception) -> Exception:
         """The error of a job that has no restart left: our own errors now advise the restore
-        (while restarts are left, the job restores itself and the advice would mislead)."""
-        if isinstance(exc, JobFailedError) and self.checkpointing:
+        (while restarts are left, the job restores itself and the advice would mislead). A
+        storage error (a disk full or an object store down at every attempt) says so too: it
+        is raised as itself, and without the advice it read as if no restart had been tried."""
+        if isinstance(exc, (JobFailedError, StorageError)) and self.checkpointing:
             used = len(self.restarts)
             sep = "\n" if "\n" in str(exc) else "; "
             exc.args = (f"{exc}{sep}the job gave up after {used} restart(s) (RestartStrategy.max_restarts="
