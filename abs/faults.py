@@ -10,6 +10,9 @@ Fault points (``Fault.point``):
 ``during_upload``         between two files of the asynchronous part
 ``before_ack``            every file is written, the ack is not sent
 ``process``               a batch is about to be processed (mid-processing)
+``records``               a batch is about to be processed with which the task will have taken
+                          ``nth`` records or more (the same point as ``process``, counted in
+                          records: it does not depend on how the records were batched)
 ``before_commit``         (driver side) every ack is in, the manifest is not written
 ``after_commit``          (driver side) the manifest is written, completion not yet notified
 ``sink_commit``           a sink is about to publish a checkpoint's transactions
@@ -49,6 +52,7 @@ FAULT_POINTS = (
     "during_upload",
     "before_ack",
     "process",
+    "records",
     "before_commit",
     "after_commit",
     "sink_commit",

@@ -179,7 +179,7 @@ def test_a_restart_shows_with_its_cause_in_the_json_and_the_metrics(tmp_path):
     job = abs.submit(held_flow(str(tmp_path / "never-opened")), parallelism=2, storage=str(tmp_path / "root"),
                      checkpoint=abs.CheckpointConfig(interval=0.3), dashboard=True,
                      restart=abs.RestartStrategy(max_restarts=1, delay=0.0),
-                     runtime=abs.RuntimeOptions(faults=[Fault("process", "task1#0", nth=20)]))
+                     runtime=abs.RuntimeOptions(faults=[Fault("records", "task1#0", nth=1_000)]))
     server = job.dashboard
     try:
         deadline = time.monotonic() + 180

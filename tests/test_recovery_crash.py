@@ -72,7 +72,7 @@ def run_with(tmp_path, *faults: Fault, restarts: int = 2, storage: str | None = 
 @pytest.mark.parametrize(
     "fault",
     [
-        Fault("process", "task1#0", nth=40),
+        Fault("records", "task1#0", nth=4_000),
         Fault("during_alignment", "task1#1", nth=2),
         Fault("after_sync_snapshot", "task1#0", nth=2),
         Fault("after_barrier_forward", "task0#1", nth=3),
@@ -102,7 +102,7 @@ def test_kill_9_during_the_restore_itself(tmp_path):
 
 
 def test_hung_worker_is_detected_by_heartbeat_and_replaced(tmp_path):
-    result = run_with(tmp_path, Fault("process", "task1#1", nth=30, action="hang"), heartbeat_timeout=3.0)
+    result = run_with(tmp_path, Fault("records", "task1#1", nth=3_000, action="hang"), heartbeat_timeout=3.0)
     assert len(result.restarts) == 1
     assert "heartbeat" in result.restarts[0]["error"]
 

@@ -103,7 +103,7 @@ def test_collect_sink_is_exactly_once_across_a_restart_on_spark(spark, tmp_path)
         checkpoint=abs.CheckpointConfig(interval=0.2),
         storage=str(tmp_path / "snap"),
         restart=abs.RestartStrategy(max_restarts=1, delay=0.1),
-        runtime=abs.RuntimeOptions(faults=[Fault("process", "task1#0", nth=80)]),
+        runtime=abs.RuntimeOptions(faults=[Fault("records", "task1#0", nth=10_000)]),
     )
     assert len(result.restarts) == 1
     assert per_key_counts(result.collected("out")) == EXPECTED

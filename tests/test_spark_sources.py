@@ -299,8 +299,8 @@ def test_stream_source_kill_9_mid_stream_replays_exactly(spark, tmp_path):
         counting_flow(paced(src), FileSink(out)), parallelism=2,
         checkpoint=abs.CheckpointConfig(interval=0.2, retained=2), storage=snap,
         restart=abs.RestartStrategy(max_restarts=2, delay=0.1),
-        # about 360 batches reach each keyed subtask (3 chunks per partition): crash 2/3 of the way
-        runtime=abs.RuntimeOptions(faults=[Fault("process", "task1#0", nth=240)]),
+        # about 3,000 records reach each keyed subtask: crash 2/3 of the way
+        runtime=abs.RuntimeOptions(faults=[Fault("records", "task1#0", nth=2_000)]),
     )
     assert result.status == "FINISHED"
     assert len(result.restarts) == 1 and "signal 9" in result.restarts[0]["error"]
@@ -442,8 +442,8 @@ def test_micro_batch_source_file_stream_kill_9_mid_stream_exact_and_staging_clea
         counting_flow(PacedSource(src, 100), FileSink(out), slow=0.008), parallelism=2,
         checkpoint=abs.CheckpointConfig(interval=0.2, retained=2), storage=snap,
         restart=abs.RestartStrategy(max_restarts=2, delay=0.1),
-        # about 48 batches reach each keyed subtask (parts of 75 rows in 3 chunks, split by key)
-        runtime=abs.RuntimeOptions(faults=[Fault("process", "task1#1", nth=24)]),
+        # about 600 of the 1,200 records reach each keyed subtask: crash half-way
+        runtime=abs.RuntimeOptions(faults=[Fault("records", "task1#1", nth=300)]),
     )
     assert result.status == "FINISHED"
     assert len(result.restarts) == 1 and "signal 9" in result.restarts[0]["error"]

@@ -97,6 +97,12 @@ class Task(IterationHead, UnalignedCheckpoints, threading.Thread):
         self.unaligned = self.mode == "unaligned"
         self.alignment_timeout = getattr(spec, "alignment_timeout", None)
         self.announce = self.unaligned or self.alignment_timeout is not None
+        # a source's key_by writers coalesce small slices (abs.runtime.exchange); not where a
+        # send must never block (announced barriers), nor in loops
+        flow = getattr(spec, "flow", None)
+        if reader is not None and not self.announce and not (flow is not None and flow.has_loops):
+            for out in outputs:
+                out.enable_coalescing()
         self._held: dict[int, Any] = {}
         self._heard: dict[int, tuple[float, int, dict[int, int]]] = {}  # id -> (first heard, base, channel -> index)
         self._last_unaligned = 0
@@ -135,6 +141,9 @@ class Task(IterationHead, UnalignedCheckpoints, threading.Thread):
             if deferred and not self._awaiting_splits:
                 event = deferred.popleft()
             elif wait:
+                for out in self.outputs:  # no input now: what the writers hold goes out
+                    if out.held:
+                        out.flush()
                 t0 = time.perf_counter()
                 event = self.gate.wait_control(wait)
                 self.idle += time.perf_counter() - t0
@@ -291,7 +300,7 @@ class Task(IterationHead, UnalignedCheckpoints, threading.Thread):
             if self.announce and isinstance(item, (Barrier, CancelMarker)) and self._unaligned_event(channel, item):
                 continue
             if isinstance(item, pa.RecordBatch):
-                self.worker.fault("process", self)
+                self.worker.fault("process", self, item.num_rows)
                 if holding:
                     item = holding.split(item, head.extractor.key_groups(item))
                     if item is None:
@@ -330,8 +339,8 @@ class Task(IterationHead, UnalignedCheckpoints, threading.Thread):
         more = self.gate.take_batches((channel,), self.head.merge_rows - item.num_rows)
         if not more:
             return [item]
-        for _ in more:
-            self.worker.fault("process", self)
+        for _ch, batch in more:
+            self.worker.fault("process", self, batch.num_rows)
         return _merged([item, *(batch for _ch, batch in more)])
 
     def load(self) -> tuple[float, float, float]:

@@ -136,19 +136,23 @@ class Worker(WorkerChannels):
         self.send_to_driver(m.KeyGroupInstalled(install.step, install.operator, install.key_group, self.index,
                                                 install.read_bytes))
 
-    def fault(self, point: str, task: Any) -> None:
-        """Failure injection: crash or hang this process at the n-th hit of ``point``."""
+    def fault(self, point: str, task: Any, records: int = 0) -> None:
+        """Failure injection: crash or hang this process at the n-th hit of ``point`` (of a
+        ``records`` fault: at the ``process`` hit that brings the task's records to n)."""
         if not self.spec.faults:
             return
         key = getattr(task, "key", task)
         for f in self.spec.faults:
             if f.point in WORKER_POINTS:  # "task<t>#<i>" names worker i
                 hit = f.point == point and (f.task == "*" or f.task.endswith(f"#{self.index}"))
+            elif f.point == "records":
+                hit = point == "process" and f.task in ("*", key)
             else:
                 hit = f.point == point and f.task in ("*", key)
             if hit:
-                self._fault_counts[f] = self._fault_counts.get(f, 0) + 1
-                if self._fault_counts[f] == f.nth:
+                before = self._fault_counts.get(f, 0)
+                self._fault_counts[f] = now = before + (records if f.point == "records" else 1)
+                if before < f.nth <= now:
                     trip(f)
 
     # ------------------------------------------------------------------ snapshots
