@@ -15,7 +15,7 @@ from abs.reconfig import Assignment, plan_steps
 from abs.reconfig.aligner import StepAligner, StepOrderError
 from abs.reconfig.coordinator import Reconfiguration
 from abs.reconfig.holding import Holding
-from abs.reconfig.plan import move_target, rebalance_target
+from abs.reconfig.plan import move_target, plan_rescale, rebalance_target
 from abs.runtime.channels import StepMarker
 from abs.runtime.plan import OutputPlan
 from abs.runtime.task import ExchangeWriter
@@ -118,6 +118,25 @@ def test_a_step_completes_when_every_operator_installed_every_key_group():
     assert r.on_installed("op2", 1, 0) and r.done and r.record.status == "COMPLETED"
     assert r.assignment == target and r.record.steps[0].bytes_read == 10
 
+
+def test_a_step_that_waits_for_nothing_completes_at_once():
+    """A rescale's drain step of workers that read no split, in a job that does not
+    checkpoint, waits for no event: the driver completes it as it starts it, and the next
+    step can start (it once found the drain step still running: the job failed)."""
+    a = Assignment.initial(M, 3)
+    target, steps = plan_rescale(a, 2, "all_at_once", None)
+    r = Reconfiguration(1, "rescale", "all_at_once", a, target, steps, ["op"], 1, clock=lambda: 0.0)
+    _sid, moves = r.start_next()
+    assert not r.complete_idle(), "the moves' installs are awaited"
+    assert [r.on_installed("op", kg, 0) for kg in moves.key_groups][-1]
+    _sid, drain = r.start_next()
+    assert drain.phase == "drain" and r.idle
+    assert r.complete_idle() and not r.idle
+    _sid, retire = r.start_next()
+    assert retire.phase == "retire"
+    r.expect(("done", "task0#2"))
+    assert not r.complete_idle()
+    assert r.on_event(("done", "task0#2")) and r.done and r.assignment == target
 
 # ----------------------------------------------------------------------------- routing switch
 class _Recorder:

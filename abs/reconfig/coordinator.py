@@ -137,6 +137,20 @@ class Reconfiguration:
         self._waiting.discard(event)
         if self._waiting or self.current is None:
             return False
+        self._complete()
+        return True
+
+    def complete_idle(self) -> bool:
+        """The current step waits for nothing (:attr:`idle`: no event will complete it, e.g. a
+        drain step of workers that read no split, when the job does not checkpoint): it is
+        complete now; True then."""
+        if not self.idle:
+            return False
+        self._complete()
+        return True
+
+    def _complete(self) -> None:
+        """The current step is complete: its moves count in :attr:`assignment`."""
         self.assignment = self.assignment.applied(self.current.moves)
         if self.current.phase == "retire":  # the leaving workers are gone
             self.assignment = self.assignment.widened(self.current.workers)
@@ -145,7 +159,6 @@ class Reconfiguration:
         if self._next >= len(self.steps):
             self.record.finished = self.clock()
             self.record.status = "COMPLETED"
-        return True
 
     @property
     def idle(self) -> bool:

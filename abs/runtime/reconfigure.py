@@ -204,7 +204,9 @@ class LiveReconfiguration(Rescaling):
         if step.phase == DRAIN and self.checkpointing and not split_moves:
             self._drain_from = run.coord.next_id
             self._request_drain_checkpoint(run)
-        if reconf.idle:  # nothing to wait for (e.g. a join when no operator keeps keyed state)
+        # nothing to wait for (a join when no operator keeps keyed state, a drain of workers that
+        # read no split when the job does not checkpoint): the step is complete at once
+        if reconf.complete_idle():
             self._step_done(run)
 
     def _on_reconfig_message(self, run: Any, msg: Any) -> None:
