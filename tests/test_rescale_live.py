@@ -19,6 +19,8 @@ from abs.faults import Fault
 from abs.keygroups import key_group
 from abs.reconfig import Assignment
 from abs.reconfig.plan import rescale_target
+from abs.runtime.messages import SourceExhausted
+from abs.runtime.plan import task_key
 from storage import SnapshotStore
 from test_reconfig_live import M, NUM_KEYS, TOTAL, check_counts, counting_flow, run_through_a_crash
 
@@ -155,6 +157,39 @@ def test_bad_rescale_requests_are_refused_and_change_nothing(tmp_path):
     assert result.parallelism == 2
     check_counts(result.collected("out"))
 
+
+class _NoFourthWorker(abs.LocalExecutor):
+    """Starts no worker of index 3 or more (a join that fails before its first step)."""
+
+    def launch(self, index, boot):
+        if index >= 3:
+            raise OSError(f"worker {index}: no room for it (a test's executor)")
+        return super().launch(index, boot)
+
+
+def test_a_join_that_did_not_start_keeps_the_counts_of_relayed_splits(tmp_path):
+    """A rescale whose new workers do not start changes nothing, and forgets nothing of the
+    earlier rescales: the driver still knows how many split handovers it relayed to each
+    source task (it once forgot them: an end of input that a source reported before a later
+    handover's splits reached it would have been taken for its end, and the job finished
+    without reading them)."""
+    gate = str(tmp_path / "gate")
+    job = abs.submit(counting_flow(gate), parallelism=2, executor=_NoFourthWorker())
+    try:
+        assert job.rescale(3).status == "COMPLETED"
+        driver = job._driver
+        (joined,) = [task_key(t.index, 2) for t in driver.plan.tasks if t.is_source]
+        assert driver._splits_relayed[joined] == 1, "the join hands one split to the new worker"
+        with pytest.raises(abs.ReconfigurationError, match="did not start.*nothing was changed"):
+            job.rescale(4)
+        assert driver.is_stale_exhaustion(SourceExhausted(joined, splits_gained=0))
+        assert not driver.is_stale_exhaustion(SourceExhausted(joined, splits_gained=1))
+        assert job.rescale(2).status == "COMPLETED"
+    finally:
+        open(gate, "w").close()
+    result = job.wait(timeout=300)
+    assert result.status == "FINISHED" and result.parallelism == 2
+    check_counts(result.collected("out"))
 
 # ----------------------------------------------------------------------------- schedules
 ops = st.lists(st.one_of(

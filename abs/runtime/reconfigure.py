@@ -44,6 +44,7 @@ class LiveReconfiguration(Rescaling):
         restore puts every key group back at its default owner)."""
         self._reconfig_fail("the job restarted during the reconfiguration; every key group is back at its "
                             "default owner")
+        self._splits_relayed = {}  # the new attempt's source tasks have gained no split yet
         self.assignment = Assignment.initial(self.flow.max_parallelism, self.P)
         self.assignment_at: dict[int, tuple[int, ...]] = {}  # checkpoint id -> owners, when moved
 
@@ -64,7 +65,9 @@ class LiveReconfiguration(Rescaling):
                 p.kill()
                 p.wait()
         self._drain_from = None
-        self._splits_relayed = {}
+        # the counts of splits relayed to the source tasks stay: a join that failed before its
+        # first step leaves the tasks running (had they been forgotten, an end of input reported
+        # before a later handover's splits arrived would be taken for the task's end)
 
     def _record_assignment(self, checkpoint_id: int) -> None:
         """Checkpoint ``checkpoint_id`` is about to be triggered: the assignment it holds is
