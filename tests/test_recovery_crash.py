@@ -126,7 +126,7 @@ def test_a_worker_hung_while_starting_is_found_by_heartbeat_not_the_startup_time
 def test_without_restarts_the_failure_names_the_worker_and_advises_the_restore(tmp_path):
     with pytest.raises(abs.WorkerLostError, match=r"worker 1 .*signal 9.*gave up after 0 restart.*restore='latest'"):
         abs.run(flow(str(tmp_path / "out")), parallelism=2, checkpoint=abs.CheckpointConfig(interval=0.25),
-                storage=str(tmp_path / "snap"), runtime=abs.RuntimeOptions(faults=[Fault("process", "task1#1", nth=5)]))
+                storage=str(tmp_path / "snap"), runtime=abs.RuntimeOptions(faults=[Fault("records", "task1#1", nth=500)]))
 
 
 def test_storage_write_failures_fail_only_that_checkpoint_and_the_job_goes_on(tmp_path):

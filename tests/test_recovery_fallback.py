@@ -349,7 +349,7 @@ def test_a_restart_before_the_first_checkpoint_restores_the_savepoint_the_run_st
     result = abs.run(job(4_000), parallelism=2, storage=str(tmp_path / "new"), restore=saved,
                      checkpoint=abs.CheckpointConfig(interval=None),  # no checkpoint before the crash
                      restart=abs.RestartStrategy(max_restarts=1, delay=0.0),
-                     runtime=abs.RuntimeOptions(faults=[Fault("process", "task1#0", nth=3)]))
+                     runtime=abs.RuntimeOptions(faults=[Fault("records", "task1#0", nth=600)]))  # of ~1,000
     assert result.status == "FINISHED" and len(result.restarts) == 1
     assert result.restarts[0]["restored_from"] == result.restored_from is not None
     final = collections.defaultdict(int)
