@@ -37,6 +37,13 @@ def _final_state(root: str, cid: int) -> dict:
     return got
 
 
+def _ends_exact(job: abs.JobHandle, workers: int) -> None:
+    """The job (its sources' gate open) finishes on ``workers`` workers with every count exact."""
+    result = job.wait(timeout=300)
+    assert result.status == "FINISHED" and result.parallelism == workers
+    check_counts(result.collected("out"))
+
+
 def test_grow_without_storage_keeps_every_count_exact(tmp_path):
     gate = str(tmp_path / "gate")
     job = abs.submit(counting_flow(gate), parallelism=2)
@@ -187,9 +194,7 @@ def test_a_join_that_did_not_start_keeps_the_counts_of_relayed_splits(tmp_path):
         assert job.rescale(2).status == "COMPLETED"
     finally:
         open(gate, "w").close()
-    result = job.wait(timeout=300)
-    assert result.status == "FINISHED" and result.parallelism == 2
-    check_counts(result.collected("out"))
+    _ends_exact(job, 2)
 
 # ----------------------------------------------------------------------------- schedules
 ops = st.lists(st.one_of(
@@ -291,6 +296,4 @@ def test_rescale_on_the_spark_executor(tmp_path, spark):
         assert job.rescale(2).status == "COMPLETED"
     finally:
         open(gate, "w").close()
-    result = job.wait(timeout=300)
-    assert result.status == "FINISHED" and result.parallelism == 2
-    check_counts(result.collected("out"))
+    _ends_exact(job, 2)
