@@ -30,12 +30,13 @@ def count_fn(ctx, row):
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> str:
     """A root of several incremental checkpoints: each reader emits at most 1,300 of its
-    10,000 records per completed checkpoint, so the job takes eight or more of them. 3,000
-    keys: with fewer, every checkpoint changes every key, and each key group's few rows are
-    written as a new base (in a shared range: cheaper than a delta or a values image)."""
+    10,000 records per completed checkpoint, so the job takes eight or more of them. 20,000
+    keys: each checkpoint adds ~2,600 of them, so key groups grow by deltas on their bases.
+    (With 3,000 keys a checkpoint changed more than half of every key group, which is then
+    written whole as a new base: whether any checkpoint made a delta was down to timing.)"""
     path = str(tmp_path_factory.mktemp("report") / "root")
     flow = abs.Dataflow("report-counts")
-    src = PacedSource(abs.GeneratorSource(20_000, num_keys=3000, num_splits=2, batch_size=100), 1_300)
+    src = PacedSource(abs.GeneratorSource(20_000, num_keys=20_000, num_splits=2, batch_size=100), 1_300)
     flow.source("src", src).key_by("key").process("count", count_fn, state=[abs.ValueState("n", pa.int64())]) \
         .sink("out", abs.CollectSink())
     result = abs.run(flow, parallelism=2, storage=path, checkpoint=abs.CheckpointConfig(interval=0.05, retained=50))
