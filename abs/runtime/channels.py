@@ -363,14 +363,23 @@ class LocalSender:
     def __init__(self, gate: InputGate, channel: int) -> None:
         self._gate = gate
         self._channel = channel
-        self.blocked = 0.0
+        self._blocked = 0.0
+        self._since = 0.0  # when the send in progress began (0: none)
         self.sent = 0  # elements sent (the index of the next)
 
+    @property
+    def blocked(self) -> float:
+        """Seconds in :meth:`send`, the one in progress included (a send that waits seconds
+        for room shows as backpressure while it waits, not only once it returns)."""
+        since = self._since
+        return self._blocked + (time.perf_counter() - since if since else 0.0)
+
     def send(self, item: Any) -> None:
-        t0 = time.perf_counter()
+        t0 = self._since = time.perf_counter()
         self._gate.put(self._channel, item)
         self.sent += 1
-        self.blocked += time.perf_counter() - t0
+        self._since = 0.0
+        self._blocked += time.perf_counter() - t0
 
     def announce(self, barrier: Barrier) -> None:
         """Announce ``barrier`` ahead of what is queued (it is sent next, in order, too)."""
@@ -390,15 +399,19 @@ class RemoteSender:
     def __init__(self, conn: Any, priority: Any = None) -> None:
         self._conn = conn
         self._priority = priority  # the connection announcements go on (unaligned checkpoints)
-        self.blocked = 0.0  # seconds in send_bytes: the socket buffers full (see LocalSender)
+        self._blocked = 0.0  # seconds in send_bytes: the socket buffers full (see LocalSender)
+        self._since = 0.0
         self.sent = 0
+
+    blocked = LocalSender.blocked
 
     def send(self, item: Any) -> None:
         frame = encode(item)
-        t0 = time.perf_counter()
+        t0 = self._since = time.perf_counter()
         self._conn.send_bytes(frame)
         self.sent += 1
-        self.blocked += time.perf_counter() - t0
+        self._since = 0.0
+        self._blocked += time.perf_counter() - t0
 
     def ready(self) -> bool:
         """The connection's send buffer has room (a send of a batch would not wait long)."""
