@@ -355,7 +355,26 @@ class InputGate(ChannelStateCapture):
             self._cond.notify_all()
 
 
-class LocalSender:
+class _SendClock:
+    """The time a sender spends in its sends (``blocked``: backpressure), the one in progress
+    included: a send that waits seconds for room shows while it waits, not only once it returns."""
+
+    _blocked = 0.0
+    _since = 0.0  # when the send in progress began (0: none)
+
+    @property
+    def blocked(self) -> float:
+        since = self._since
+        return self._blocked + (time.perf_counter() - since if since else 0.0)
+
+    def _clocked(self, send: Any, payload: Any) -> None:
+        t0 = self._since = time.perf_counter()
+        send(payload)
+        self._since = 0.0
+        self._blocked += time.perf_counter() - t0
+
+
+class LocalSender(_SendClock):
     """A channel to a task in the same worker: elements are handed over without copying.
     ``blocked``: seconds spent in :meth:`send` (waiting while the receiver's buffer is full:
     backpressure), read by the task's load figures."""
@@ -363,23 +382,14 @@ class LocalSender:
     def __init__(self, gate: InputGate, channel: int) -> None:
         self._gate = gate
         self._channel = channel
-        self._blocked = 0.0
-        self._since = 0.0  # when the send in progress began (0: none)
         self.sent = 0  # elements sent (the index of the next)
 
-    @property
-    def blocked(self) -> float:
-        """Seconds in :meth:`send`, the one in progress included (a send that waits seconds
-        for room shows as backpressure while it waits, not only once it returns)."""
-        since = self._since
-        return self._blocked + (time.perf_counter() - since if since else 0.0)
-
     def send(self, item: Any) -> None:
-        t0 = self._since = time.perf_counter()
-        self._gate.put(self._channel, item)
+        self._clocked(self._put, item)
         self.sent += 1
-        self._since = 0.0
-        self._blocked += time.perf_counter() - t0
+
+    def _put(self, item: Any) -> None:
+        self._gate.put(self._channel, item)
 
     def announce(self, barrier: Barrier) -> None:
         """Announce ``barrier`` ahead of what is queued (it is sent next, in order, too)."""
@@ -393,25 +403,17 @@ class LocalSender:
         pass
 
 
-class RemoteSender:
+class RemoteSender(_SendClock):
     """A channel to a task in another worker over an authenticated connection."""
 
     def __init__(self, conn: Any, priority: Any = None) -> None:
         self._conn = conn
         self._priority = priority  # the connection announcements go on (unaligned checkpoints)
-        self._blocked = 0.0  # seconds in send_bytes: the socket buffers full (see LocalSender)
-        self._since = 0.0
-        self.sent = 0
-
-    blocked = LocalSender.blocked
+        self.sent = 0  # blocked: seconds in send_bytes, the socket buffers full (_SendClock)
 
     def send(self, item: Any) -> None:
-        frame = encode(item)
-        t0 = self._since = time.perf_counter()
-        self._conn.send_bytes(frame)
+        self._clocked(self._conn.send_bytes, encode(item))
         self.sent += 1
-        self._since = 0.0
-        self._blocked += time.perf_counter() - t0
 
     def ready(self) -> bool:
         """The connection's send buffer has room (a send of a batch would not wait long)."""

@@ -319,7 +319,6 @@ class SparkExecutor:
         self._driver_host = driver_host
         self._driver_bind_host = driver_bind_host
         self.slot_wait = float(slot_wait)
-        self._stage: _StageRun | None = None
         self._runs: list[_StageRun] = []  # every stage this executor submitted whose tasks may still run
 
     # -- what JobDriver asks of an executor ---------------------------------------------------
@@ -445,7 +444,6 @@ class SparkExecutor:
             boots = [dict(b, pythonpath=path) for b in boots]
         stage = _StageRun(self.spark, boots, remote_hosts=not self.local_master,
                           description=f"abs job {job_name!r}: {len(boots)} workers")
-        self._stage = stage
         self._runs.append(stage)
         return [_SparkWorker(stage, i, self.local_master) for i in range(len(boots))]
 
