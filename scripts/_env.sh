@@ -9,9 +9,10 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 VPY="$ROOT/.venv/bin/python"
-# Re-install only when the dependency declarations changed.
+# Re-install only when the dependency declarations or the C module's source changed (an
+# editable install builds abscore/_native.c into abscore/; see setup.py).
 STAMP=.venv/.abs-installed
-WANT="$(cat setup.cfg pyproject.toml | "$VPY" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')"
+WANT="$(cat setup.cfg pyproject.toml setup.py abscore/_native.c | "$VPY" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   echo "[setup] installing the project and its dependencies into .venv"
   echo "[setup] (first time: 1-3 minutes, most of it downloading pyspark, ~320 MB; later runs skip this)"

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from abscore.native import NATIVE
+
 __all__ = ["INT64_MAX", "IntKeyIndex", "SlotMap", "distinct", "distinct_inverse", "first_occurrences", "representatives"]
 
 INT64_MAX = np.iinfo(np.int64).max
@@ -57,6 +59,11 @@ class IntKeyIndex:
         """(slot of every key, -1 where absent; per key the position where its probe ended:
         for an absent key the first empty position of its probe sequence, or the table length
         when the sequence runs off the end)."""
+        if NATIVE is not None:  # one C loop (abscore.native), same results
+            keys = np.ascontiguousarray(keys, np.int64)
+            out, pos = np.empty(len(keys), np.int64), np.empty(len(keys), np.int64)
+            NATIVE.index_lookup(self.t, int(self.shift), keys, out, pos)
+            return out, pos
         t = self.t
         rows = len(t)
         pos = self._homes(keys)
@@ -106,6 +113,12 @@ class IntKeyIndex:
         write wins, the others go on (to the next free position of a window once few are
         left). False when a key would land past the table end (the table is then partly
         filled: rebuild it)."""
+        if NATIVE is not None:
+            if not NATIVE.index_insert(self.t, int(self.shift), np.ascontiguousarray(keys, np.int64),
+                                       np.ascontiguousarray(slots, np.int64), np.ascontiguousarray(start, np.int64)):
+                return False
+            self.size += len(keys)
+            return True
         t = self.t
         col = t[:, 1]
         rows = len(t)
@@ -142,6 +155,12 @@ class IntKeyIndex:
         """Fill an empty index with distinct keys at once: sorted by home position, key ``i``
         lands at ``max(home_i, position_{i-1} + 1)``, i.e. ``i + cummax(home - i)`` (exactly
         where linear probing puts it)."""
+        if NATIVE is not None:  # keys in order, each at the first free position from its home
+            keys, slots = np.ascontiguousarray(keys, np.int64), np.ascontiguousarray(slots, np.int64)
+            while not NATIVE.index_insert(self.t, int(self.shift), keys, slots, None):
+                self.t = self._alloc(len(self.t) + self.cap // 8)  # rare: a run past the end
+            self.size = len(keys)
+            return
         home = self._homes(keys)
         order = _by_home(home, self.cap)
         i = np.arange(len(order))
@@ -159,6 +178,13 @@ class IntKeyIndex:
         but one sort of packed ``(hash, row)`` words instead of an argsort of the home positions
         (3-5x faster), and equal keys come out adjacent (equal keys have equal hashes)."""
         n = len(keys)
+        if NATIVE is not None:  # keys in order: an owner is the first row of its key
+            keys = np.ascontiguousarray(keys, np.int64)
+            rows, owners = np.empty(n, np.int64), np.empty(n, np.int64)
+            while (dups := NATIVE.index_fill(self.t, int(self.shift), keys, first, rows, owners)) < 0:
+                self.t = self._alloc(len(self.t) + self.cap // 8)  # rare: a run past the end
+            self.size = n
+            return rows[:dups].copy(), owners[:dups].copy()
         bits = int(np.uint64(64) - self.shift)
         rb = max(1, (n - 1).bit_length())  # bits of a row
         # four arrays of n words at most: fresh memory is slow to touch (page faults)

@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from abscore.native import NATIVE
+
 __all__ = ["Gathered", "VarKeyStore", "VarKeys", "arrow_buffers", "var_key_kind"]
 
 _INT32_MAX = 2**31 - 1
@@ -362,6 +364,11 @@ def key_codes(arr: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
     n = len(offsets) - 1
     if not n:
         return np.zeros(0, np.int64), None
+    if NATIVE is not None:  # the same codes from one C loop (abscore.native)
+        codes = np.empty(n, np.int64)
+        if not NATIVE.key_codes(offsets, data, codes):
+            return codes, None
+        return codes, np.diff(offsets) > _SHORT
     lo, hi = int(offsets[0]), int(offsets[-1])
     buf = np.zeros((hi - lo + 23) // 8 * 8, np.uint8)  # aligned, and a word to spare past every key
     buf[:hi - lo] = data[lo:hi]

@@ -1,0 +1,504 @@
+/* abscore._native: the per-element loops of the hot paths, over buffers.
+ *
+ * Optional: every function here has a numpy twin that defines its result
+ * (abscore/native.py says which is which), and the project runs without this
+ * module where it could not be compiled. Each function takes 1-d contiguous
+ * buffers (numpy arrays, pyarrow buffers), checks their item sizes and bounds,
+ * and writes into the output buffers it is given; none keeps a reference.
+ *
+ * - bytes_hashes: the key-group rule of binary values,
+ *   fmix64(crc32(value) << 32 | length)  (abscore.hashing._hash_short_bytes);
+ * - key_codes: the int64 code of each string key of the columnar store's index
+ *   (abs.state.varkeys.key_codes);
+ * - index_lookup / index_insert / index_fill: the open-addressing table of
+ *   abs.state.keyindex.IntKeyIndex (rows of (key, slot), slot -1 empty, linear
+ *   probing without wrap-around, homes from a multiplicative hash).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* CRC-32/ISO-HDLC (zlib's), slicing by 8: crc_t[k][b] is the CRC step of byte b followed by k
+ * zero bytes, so 8 bytes take 8 independent lookups instead of a chain of 8. */
+static uint32_t crc_t[8][256];
+
+static void init_crc_table(void) {
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++)
+            c = (c & 1) ? (c >> 1) ^ 0xEDB88320u : c >> 1;
+        crc_t[0][i] = c;
+    }
+    for (int k = 1; k < 8; k++)
+        for (int i = 0; i < 256; i++)
+            crc_t[k][i] = (crc_t[k - 1][i] >> 8) ^ crc_t[0][crc_t[k - 1][i] & 0xFF];
+}
+
+static inline uint32_t crc32_of(const uint8_t *p, int64_t len) {
+    uint32_t c = 0xFFFFFFFFu;
+    while (len >= 8) {
+        uint32_t one, two;
+        memcpy(&one, p, 4);
+        memcpy(&two, p + 4, 4);
+        one ^= c;
+        c = crc_t[7][one & 0xFF] ^ crc_t[6][(one >> 8) & 0xFF] ^ crc_t[5][(one >> 16) & 0xFF] ^ crc_t[4][one >> 24] ^
+            crc_t[3][two & 0xFF] ^ crc_t[2][(two >> 8) & 0xFF] ^ crc_t[1][(two >> 16) & 0xFF] ^ crc_t[0][two >> 24];
+        p += 8;
+        len -= 8;
+    }
+    if (len >= 4) {
+        uint32_t one;
+        memcpy(&one, p, 4);
+        one ^= c;
+        c = crc_t[3][one & 0xFF] ^ crc_t[2][(one >> 8) & 0xFF] ^ crc_t[1][(one >> 16) & 0xFF] ^ crc_t[0][one >> 24];
+        p += 4;
+        len -= 4;
+    }
+    while (len-- > 0)
+        c = crc_t[0][(c ^ *p++) & 0xFF] ^ (c >> 8);
+    return c ^ 0xFFFFFFFFu;
+}
+
+static inline uint64_t fmix64(uint64_t x) {
+    x ^= x >> 33;
+    x *= 0xFF51AFD7ED558CCDull;
+    x ^= x >> 33;
+    x *= 0xC4CEB9FE1A85EC53ull;
+    x ^= x >> 33;
+    return x;
+}
+
+/* ------------------------------------------------------------------ buffers */
+
+typedef struct {
+    Py_buffer view;
+    int held;
+} Buf;
+
+static void release(Buf *b) {
+    if (b->held) {
+        PyBuffer_Release(&b->view);
+        b->held = 0;
+    }
+}
+
+/* A contiguous buffer of items of one of the sizes in `sizes` (0-terminated). */
+static int get_buf(PyObject *obj, Buf *b, int writable, const int *sizes, const char *what) {
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, &b->view, flags) < 0) {
+        /* pyarrow buffers export bytes without a format */
+        PyErr_Clear();
+        if (PyObject_GetBuffer(obj, &b->view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) {
+            PyErr_Format(PyExc_TypeError, "%s: not a contiguous%s buffer", what, writable ? " writable" : "");
+            return -1;
+        }
+    }
+    b->held = 1;
+    for (const int *s = sizes; *s; s++)
+        if (b->view.itemsize == *s)
+            return 0;
+    PyErr_Format(PyExc_TypeError, "%s: items of %zd bytes, which this function does not take", what,
+                 b->view.itemsize);
+    release(b);
+    return -1;
+}
+
+static inline Py_ssize_t items(const Buf *b) { return b->view.len / b->view.itemsize; }
+
+static inline int64_t offset_at(const Buf *off, Py_ssize_t i) {
+    return off->view.itemsize == 4 ? (int64_t)((const int32_t *)off->view.buf)[i]
+                                   : ((const int64_t *)off->view.buf)[i];
+}
+
+/* Offsets (n + 1 of them, int32 or int64) that rise and stay within `data`. */
+static int check_offsets(const Buf *off, Py_ssize_t data_len) {
+    Py_ssize_t n1 = items(off);
+    if (n1 < 1) {
+        PyErr_SetString(PyExc_ValueError, "offsets: at least one offset is needed");
+        return -1;
+    }
+    int64_t prev = offset_at(off, 0);
+    if (prev < 0) {
+        PyErr_SetString(PyExc_ValueError, "offsets: a negative offset");
+        return -1;
+    }
+    for (Py_ssize_t i = 1; i < n1; i++) {
+        int64_t o = offset_at(off, i);
+        if (o < prev) {
+            PyErr_Format(PyExc_ValueError, "offsets: offset %zd (%lld) is below the one before", i, (long long)o);
+            return -1;
+        }
+        prev = o;
+    }
+    if (prev > data_len) {
+        PyErr_Format(PyExc_ValueError, "offsets: the last offset (%lld) is past the data (%zd bytes)",
+                     (long long)prev, data_len);
+        return -1;
+    }
+    return 0;
+}
+
+static const int SIZES_OFFSETS[] = {4, 8, 0};
+static const int SIZES_BYTE[] = {1, 0};
+static const int SIZES_8[] = {8, 0};
+
+/* ------------------------------------------------------------------ hashing */
+
+static PyObject *bytes_hashes(PyObject *self, PyObject *args) {
+    PyObject *o_off, *o_data, *o_out;
+    if (!PyArg_ParseTuple(args, "OOO", &o_off, &o_data, &o_out))
+        return NULL;
+    Buf off = {0}, data = {0}, out = {0};
+    PyObject *result = NULL;
+    if (get_buf(o_off, &off, 0, SIZES_OFFSETS, "offsets") < 0 || get_buf(o_data, &data, 0, SIZES_BYTE, "data") < 0 ||
+        get_buf(o_out, &out, 1, SIZES_8, "out") < 0 || check_offsets(&off, data.view.len) < 0)
+        goto done;
+    Py_ssize_t n = items(&off) - 1;
+    if (items(&out) < n) {
+        PyErr_SetString(PyExc_ValueError, "out: shorter than the values");
+        goto done;
+    }
+    const uint8_t *d = data.view.buf;
+    uint64_t *h = out.view.buf;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t lo = offset_at(&off, 0);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t hi = offset_at(&off, i + 1);
+        uint32_t c = crc32_of(d + lo, hi - lo);
+        h[i] = fmix64(((uint64_t)c << 32) | (uint64_t)(uint32_t)(hi - lo));
+        lo = hi;
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    release(&off);
+    release(&data);
+    release(&out);
+    return result;
+}
+
+#define M1 0x9E3779B97F4A7C15ull
+#define M2 0xBF58476D1CE4E5B9ull
+#define M3 0x94D049BB133111EBull
+
+/* The little-endian word of the len (>= 0) bytes at p, the rest zero; end: the end of the buffer
+ * (a whole word is read where one fits before it, and masked). */
+static inline uint64_t word_at(const uint8_t *p, int64_t len, const uint8_t *end) {
+    uint64_t w = 0;
+    if (end - p >= 8) {
+        memcpy(&w, p, 8);
+        if (len < 8)
+            w &= len ? (~0ull >> (64 - 8 * len)) : 0;
+    } else {
+        memcpy(&w, p, (size_t)(len < 8 ? len : 8));
+    }
+    return w; /* on a little-endian machine; the module refuses others at import */
+}
+
+static PyObject *key_codes(PyObject *self, PyObject *args) {
+    PyObject *o_off, *o_data, *o_out;
+    if (!PyArg_ParseTuple(args, "OOO", &o_off, &o_data, &o_out))
+        return NULL;
+    Buf off = {0}, data = {0}, out = {0};
+    PyObject *result = NULL;
+    if (get_buf(o_off, &off, 0, SIZES_OFFSETS, "offsets") < 0 || get_buf(o_data, &data, 0, SIZES_BYTE, "data") < 0 ||
+        get_buf(o_out, &out, 1, SIZES_8, "out") < 0 || check_offsets(&off, data.view.len) < 0)
+        goto done;
+    Py_ssize_t n = items(&off) - 1;
+    if (items(&out) < n) {
+        PyErr_SetString(PyExc_ValueError, "out: shorter than the keys");
+        goto done;
+    }
+    const uint8_t *d = data.view.buf, *end = d + data.view.len;
+    uint64_t *codes = out.view.buf;
+    Py_ssize_t hashed = 0;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t lo = offset_at(&off, 0);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t hi = offset_at(&off, i + 1);
+        int64_t len = hi - lo;
+        const uint8_t *p = d + lo;
+        uint64_t first = word_at(p, len, end);
+        if (len <= 7) {
+            codes[i] = first | ((uint64_t)len << 56);
+        } else {
+            uint64_t h = ((uint64_t)len + M1) * M2;
+            h ^= first;
+            h *= M3;
+            h ^= h >> 32;
+            for (int64_t j = 8; j < len; j += 8) {
+                uint64_t m = h ^ word_at(p + j, len - j, end);
+                m *= M2;
+                m ^= m >> 29;
+                h = m;
+            }
+            h ^= h >> 31;
+            h *= M3;
+            h ^= h >> 32;
+            codes[i] = h | (1ull << 63);
+            hashed++;
+        }
+        lo = hi;
+    }
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSsize_t(hashed);
+done:
+    release(&off);
+    release(&data);
+    release(&out);
+    return result;
+}
+
+/* ------------------------------------------------------------------ the index */
+
+#define H1 0x9E3779B97F4A7C15ull
+#define H2 0xBF58476D1CE4E5B9ull
+#define AHEAD 8 /* keys whose home row is prefetched ahead of the probe */
+
+static inline int64_t home_of(int64_t key, unsigned shift) {
+    uint64_t x = (uint64_t)key * H1;
+    x ^= x >> 31;
+    x *= H2;
+    return (int64_t)(x >> shift);
+}
+
+typedef struct {
+    int64_t *t; /* rows of (key, slot) */
+    int64_t rows;
+    unsigned shift;
+} Table;
+
+static int get_table(PyObject *o_t, int shift, Buf *b, Table *tab) {
+    if (get_buf(o_t, b, 1, SIZES_8, "table") < 0)
+        return -1;
+    if (items(b) % 2) {
+        PyErr_SetString(PyExc_ValueError, "table: an odd number of words (rows are (key, slot) pairs)");
+        release(b);
+        return -1;
+    }
+    if (shift < 1 || shift > 63) {
+        PyErr_SetString(PyExc_ValueError, "shift: must be 1..63");
+        release(b);
+        return -1;
+    }
+    tab->t = b->view.buf;
+    tab->rows = items(b) / 2;
+    tab->shift = (unsigned)shift;
+    if (((uint64_t)-1 >> tab->shift) >= (uint64_t)tab->rows) {
+        PyErr_SetString(PyExc_ValueError, "table: fewer rows than home positions");
+        release(b);
+        return -1;
+    }
+    return 0;
+}
+
+static int need(const Buf *b, Py_ssize_t n, const char *what) {
+    if (items(b) < n) {
+        PyErr_Format(PyExc_ValueError, "%s: shorter than the keys", what);
+        return -1;
+    }
+    return 0;
+}
+
+/* index_lookup(table, shift, keys, slots, ends): slot of every key (-1 absent) and the row where
+ * its probe ended (for an absent key the first empty row, or the row count past the end). */
+static PyObject *index_lookup(PyObject *self, PyObject *args) {
+    PyObject *o_t, *o_keys, *o_slots, *o_ends;
+    int shift;
+    if (!PyArg_ParseTuple(args, "OiOOO", &o_t, &shift, &o_keys, &o_slots, &o_ends))
+        return NULL;
+    Buf bt = {0}, keys = {0}, slots = {0}, ends = {0};
+    Table tab;
+    PyObject *result = NULL;
+    if (get_table(o_t, shift, &bt, &tab) < 0 || get_buf(o_keys, &keys, 0, SIZES_8, "keys") < 0 ||
+        get_buf(o_slots, &slots, 1, SIZES_8, "slots") < 0 || get_buf(o_ends, &ends, 1, SIZES_8, "ends") < 0)
+        goto done;
+    Py_ssize_t n = items(&keys);
+    if (need(&slots, n, "slots") < 0 || need(&ends, n, "ends") < 0)
+        goto done;
+    const int64_t *k = keys.view.buf;
+    int64_t *s = slots.view.buf, *e = ends.view.buf;
+    const int64_t *t = tab.t;
+    int64_t rows = tab.rows;
+    int release_gil = n > 65536;
+    PyThreadState *ts = release_gil ? PyEval_SaveThread() : NULL;
+    int64_t homes[AHEAD];
+    for (Py_ssize_t i = 0; i < n && i < AHEAD; i++) {
+        homes[i] = home_of(k[i], tab.shift);
+        __builtin_prefetch(t + 2 * homes[i]);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t pos = homes[i % AHEAD];
+        if (i + AHEAD < n) {
+            int64_t h = home_of(k[i + AHEAD], tab.shift);
+            homes[i % AHEAD] = h;
+            __builtin_prefetch(t + 2 * h);
+        }
+        int64_t key = k[i], slot = -1;
+        for (; pos < rows; pos++) {
+            int64_t v = t[2 * pos + 1];
+            if (v < 0)
+                break;
+            if (t[2 * pos] == key) {
+                slot = v;
+                break;
+            }
+        }
+        s[i] = slot;
+        e[i] = pos;
+    }
+    if (release_gil)
+        PyEval_RestoreThread(ts);
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    release(&bt);
+    release(&keys);
+    release(&slots);
+    release(&ends);
+    return result;
+}
+
+/* index_insert(table, shift, keys, slots, start): put distinct absent keys at the first empty row
+ * from start (their probe ends; -1: from their home). False when one would land past the end (the
+ * table is then partly filled: the caller rebuilds it). */
+static PyObject *index_insert(PyObject *self, PyObject *args) {
+    PyObject *o_t, *o_keys, *o_slots, *o_start;
+    int shift;
+    if (!PyArg_ParseTuple(args, "OiOOO", &o_t, &shift, &o_keys, &o_slots, &o_start))
+        return NULL;
+    Buf bt = {0}, keys = {0}, slots = {0}, start = {0};
+    Table tab;
+    PyObject *result = NULL;
+    int have_start = o_start != Py_None;
+    if (get_table(o_t, shift, &bt, &tab) < 0 || get_buf(o_keys, &keys, 0, SIZES_8, "keys") < 0 ||
+        get_buf(o_slots, &slots, 0, SIZES_8, "slots") < 0 ||
+        (have_start && get_buf(o_start, &start, 0, SIZES_8, "start") < 0))
+        goto done;
+    Py_ssize_t n = items(&keys);
+    if (need(&slots, n, "slots") < 0 || (have_start && need(&start, n, "start") < 0))
+        goto done;
+    const int64_t *k = keys.view.buf, *sl = slots.view.buf, *st = have_start ? start.view.buf : NULL;
+    int64_t *t = tab.t;
+    int64_t rows = tab.rows;
+    int ok = 1;
+    int release_gil = n > 65536;
+    PyThreadState *ts = release_gil ? PyEval_SaveThread() : NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t pos = (st && st[i] >= 0) ? st[i] : home_of(k[i], tab.shift);
+        while (pos < rows && t[2 * pos + 1] >= 0)
+            pos++;
+        if (pos >= rows) {
+            ok = 0;
+            break;
+        }
+        t[2 * pos] = k[i];
+        t[2 * pos + 1] = sl[i];
+    }
+    if (release_gil)
+        PyEval_RestoreThread(ts);
+    result = PyBool_FromLong(ok);
+done:
+    release(&bt);
+    release(&keys);
+    release(&slots);
+    release(&start);
+    return result;
+}
+
+/* index_fill(table, shift, keys, first, rows_out, owners_out): fill an empty table with
+ * keys[i] -> first + i, keys in order; a key already there (the same key at an earlier row) is
+ * not placed: its row goes to rows_out and the row that holds it to owners_out. Returns the
+ * number of such rows, or -1 when a key would land past the end (the caller retries with a
+ * longer table). */
+static PyObject *index_fill(PyObject *self, PyObject *args) {
+    PyObject *o_t, *o_keys, *o_rows, *o_owners;
+    int shift;
+    long long first;
+    if (!PyArg_ParseTuple(args, "OiOLOO", &o_t, &shift, &o_keys, &first, &o_rows, &o_owners))
+        return NULL;
+    Buf bt = {0}, keys = {0}, rows_b = {0}, owners_b = {0};
+    Table tab;
+    PyObject *result = NULL;
+    if (get_table(o_t, shift, &bt, &tab) < 0 || get_buf(o_keys, &keys, 0, SIZES_8, "keys") < 0 ||
+        get_buf(o_rows, &rows_b, 1, SIZES_8, "rows") < 0 || get_buf(o_owners, &owners_b, 1, SIZES_8, "owners") < 0)
+        goto done;
+    Py_ssize_t n = items(&keys);
+    if (need(&rows_b, n, "rows") < 0 || need(&owners_b, n, "owners") < 0)
+        goto done;
+    const int64_t *k = keys.view.buf;
+    int64_t *t = tab.t, *ro = rows_b.view.buf, *ow = owners_b.view.buf;
+    int64_t rows = tab.rows;
+    Py_ssize_t dups = 0;
+    int ok = 1;
+    int release_gil = n > 65536;
+    PyThreadState *ts = release_gil ? PyEval_SaveThread() : NULL;
+    int64_t homes[AHEAD];
+    for (Py_ssize_t i = 0; i < n && i < AHEAD; i++) {
+        homes[i] = home_of(k[i], tab.shift);
+        __builtin_prefetch(t + 2 * homes[i], 1);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t pos = homes[i % AHEAD];
+        if (i + AHEAD < n) {
+            int64_t h = home_of(k[i + AHEAD], tab.shift);
+            homes[i % AHEAD] = h;
+            __builtin_prefetch(t + 2 * h, 1);
+        }
+        int64_t key = k[i];
+        for (; pos < rows; pos++) {
+            int64_t v = t[2 * pos + 1];
+            if (v < 0) {
+                t[2 * pos] = key;
+                t[2 * pos + 1] = first + i;
+                break;
+            }
+            if (t[2 * pos] == key) {
+                ro[dups] = i;
+                ow[dups] = v - first;
+                dups++;
+                break;
+            }
+        }
+        if (pos >= rows) {
+            ok = 0;
+            break;
+        }
+    }
+    if (release_gil)
+        PyEval_RestoreThread(ts);
+    result = PyLong_FromSsize_t(ok ? dups : -1);
+done:
+    release(&bt);
+    release(&keys);
+    release(&rows_b);
+    release(&owners_b);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"bytes_hashes", bytes_hashes, METH_VARARGS,
+     "bytes_hashes(offsets, data, out): out[i] = fmix64(crc32(value i) << 32 | length of value i)"},
+    {"key_codes", key_codes, METH_VARARGS,
+     "key_codes(offsets, data, out) -> the number of keys whose code is a hash (longer than 7 bytes)"},
+    {"index_lookup", index_lookup, METH_VARARGS, "index_lookup(table, shift, keys, slots, ends)"},
+    {"index_insert", index_insert, METH_VARARGS, "index_insert(table, shift, keys, slots, start) -> bool"},
+    {"index_fill", index_fill, METH_VARARGS,
+     "index_fill(table, shift, keys, first, rows, owners) -> duplicate rows, or -1: the table is too short"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "abscore._native",
+                                    "The per-element loops of the hot paths (see abscore.native).", -1, methods};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    const uint16_t one = 1;
+    if (*(const uint8_t *)&one != 1) {
+        PyErr_SetString(PyExc_ImportError, "abscore._native: little-endian machines only");
+        return NULL;
+    }
+    init_crc_table();
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,181 @@
+"""The C loops of abscore._native against their numpy twins (abscore.native): the same key-group
+hashes, key codes and index answers bit for bit, whichever runs; and clear errors on bad
+buffers."""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+import abs.state.keyindex as keyindex
+import abs.state.varkeys as varkeys
+import abscore.hashing as hashing
+from abscore.native import NATIVE
+
+needs_native = pytest.mark.skipif(NATIVE is None, reason="abscore._native is not built (or ABS_NATIVE=0)")
+MODULES = (hashing, varkeys, keyindex)
+
+
+@contextlib.contextmanager
+def implementation(native: bool):
+    """Run the numpy twins (native False) or the C loops (True) in every caller module."""
+    saved = [m.NATIVE for m in MODULES]
+    for m in MODULES:
+        m.NATIVE = NATIVE if native else None
+    try:
+        yield
+    finally:
+        for m, s in zip(MODULES, saved):
+            m.NATIVE = s
+
+
+def test_the_install_built_the_module():
+    """The project's set-up builds abscore._native (setup.py); only ABS_NATIVE=0 turns it off.
+    A machine without a C compiler runs the numpy twins, and this test names why it failed."""
+    if os.environ.get("ABS_NATIVE", "1") == "0":
+        pytest.skip("ABS_NATIVE=0: the numpy twins run")
+    assert NATIVE is not None, (
+        "abscore._native is not importable: reinstall with a C compiler and Python's headers "
+        "(pip install -e .) to build it; without it the numpy twins run, 2-5x slower"
+    )
+
+
+values = st.lists(st.one_of(st.none(), st.binary(max_size=80)), max_size=60)
+
+
+@needs_native
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(values, st.sampled_from(["binary", "large_binary", "string", "large_string"]), st.integers(0, 5))
+@example([b"", b"a", b"abcdefg", b"abcdefgh", b"x" * 64, b"y" * 65, None], "binary", 1)
+def test_key_group_hashes_equal(vals, kind, cut):
+    if kind.endswith("string"):
+        vals = [None if v is None else v.decode("latin-1") for v in vals]
+    arr = pa.array(vals, getattr(pa, kind)())
+    arr = arr.slice(min(cut, len(arr)))  # offsets that do not start at 0
+    with implementation(native=True):
+        got = hashing.stable_hashes(arr)
+    with implementation(native=False):
+        want = hashing.stable_hashes(arr)
+    assert got.dtype == np.uint64 and np.array_equal(got, want)
+    scalar = [hashing.stable_hash(v) for v in arr.to_pylist()]
+    assert got.tolist() == scalar
+
+
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=40), max_size=60), st.booleans(), st.integers(0, 5))
+@example([b"", b"1234567", b"12345678", b"123456789abcdefg1"], False, 0)
+def test_key_codes_equal(vals, large, cut):
+    arr = pa.array(vals, pa.large_binary() if large else pa.binary()).slice(cut)
+    with implementation(native=True):
+        codes, hashed = varkeys.key_codes(arr)
+    with implementation(native=False):
+        want, want_hashed = varkeys.key_codes(arr)
+    assert codes.dtype == np.int64 and np.array_equal(codes, want)
+    if want_hashed is None:
+        assert hashed is None
+    else:
+        assert np.array_equal(hashed, want_hashed)
+
+
+def _index_run(native: bool, batches: list[list[int]]) -> tuple[list[np.ndarray], dict]:
+    """Insert every batch's new keys through a SlotMap as the columnar store does (find, then
+    place), recording each find's slots; returns them and the final key -> slot map."""
+    with implementation(native):
+        m = keyindex.SlotMap()
+        keys = np.zeros(0, np.int64)
+        found = []
+        for batch in batches:
+            b = np.array(batch, np.int64)
+            slots, ends = m.find(b)
+            found.append(slots.copy())
+            miss = np.flatnonzero(slots < 0)
+            if miss.size:
+                new, first = np.unique(b[miss], return_index=True)
+                start = None if ends is None else ends[miss[first]]
+                at = np.arange(len(keys), len(keys) + len(new))
+                keys = np.concatenate((keys, new))
+                m.place(keys, new, at, start)
+        final, _ = m.find(keys)
+        return found, dict(zip(keys.tolist(), final.tolist()))
+
+
+spread = st.one_of(st.integers(-(2**63), 2**63 - 1), st.integers(0, 300), st.integers(2**40, 2**40 + 50))
+
+
+@needs_native
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.lists(spread, max_size=300), max_size=8))
+def test_index_answers_equal(batches):
+    got, got_map = _index_run(True, batches)
+    want, want_map = _index_run(False, batches)
+    for g, w in zip(got, want):
+        assert np.array_equal(g, w)
+    assert got_map == want_map
+    assert sorted(got_map.values()) == list(range(len(got_map)))  # every key finds its own slot
+
+
+@needs_native
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 40), max_size=400), st.integers(0, 1000))
+def test_index_fill_reports_the_same_duplicates(keys, first):
+    k = np.array(keys, np.int64) * np.int64(0x1000003)  # spread, with repeats
+    out = {}
+    for native in (True, False):
+        with implementation(native):
+            index = keyindex.IntKeyIndex(max(16, 2 * len(k)))
+            rows, owners = index.fill(k, first)
+            slots, _ = index.lookup(k)
+            out[native] = (sorted(zip(rows.tolist(), owners.tolist())), slots)
+    assert out[True][0] == out[False][0]
+    assert np.array_equal(out[True][1], out[False][1])
+    # each key finds its first row
+    firsts = {}
+    for i, key in enumerate(k.tolist()):
+        firsts.setdefault(key, i)
+    assert out[True][1].tolist() == [first + firsts[key] for key in k.tolist()]
+
+
+@needs_native
+def test_a_full_table_is_grown_not_overrun():
+    """Keys whose homes all fall in the last rows: the C fill runs past the end, and the index
+    grows its table and places them all (no write past the buffer)."""
+    index = keyindex.IntKeyIndex(16)
+    shift = int(index.shift)
+    cand = np.arange(200000, dtype=np.int64)
+    homes = index._homes(cand)
+    last = cand[homes == index.cap - 1][:80]  # 80 keys, one home: more than the spare rows
+    assert len(last) == 80
+    rows, owners = index.fill(last, 0)
+    assert not len(rows)
+    slots, _ = index.lookup(last)
+    assert slots.tolist() == list(range(80))
+    assert shift == int(index.shift)
+
+
+@needs_native
+def test_bad_buffers_are_named():
+    n = NATIVE
+    out = np.empty(2, np.uint64)
+    with pytest.raises(ValueError, match="below the one before"):
+        n.bytes_hashes(np.array([0, 3, 1], np.int32), b"abc", out)
+    with pytest.raises(ValueError, match="past the data"):
+        n.key_codes(np.array([0, 2, 9], np.int64), b"abc", out)
+    with pytest.raises(TypeError, match="items of 2 bytes"):
+        n.bytes_hashes(np.array([0, 1], np.int16), b"a", out)
+    with pytest.raises(ValueError, match="shorter than the values"):
+        n.bytes_hashes(np.array([0, 1, 2, 3], np.int32), b"abc", out)
+    with pytest.raises(TypeError, match="writable"):
+        n.bytes_hashes(np.array([0, 1], np.int32), b"a", b"12345678")
+    t = np.zeros((8, 2), np.int64)
+    with pytest.raises(ValueError, match="fewer rows than home positions"):
+        n.index_lookup(t, 60, np.zeros(1, np.int64), np.empty(1, np.int64), np.empty(1, np.int64))
+    with pytest.raises(ValueError, match="odd number"):
+        n.index_lookup(np.zeros(5, np.int64), 62, np.zeros(1, np.int64), np.empty(1, np.int64), np.empty(1, np.int64))
+    with pytest.raises(ValueError, match="shorter than the keys"):
+        n.index_lookup(t, 62, np.zeros(3, np.int64), np.empty(1, np.int64), np.empty(3, np.int64))
