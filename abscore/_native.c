@@ -12,7 +12,8 @@
  *   (abs.state.varkeys.key_codes);
  * - index_lookup / index_insert / index_fill: the open-addressing table of
  *   abs.state.keyindex.IntKeyIndex (rows of (key, slot), slot -1 empty, linear
- *   probing without wrap-around, homes from a multiplicative hash).
+ *   probing without wrap-around, homes from a multiplicative hash);
+ * - partition: a key_by writer's rows grouped by channel (abs.runtime.exchange).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -478,6 +479,64 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ routing */
+
+/* partition(key_groups, routing, order, counts): channel c = routing[key_groups[i]] of every row,
+ * counts[c] rows per channel, and order: the rows grouped by channel, in their order within
+ * each (a stable counting sort). key_groups int32, routing int16, order and counts int64
+ * (counts as long as there are channels). */
+static const int SIZES_4[] = {4, 0};
+static const int SIZES_2[] = {2, 0};
+
+static PyObject *partition(PyObject *self, PyObject *args) {
+    PyObject *o_kg, *o_routing, *o_order, *o_counts;
+    if (!PyArg_ParseTuple(args, "OOOO", &o_kg, &o_routing, &o_order, &o_counts))
+        return NULL;
+    Buf kg = {0}, routing = {0}, order = {0}, counts = {0};
+    PyObject *result = NULL;
+    int64_t *start = NULL;
+    if (get_buf(o_kg, &kg, 0, SIZES_4, "key_groups") < 0 || get_buf(o_routing, &routing, 0, SIZES_2, "routing") < 0 ||
+        get_buf(o_order, &order, 1, SIZES_8, "order") < 0 || get_buf(o_counts, &counts, 1, SIZES_8, "counts") < 0)
+        goto done;
+    Py_ssize_t n = items(&kg), groups = items(&routing), channels = items(&counts);
+    if (need(&order, n, "order") < 0)
+        goto done;
+    const int32_t *g = kg.view.buf;
+    const int16_t *r = routing.view.buf;
+    int64_t *c = counts.view.buf, *o = order.view.buf;
+    memset(c, 0, (size_t)channels * sizeof(int64_t));
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t k = g[i];
+        if (k < 0 || k >= groups || r[k] < 0 || r[k] >= channels) {
+            PyErr_Format(PyExc_ValueError, "row %zd: key group %d routes to no channel of %zd (routing has %zd key groups)",
+                         i, (int)k, channels, groups);
+            goto done;
+        }
+        c[r[k]]++;
+    }
+    start = PyMem_Malloc((size_t)(channels ? channels : 1) * sizeof(int64_t));
+    if (!start) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t at = 0;
+    for (Py_ssize_t ch = 0; ch < channels; ch++) {
+        start[ch] = at;
+        at += c[ch];
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        o[start[r[g[i]]]++] = i;
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyMem_Free(start);
+    release(&kg);
+    release(&routing);
+    release(&order);
+    release(&counts);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"bytes_hashes", bytes_hashes, METH_VARARGS,
      "bytes_hashes(offsets, data, out): out[i] = fmix64(crc32(value i) << 32 | length of value i)"},
@@ -487,6 +546,8 @@ static PyMethodDef methods[] = {
     {"index_insert", index_insert, METH_VARARGS, "index_insert(table, shift, keys, slots, start) -> bool"},
     {"index_fill", index_fill, METH_VARARGS,
      "index_fill(table, shift, keys, first, rows, owners) -> duplicate rows, or -1: the table is too short"},
+    {"partition", partition, METH_VARARGS,
+     "partition(key_groups, routing, order, counts): rows grouped by channel routing[key group], stably"},
     {NULL, NULL, 0, NULL},
 };
 

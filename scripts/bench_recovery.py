@@ -55,6 +55,7 @@ import abs
 from abs.keygroups import key_group_range
 from abs.runtime.operators import read_ahead
 from abs.runtime.worker import RESTORE_READERS
+from abs.runtime.worker_main import no_huge_pages
 from abs.state.aggregate_backend import AggregateBackend
 from abs.state.dict_backend import KeyedStateBackend
 from storage import SnapshotStore
@@ -208,6 +209,10 @@ def restore_in_process(flow: abs.Dataflow, root: str, checkpoint_id: int, keys: 
 
 
 def restore_reference(path: str, keys: int, root: str, checkpoint_id: int) -> tuple[float, float, int]:
+    # in a child of this process: memory as a worker has it (transparent huge pages off, which
+    # a worker turns off for Arrow's allocator; with them on, the first fault of a few hundred
+    # MB of index may wait 0.5 s for the kernel to find huge pages, or take a fifth of that)
+    no_huge_pages()
     return restore_in_process(build_reference(path, keys, keys), root, checkpoint_id, keys)
 
 

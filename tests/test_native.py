@@ -12,13 +12,14 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+import abs.runtime.exchange as exchange
 import abs.state.keyindex as keyindex
 import abs.state.varkeys as varkeys
 import abscore.hashing as hashing
 from abscore.native import NATIVE
 
 needs_native = pytest.mark.skipif(NATIVE is None, reason="abscore._native is not built (or ABS_NATIVE=0)")
-MODULES = (hashing, varkeys, keyindex)
+MODULES = (hashing, varkeys, keyindex, exchange)
 
 
 @contextlib.contextmanager
@@ -179,3 +180,25 @@ def test_bad_buffers_are_named():
         n.index_lookup(np.zeros(5, np.int64), 62, np.zeros(1, np.int64), np.empty(1, np.int64), np.empty(1, np.int64))
     with pytest.raises(ValueError, match="shorter than the keys"):
         n.index_lookup(t, 62, np.zeros(3, np.int64), np.empty(1, np.int64), np.empty(3, np.int64))
+
+
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 300), st.data())
+def test_partition_equals_a_stable_argsort(channels, groups, data):
+    routing = np.array(data.draw(st.lists(st.integers(0, channels - 1), min_size=groups, max_size=groups)), np.int16)
+    kgs = np.array(data.draw(st.lists(st.integers(0, groups - 1), max_size=500)), np.int32)
+    order, counts = np.empty(len(kgs), np.int64), np.empty(channels, np.int64)
+    NATIVE.partition(kgs, routing, order, counts)
+    sub = routing[kgs]
+    assert counts.tolist() == np.bincount(sub, minlength=channels).tolist()
+    assert order.tolist() == np.argsort(sub, kind="stable").tolist()
+
+
+@needs_native
+def test_partition_names_a_key_group_without_a_channel():
+    order, counts = np.empty(3, np.int64), np.empty(2, np.int64)
+    with pytest.raises(ValueError, match="row 2: key group 7 routes to no channel of 2"):
+        NATIVE.partition(np.array([0, 1, 7], np.int32), np.array([0, 1], np.int16), order, counts)
+    with pytest.raises(ValueError, match="row 0: key group 1 routes to no channel of 2"):
+        NATIVE.partition(np.array([1], np.int32), np.array([0, 5], np.int16), order, counts)
