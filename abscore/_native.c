@@ -13,10 +13,12 @@
  * - index_lookup / index_insert / index_fill: the open-addressing table of
  *   abs.state.keyindex.IntKeyIndex (rows of (key, slot), slot -1 empty, linear
  *   probing without wrap-around, homes from a multiplicative hash);
- * - partition: a key_by writer's rows grouped by channel (abs.runtime.exchange).
+ * - partition: a key_by writer's rows grouped by channel (abs.runtime.exchange);
+ * - ValueHandle: value() and update() of a typed ValueState's handle (abs.state.handles).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -537,6 +539,233 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ the value handle */
+
+/* ValueHandle: the base of abs.state.handles.ColumnValueStateHandle, its value() and update() in C.
+ *
+ * The Python class defines everything else, and the two methods' Python versions as
+ * _value_slow() and _update_by_lookup(value): whenever the fast path meets anything it does not
+ * expect (another backend or column class, an unset slot, nulls in the column, a key group out of
+ * range, an unhashable key, a value the column refuses), it calls those, which give the same
+ * result or name the error, having changed nothing first. The fast path reads the backend's
+ * current_key / current_kg / epoch and the column's index / values / stamps / nulls straight from
+ * their __slots__, at offsets taken from the classes by configure_value_handles() and used only
+ * for objects of exactly those classes. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *backend, *data, *dirty, *deleted, *name;
+    PyObject *hit_key, *hit_col;
+    Py_ssize_t hit_slot;
+} ValueHandle;
+
+static PyTypeObject *vh_backend_type, *vh_column_type;
+static Py_ssize_t off_key = -1, off_kg, off_epoch, off_index, off_values, off_stamps, off_nulls;
+static PyObject *str_value_slow, *str_update_by_lookup;
+
+#define SLOT(obj, off) (*(PyObject **)((char *)(obj) + (off)))
+
+static int vh_traverse(ValueHandle *self, visitproc visit, void *arg) {
+    Py_VISIT(self->backend);
+    Py_VISIT(self->data);
+    Py_VISIT(self->dirty);
+    Py_VISIT(self->deleted);
+    Py_VISIT(self->name);
+    Py_VISIT(self->hit_key);
+    Py_VISIT(self->hit_col);
+    return 0;
+}
+
+static int vh_clear(ValueHandle *self) {
+    Py_CLEAR(self->backend);
+    Py_CLEAR(self->data);
+    Py_CLEAR(self->dirty);
+    Py_CLEAR(self->deleted);
+    Py_CLEAR(self->name);
+    Py_CLEAR(self->hit_key);
+    Py_CLEAR(self->hit_col);
+    return 0;
+}
+
+static void vh_dealloc(ValueHandle *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    vh_clear(self);
+    tp->tp_free((PyObject *)self);
+}
+
+static PyObject *vh_slow_value(ValueHandle *self) {
+    return PyObject_CallMethodNoArgs((PyObject *)self, str_value_slow);
+}
+
+static PyObject *vh_value(ValueHandle *self, PyObject *unused) {
+    PyObject *b = self->backend, *data = self->data;
+    if (off_key < 0 || !b || Py_TYPE(b) != vh_backend_type || !data || !PyList_CheckExact(data))
+        return vh_slow_value(self);
+    PyObject *key = SLOT(b, off_key), *kgo = SLOT(b, off_kg);
+    if (!key || !kgo || !PyLong_CheckExact(kgo))
+        return vh_slow_value(self);
+    Py_ssize_t kg = PyLong_AsSsize_t(kgo);
+    if (kg < 0 || kg >= PyList_GET_SIZE(data)) {
+        PyErr_Clear();
+        return vh_slow_value(self);
+    }
+    PyObject *col = PyList_GET_ITEM(data, kg);
+    if (Py_TYPE(col) != vh_column_type)
+        return vh_slow_value(self);
+    PyObject *index = SLOT(col, off_index), *nulls = SLOT(col, off_nulls);
+    if (!index || !PyDict_CheckExact(index) || !nulls || !PySet_CheckExact(nulls) || PySet_GET_SIZE(nulls))
+        return vh_slow_value(self);
+    Py_INCREF(key);
+    Py_INCREF(col);
+    Py_INCREF(index);
+    PyObject *result = NULL;
+    PyObject *i = PyDict_GetItemWithError(index, key); /* borrowed; may run a key's __eq__ */
+    if (!i) {
+        if (PyErr_Occurred()) {
+            PyErr_Clear(); /* an unhashable key: the Python path names it */
+            result = vh_slow_value(self);
+        } else {
+            result = Py_None;
+            Py_INCREF(result);
+        }
+        goto out;
+    }
+    Py_INCREF(i);
+    PyObject *values = SLOT(col, off_values);
+    nulls = SLOT(col, off_nulls); /* a key's __eq__ may have changed the column */
+    Py_ssize_t slot = PyLong_AsSsize_t(i);
+    Py_DECREF(i);
+    if (!values || slot < 0 || !nulls || !PySet_CheckExact(nulls) || PySet_GET_SIZE(nulls)) {
+        PyErr_Clear();
+        result = vh_slow_value(self);
+        goto out;
+    }
+    result = PySequence_GetItem(values, slot);
+    if (!result) {
+        PyErr_Clear();
+        result = vh_slow_value(self);
+        goto out;
+    }
+    Py_INCREF(key);
+    Py_XSETREF(self->hit_key, key);
+    Py_INCREF(col);
+    Py_XSETREF(self->hit_col, col);
+    self->hit_slot = slot;
+out:
+    Py_DECREF(index);
+    Py_DECREF(col);
+    Py_DECREF(key);
+    return result;
+}
+
+static PyObject *vh_update(ValueHandle *self, PyObject *value) {
+    PyObject *b = self->backend, *col = self->hit_col;
+    if (off_key >= 0 && b && Py_TYPE(b) == vh_backend_type && col && Py_TYPE(col) == vh_column_type) {
+        PyObject *key = SLOT(b, off_key), *epoch = SLOT(b, off_epoch);
+        PyObject *nulls = SLOT(col, off_nulls), *values = SLOT(col, off_values), *stamps = SLOT(col, off_stamps);
+        if (key && key == self->hit_key && epoch && nulls && PySet_CheckExact(nulls) && !PySet_GET_SIZE(nulls) &&
+            values && stamps) {
+            Py_INCREF(values);
+            Py_INCREF(stamps);
+            Py_INCREF(epoch);
+            int bad = PySequence_SetItem(values, self->hit_slot, value);
+            if (bad < 0) {
+                /* a value the column refuses (TypeError, OverflowError): nothing changed, the
+                 * Python path names the problem; anything else is raised as the Python update does */
+                if (PyErr_ExceptionMatches(PyExc_TypeError) || PyErr_ExceptionMatches(PyExc_OverflowError))
+                    PyErr_Clear();
+                else {
+                    Py_DECREF(values);
+                    Py_DECREF(stamps);
+                    Py_DECREF(epoch);
+                    return NULL;
+                }
+            } else {
+                int err = PySequence_SetItem(stamps, self->hit_slot, epoch);
+                Py_DECREF(values);
+                Py_DECREF(stamps);
+                Py_DECREF(epoch);
+                if (err < 0)
+                    return NULL;
+                Py_RETURN_NONE;
+            }
+            Py_DECREF(values);
+            Py_DECREF(stamps);
+            Py_DECREF(epoch);
+        }
+    }
+    return PyObject_CallMethodOneArg((PyObject *)self, str_update_by_lookup, value);
+}
+
+static PyMethodDef vh_methods[] = {
+    {"value", (PyCFunction)vh_value, METH_NOARGS, "The value of the current key, or None if it has none."},
+    {"update", (PyCFunction)vh_update, METH_O, "Set the value of the current key (None is stored as a value; use clear())."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef vh_members[] = {
+    {"_backend", T_OBJECT_EX, offsetof(ValueHandle, backend), 0, NULL},
+    {"_data", T_OBJECT_EX, offsetof(ValueHandle, data), 0, NULL},
+    {"_dirty", T_OBJECT_EX, offsetof(ValueHandle, dirty), 0, NULL},
+    {"_deleted", T_OBJECT_EX, offsetof(ValueHandle, deleted), 0, NULL},
+    {"name", T_OBJECT_EX, offsetof(ValueHandle, name), 0, NULL},
+    {"_hit_key", T_OBJECT_EX, offsetof(ValueHandle, hit_key), 0, NULL},
+    {"_hit_col", T_OBJECT_EX, offsetof(ValueHandle, hit_col), 0, NULL},
+    {"_hit_slot", T_PYSSIZET, offsetof(ValueHandle, hit_slot), 0, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject ValueHandleType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "abscore._native.ValueHandle",
+    .tp_basicsize = sizeof(ValueHandle),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The C value() and update() of abs.state.handles.ColumnValueStateHandle (see abscore/_native.c).",
+    .tp_traverse = (traverseproc)vh_traverse,
+    .tp_clear = (inquiry)vh_clear,
+    .tp_dealloc = (destructor)vh_dealloc,
+    .tp_methods = vh_methods,
+    .tp_members = vh_members,
+    .tp_new = PyType_GenericNew,
+};
+
+/* The offset of slot `name` of class `cls` (a __slots__ member), or -1 with an error set. */
+static Py_ssize_t slot_offset(PyObject *cls, const char *name) {
+    PyObject *d = PyObject_GetAttrString(cls, name);
+    if (!d)
+        return -1;
+    Py_ssize_t off = -1;
+    if (Py_IS_TYPE(d, &PyMemberDescr_Type) && ((PyMemberDescrObject *)d)->d_member->type == T_OBJECT_EX)
+        off = ((PyMemberDescrObject *)d)->d_member->offset;
+    else
+        PyErr_Format(PyExc_TypeError, "configure_value_handles: %R.%s is not a __slots__ member", cls, name);
+    Py_DECREF(d);
+    return off;
+}
+
+static PyObject *configure_value_handles(PyObject *self, PyObject *args) {
+    PyObject *bcls, *ccls;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyType_Type, &bcls, &PyType_Type, &ccls))
+        return NULL;
+    Py_ssize_t k = slot_offset(bcls, "current_key"), g = slot_offset(bcls, "current_kg"), e = slot_offset(bcls, "epoch"),
+               ix = slot_offset(ccls, "index"), v = slot_offset(ccls, "values"), st = slot_offset(ccls, "stamps"),
+               nu = slot_offset(ccls, "nulls");
+    if (k < 0 || g < 0 || e < 0 || ix < 0 || v < 0 || st < 0 || nu < 0)
+        return NULL;
+    Py_INCREF(bcls);
+    Py_XSETREF(vh_backend_type, (PyTypeObject *)bcls);
+    Py_INCREF(ccls);
+    Py_XSETREF(vh_column_type, (PyTypeObject *)ccls);
+    off_kg = g;
+    off_epoch = e;
+    off_index = ix;
+    off_values = v;
+    off_stamps = st;
+    off_nulls = nu;
+    off_key = k; /* last: a handle takes the fast path once this is set */
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"bytes_hashes", bytes_hashes, METH_VARARGS,
      "bytes_hashes(offsets, data, out): out[i] = fmix64(crc32(value i) << 32 | length of value i)"},
@@ -546,6 +775,8 @@ static PyMethodDef methods[] = {
     {"index_insert", index_insert, METH_VARARGS, "index_insert(table, shift, keys, slots, start) -> bool"},
     {"index_fill", index_fill, METH_VARARGS,
      "index_fill(table, shift, keys, first, rows, owners) -> duplicate rows, or -1: the table is too short"},
+    {"configure_value_handles", configure_value_handles, METH_VARARGS,
+     "configure_value_handles(backend_class, column_class): the classes whose __slots__ ValueHandle reads"},
     {"partition", partition, METH_VARARGS,
      "partition(key_groups, routing, order, counts): rows grouped by channel routing[key group], stably"},
     {NULL, NULL, 0, NULL},
@@ -561,5 +792,18 @@ PyMODINIT_FUNC PyInit__native(void) {
         return NULL;
     }
     init_crc_table();
-    return PyModule_Create(&module);
+    str_value_slow = PyUnicode_InternFromString("_value_slow");
+    str_update_by_lookup = PyUnicode_InternFromString("_update_by_lookup");
+    if (!str_value_slow || !str_update_by_lookup || PyType_Ready(&ValueHandleType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m)
+        return NULL;
+    Py_INCREF(&ValueHandleType);
+    if (PyModule_AddObject(m, "ValueHandle", (PyObject *)&ValueHandleType) < 0) {
+        Py_DECREF(&ValueHandleType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

@@ -14,6 +14,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import pyarrow as pa
 
 from abs.columns import OBJECTS, Column
+from abscore.native import NATIVE
 from abs.errors import ConfigError, StateError
 from abs.keygroups import KeyGroupRange, KeyGroupSet, check_max_parallelism, key_group
 
@@ -524,3 +525,8 @@ class KeyedStateBackend:
             return True
         return col.load(arrow_to_list(keys) if text else keys, values.to_numpy(), nulls)
 
+
+if NATIVE is not None:
+    # the classes whose __slots__ the C value()/update() of ColumnValueStateHandle read directly
+    # (current_key, current_kg, epoch; a column's index, values, stamps, nulls)
+    NATIVE.configure_value_handles(KeyedStateBackend, Column)

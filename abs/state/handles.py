@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
+from abscore.native import NATIVE
+
 from .encoding import MISSING
 
 __all__ = [
     "ValueStateHandle",
     "ColumnValueStateHandle",
+    "PyColumnValueStateHandle",
     "ListStateHandle",
     "MapStateHandle",
     "ReducingStateHandle",
@@ -85,30 +88,30 @@ class ValueStateHandle(StateHandle):
             raise
 
 
-class ColumnValueStateHandle(StateHandle):
-    """Handle of a :class:`ValueState` of a fixed-width numeric type, or untyped, kept in
-    :class:`~abs.columns.Column` key groups (``_data[kg]``). Same API as
-    :class:`ValueStateHandle`; a value the declared type cannot hold is refused at once.
+class _ColumnValueMethods:
+    """What :class:`ColumnValueStateHandle` and :class:`PyColumnValueStateHandle` share: all but
+    the fields (a base class gives those) and the fast ``value``/``update``."""
 
-    :meth:`value` remembers where it found the current key (the key object, its column and
-    slot), so the :meth:`update` of a read-modify-write, which nearly every process function
-    does, writes there without a second lookup when the current key is the same object.
-    Only a delete moves a slot (the last one into the hole), so :meth:`clear` and the
-    backend's bulk deletes and restores forget the remembered slot (:meth:`_forget`)."""
+    __slots__ = ()
 
-    __slots__ = ("_hit_key", "_hit_col", "_hit_slot")
-
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self, backend: Any, name: str, data: list, dirty: list) -> None:
+        self._backend = backend
+        self._data = data
+        self._dirty = dirty
+        self._deleted: set = set()  # replaced by its slot's set (see StateHandle)
+        self.name = name
         self._forget()
+
+    _fail = StateHandle._fail
+    __repr__ = StateHandle.__repr__
 
     def _forget(self) -> None:
         self._hit_key: Any = MISSING
         self._hit_col: Any = None
         self._hit_slot = -1
 
-    def value(self) -> Any:
-        """The value of the current key, or None if it has none."""
+    def _value_slow(self) -> Any:
+        """:meth:`value` in Python (the C ``value`` calls it for whatever it does not expect)."""
         b = self._backend
         key = b.current_key
         try:
@@ -123,22 +126,6 @@ class ColumnValueStateHandle(StateHandle):
         self._hit_col = col
         self._hit_slot = i
         return col.values[i]
-
-    def update(self, value: Any) -> None:
-        """Set the value of the current key (None is stored as a value; use clear())."""
-        b = self._backend
-        if b.current_key is self._hit_key:  # the slot value() found: a read-modify-write
-            col = self._hit_col
-            if not col.nulls:
-                i = self._hit_slot
-                try:
-                    col.values[i] = value
-                except (TypeError, OverflowError):
-                    pass  # nothing changed; the checked path below names the problem
-                else:
-                    col.stamps[i] = b.epoch
-                    return
-        self._update_by_lookup(value)
 
     def _update_by_lookup(self, value: Any) -> None:
         """:meth:`update` without a remembered slot: one lookup."""
@@ -178,6 +165,59 @@ class ColumnValueStateHandle(StateHandle):
         except (TypeError, AttributeError, IndexError):
             self._fail()
             raise
+
+
+class _PyValueFields:
+    __slots__ = ("_backend", "_data", "_dirty", "_deleted", "name", "_hit_key", "_hit_col", "_hit_slot")
+
+
+class PyColumnValueStateHandle(_ColumnValueMethods, _PyValueFields):
+    """:class:`ColumnValueStateHandle` in Python alone: what runs where the C module is not
+    built (:mod:`abscore.native`), and what the tests hold the C one against."""
+
+    __slots__ = ()
+
+    value = _ColumnValueMethods._value_slow
+
+    def update(self, value: Any) -> None:
+        """Set the value of the current key (None is stored as a value; use clear())."""
+        b = self._backend
+        if b.current_key is self._hit_key:  # the slot value() found: a read-modify-write
+            col = self._hit_col
+            if not col.nulls:
+                i = self._hit_slot
+                try:
+                    col.values[i] = value
+                except (TypeError, OverflowError):
+                    pass  # nothing changed; the checked path below names the problem
+                else:
+                    col.stamps[i] = b.epoch
+                    return
+        self._update_by_lookup(value)
+
+
+if NATIVE is not None:
+
+    class ColumnValueStateHandle(_ColumnValueMethods, NATIVE.ValueHandle):
+        """Handle of a :class:`ValueState` of a fixed-width numeric type, or untyped, kept in
+        :class:`~abs.columns.Column` key groups (``_data[kg]``). Same API as
+        :class:`ValueStateHandle`; a value the declared type cannot hold is refused at once.
+
+        :meth:`value` remembers where it found the current key (the key object, its column and
+        slot), so the :meth:`update` of a read-modify-write, which nearly every process function
+        does, writes there without a second lookup when the current key is the same object.
+        Only a delete moves a slot (the last one into the hole), so :meth:`clear` and the
+        backend's bulk deletes and restores forget the remembered slot (:meth:`_forget`).
+
+        ``value`` and ``update`` are C (``abscore._native.ValueHandle``: two method calls of a
+        read-modify-write cost ~1/3 of their Python twins, :class:`PyColumnValueStateHandle`);
+        whatever they do not expect they hand to the Python code here, which gives the same
+        result or names the error."""
+
+        __slots__ = ()
+
+else:
+    ColumnValueStateHandle = PyColumnValueStateHandle  # type: ignore[misc,assignment]
 
 
 class ListStateHandle(StateHandle):
