@@ -164,7 +164,9 @@ static PyObject *bytes_hashes(PyObject *self, PyObject *args) {
     }
     const uint8_t *d = data.view.buf;
     uint64_t *h = out.view.buf;
-    Py_BEGIN_ALLOW_THREADS
+    /* a batch holds the GIL (releasing it for ~50 us would let another thread keep it for a
+     * switch interval, 5 ms); a restore's million keys let the other threads run */
+    PyThreadState *ts = n > 65536 ? PyEval_SaveThread() : NULL;
     int64_t lo = offset_at(&off, 0);
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t hi = offset_at(&off, i + 1);
@@ -172,7 +174,8 @@ static PyObject *bytes_hashes(PyObject *self, PyObject *args) {
         h[i] = fmix64(((uint64_t)c << 32) | (uint64_t)(uint32_t)(hi - lo));
         lo = hi;
     }
-    Py_END_ALLOW_THREADS
+    if (ts)
+        PyEval_RestoreThread(ts);
     result = Py_None;
     Py_INCREF(result);
 done:
@@ -217,7 +220,9 @@ static PyObject *key_codes(PyObject *self, PyObject *args) {
     const uint8_t *d = data.view.buf, *end = d + data.view.len;
     uint64_t *codes = out.view.buf;
     Py_ssize_t hashed = 0;
-    Py_BEGIN_ALLOW_THREADS
+    /* a batch holds the GIL (releasing it for ~50 us would let another thread keep it for a
+     * switch interval, 5 ms); a restore's million keys let the other threads run */
+    PyThreadState *ts = n > 65536 ? PyEval_SaveThread() : NULL;
     int64_t lo = offset_at(&off, 0);
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t hi = offset_at(&off, i + 1);
@@ -245,7 +250,8 @@ static PyObject *key_codes(PyObject *self, PyObject *args) {
         }
         lo = hi;
     }
-    Py_END_ALLOW_THREADS
+    if (ts)
+        PyEval_RestoreThread(ts);
     result = PyLong_FromSsize_t(hashed);
 done:
     release(&off);
