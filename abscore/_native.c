@@ -107,6 +107,14 @@ static int get_buf(PyObject *obj, Buf *b, int writable, const int *sizes, const 
     return -1;
 }
 
+/* Release up to four buffers (NULL for none). */
+static void release_all(Buf *a, Buf *b, Buf *c, Buf *d) {
+    Buf *all[] = {a, b, c, d};
+    for (int i = 0; i < 4; i++)
+        if (all[i])
+            release(all[i]);
+}
+
 static inline Py_ssize_t items(const Buf *b) { return b->view.len / b->view.itemsize; }
 
 static inline int64_t offset_at(const Buf *off, Py_ssize_t i) {
@@ -146,43 +154,65 @@ static const int SIZES_OFFSETS[] = {4, 8, 0};
 static const int SIZES_BYTE[] = {1, 0};
 static const int SIZES_8[] = {8, 0};
 
+/* The GIL stays held over a batch's loop (releasing it for ~50 us would let another thread keep
+ * it for a switch interval, 5 ms); a restore's millions of keys let the other threads run. */
+static inline PyThreadState *release_for(Py_ssize_t n) { return n > 65536 ? PyEval_SaveThread() : NULL; }
+
+static inline void restore_after(PyThreadState *ts) {
+    if (ts)
+        PyEval_RestoreThread(ts);
+}
+
+/* The arguments (offsets, data, out) of a function of each value of a binary array. */
+typedef struct {
+    Buf off, data, out;
+    Py_ssize_t n;
+} Values;
+
+static void values_close(Values *v) {
+    release(&v->off);
+    release(&v->data);
+    release(&v->out);
+}
+
+static int values_open(PyObject *args, Values *v) {
+    PyObject *o_off, *o_data, *o_out;
+    memset(v, 0, sizeof *v);
+    if (!PyArg_ParseTuple(args, "OOO", &o_off, &o_data, &o_out))
+        return -1;
+    if (get_buf(o_off, &v->off, 0, SIZES_OFFSETS, "offsets") < 0 || get_buf(o_data, &v->data, 0, SIZES_BYTE, "data") < 0 ||
+        get_buf(o_out, &v->out, 1, SIZES_8, "out") < 0 || check_offsets(&v->off, v->data.view.len) < 0) {
+        values_close(v);
+        return -1;
+    }
+    v->n = items(&v->off) - 1;
+    if (items(&v->out) < v->n) {
+        PyErr_SetString(PyExc_ValueError, "out: shorter than the values");
+        values_close(v);
+        return -1;
+    }
+    return 0;
+}
+
 /* ------------------------------------------------------------------ hashing */
 
 static PyObject *bytes_hashes(PyObject *self, PyObject *args) {
-    PyObject *o_off, *o_data, *o_out;
-    if (!PyArg_ParseTuple(args, "OOO", &o_off, &o_data, &o_out))
+    Values v;
+    if (values_open(args, &v) < 0)
         return NULL;
-    Buf off = {0}, data = {0}, out = {0};
-    PyObject *result = NULL;
-    if (get_buf(o_off, &off, 0, SIZES_OFFSETS, "offsets") < 0 || get_buf(o_data, &data, 0, SIZES_BYTE, "data") < 0 ||
-        get_buf(o_out, &out, 1, SIZES_8, "out") < 0 || check_offsets(&off, data.view.len) < 0)
-        goto done;
-    Py_ssize_t n = items(&off) - 1;
-    if (items(&out) < n) {
-        PyErr_SetString(PyExc_ValueError, "out: shorter than the values");
-        goto done;
-    }
-    const uint8_t *d = data.view.buf;
-    uint64_t *h = out.view.buf;
-    /* a batch holds the GIL (releasing it for ~50 us would let another thread keep it for a
-     * switch interval, 5 ms); a restore's million keys let the other threads run */
-    PyThreadState *ts = n > 65536 ? PyEval_SaveThread() : NULL;
-    int64_t lo = offset_at(&off, 0);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t hi = offset_at(&off, i + 1);
+    const uint8_t *d = v.data.view.buf;
+    uint64_t *h = v.out.view.buf;
+    PyThreadState *ts = release_for(v.n);
+    int64_t lo = offset_at(&v.off, 0);
+    for (Py_ssize_t i = 0; i < v.n; i++) {
+        int64_t hi = offset_at(&v.off, i + 1);
         uint32_t c = crc32_of(d + lo, hi - lo);
         h[i] = fmix64(((uint64_t)c << 32) | (uint64_t)(uint32_t)(hi - lo));
         lo = hi;
     }
-    if (ts)
-        PyEval_RestoreThread(ts);
-    result = Py_None;
-    Py_INCREF(result);
-done:
-    release(&off);
-    release(&data);
-    release(&out);
-    return result;
+    restore_after(ts);
+    values_close(&v);
+    Py_RETURN_NONE;
 }
 
 #define M1 0x9E3779B97F4A7C15ull
@@ -204,28 +234,16 @@ static inline uint64_t word_at(const uint8_t *p, int64_t len, const uint8_t *end
 }
 
 static PyObject *key_codes(PyObject *self, PyObject *args) {
-    PyObject *o_off, *o_data, *o_out;
-    if (!PyArg_ParseTuple(args, "OOO", &o_off, &o_data, &o_out))
+    Values v;
+    if (values_open(args, &v) < 0)
         return NULL;
-    Buf off = {0}, data = {0}, out = {0};
-    PyObject *result = NULL;
-    if (get_buf(o_off, &off, 0, SIZES_OFFSETS, "offsets") < 0 || get_buf(o_data, &data, 0, SIZES_BYTE, "data") < 0 ||
-        get_buf(o_out, &out, 1, SIZES_8, "out") < 0 || check_offsets(&off, data.view.len) < 0)
-        goto done;
-    Py_ssize_t n = items(&off) - 1;
-    if (items(&out) < n) {
-        PyErr_SetString(PyExc_ValueError, "out: shorter than the keys");
-        goto done;
-    }
-    const uint8_t *d = data.view.buf, *end = d + data.view.len;
-    uint64_t *codes = out.view.buf;
-    Py_ssize_t hashed = 0;
-    /* a batch holds the GIL (releasing it for ~50 us would let another thread keep it for a
-     * switch interval, 5 ms); a restore's million keys let the other threads run */
-    PyThreadState *ts = n > 65536 ? PyEval_SaveThread() : NULL;
-    int64_t lo = offset_at(&off, 0);
+    const uint8_t *d = v.data.view.buf, *end = d + v.data.view.len;
+    uint64_t *codes = v.out.view.buf;
+    Py_ssize_t hashed = 0, n = v.n;
+    PyThreadState *ts = release_for(n);
+    int64_t lo = offset_at(&v.off, 0);
     for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t hi = offset_at(&off, i + 1);
+        int64_t hi = offset_at(&v.off, i + 1);
         int64_t len = hi - lo;
         const uint8_t *p = d + lo;
         uint64_t first = word_at(p, len, end);
@@ -250,14 +268,9 @@ static PyObject *key_codes(PyObject *self, PyObject *args) {
         }
         lo = hi;
     }
-    if (ts)
-        PyEval_RestoreThread(ts);
-    result = PyLong_FromSsize_t(hashed);
-done:
-    release(&off);
-    release(&data);
-    release(&out);
-    return result;
+    restore_after(ts);
+    values_close(&v);
+    return PyLong_FromSsize_t(hashed);
 }
 
 /* ------------------------------------------------------------------ the index */
@@ -311,6 +324,21 @@ static int need(const Buf *b, Py_ssize_t n, const char *what) {
     return 0;
 }
 
+/* The table, the keys and two writable outputs at least as long as the keys (b[0..3]). */
+static int index_open(PyObject *o_t, int shift, PyObject *o_keys, PyObject *o_a, const char *a, PyObject *o_b,
+                      const char *bn, Buf b[4], Table *tab, Py_ssize_t *n) {
+    if (get_table(o_t, shift, &b[0], tab) < 0 || get_buf(o_keys, &b[1], 0, SIZES_8, "keys") < 0 ||
+        get_buf(o_a, &b[2], 1, SIZES_8, a) < 0 || get_buf(o_b, &b[3], 1, SIZES_8, bn) < 0)
+        goto fail;
+    *n = items(&b[1]);
+    if (need(&b[2], *n, a) < 0 || need(&b[3], *n, bn) < 0)
+        goto fail;
+    return 0;
+fail:
+    release_all(&b[0], &b[1], &b[2], &b[3]);
+    return -1;
+}
+
 /* index_lookup(table, shift, keys, slots, ends): slot of every key (-1 absent) and the row where
  * its probe ended (for an absent key the first empty row, or the row count past the end). */
 static PyObject *index_lookup(PyObject *self, PyObject *args) {
@@ -318,21 +346,17 @@ static PyObject *index_lookup(PyObject *self, PyObject *args) {
     int shift;
     if (!PyArg_ParseTuple(args, "OiOOO", &o_t, &shift, &o_keys, &o_slots, &o_ends))
         return NULL;
-    Buf bt = {0}, keys = {0}, slots = {0}, ends = {0};
+    Buf b[4];
+    memset(b, 0, sizeof b);
     Table tab;
-    PyObject *result = NULL;
-    if (get_table(o_t, shift, &bt, &tab) < 0 || get_buf(o_keys, &keys, 0, SIZES_8, "keys") < 0 ||
-        get_buf(o_slots, &slots, 1, SIZES_8, "slots") < 0 || get_buf(o_ends, &ends, 1, SIZES_8, "ends") < 0)
-        goto done;
-    Py_ssize_t n = items(&keys);
-    if (need(&slots, n, "slots") < 0 || need(&ends, n, "ends") < 0)
-        goto done;
-    const int64_t *k = keys.view.buf;
-    int64_t *s = slots.view.buf, *e = ends.view.buf;
+    Py_ssize_t n;
+    if (index_open(o_t, shift, o_keys, o_slots, "slots", o_ends, "ends", b, &tab, &n) < 0)
+        return NULL;
+    const int64_t *k = b[1].view.buf;
+    int64_t *s = b[2].view.buf, *e = b[3].view.buf;
     const int64_t *t = tab.t;
     int64_t rows = tab.rows;
-    int release_gil = n > 65536;
-    PyThreadState *ts = release_gil ? PyEval_SaveThread() : NULL;
+    PyThreadState *ts = release_for(n);
     int64_t homes[AHEAD];
     for (Py_ssize_t i = 0; i < n && i < AHEAD; i++) {
         homes[i] = home_of(k[i], tab.shift);
@@ -358,16 +382,9 @@ static PyObject *index_lookup(PyObject *self, PyObject *args) {
         s[i] = slot;
         e[i] = pos;
     }
-    if (release_gil)
-        PyEval_RestoreThread(ts);
-    result = Py_None;
-    Py_INCREF(result);
-done:
-    release(&bt);
-    release(&keys);
-    release(&slots);
-    release(&ends);
-    return result;
+    restore_after(ts);
+    release_all(&b[0], &b[1], &b[2], &b[3]);
+    Py_RETURN_NONE;
 }
 
 /* index_insert(table, shift, keys, slots, start): put distinct absent keys at the first empty row
@@ -393,8 +410,7 @@ static PyObject *index_insert(PyObject *self, PyObject *args) {
     int64_t *t = tab.t;
     int64_t rows = tab.rows;
     int ok = 1;
-    int release_gil = n > 65536;
-    PyThreadState *ts = release_gil ? PyEval_SaveThread() : NULL;
+    PyThreadState *ts = release_for(n);
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t pos = (st && st[i] >= 0) ? st[i] : home_of(k[i], tab.shift);
         while (pos < rows && t[2 * pos + 1] >= 0)
@@ -406,14 +422,10 @@ static PyObject *index_insert(PyObject *self, PyObject *args) {
         t[2 * pos] = k[i];
         t[2 * pos + 1] = sl[i];
     }
-    if (release_gil)
-        PyEval_RestoreThread(ts);
+    restore_after(ts);
     result = PyBool_FromLong(ok);
 done:
-    release(&bt);
-    release(&keys);
-    release(&slots);
-    release(&start);
+    release_all(&bt, &keys, &slots, &start);
     return result;
 }
 
@@ -428,22 +440,18 @@ static PyObject *index_fill(PyObject *self, PyObject *args) {
     long long first;
     if (!PyArg_ParseTuple(args, "OiOLOO", &o_t, &shift, &o_keys, &first, &o_rows, &o_owners))
         return NULL;
-    Buf bt = {0}, keys = {0}, rows_b = {0}, owners_b = {0};
+    Buf b[4];
+    memset(b, 0, sizeof b);
     Table tab;
-    PyObject *result = NULL;
-    if (get_table(o_t, shift, &bt, &tab) < 0 || get_buf(o_keys, &keys, 0, SIZES_8, "keys") < 0 ||
-        get_buf(o_rows, &rows_b, 1, SIZES_8, "rows") < 0 || get_buf(o_owners, &owners_b, 1, SIZES_8, "owners") < 0)
-        goto done;
-    Py_ssize_t n = items(&keys);
-    if (need(&rows_b, n, "rows") < 0 || need(&owners_b, n, "owners") < 0)
-        goto done;
-    const int64_t *k = keys.view.buf;
-    int64_t *t = tab.t, *ro = rows_b.view.buf, *ow = owners_b.view.buf;
+    Py_ssize_t n;
+    if (index_open(o_t, shift, o_keys, o_rows, "rows", o_owners, "owners", b, &tab, &n) < 0)
+        return NULL;
+    const int64_t *k = b[1].view.buf;
+    int64_t *t = tab.t, *ro = b[2].view.buf, *ow = b[3].view.buf;
     int64_t rows = tab.rows;
     Py_ssize_t dups = 0;
     int ok = 1;
-    int release_gil = n > 65536;
-    PyThreadState *ts = release_gil ? PyEval_SaveThread() : NULL;
+    PyThreadState *ts = release_for(n);
     int64_t homes[AHEAD];
     for (Py_ssize_t i = 0; i < n && i < AHEAD; i++) {
         homes[i] = home_of(k[i], tab.shift);
@@ -476,15 +484,9 @@ static PyObject *index_fill(PyObject *self, PyObject *args) {
             break;
         }
     }
-    if (release_gil)
-        PyEval_RestoreThread(ts);
-    result = PyLong_FromSsize_t(ok ? dups : -1);
-done:
-    release(&bt);
-    release(&keys);
-    release(&rows_b);
-    release(&owners_b);
-    return result;
+    restore_after(ts);
+    release_all(&b[0], &b[1], &b[2], &b[3]);
+    return PyLong_FromSsize_t(ok ? dups : -1);
 }
 
 /* ------------------------------------------------------------------ routing */
