@@ -19,6 +19,10 @@ from types import ModuleType
 __all__ = ["NATIVE"]
 
 
+_NAMES = ("bytes_hashes", "key_codes", "index_lookup", "index_insert", "index_fill", "partition",
+          "ValueHandle", "configure_value_handles")
+
+
 def _load() -> ModuleType | None:
     if os.environ.get("ABS_NATIVE", "1") == "0":
         return None
@@ -26,6 +30,8 @@ def _load() -> ModuleType | None:
         from abscore import _native
     except ImportError:
         return None
+    if not all(hasattr(_native, name) for name in _NAMES):
+        return None  # built from an older abscore/_native.c: reinstall (pip install -e .) to rebuild it
     return _native
 
 

@@ -38,12 +38,14 @@ def implementation(native: bool):
 
 def test_the_install_built_the_module():
     """The project's set-up builds abscore._native (setup.py); only ABS_NATIVE=0 turns it off.
-    A machine without a C compiler runs the numpy twins, and this test names why it failed."""
+    A machine without a C compiler, or a module built from an older source, runs the twins, and
+    this test says what to do."""
     if os.environ.get("ABS_NATIVE", "1") == "0":
         pytest.skip("ABS_NATIVE=0: the numpy twins run")
     assert NATIVE is not None, (
-        "abscore._native is not importable: reinstall with a C compiler and Python's headers "
-        "(pip install -e .) to build it; without it the numpy twins run, 2-5x slower"
+        "abscore._native is not importable, or was built from an older abscore/_native.c: "
+        "reinstall (pip install -e .) with a C compiler and Python's headers to build it; "
+        "without it the numpy and Python twins run, 1.4-5x slower"
     )
 
 
