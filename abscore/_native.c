@@ -1,10 +1,11 @@
 /* abscore._native: the per-element loops of the hot paths, over buffers.
  *
- * Optional: every function here has a numpy twin that defines its result
- * (abscore/native.py says which is which), and the project runs without this
- * module where it could not be compiled. Each function takes 1-d contiguous
+ * Optional: every function here has a numpy or Python twin that defines its
+ * result (abscore/native.py says which is which), and the project runs without
+ * this module where it could not be compiled. Each function takes 1-d contiguous
  * buffers (numpy arrays, pyarrow buffers), checks their item sizes and bounds,
- * and writes into the output buffers it is given; none keeps a reference.
+ * and writes into the output buffers it is given; none keeps a reference (the
+ * ValueHandle type holds its handle's fields, as the Python handle does).
  *
  * - bytes_hashes: the key-group rule of binary values,
  *   fmix64(crc32(value) << 32 | length)  (abscore.hashing._hash_short_bytes);
@@ -540,10 +541,7 @@ static PyObject *partition(PyObject *self, PyObject *args) {
     Py_INCREF(result);
 done:
     PyMem_Free(start);
-    release(&kg);
-    release(&routing);
-    release(&order);
-    release(&counts);
+    release_all(&kg, &routing, &order, &counts);
     return result;
 }
 

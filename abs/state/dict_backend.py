@@ -14,9 +14,9 @@ from typing import Any, Iterable, Iterator, Sequence
 import pyarrow as pa
 
 from abs.columns import OBJECTS, Column
-from abscore.native import NATIVE
 from abs.errors import ConfigError, StateError
 from abs.keygroups import KeyGroupRange, KeyGroupSet, check_max_parallelism, key_group
+from abscore.native import NATIVE
 
 from .capture import ColumnDelta, PendingDelta, PickledDelta
 from .descriptors import KINDS, StateDescriptor

@@ -95,11 +95,7 @@ class _ColumnValueMethods:
     __slots__ = ()
 
     def __init__(self, backend: Any, name: str, data: list, dirty: list) -> None:
-        self._backend = backend
-        self._data = data
-        self._dirty = dirty
-        self._deleted: set = set()  # replaced by its slot's set (see StateHandle)
-        self.name = name
+        StateHandle.__init__(self, backend, name, data, dirty)  # type: ignore[arg-type]  # the same fields
         self._forget()
 
     _fail = StateHandle._fail
