@@ -6,7 +6,6 @@ import queue
 import threading
 import time
 import warnings
-import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Callable, TypeVar
 
@@ -344,7 +343,7 @@ class JobHandle:
             # each restart so far: attempt, error, restored_from, workers (the parallelism it ran at)
             "restarts": [dict(r) for r in list(d.restarts)],
             # the first keyed stage, one sample per Autoscale.interval (when autoscaling)
-            "load": [dataclasses.asdict(s) for s in list(d.load_series)],
+            "load": [{**s, "key_group_rates": dict(s["key_group_rates"])} for s in list(d.load_dicts)],
             "autoscale_decisions": d.autoscale_report(),
             # per task: the share of its input buffers in use (a full one backpressures its senders)
             "queue_fill": {k: v for w in list(d._worker_metrics.values()) for k, v in w.queue_fill.items()},

@@ -295,6 +295,7 @@ def windows(args: argparse.Namespace) -> None:
             time.sleep(2.0)
             spans: list[tuple[str, float, float, int]] = []  # (kind, start, end, checkpoints)
             at = time.monotonic()
+            driver_cpu0, driver_t0 = time.process_time(), at
             for i in range(2 * count + 1):
                 start, taken = at, 0
                 for _ in range(round(width)):
@@ -306,6 +307,7 @@ def windows(args: argparse.Namespace) -> None:
                 spans.append(("ABS" if i % 2 else "quiet", start, max(at, time.monotonic()), taken))
                 at = spans[-1][2]
             time.sleep(0.6)  # the last window's counts reach the driver
+            driver_cpu = (time.process_time() - driver_cpu0) / (time.monotonic() - driver_t0)
         finally:
             counts.stop()
             if page is not None:
@@ -316,6 +318,8 @@ def windows(args: argparse.Namespace) -> None:
         rates = [counts.rate(a, z) for _, a, z, _ in spans]
         costs = [1 - rates[i] / ((rates[i - 1] + rates[i + 1]) / 2) for i in range(1, len(spans), 2)]
         quiet, busy = rates[0::2], rates[1::2]
+        print(f"  this process (the job's driver and this benchmark's poller of its counts) used {driver_cpu * 100:.0f} % "
+              "of a core over the windows", flush=True)
         print(f"  quiet windows  median {float(np.median(quiet)):>10,.0f} events/s  ({', '.join(f'{r / 1e3:.0f}k' for r in quiet)})")
         print(f"  ABS windows    median {float(np.median(busy)):>10,.0f} events/s  ({', '.join(f'{r / 1e3:.0f}k' for r in busy)}); "
               f"checkpoints per window {', '.join(str(s[3]) for s in spans[1::2])}")

@@ -66,6 +66,13 @@ def test_a_job_that_cannot_keep_up_scales_out_by_itself_and_stays_exact(tmp_path
 
     held = {key_group(k, 16) for k in range(NUM_KEYS)}  # the key groups holding a key
     assert set(metrics["state_bytes"]["count"]) == held and min(metrics["state_bytes"]["count"].values()) > 0
+    import dataclasses
+
+    assert series == [dataclasses.asdict(s) for s in job._driver.load_series]  # made once per sample, same content
+    next(s for s in series if s["key_group_rates"])["key_group_rates"].clear()
+    metrics["state_bytes"]["count"].clear()
+    again = job.metrics()  # what a caller changes is its own copy
+    assert again["load"] == [dataclasses.asdict(s) for s in job._driver.load_series] and again["state_bytes"]["count"]
     # and the dashboard's snapshot and /metrics list the decisions
     import json
 
