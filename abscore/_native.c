@@ -15,6 +15,7 @@
  *   abs.state.keyindex.IntKeyIndex (rows of (key, slot), slot -1 empty, linear
  *   probing without wrap-around, homes from a multiplicative hash);
  * - partition: a key_by writer's rows grouped by channel (abs.runtime.exchange);
+ * - text_array: a list of str or bytes keys as Arrow string/binary buffers (abs.columns);
  * - ValueHandle: value() and update() of a typed ValueState's handle (abs.state.handles).
  */
 #define PY_SSIZE_T_CLEAN
@@ -490,6 +491,93 @@ static PyObject *index_fill(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(ok ? dups : -1);
 }
 
+/* ------------------------------------------------------------------ text keys */
+
+static const int SIZES_INT32[] = {4, 0};
+
+/* text_array(keys, offsets) -> (is_bytes, data) or None: the keys of a list that are all
+ * exactly str (UTF-8) or all exactly bytes, one after the other in `data`, with offsets[i] the
+ * start of key i (int32, n + 1 of them). None when this function does not decide: an empty
+ * list, keys of other or mixed types, a str that does not encode (lone surrogates), or over
+ * 2 GiB of bytes; abs.columns._text_array (pyarrow) then decides. */
+static PyObject *text_array(PyObject *self, PyObject *args) {
+    PyObject *keys, *o_off;
+    if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &keys, &o_off))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    Buf off = {0};
+    if (get_buf(o_off, &off, 1, SIZES_INT32, "offsets") < 0)
+        return NULL;
+    if (items(&off) != n + 1) {
+        Py_ssize_t got = items(&off);
+        release(&off);
+        PyErr_Format(PyExc_ValueError, "offsets: %zd items for %zd keys (n + 1 needed)", got, n);
+        return NULL;
+    }
+    if (n == 0) {
+        release(&off);
+        Py_RETURN_NONE;
+    }
+    int32_t *o = (int32_t *)off.view.buf;
+    int is_bytes = PyBytes_CheckExact(PyList_GET_ITEM(keys, 0));
+    Py_ssize_t cap = n * 8 + 64, total = 0;
+    PyObject *data = PyBytes_FromStringAndSize(NULL, cap);
+    if (!data) {
+        release(&off);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyList_GET_SIZE(keys) != n)
+            goto undecided; /* changed under us (a finalizer run by an allocation) */
+        PyObject *k = PyList_GET_ITEM(keys, i);
+        const char *p;
+        Py_ssize_t len;
+        if (is_bytes) {
+            if (!PyBytes_CheckExact(k))
+                goto undecided;
+            p = PyBytes_AS_STRING(k);
+            len = PyBytes_GET_SIZE(k);
+        } else {
+            if (!PyUnicode_CheckExact(k))
+                goto undecided;
+            p = PyUnicode_AsUTF8AndSize(k, &len);
+            if (!p) {
+                if (!PyErr_ExceptionMatches(PyExc_UnicodeEncodeError))
+                    goto fail;
+                PyErr_Clear();
+                goto undecided;
+            }
+        }
+        if (len > INT32_MAX - total)
+            goto undecided;
+        if (total + len > cap) {
+            cap = cap * 2 > total + len ? cap * 2 : total + len;
+            if (cap > INT32_MAX)
+                cap = INT32_MAX;
+            if (_PyBytes_Resize(&data, cap) < 0) {
+                release(&off);
+                return NULL; /* data was freed */
+            }
+        }
+        o[i] = (int32_t)total;
+        memcpy(PyBytes_AS_STRING(data) + total, p, len);
+        total += len;
+    }
+    o[n] = (int32_t)total;
+    release(&off);
+    if (_PyBytes_Resize(&data, total) < 0)
+        return NULL;
+    return Py_BuildValue("(NN)", PyBool_FromLong(is_bytes), data);
+undecided:
+    Py_DECREF(data);
+    release(&off);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(data);
+    release(&off);
+    return NULL;
+}
+
 /* ------------------------------------------------------------------ routing */
 
 /* partition(key_groups, routing, order, counts): channel c = routing[key_groups[i]] of every row,
@@ -783,6 +871,8 @@ static PyMethodDef methods[] = {
      "index_fill(table, shift, keys, first, rows, owners) -> duplicate rows, or -1: the table is too short"},
     {"configure_value_handles", configure_value_handles, METH_VARARGS,
      "configure_value_handles(backend_class, column_class): the classes whose __slots__ ValueHandle reads"},
+    {"text_array", text_array, METH_VARARGS,
+     "text_array(keys, offsets) -> (is_bytes, data), or None where abs.columns._text_array decides"},
     {"partition", partition, METH_VARARGS,
      "partition(key_groups, routing, order, counts): rows grouped by channel routing[key group], stably"},
     {NULL, NULL, 0, NULL},

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+import abs.columns as columns
 import abs.runtime.exchange as exchange
 import abs.state.keyindex as keyindex
 import abs.state.varkeys as varkeys
@@ -20,7 +21,7 @@ from abs.keygroups import KeyGroupRange
 from abscore.native import NATIVE
 
 needs_native = pytest.mark.skipif(NATIVE is None, reason="abscore._native is not built (or ABS_NATIVE=0)")
-MODULES = (hashing, varkeys, keyindex, exchange)
+MODULES = (hashing, varkeys, keyindex, exchange, columns)
 
 
 @contextlib.contextmanager
@@ -183,6 +184,48 @@ def test_bad_buffers_are_named():
         n.index_lookup(np.zeros(5, np.int64), 62, np.zeros(1, np.int64), np.empty(1, np.int64), np.empty(1, np.int64))
     with pytest.raises(ValueError, match="shorter than the keys"):
         n.index_lookup(t, 62, np.zeros(3, np.int64), np.empty(1, np.int64), np.empty(3, np.int64))
+
+
+class _Str(str):
+    pass
+
+
+any_text = st.text(st.characters(blacklist_categories=()), max_size=40)  # lone surrogates included
+text_lists = st.one_of(
+    st.lists(any_text, max_size=60),
+    st.lists(st.binary(max_size=90), max_size=60),
+    st.lists(st.one_of(any_text, st.binary(max_size=5), st.integers(), st.builds(_Str, any_text)), max_size=8),
+)
+
+
+@needs_native
+@settings(max_examples=400, deadline=None)
+@given(text_lists)
+@example(["x" * 100, "é" * 50, ""])  # past the first guess of the data's size (8 bytes a key)
+@example([b"\x00" * 300, b""])
+@example(["a", "\ud800"])  # does not encode: pyarrow decides (None)
+@example(["a", _Str("b")])
+def test_text_arrays_equal(keys):
+    """A snapshot's list of keys as an Arrow array: the same array (type, offsets, bytes), or
+    None for both, from the C copy and from pyarrow's converter."""
+    with implementation(True):
+        got = columns._text_array(keys)
+    with implementation(False):
+        want = columns._text_array(keys)
+    assert (got is None) == (want is None)
+    if want is not None:
+        got.validate(full=True)
+        assert got.type == want.type and got.equals(want) and got.to_pylist() == keys
+
+
+@needs_native
+def test_text_array_names_bad_offsets():
+    with pytest.raises(ValueError, match="3 items for 1 keys"):
+        NATIVE.text_array(["a"], np.empty(3, np.int32))
+    with pytest.raises(TypeError, match="items of 8 bytes"):
+        NATIVE.text_array(["a"], np.empty(2, np.int64))
+    with pytest.raises(TypeError):
+        NATIVE.text_array(("a",), np.empty(2, np.int32))  # a list only
 
 
 @needs_native

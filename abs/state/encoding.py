@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from abs.columns import _text_array
 from abs.errors import StateError
 from abscore.schema import (
     ENCODING_ARROW,
@@ -193,6 +194,12 @@ def encode_keys(keys: list) -> tuple[pa.Array, bytes]:
     if len(types) == 1:
         (only,) = types
         arrow_type = {int: pa.int64(), str: pa.string(), bytes: pa.binary()}.get(only)
+        if only is str or only is bytes:
+            arr = _text_array(keys)  # the C copy where built; None: lone surrogates
+            if isinstance(arr, pa.Array):
+                return arr, ENCODING_ARROW
+            if arr is None:
+                arrow_type = None
         if arrow_type is not None:
             try:
                 return pa.array(keys, arrow_type), ENCODING_ARROW
