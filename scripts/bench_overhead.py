@@ -296,8 +296,9 @@ def windows(args: argparse.Namespace) -> None:
             spans: list[tuple[str, float, float, int]] = []  # (kind, start, end, checkpoints)
             at = time.monotonic()
             driver_cpu0, driver_t0 = time.process_time(), at
+            driver_by_kind: dict[str, list[float]] = {"quiet": [0.0, 0.0], "ABS": [0.0, 0.0]}  # CPU s, wall s
             for i in range(2 * count + 1):
-                start, taken = at, 0
+                start, taken, cpu_start = at, 0, time.process_time()
                 for _ in range(round(width)):
                     if i % 2:
                         handle.trigger_checkpoint()
@@ -305,6 +306,8 @@ def windows(args: argparse.Namespace) -> None:
                     at += 1.0
                     time.sleep(max(0.0, at - time.monotonic()))
                 spans.append(("ABS" if i % 2 else "quiet", start, max(at, time.monotonic()), taken))
+                driver_by_kind[spans[-1][0]][0] += time.process_time() - cpu_start
+                driver_by_kind[spans[-1][0]][1] += spans[-1][2] - start
                 at = spans[-1][2]
             time.sleep(0.6)  # the last window's counts reach the driver
             driver_cpu = (time.process_time() - driver_cpu0) / (time.monotonic() - driver_t0)
@@ -318,8 +321,10 @@ def windows(args: argparse.Namespace) -> None:
         rates = [counts.rate(a, z) for _, a, z, _ in spans]
         costs = [1 - rates[i] / ((rates[i - 1] + rates[i + 1]) / 2) for i in range(1, len(spans), 2)]
         quiet, busy = rates[0::2], rates[1::2]
+        share = {k: c / w * 100 if w else 0.0 for k, (c, w) in driver_by_kind.items()}
         print(f"  this process (the job's driver and this benchmark's poller of its counts) used {driver_cpu * 100:.0f} % "
-              "of a core over the windows", flush=True)
+              f"of a core over the windows: {share['quiet']:.1f} % in quiet windows, {share['ABS']:.1f} % in ABS windows "
+              "(committing manifests, GC)", flush=True)
         print(f"  quiet windows  median {float(np.median(quiet)):>10,.0f} events/s  ({', '.join(f'{r / 1e3:.0f}k' for r in quiet)})")
         print(f"  ABS windows    median {float(np.median(busy)):>10,.0f} events/s  ({', '.join(f'{r / 1e3:.0f}k' for r in busy)}); "
               f"checkpoints per window {', '.join(str(s[3]) for s in spans[1::2])}")

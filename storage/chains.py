@@ -14,6 +14,7 @@ import pyarrow.compute as pc
 from .errors import DeltaSchemaError
 from .format import (CHECKSUM_ALGORITHMS, KEY_COLUMN, META_FILE_KIND, META_KEYS_DIGEST, OP_COLUMN, OP_UPSERT,
                      is_values_image, keys_digest, strictly_increasing, value_columns)
+from .values_images import join_byte_streams
 from .manifest import FileRef
 
 __all__ = ["CompactionPolicy", "compaction_reason", "compaction_reason_of_sizes", "resolve_chain"]
@@ -245,6 +246,10 @@ def _apply_values_image(base: pa.Table, image: pa.Table, base_schema: pa.Schema 
     columns. ``base`` may hold its key column alone (:meth:`SnapshotStore.read_chain` does not
     decode the values a values image replaces); ``base_schema`` is then its file's schema."""
     base_values = value_columns(base_schema if base_schema is not None else base.schema)
+    try:
+        image = join_byte_streams(image)  # format 8: columns stored byte-stream split
+    except ValueError as exc:
+        raise DeltaSchemaError(f"a values image is unreadable: {exc}; the chain or its manifest is corrupt") from exc
     digest = (image.schema.metadata or {}).get(META_KEYS_DIGEST, b"").decode(errors="replace")
     algorithm = digest.partition(":")[0]
     problem = None

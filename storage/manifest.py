@@ -47,7 +47,7 @@ __all__ = [
     "manifest_problems",
 ]
 
-FORMAT_VERSION = 7
+FORMAT_VERSION = 8
 """Version of the on-disk format (manifests, ``_job.json``, file layout) this code writes; it
 reads every version from 1 up to this one. Version 2: file references name their checksum
 algorithm, data files are Arrow IPC streams. Version 3: a reference may be a range of a packed
@@ -57,7 +57,9 @@ carries a checksum of its own content and a lineage; pins (``pins/``) hold check
 against GC. Version 6: the small files of a checkpoint's packed file share one Arrow stream
 (a reference's ``row_offset``, ``range_rows``, ``range_bytes``). Version 7: a manifest names
 each file and each range of a file once (``files``, ``ranges``) and its references are short
-arrays of indexes into them. See ``storage/FORMAT.md``."""
+arrays of indexes into them. Version 8: a values image's numeric columns may be stored
+byte-stream split (``fixed_size_binary`` with field metadata ``abs.byte_stream_split``). See
+``storage/FORMAT.md``."""
 
 TABLES_VERSION = 7
 """The first format whose manifests hold reference tables (:mod:`storage.manifest_refs`)."""

@@ -15,7 +15,18 @@ __all__ = [
     "strictly_increasing",
     "is_values_image",
     "values_image",
+    "META_BYTE_STREAM_SPLIT",
+    "split_byte_streams",
+    "join_byte_streams",
 ]
+
+META_BYTE_STREAM_SPLIT = b"abs.byte_stream_split"
+"""Field metadata of a values image's column (format 8) stored byte-stream split: the name of
+its Arrow type (``int64``, ``double``, ...). See :func:`split_byte_streams`."""
+
+# fixed-width numeric types a values image splits, by name (pa.DataType's str)
+_SPLIT_TYPES = {str(t): t for t in (pa.int16(), pa.int32(), pa.int64(), pa.uint16(), pa.uint32(), pa.uint64(),
+                                    pa.float16(), pa.float32(), pa.float64())}
 
 
 def keys_digest(keys: pa.ChunkedArray | pa.Array, algorithm: str = WRITE_CHECKSUM_ALGORITHM) -> str | None:
@@ -66,4 +77,64 @@ def values_image(image: pa.Table) -> pa.Table | None:
         return None
     meta = dict(image.schema.metadata or {})
     meta[META_KEYS_DIGEST] = digest.encode()
-    return image.drop_columns([KEY_COLUMN]).replace_schema_metadata(meta)
+    return split_byte_streams(image.drop_columns([KEY_COLUMN]).replace_schema_metadata(meta))
+
+
+def split_byte_streams(table: pa.Table) -> pa.Table:
+    """``table`` with each numeric column of 2-, 4- or 8-byte values without nulls stored
+    *byte-stream split* (format 8, Parquet's BYTE_STREAM_SPLIT): as a ``fixed_size_binary``
+    column of the same width and length whose data buffer holds the first byte of every
+    value, then the second byte of every value, and so on, and whose field metadata
+    :data:`META_BYTE_STREAM_SPLIT` names the column's type.
+
+    Why: a values image's values are counters and sums: their high bytes are zero or barely
+    change. zstd, fed those bytes one run after the other instead of interleaved, compresses
+    them ~3x faster to the same size or smaller (64 key groups of 7.8 k running sums: 11.3 ms
+    and 952 KB as int64, 4.4 ms and 940 KB split), and that was a third of a snapshot
+    writer's CPU on the ABS paper's workload. :func:`join_byte_streams` undoes it."""
+    columns, fields, changed = [], [], False
+    for field, column in zip(table.schema, table.columns):
+        width = field.type.bit_width // 8 if str(field.type) in _SPLIT_TYPES else 0
+        if width < 2 or column.null_count or not len(column):
+            columns.append(column)
+            fields.append(field)
+            continue
+        values = np.ascontiguousarray(column.to_numpy())
+        planes = np.ascontiguousarray(values.view(np.uint8).reshape(-1, width).T)
+        columns.append(pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), len(values), [None, pa.py_buffer(planes)]))
+        fields.append(pa.field(field.name, pa.binary(width), nullable=field.nullable,
+                               metadata={**(field.metadata or {}), META_BYTE_STREAM_SPLIT: str(field.type).encode()}))
+        changed = True
+    if not changed:
+        return table
+    return pa.Table.from_arrays(columns, schema=pa.schema(fields, metadata=table.schema.metadata))
+
+
+def join_byte_streams(table: pa.Table) -> pa.Table:
+    """``table`` with its byte-stream split columns (:func:`split_byte_streams`) as the
+    numeric columns they were; a table without any is returned as is. A split column whose
+    metadata names a type this code does not split, or whose width differs from that
+    type's, raises ``ValueError`` (the file is corrupt)."""
+    if not any(f.metadata and META_BYTE_STREAM_SPLIT in f.metadata for f in table.schema):
+        return table
+    columns, fields = [], []
+    for field, column in zip(table.schema, table.columns):
+        name = (field.metadata or {}).get(META_BYTE_STREAM_SPLIT)
+        if name is None:
+            columns.append(column)
+            fields.append(field)
+            continue
+        type_name = name.decode(errors="replace")
+        t = _SPLIT_TYPES.get(type_name)
+        if t is None or field.type != pa.binary(t.bit_width // 8) or column.null_count:
+            raise ValueError(f"column {field.name!r} is marked byte-stream split as {type_name!r} but is {field.type}"
+                             f"{' with nulls' if column.null_count else ''}; only the fixed-width numeric types "
+                             f"{sorted(_SPLIT_TYPES)} are split, without nulls")
+        width, n = t.bit_width // 8, len(column)
+        arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+        planes = np.frombuffer(arr.buffers()[1], np.uint8, n * width, arr.offset * width).reshape(width, n)
+        values = np.ascontiguousarray(planes.T).view(t.to_pandas_dtype()).reshape(n)
+        columns.append(pa.array(values, t))
+        meta = {k: v for k, v in (field.metadata or {}).items() if k != META_BYTE_STREAM_SPLIT}
+        fields.append(pa.field(field.name, t, nullable=field.nullable, metadata=meta or None))
+    return pa.Table.from_arrays(columns, schema=pa.schema(fields, metadata=table.schema.metadata))

@@ -35,8 +35,8 @@ def root(request, tmp_path) -> pathlib.Path:
     return dest
 
 
-def test_there_are_fixtures_of_formats_5_6_and_7():
-    assert {"format-5", "format-6", "format-7"} <= set(ROOTS)
+def test_there_are_fixtures_of_formats_5_to_8():
+    assert {"format-5", "format-6", "format-7", "format-8"} <= set(ROOTS)
 
 
 def test_an_old_root_verifies_and_resolves_as_its_writer_resolved_it(root):

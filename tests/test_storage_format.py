@@ -9,6 +9,7 @@ import re
 
 import hashlib
 
+import numpy as np
 import pyarrow as pa
 import pytest
 
@@ -52,7 +53,8 @@ def test_the_documented_pyarrow_example_resolves_a_key_group_like_the_store(tmp_
     root = str(tmp_path / "ckpt")
     store, manifest = build(root)
     code = re.search(r"```python\n(.*?)```", FORMAT_MD.read_text(), re.S).group(1)
-    assert len(code.strip().splitlines()) <= 16  # 12 until format 7's reference tables took a helper of 4 lines
+    # 12 lines until format 7's reference tables took a helper of 4, and format 8's byte-stream split columns another 4
+    assert len(code.strip().splitlines()) <= 20
     for kg, rows in [(37, [(1, 11), (2, 21), (3, 30), (4, 41)]), (38, [(5, 51), (7, 71), (8, 80)])]:
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
@@ -73,7 +75,12 @@ def test_files_are_zstd_compressed_arrow_ipc_streams_and_manifests_plain_json(tm
         table = pa.ipc.open_stream(pa.BufferReader(data)).read_all()
         assert b"abs.file_kind" not in (table.schema.metadata or {})
         if "key" not in table.column_names:  # the values image of key group 38: values in its base's key order
-            assert ref.checkpoint_id == 41 and table.column_names == ["value"] and table["value"].to_pylist() == [51, 61, 71]
+            assert ref.checkpoint_id == 41 and table.column_names == ["value"]
+            # format 8: stored byte-stream split, the bytes of each position of the 8 in a run
+            assert table.schema.field("value").type == pa.binary(8)
+            assert table.schema.field("value").metadata == {b"abs.byte_stream_split": b"int64"}
+            planes = np.frombuffer(table["value"].chunk(0).buffers()[1], np.uint8).reshape(8, 3)
+            assert np.ascontiguousarray(planes.T).view("<i8").ravel().tolist() == [51, 61, 71]
             assert table.schema.metadata[b"abs.keys_digest"].startswith(WRITE_CHECKSUM_ALGORITHM.encode() + b":")
             continue
         assert table.column("key").to_pylist() == sorted(table.column("key").to_pylist())
@@ -84,7 +91,7 @@ def test_files_are_zstd_compressed_arrow_ipc_streams_and_manifests_plain_json(tm
         else:
             assert "op" not in table.column_names
     doc = json.loads((root / StoragePaths.manifest(42)).read_text())
-    assert doc["format_version"] == FORMAT_VERSION == 7
+    assert doc["format_version"] == FORMAT_VERSION == 8
     assert set(doc) >= {"checksum", "checksum_algorithm", "checkpoint_id", "kind", "job_name", "max_parallelism", "created_at",
                         "files", "ranges", "keyed", "operator_state", "operator_state_rules", "channel_logs",
                         "source_offsets", "sink_transactions", "stats"}
@@ -94,7 +101,7 @@ def test_files_are_zstd_compressed_arrow_ipc_streams_and_manifests_plain_json(tm
     assert all(isinstance(entry, list) and all(type(i) is int for i in entry)
                for kg in ("37", "38") for entry in doc["keyed"]["count"]["n"][kg])
     job = json.loads((root / "_job.json").read_text())
-    assert job == {"format_version": 7, "job_name": "wc", "max_parallelism": 128}
+    assert job == {"format_version": 8, "job_name": "wc", "max_parallelism": 128}
 
 
 def test_xxhash_is_installed_so_new_files_get_xxh3_checksums():
@@ -188,7 +195,7 @@ def test_a_version_1_root_is_read_verified_and_continued(tmp_path):
     chain = store.write_key_group(3, "count", "n", 5, m2.chains("count", "n")[5],
                                   pa.table({"key": [50, 30], "value": [5, 33]}).replace_schema_metadata(state.schema.metadata))
     m3 = store.commit(Manifest(checkpoint_id=3, job_name="wc", max_parallelism=8, keyed={"count": {"n": {5: chain}}}))
-    assert m3.format_version == 7 and [r.checksum_algorithm for r in chain] == ["sha256", "sha256", WRITE_CHECKSUM_ALGORITHM]
+    assert m3.format_version == 8 and [r.checksum_algorithm for r in chain] == ["sha256", "sha256", WRITE_CHECKSUM_ALGORITHM]
     again = SnapshotStore.open(str(root))
     assert again.verify().ok
     assert as_sorted(again.read_key_group(again.read_manifest(3), "count", "n", 5)) == [
@@ -206,6 +213,6 @@ def as_sorted(table: pa.Table) -> list[tuple]:
     return sorted(zip(table.column("key").to_pylist(), table.column("value").to_pylist()))
 
 
-def test_older_code_would_refuse_a_version_7_manifest_by_its_version():
+def test_older_code_would_refuse_a_version_8_manifest_by_its_version():
     doc = Manifest(checkpoint_id=1, job_name="j", max_parallelism=1).to_dict()
-    assert doc["format_version"] == 7  # version 1 to 6 readers raise UnsupportedFormatError on > their own
+    assert doc["format_version"] == 8  # version 1 to 7 readers raise UnsupportedFormatError on > their own

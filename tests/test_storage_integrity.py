@@ -67,7 +67,7 @@ def cli(capsys, *argv: str) -> tuple[int, str, str]:
 def test_a_committed_manifest_carries_a_checksum_of_its_content_and_a_lineage(tmp_path):
     store = build(tmp_path, 3, run_id="r" * 32)
     docs = [json.loads(manifest_file(tmp_path, c).read_text()) for c in (1, 2, 3)]
-    assert all(d["format_version"] == 7 and d["checksum_algorithm"] == "xxh3_128" for d in docs)
+    assert all(d["format_version"] == 8 and d["checksum_algorithm"] == "xxh3_128" for d in docs)
     assert all(d["checksum"] == manifest_checksum(d) for d in docs)
     assert docs[0]["lineage"] == {"run_id": "r" * 32, "previous": None}
     assert docs[2]["lineage"]["previous"] == {"checkpoint_id": 2, "checksum": docs[1]["checksum"]}
@@ -172,7 +172,7 @@ def test_a_format_4_manifest_without_a_checksum_still_reads(tmp_path):
     m = store.read_manifest(2)
     assert m.format_version == 4 and m.checksum is None and m.lineage is None and store.verify().ok
     edit(tmp_path, 1, lambda d: (d.pop("checksum"), d.pop("checksum_algorithm")))
-    with pytest.raises(CorruptManifestError, match="checkpoint 1: .*format 7 manifest without its checksum"):
+    with pytest.raises(CorruptManifestError, match="checkpoint 1: .*format 8 manifest without its checksum"):
         SnapshotStore.open(str(tmp_path)).read_manifest(1)
 
 

@@ -425,9 +425,9 @@ def _manifest_doc(**kw: Any) -> dict[str, Any]:
                     format_version=4, **kw).to_dict()
 
 
-def test_the_format_version_is_7():
-    assert FORMAT_VERSION == storage.FORMAT_VERSION == 7
-    assert Manifest(checkpoint_id=4, job_name="j", max_parallelism=1).to_dict()["format_version"] == 7
+def test_the_format_version_is_8():
+    assert FORMAT_VERSION == storage.FORMAT_VERSION == 8
+    assert Manifest(checkpoint_id=4, job_name="j", max_parallelism=1).to_dict()["format_version"] == 8
 
 
 def test_a_range_reference_round_trips_through_manifest_json():
