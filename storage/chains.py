@@ -14,8 +14,8 @@ import pyarrow.compute as pc
 from .errors import DeltaSchemaError
 from .format import (CHECKSUM_ALGORITHMS, KEY_COLUMN, META_FILE_KIND, META_KEYS_DIGEST, OP_COLUMN, OP_UPSERT,
                      is_values_image, keys_digest, strictly_increasing, value_columns)
-from .values_images import join_byte_streams
 from .manifest import FileRef
+from .values_images import join_byte_streams
 
 __all__ = ["CompactionPolicy", "compaction_reason", "compaction_reason_of_sizes", "resolve_chain"]
 

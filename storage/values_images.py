@@ -96,11 +96,11 @@ def split_byte_streams(table: pa.Table) -> pa.Table:
     undoes it."""
     columns, fields, changed = [], [], False
     for field, column in zip(table.schema, table.columns):
-        width = field.type.bit_width // 8 if str(field.type) in _SPLIT_TYPES else 0
-        if width < 2 or column.null_count or not len(column):
+        if str(field.type) not in _SPLIT_TYPES or column.null_count or not len(column):
             columns.append(column)
             fields.append(field)
             continue
+        width = field.type.bit_width // 8
         values = np.ascontiguousarray(column.to_numpy())
         planes = np.ascontiguousarray(values.view(np.uint8).reshape(-1, width).T)
         columns.append(pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), len(values), [None, pa.py_buffer(planes)]))

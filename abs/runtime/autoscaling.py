@@ -171,7 +171,7 @@ class Autoscaling:
         """Keyed operator uid -> key group -> bytes of its chains (all states) in the newest
         complete checkpoint (what a key group weighs when it moves)."""
         cid = self._last_completed_id
-        if self._state_bytes[0] != cid or not cid:
+        if self._state_bytes[0] != cid:
             self._state_bytes = (cid, self._state_bytes_of(self._manifests.get(cid) if cid else None))
         return {uid: dict(per) for uid, per in self._state_bytes[1].items()}  # the caller's to change
 

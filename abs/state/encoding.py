@@ -193,18 +193,15 @@ def encode_keys(keys: list) -> tuple[pa.Array, bytes]:
     types = set(map(type, keys))
     if len(types) == 1:
         (only,) = types
-        arrow_type = {int: pa.int64(), str: pa.string(), bytes: pa.binary()}.get(only)
         if only is str or only is bytes:
-            arr = _text_array(keys)  # the C copy where built; None: lone surrogates
-            if isinstance(arr, pa.Array):
+            arr = _text_array(keys)  # abs.columns: the C copy where built; None for lone surrogates
+            if arr is not None:
                 return arr, ENCODING_ARROW
-            if arr is None:
-                arrow_type = None
-        if arrow_type is not None:
+        elif only is int:
             try:
-                return pa.array(keys, arrow_type), ENCODING_ARROW
-            except (OverflowError, pa.ArrowInvalid, pa.ArrowTypeError, UnicodeEncodeError):
-                pass  # ints beyond int64, lone surrogates: pickle below
+                return pa.array(keys, pa.int64()), ENCODING_ARROW
+            except (OverflowError, pa.ArrowInvalid, pa.ArrowTypeError):
+                pass  # ints beyond int64: pickle below
     dumps = pickle.dumps
     return pa.array([dumps(k, PICKLE_PROTOCOL) for k in keys], pa.binary()), ENCODING_PICKLE
 
