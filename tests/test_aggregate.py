@@ -12,7 +12,7 @@ import types
 import numpy as np
 import pyarrow as pa
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import abs
@@ -760,6 +760,33 @@ def test_slot_map_dense_range_and_hash_agree_with_a_dict(pattern):
         assert m.direct is not None
     if pattern == "takeover":
         assert m.base + len(m.direct) > 200_300  # the range took the hashed keys over
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(-3, 70_000), min_size=1, max_size=300), st.sampled_from([0, 5, -(2**40), 2**61]),
+       st.lists(st.integers(0, 2**62), max_size=3))
+@example([0, 65535], 0, []).via("the last key of the range")
+@example([0, 65536], 0, []).via("one past it")
+def test_fill_direct_places_dense_keys_as_place_does_and_names_the_repeated_ones(keys, shift, far):
+    """A fresh map's fill_direct: keys[i] -> i where the dense range place() would use covers
+    them all (else None, the map untouched); rows of a key given twice come back with the row
+    their key finds, and every key finds a row holding it."""
+    k = np.array(keys + far, np.int64) + np.int64(shift)
+    m = SlotMap()
+    placed = m.fill_direct(k)
+    if len(np.unique(k)) == len(k):  # as place() would: all keys in its dense range, or None
+        plain = SlotMap()
+        plain.place(k, k, np.arange(len(k)), None)
+        assert (placed is not None) == (plain.direct is not None and not plain.hash.size)
+    if placed is None:
+        assert m.direct is None and not m.hash.size
+        return
+    found = m.find(k)[0]
+    assert (k[found] == k).all()
+    twice, owners = placed
+    assert twice.tolist() == np.flatnonzero(found != np.arange(len(k))).tolist()
+    assert owners.tolist() == found[twice].tolist()
+    assert len(twice) == len(k) - len(np.unique(k))
 
 
 @pytest.mark.parametrize("bits", [4, 16, 17, 20, 32, 33])

@@ -7,7 +7,7 @@ store held before; it answers lookups and captures like it; a key restored twice
 from __future__ import annotations
 
 import types
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from unittest import mock
 
 import numpy as np
@@ -20,35 +20,18 @@ import abs
 from abs.errors import StateError
 from abs.keygroups import key_group_range, key_groups
 from abs.runtime.operators import build_operator
-from abs.state import columnar as columnar_module
 from abs.state.columnar import ColumnarKeyedState
 from abs.state import keyindex as keyindex_module
 from abs.state.keyindex import IntKeyIndex
-from abs.state.varkeys import key_codes
 from storage import SnapshotStore
 from test_aggregate import SETTINGS, as_table
+from test_aggregate_strings import colliding_codes
 
 M = 8
 DESCRIPTORS = [abs.ValueState("a", pa.int64()), abs.ValueState("b", pa.float64())]
-real_key_codes = key_codes
 
 # short keys (exact codes) and longer ones (hashed codes), multi-byte UTF-8, NULs
 KEYS = st.one_of(st.text(max_size=3), st.text(min_size=8, max_size=14), st.sampled_from(["k1234567", "ключ", "a\x00"]))
-
-
-@contextmanager
-def codes_cut_to(bits: int):
-    """Index codes cut to ``bits`` bits (64: the real ones), every one flagged as a hash."""
-    if bits >= 64:
-        yield
-        return
-
-    def few_bits(arr):
-        codes, _ = real_key_codes(arr)
-        return codes & np.int64((1 << bits) - 1), np.ones(len(codes), bool)
-
-    with mock.patch.object(columnar_module, "key_codes", few_bits):
-        yield
 
 
 def store() -> ColumnarKeyedState:
@@ -89,7 +72,7 @@ def test_a_bulk_restore_gives_the_store_slots_for_var_builds(keys, before, after
     if key_type == pa.large_binary():
         keys, before, after = ([k.encode() for k in ks] for ks in (keys, before, after))
     tables = key_group_tables(keys, key_type, np.random.default_rng(seed))
-    with codes_cut_to(bits):
+    with colliding_codes(bits):
         bulk, plain = store(), store()
         for s in (bulk, plain):
             if before:  # keys already there (new key groups are still loaded in bulk)
@@ -159,7 +142,7 @@ def test_an_int_key_restored_twice_is_refused_by_name(key):
 def test_many_keys_restored_in_bulk_over_few_codes_find_their_own_slots(bits):
     keys = [f"customer-{i:05d}" if i % 3 else f"{i}" for i in range(3000)]
     tables = key_group_tables(keys, pa.string(), np.random.default_rng(bits), hows=(0,))  # as the store writes them
-    with codes_cut_to(bits):
+    with colliding_codes(bits):
         s = store()
         for state, kg, table in tables:
             s.restore(state, kg, table)

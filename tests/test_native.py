@@ -86,6 +86,13 @@ def test_key_codes_equal(vals, large, cut):
         assert hashed is None
     else:
         assert np.array_equal(hashed, want_hashed)
+    for native in (True, False):  # written into a slice of a bigger array (a restore's keys), nothing else
+        big = np.full(len(arr) + 4, 7, np.int64)
+        out = big[2:-2]
+        with implementation(native):
+            got, _ = varkeys.key_codes(arr, out=out)
+        assert got is out and np.array_equal(big[2:-2], want)
+        assert big[:2].tolist() == [7, 7] and big[-2:].tolist() == [7, 7]
 
 
 def _index_run(native: bool, batches: list[list[int]]) -> tuple[list[np.ndarray], dict]:

@@ -523,8 +523,7 @@ class ColumnarKeyedState:
         col = self._col(state_name)
         if not table.num_rows:
             return
-        keycol = table.column("key")
-        keycol = keycol.combine_chunks() if isinstance(keycol, pa.ChunkedArray) else keycol
+        keycol = one_array(table.column("key"))
         var = var_key_kind(keycol.type) is not None
         keys = keycol if var else numpy_int64(keycol)
         if verify:
@@ -543,15 +542,14 @@ class ColumnarKeyedState:
             slots = self.slots_for_var(keys, kg=kg)
         elif slots is None:
             slots = self._int_slots(keys, lambda new: np.full(len(new), kg, np.int16), present=False)
-        varr = table.column("value")
-        varr = varr.combine_chunks() if isinstance(varr, pa.ChunkedArray) else varr
+        varr = one_array(table.column("value"))
         if varr.null_count:
             valid = varr.is_valid().to_numpy(zero_copy_only=False)
             vals = varr.fill_null(0).to_numpy(zero_copy_only=False).astype(col.dtype)
             vals[~valid] = col.init
         else:
-            valid = np.ones(len(varr), bool)
-            vals = varr.to_numpy(zero_copy_only=False).astype(col.dtype)
+            valid = True
+            vals = varr.to_numpy(zero_copy_only=False)  # the assignment casts: no copy of its own
         col.values[slots] = vals
         col.valid[slots] = valid
         col.present[slots] = True
@@ -591,9 +589,8 @@ class ColumnarKeyedState:
         if self.kg_counts[kg] or not self.takes(kind):
             return None
         self._set_kind(kind)
-        codes = arr if ints else key_codes(arr)[0]
         n0 = self.n
-        n1 = n0 + len(codes)
+        n1 = n0 + len(arr)
         if not n0:  # the first key group of a restore: room for as many in each key group of the range
             groups = int(self.key_group_range.mask.sum())
             guess = n1 * groups + n1 // 8 * int(groups ** 0.5)
@@ -604,11 +601,13 @@ class ColumnarKeyedState:
                 self.var.reserve(guess, int(offsets[-1] - offsets[0]) * guess // max(n1, 1))
         if n1 > self.capacity:
             self._grow(n1)
-        if not ints:
-            self.var.append(arr)
         # _append without its writes of the defaults (ver 0, values init, valid and present
         # False), which slots past n hold already (grow fills them so, nothing writes there)
-        self.keys[n0:n1] = codes
+        if ints:
+            self.keys[n0:n1] = arr
+        else:
+            self.var.append(arr)
+            key_codes(arr, out=self.keys[n0:n1])  # written in place: no array of codes to copy
         self.kg[n0:n1] = kg
         self.kg_counts[kg] += n1 - n0
         self.n = n1
@@ -658,6 +657,13 @@ class ColumnarKeyedState:
         """:meth:`finish_restore` of int keys: the index places them at once (dense ones in
         its direct range), then finds them all again: a key restored twice finds another slot."""
         keys = self.keys[lo:n]
+        if not lo and (placed := self.map.fill_direct(keys)) is not None:  # a fresh store, dense keys
+            self._unindexed = None
+            twice, owners = placed
+            if len(twice):
+                s = int(twice[0])
+                raise self._restored_twice(int(self.keys[s]), s, int(owners[0]))
+            return
         slots = np.arange(lo, n, dtype=np.int64)
         found, ends = self.map.find(keys)
         self._unindexed = None
@@ -724,9 +730,16 @@ class ColumnarKeyedState:
 _BULK_ROOM = 2  # home positions per key of an index built by finish_restore at least (load <= 1/2, as after a rebuild)
 
 
-def numpy_int64(arr: Any) -> np.ndarray:
+def one_array(arr: Any) -> pa.Array:
+    """A column as one array: a chunked array of one chunk is that chunk (``combine_chunks``
+    copies even then: 40 MB of a restored key group of 5 M int64s took 0.09 s)."""
     if isinstance(arr, pa.ChunkedArray):
-        arr = arr.combine_chunks()
+        return arr.chunk(0) if arr.num_chunks == 1 else arr.combine_chunks()
+    return arr
+
+
+def numpy_int64(arr: Any) -> np.ndarray:
+    arr = one_array(arr)
     out = arr.to_numpy(zero_copy_only=False)
     return out if out.dtype == np.int64 else out.astype(np.int64)
 

@@ -310,6 +310,32 @@ class SlotMap:
             index.build(keys, np.flatnonzero(mask))
             self.hash = index
 
+    def fill_direct(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """Place ``keys[i] -> i`` in an empty map at once when they all fall in the dense range
+        :meth:`place` would give them (int keys restored in bulk; ids usually are dense): one
+        scatter, where ``place`` scattered them twice and a lookup found them all again (5 M
+        keys: 0.45 -> 0.1 s). Returns ``(rows, owners)``: the rows of keys given twice and the
+        row each of them finds instead (both empty: every key once); None when the keys do not
+        all fall in such a range (place them with :meth:`place`)."""
+        n = len(keys)
+        if self.direct is not None or self.hash.size or not n or n >= 2**31:
+            return None
+        limit = max(_DIRECT_MIN, _DIRECT_PER_KEY * n)
+        lo, hi = int(keys.min()), int(keys.max())
+        base = 0 if 0 <= lo < limit else lo
+        if hi - base >= limit or base > INT64_MAX - 2 * limit or base < -(2**62):
+            return None
+        direct = np.full(1 << (hi - base).bit_length(), -1, np.int32)
+        at = keys - base if base else keys
+        rows = np.arange(n, dtype=np.int32)
+        direct[at] = rows
+        self.direct, self.base = direct, base
+        if np.count_nonzero(direct >= 0) == n:  # n positions taken: no key twice
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        found = direct[at]  # a key given twice finds one of its rows
+        twice = np.flatnonzero(found != rows)
+        return twice, found[twice].astype(np.int64)
+
     def _grow_direct(self, all_keys: np.ndarray, new: np.ndarray) -> None:
         if not len(new):
             return

@@ -349,7 +349,7 @@ _M3 = np.uint64(0x94D049BB133111EB)
 _S1, _S3, _S29, _S31, _S32, _S63 = (np.uint64(x) for x in (1, 3, 29, 31, 32, 63))
 
 
-def key_codes(arr: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
+def key_codes(arr: pa.Array, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """The int64 code the store's index holds for each key of a null-free string/binary array,
     and the rows whose code is a hash (None: none is).
 
@@ -359,13 +359,20 @@ def key_codes(arr: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
     a short key's code): two long keys may share one, which the caller must check. Computed
     column-wise (a key's ``j``-th word is two aligned 8-byte reads of a copy of the bytes,
     shifted by the key's offset modulo 8), nothing per key in Python. The codes live only in
-    memory (the index); nothing on disk depends on them."""
+    memory (the index); nothing on disk depends on them.
+
+    ``out``: a contiguous int64 array of ``len(arr)`` the codes are written to (and returned):
+    a restore writes them straight into the store's keys."""
+    if out is not None and NATIVE is None:  # the column-wise codes below are new arrays
+        codes, long = key_codes(arr)
+        out[:] = codes
+        return out, long
     offsets, data = arrow_buffers(arr)
     n = len(offsets) - 1
     if not n:
-        return np.zeros(0, np.int64), None
+        return np.zeros(0, np.int64) if out is None else out, None
     if NATIVE is not None:  # the same codes from one C loop (abscore.native)
-        codes = np.empty(n, np.int64)
+        codes = np.empty(n, np.int64) if out is None else out
         if not NATIVE.key_codes(offsets, data, codes):
             return codes, None
         return codes, np.diff(offsets) > _SHORT
