@@ -16,6 +16,8 @@
  *   probing without wrap-around, homes from a multiplicative hash);
  * - partition: a key_by writer's rows grouped by channel (abs.runtime.exchange);
  * - text_array: a list of str or bytes keys as Arrow string/binary buffers (abs.columns);
+ * - byte_streams: a values image's numeric column byte-stream split and joined again
+ *   (storage.values_images);
  * - ValueHandle: value() and update() of a typed ValueState's handle (abs.state.handles).
  */
 #define PY_SSIZE_T_CLEAN
@@ -23,6 +25,9 @@
 #include <structmember.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 /* CRC-32/ISO-HDLC (zlib's), slicing by 8: crc_t[k][b] is the CRC step of byte b followed by k
  * zero bytes, so 8 bytes take 8 independent lookups instead of a chain of 8. */
@@ -491,6 +496,90 @@ static PyObject *index_fill(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(ok ? dups : -1);
 }
 
+/* ------------------------------------------------------------------ byte streams */
+
+#if defined(__SSE2__)
+/* One step of the 16-value block transposes: registers i and i + 4 interleaved byte by byte
+ * (low halves, then high halves). Four steps take 16 eight-byte values (two a register) to
+ * their 8 byte planes (16 bytes each, plane b in register b); three take the planes back. */
+static inline void interleave8(__m128i r[8]) {
+    __m128i t[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm_unpacklo_epi8(r[i], r[i + 4]);
+        t[2 * i + 1] = _mm_unpackhi_epi8(r[i], r[i + 4]);
+    }
+    memcpy(r, t, sizeof t);
+}
+#endif
+
+/* byte_streams(src, out, width, split): n = len(src) / width values of `width` bytes;
+ * split: out[b * n + i] = src[i * width + b] (byte b of every value, then byte b + 1, ...;
+ * Parquet's BYTE_STREAM_SPLIT); else the inverse, out[i * width + b] = src[b * n + i]. */
+static PyObject *byte_streams(PyObject *self, PyObject *args) {
+    PyObject *o_src, *o_out;
+    int width, split;
+    if (!PyArg_ParseTuple(args, "OOip", &o_src, &o_out, &width, &split))
+        return NULL;
+    if (width < 1 || width > 64) {
+        PyErr_SetString(PyExc_ValueError, "width: must be 1..64 bytes");
+        return NULL;
+    }
+    Buf src, out;
+    memset(&src, 0, sizeof src);
+    memset(&out, 0, sizeof out);
+    if (get_buf(o_src, &src, 0, SIZES_BYTE, "src") < 0)
+        return NULL;
+    if (get_buf(o_out, &out, 1, SIZES_BYTE, "out") < 0) {
+        release(&src);
+        return NULL;
+    }
+    Py_ssize_t len = src.view.len;
+    if (len % width || out.view.len != len) {
+        PyErr_Format(PyExc_ValueError, "src: %zd bytes, out: %zd; both must be the same whole number of %d-byte values",
+                     len, out.view.len, width);
+        release(&src);
+        release(&out);
+        return NULL;
+    }
+    const uint8_t *s = src.view.buf;
+    uint8_t *d = out.view.buf;
+    Py_ssize_t n = len / width, i = 0;
+    PyThreadState *ts = release_for(len / 8);
+#if defined(__SSE2__)
+    if (width == 8) {
+        __m128i r[8];
+        for (; i + 16 <= n; i += 16) {
+            if (split) {
+                for (int k = 0; k < 8; k++)
+                    r[k] = _mm_loadu_si128((const __m128i *)(s + 8 * i + 16 * k));
+                for (int step = 0; step < 4; step++)
+                    interleave8(r);
+                for (int b = 0; b < 8; b++)
+                    _mm_storeu_si128((__m128i *)(d + b * n + i), r[b]);
+            } else {
+                for (int b = 0; b < 8; b++)
+                    r[b] = _mm_loadu_si128((const __m128i *)(s + b * n + i));
+                for (int step = 0; step < 3; step++)
+                    interleave8(r);
+                for (int k = 0; k < 8; k++)
+                    _mm_storeu_si128((__m128i *)(d + 8 * i + 16 * k), r[k]);
+            }
+        }
+    }
+#endif
+    for (; i < n; i++)
+        for (int b = 0; b < width; b++) {
+            if (split)
+                d[b * n + i] = s[i * width + b];
+            else
+                d[i * width + b] = s[b * n + i];
+        }
+    restore_after(ts);
+    release(&src);
+    release(&out);
+    Py_RETURN_NONE;
+}
+
 /* ------------------------------------------------------------------ text keys */
 
 static const int SIZES_INT32[] = {4, 0};
@@ -871,6 +960,8 @@ static PyMethodDef methods[] = {
      "index_fill(table, shift, keys, first, rows, owners) -> duplicate rows, or -1: the table is too short"},
     {"configure_value_handles", configure_value_handles, METH_VARARGS,
      "configure_value_handles(backend_class, column_class): the classes whose __slots__ ValueHandle reads"},
+    {"byte_streams", byte_streams, METH_VARARGS,
+     "byte_streams(src, out, width, split): fixed-width values to their byte planes (split) or back"},
     {"text_array", text_array, METH_VARARGS,
      "text_array(keys, offsets) -> (is_bytes, data), or None where abs.columns._text_array decides"},
     {"partition", partition, METH_VARARGS,

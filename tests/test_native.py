@@ -17,11 +17,12 @@ import abs.runtime.exchange as exchange
 import abs.state.keyindex as keyindex
 import abs.state.varkeys as varkeys
 import abscore.hashing as hashing
+import storage.values_images as values_images
 from abs.keygroups import KeyGroupRange
 from abscore.native import NATIVE
 
 needs_native = pytest.mark.skipif(NATIVE is None, reason="abscore._native is not built (or ABS_NATIVE=0)")
-MODULES = (hashing, varkeys, keyindex, exchange, columns)
+MODULES = (hashing, varkeys, keyindex, exchange, columns, values_images)
 
 
 @contextlib.contextmanager
@@ -171,6 +172,26 @@ def test_a_full_table_is_grown_not_overrun():
 
 
 @needs_native
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([1, 2, 4, 8]), st.integers(0, 70), st.integers(0, 2**32 - 1))
+@example(8, 16, 1).via("one block of 16 values, no tail")
+@example(8, 33, 2).via("two blocks and a tail of one")
+def test_byte_streams_equal(width, n, seed):
+    """The byte planes of n values (16-value blocks in SSE2 registers and the scalar tail) and
+    back, as numpy's transposes give them; the planes of value i are bytes i, n + i, ..."""
+    data = np.random.default_rng(seed).integers(0, 256, n * width).astype(np.uint8)
+    got = {}
+    for native in (True, False):
+        with implementation(native):
+            planes = values_images.byte_planes(data, width, split=True)
+            got[native] = (planes, values_images.byte_planes(planes, width, split=False))
+    assert np.array_equal(got[True][0], got[False][0]) and np.array_equal(got[True][1], got[False][1])
+    assert np.array_equal(got[True][1], data)
+    if n:
+        assert got[True][0][[b * n + n - 1 for b in range(width)]].tolist() == data[(n - 1) * width:].tolist()
+
+
+@needs_native
 def test_bad_buffers_are_named():
     n = NATIVE
     out = np.empty(2, np.uint64)
@@ -191,6 +212,12 @@ def test_bad_buffers_are_named():
         n.index_lookup(np.zeros(5, np.int64), 62, np.zeros(1, np.int64), np.empty(1, np.int64), np.empty(1, np.int64))
     with pytest.raises(ValueError, match="shorter than the keys"):
         n.index_lookup(t, 62, np.zeros(3, np.int64), np.empty(1, np.int64), np.empty(3, np.int64))
+    with pytest.raises(ValueError, match="whole number of 8-byte values"):
+        n.byte_streams(np.zeros(12, np.uint8), np.empty(12, np.uint8), 8, True)
+    with pytest.raises(ValueError, match="same whole number"):
+        n.byte_streams(np.zeros(16, np.uint8), np.empty(8, np.uint8), 8, False)
+    with pytest.raises(ValueError, match="width"):
+        n.byte_streams(np.zeros(16, np.uint8), np.empty(16, np.uint8), 0, True)
 
 
 class _Str(str):
