@@ -343,10 +343,13 @@ def windows(args: argparse.Namespace) -> None:
         if cps:
             async_ms = 1000 * float(np.median([c.async_cpu for c in cps]))
             sync_ms = 1000 * float(np.median([c.sync_time for c in cps]))
+            align_ms = 1000 * float(np.median([c.alignment_time for c in cps]))
             cores = os.cpu_count() or 1
             print(f"  CPU of a checkpoint (medians over {len(cps)}): asynchronous part {async_ms:.0f} ms (writer processes and "
                   f"uploader threads of all workers), synchronous part {sync_ms:.1f} ms (the slowest task's); at one checkpoint per "
-                  f"second that is {(async_ms + p * sync_ms) / 10 / cores:.1f} % of the {cores} cores' time", flush=True)
+                  f"second that is {(async_ms + p * sync_ms) / 10 / cores:.1f} % of the {cores} cores' time; barrier "
+                  f"alignment {align_ms:.1f} ms (median of the slowest task's: a channel that delivered the barrier waits "
+                  "that long for the others)", flush=True)
 
 
 def reference(args: argparse.Namespace) -> None:
