@@ -279,10 +279,11 @@ def windows(args: argparse.Namespace) -> None:
               f"parallelism {p}, path={args.path}" + (f", state={args.state}" if args.path == "process" else "")
               + (", workers pinned to CPUs" if args.pin_cpus else "")
               + (f", dashboard open ({args.dashboard})" if args.dashboard else "")
+              + (f", {args.mode} checkpoints" if args.mode != "aligned" else "")
               + f"; {count} ABS windows; storage under {args.root or tempfile.gettempdir()}", flush=True)
         root = tempfile.mkdtemp(prefix="abs-bench-", dir=args.root)
         handle = abs.submit(build(1 << 50, keys, args.path, args.batch_size, args.state), parallelism=p,
-                            checkpoint=abs.CheckpointConfig(interval=None, retained=2), storage=root,
+                            checkpoint=abs.CheckpointConfig(interval=None, retained=2, mode=args.mode), storage=root,
                             executor=abs.LocalExecutor(pin_cpus=args.pin_cpus), dashboard=bool(args.dashboard))
         counts = _RecordsIn(handle, "sum")
         page = _PageOpen(handle, args.dashboard) if args.dashboard else None
@@ -398,6 +399,8 @@ def main() -> int:
                     help="experiment 1b: ABS windows (default 10, 4 with --quick)")
     ap.add_argument("--window", type=float, default=4.0, metavar="SECONDS",
                     help="experiment 1b: length of each window, whole seconds (default 4)")
+    ap.add_argument("--mode", choices=("aligned", "unaligned"), default="aligned",
+                    help="experiment 1b: the checkpoints' mode (default aligned: ABS)")
     ap.add_argument("--dashboard", choices=("poll", "browser"), default=None,
                     help="experiment 1b with the job's dashboard open: 'poll' makes the page's requests (every second) "
                          "and a scrape every 5 s; 'browser' opens the page in a headless Chromium on this machine")
