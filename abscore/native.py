@@ -8,9 +8,9 @@ pass per byte position or probe step over a whole batch, C one pass in all. ``va
 per record, C reads the slots directly (``abs.state.handles``). A snapshot's list of ``str``
 keys as an Arrow array (``abs.columns``): pyarrow's converter costs ~0.2 us a key, C copies
 each key's UTF-8 bytes. A values image's byte-stream split (``storage.values_images``): numpy
-copies a strided view byte by byte, C transposes 16 values at a time in SSE2 registers. Both give the same results bit
-for bit (tests/test_native.py holds them side by side), so a snapshot, a routing decision or
-a key group never depends on which ran. ``NATIVE`` is the C module, or None where it was not
+copies a strided view byte by byte, C transposes 16 values at a time in SSE2 registers. Both
+give the same results bit for bit (tests/test_native.py holds them side by side), so a
+snapshot, a routing decision or a key group never depends on which ran. ``NATIVE`` is the C module, or None where it was not
 built (``setup.py`` builds it when a C compiler and Python's headers are there, and goes on
 without it otherwise) or where ``ABS_NATIVE=0`` is set in the environment; the callers choose
 once per call (the handle class once, at import)."""
