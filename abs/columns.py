@@ -39,7 +39,7 @@ import itertools
 import threading
 from array import array
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -381,6 +381,7 @@ class KeyOrders:
     def __init__(self) -> None:
         self._known: dict[Any, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._text: dict[Any, tuple[np.ndarray | None, pa.Array | list]] = {}
+        self._derived: dict[Any, tuple[np.ndarray, Any]] = {}
 
     def sort(self, slot: Any, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(order, keys[order])`` for unique int64 ``keys``; remembered for ``slot``. The
@@ -393,6 +394,17 @@ class KeyOrders:
         order.flags.writeable = ordered.flags.writeable = False  # shared with later calls
         self._known[slot] = (keys.copy(), order, ordered)
         return order, ordered
+
+    def derived(self, slot: Any, ordered: np.ndarray, make: Callable[[np.ndarray], Any]) -> Any:
+        """``make(ordered)`` for the sorted keys :meth:`sort` returned for ``slot``, remembered
+        while it returns that very array (the keys' digest of a values image: the same at every
+        checkpoint of a key group whose keys stay)."""
+        memo = self._derived.get(slot)
+        if memo is not None and memo[0] is ordered:
+            return memo[1]
+        value = make(ordered)
+        self._derived[slot] = (ordered, value)
+        return value
 
     def sort_text(self, slot: Any, keys: list) -> tuple[np.ndarray | None, pa.Array | list]:
         """``(order, keys in that order as an Arrow string or binary array)`` for the unique

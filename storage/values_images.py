@@ -16,6 +16,8 @@ __all__ = [
     "strictly_increasing",
     "is_values_image",
     "values_image",
+    "values_image_over",
+    "int64_digest",
     "META_BYTE_STREAM_SPLIT",
     "split_byte_streams",
     "join_byte_streams",
@@ -35,7 +37,12 @@ def keys_digest(keys: pa.ChunkedArray | pa.Array, algorithm: str = WRITE_CHECKSU
     little-endian 8-byte integers), or ``None`` for any other column."""
     if not pa.types.is_int64(keys.type) or keys.null_count:
         return None
-    data = np.ascontiguousarray(keys.to_numpy(), dtype="<i8")
+    return int64_digest(keys.to_numpy(), algorithm)
+
+
+def int64_digest(keys: np.ndarray, algorithm: str = WRITE_CHECKSUM_ALGORITHM) -> str:
+    """:func:`keys_digest` of int64 keys held in numpy."""
+    data = np.ascontiguousarray(keys, dtype="<i8")
     return f"{algorithm}:{checksum_hex(memoryview(data).cast('B'), algorithm)}"
 
 
@@ -73,12 +80,20 @@ def values_image(image: pa.Table) -> pa.Table | None:
         keys = image.column(KEY_COLUMN)
         if not strictly_increasing(keys.to_numpy()):
             return None  # repeated keys: rows cannot stand for the base's rows one to one
-    digest = keys_digest(keys)
-    if digest is None:
-        return None
-    meta = dict(image.schema.metadata or {})
-    meta[META_KEYS_DIGEST] = digest.encode()
-    return split_byte_streams(image.drop_columns([KEY_COLUMN]).replace_schema_metadata(meta))
+    return values_image_over(keys.to_numpy(), image.drop_columns([KEY_COLUMN]))
+
+
+def values_image_over(keys: np.ndarray, values: pa.Table, digest: str | None = None) -> pa.Table | None:
+    """:func:`values_image` of a full image given as its int64 keys in ascending order and its
+    other columns in the same order (no ``key``, no ``op``; the delta's schema metadata): a
+    writer that holds the image's columns apart makes it without building the image's table.
+    ``digest``: :func:`int64_digest` of ``keys`` when the caller kept it from the last image
+    of the same keys. ``None`` when a key repeats."""
+    if not strictly_increasing(keys):
+        return None  # repeated keys: rows cannot stand for the base's rows one to one
+    meta = dict(values.schema.metadata or {})
+    meta[META_KEYS_DIGEST] = (int64_digest(keys) if digest is None else digest).encode()
+    return split_byte_streams(values.replace_schema_metadata(meta))
 
 
 def split_byte_streams(table: pa.Table) -> pa.Table:

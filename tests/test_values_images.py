@@ -290,3 +290,29 @@ def test_a_split_column_marked_with_an_unknown_type_is_refused_by_name():
         where = f"column 'value' is marked byte-stream split as '{mark.decode()}' but is fixed_size_binary[8]"
         with pytest.raises(DeltaSchemaError, match=r"a values image is unreadable: " + re.escape(where)):
             resolve_chain([base, bad], first_is_base=True)
+
+
+def test_a_write_given_its_values_image_builds_the_delta_only_when_it_writes_another_file(store):
+    """KeyGroupWrite.values_image with rows: a values image over the base is written from it
+    alone (the delta is never built); where the decision writes something else (the image's
+    rows are not the base's), the delta is built and written as before."""
+    model = {k: k * 10 for k in range(0, 3000, 3)}
+    (base,) = store.write_key_group(1, "op", "n", 0, [], image(model), complete=True)
+    built: list[int] = []
+
+    def lazy(table: pa.Table):
+        def make() -> pa.Table:
+            built.append(table.num_rows)
+            return table
+        return make
+
+    new = {k: v + 1 for k, v in model.items()}
+    (chain,) = store.write_key_groups(2, [KeyGroupWrite("op", "n", 0, [base], lazy(image(new)), True, None, base,
+                                                       lambda: values_image(image(new)), len(new))])
+    assert not built and chain[0] == base and len(chain) == 2
+    assert store.read_file(chain[1]).column_names == ["value"] and as_dict(store.read_chain(chain)) == new
+    bigger = {**new, 5000: 1}
+    (chain,) = store.write_key_groups(3, [KeyGroupWrite("op", "n", 0, chain, lazy(image(bigger)), True, None, base,
+                                                       lambda: values_image(image(bigger)), len(bigger))])
+    assert built == [len(bigger)] and len(chain) == 1 and chain[0].kind == "base"
+    assert as_dict(store.read_chain(chain)) == bigger

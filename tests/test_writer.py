@@ -14,6 +14,8 @@ import fsspec
 import numpy as np
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import abs
 from abs.keygroups import KeyGroupRange, key_group
@@ -873,3 +875,40 @@ def test_full_images_standing_for_the_keys_sent_before_write_what_the_keys_would
                 keys = [pickle.loads(k) for k in keys]
             got.update(zip(keys, t.column("value").to_pylist()))
         assert got == values
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([("q", pa.int64()), ("d", pa.float64())]),
+       st.lists(st.lists(st.tuples(st.integers(-20, 20), st.one_of(st.none(), st.integers(-9, 9)), st.booleans()),
+                         max_size=25), min_size=1, max_size=6),
+       st.booleans())
+def test_a_column_deltas_values_image_from_its_columns_is_the_one_its_table_gives(kind, rounds, full):
+    """The writer makes a ColumnDelta's values image from its sorted keys and values, with the
+    keys' digest kept while the key group's keys stay (KeyOrders.derived): over rounds of
+    writes, nulls, inserts and deletes it is the table values_image makes of the delta's
+    normalized table, metadata and byte-stream split included (or None where that is None),
+    and num_rows is the table's row count."""
+    from abs.columns import Column, KeyOrders
+    from abs.runtime.writer import _values_image
+    from storage.tables import normalize_delta
+    from storage.values_images import values_image
+
+    typecode, arrow_type = kind
+    col, orders = Column(typecode), KeyOrders()
+    for epoch, ops in enumerate(rounds, start=1):
+        for key, value, delete in ops:
+            if delete:
+                col.delete(key, epoch)
+            else:
+                col.set(key, None if value is None else (float(value) if typecode == "d" else value), epoch)
+        captured = col.capture(epoch - 1, full=full)
+        if captured is None:
+            continue
+        delta = ColumnDelta(captured, arrow_type, "value")
+        table = delta.to_table(orders, "s")
+        assert delta.num_rows == table.num_rows
+        want = values_image(normalize_delta(table, what="test"))
+        got = _values_image(delta, orders, "s")
+        assert (got is None) == (want is None)
+        if want is not None:
+            assert got.equals(want, check_metadata=True) and got.schema.equals(want.schema, check_metadata=True)

@@ -25,7 +25,8 @@ import pyarrow as pa
 from abs.columns import Captured, KeyOrders, SameKeys, _text_array
 from abs.errors import StateError
 
-from .encoding import ENCODING_PICKLE, MISSING, column_table, delta_table, encode_keys, encode_pairs, pickled_values, split_deletes
+from .encoding import (ENCODING_PICKLE, MISSING, column_table, delta_table, encode_keys, encode_pairs, pickled_values,
+                       split_deletes, values_table)
 from .varkeys import Gathered
 
 if TYPE_CHECKING:
@@ -173,6 +174,27 @@ class ColumnDelta:
         if orders is not None and c.all_rows and c.changed is None and not c.deleted:
             keys, values, nulls = _sorted_rows(self, orders, slot, keys, values, nulls)
         return column_table(self._arrow_type, self._kind, keys, values, nulls, c.deleted)
+
+    @property
+    def num_rows(self) -> int:
+        """The rows of :meth:`to_table` (without building it)."""
+        c = self._rows()
+        return (len(c.keys) if c.changed is None else len(c.changed)) + len(c.deleted)
+
+    def sorted_image(self, orders: KeyOrders, slot: Any) -> tuple[np.ndarray, pa.Table] | None:
+        """When :meth:`to_table` would give the key group's full image over int64 keys of a
+        typed state (every row, no delete): its keys in ascending order (the array ``orders``
+        keeps for ``slot``, see :meth:`image_keys`) and its other columns in that order (the
+        ``value`` column, with the delta's schema metadata), without building the delta's
+        table: a values image needs no more (:func:`storage.values_images.values_image_over`).
+        Else ``None``."""
+        c = self._rows()
+        if (self._arrow_type is None or not c.all_rows or c.changed is not None or c.deleted
+                or not isinstance(c.keys, np.ndarray) or len(c.keys) < 2):
+            return None
+        order, ordered = self._sort(orders, slot)
+        return ordered, values_table(self._arrow_type, self._kind, c.values[order],
+                                     None if c.nulls is None else c.nulls[order])
 
     def full_list_keys(self) -> list | None:
         """The keys of the delta when it is a full image (no deletes) whose keys are a list

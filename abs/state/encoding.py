@@ -56,6 +56,7 @@ __all__ = [
     "encode_pairs",
     "pickled_values",
     "split_deletes",
+    "values_table",
 ]
 
 PICKLE_PROTOCOL = 5
@@ -182,11 +183,20 @@ def delta_table(kind: str, key_arr: pa.Array, key_enc: bytes, value_arr: pa.Arra
     if with_op:
         fields.append(pa.field("op", pa.int8(), nullable=False))
         arrays.append(pa.array(ops, pa.int8()))
-    schema = pa.schema(
-        fields,
-        metadata={META_KEY_ENCODING: key_enc, META_VALUE_ENCODING: value_enc, META_STATE_KIND: kind.encode()},
-    )
-    return pa.Table.from_arrays(arrays, schema=schema)
+    return pa.Table.from_arrays(arrays, schema=pa.schema(fields, metadata=_delta_metadata(kind, key_enc, value_enc)))
+
+
+def values_table(t: pa.DataType, kind: str, values: np.ndarray, nulls: np.ndarray | None) -> pa.Table:
+    """The ``value`` column of a typed state's rows, with the schema metadata of the
+    :func:`column_table` of int64 keys: what a delta table of those rows holds besides its
+    ``key`` and ``op`` columns (a values image's input, :mod:`storage.values_images`)."""
+    return pa.Table.from_arrays([pa.array(values, t, mask=nulls)],
+                                schema=pa.schema([pa.field("value", t)],
+                                                 metadata=_delta_metadata(kind, ENCODING_ARROW, ENCODING_ARROW)))
+
+
+def _delta_metadata(kind: str, key_enc: bytes, value_enc: bytes) -> dict:
+    return {META_KEY_ENCODING: key_enc, META_VALUE_ENCODING: value_enc, META_STATE_KIND: kind.encode()}
 
 
 def encode_keys(keys: list) -> tuple[pa.Array, bytes]:
