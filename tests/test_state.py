@@ -7,6 +7,7 @@ import dataclasses
 import operator
 import pickle
 import re
+from typing import Any, Iterator
 
 import pyarrow as pa
 import pytest
@@ -919,6 +920,18 @@ def test_a_column_agrees_with_a_dict_under_writes_nulls_and_deletes(typecode, op
         assert set(since_1.deleted) == expect_del
 
 
+def replay_rounds(col: Any, rounds: list, convert: Any = None) -> Iterator[int]:
+    """Apply ``rounds`` of ``(key, value, delete)`` writes to a Column, one epoch a round
+    (``convert``: applied to the non-null values); yields each epoch after its writes."""
+    for epoch, ops in enumerate(rounds, start=1):
+        for key, value, delete in ops:
+            if delete:
+                col.delete(key, epoch)
+            else:
+                col.set(key, value if convert is None or value is None else convert(value), epoch)
+        yield epoch
+
+
 @pytest.mark.parametrize("typecode", ["q", "O"])
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.lists(st.tuples(st.integers(-20, 20), st.one_of(st.none(), st.integers(-9, 9)), st.booleans()),
@@ -937,12 +950,7 @@ def test_full_images_sorted_with_remembered_key_orders_equal_a_fresh_sort(typeco
     from storage.format import sort_by_key
 
     col, orders = Column(typecode), KeyOrders()
-    for epoch, ops in enumerate(rounds, start=1):
-        for key, value, delete in ops:
-            if delete:
-                col.delete(key, epoch)
-            else:
-                col.set(key, value, epoch)
+    for epoch in replay_rounds(col, rounds):
         captured = col.capture(epoch - 1, full=True)
         if captured is None:
             continue

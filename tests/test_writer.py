@@ -23,6 +23,7 @@ from abs.runtime.messages import WriteJob
 from abs.runtime.writer import FrameReader, InThreadWriter, SnapshotWriter, recv_frame, send_frame, writes_in_process
 from abs.state import ColumnDelta, KeyedStateBackend, ListState, PickledDelta, ValueState
 from pacing import PacedSource
+from test_state import replay_rounds
 from storage import SnapshotStore
 
 M = 8
@@ -895,12 +896,7 @@ def test_a_column_deltas_values_image_from_its_columns_is_the_one_its_table_give
 
     typecode, arrow_type = kind
     col, orders = Column(typecode), KeyOrders()
-    for epoch, ops in enumerate(rounds, start=1):
-        for key, value, delete in ops:
-            if delete:
-                col.delete(key, epoch)
-            else:
-                col.set(key, None if value is None else (float(value) if typecode == "d" else value), epoch)
+    for epoch in replay_rounds(col, rounds, float if typecode == "d" else None):
         captured = col.capture(epoch - 1, full=full)
         if captured is None:
             continue
