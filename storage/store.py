@@ -332,7 +332,8 @@ class SnapshotStore:
     def iter_key_group(self, manifest: Manifest, operator: str, state: str, key_group: int) -> Iterator[pa.RecordBatch]:
         """:meth:`read_key_group` as record batches, decoded lazily where the chain allows it
         (a base alone: one batch at a time, so a reader that stops early decodes no more);
-        a longer chain is resolved as a whole first."""
+        a longer chain is resolved as a whole first. Either way the rows come in key order
+        (where the key type sorts), as ``abs-snapshot dump`` lists them."""
         return self._reader.iter_key_group(manifest, operator, state, key_group)
 
     def read_key_group_chain(self, manifest: Manifest, operator: str, state: str, key_group: int) -> list[FileRef]:

@@ -19,7 +19,7 @@ import pyarrow as pa
 from .chains import resolve_chain
 from .errors import CorruptFileError, InvalidChainError, MissingFileError, StateNotFoundError, StorageError
 from .format import (KEY_COLUMN, OP_COLUMN, DecodeLimits, checksum_hex, decode_table, is_values_image, iter_batches,
-                     stream_schema)
+                     sort_by_key, stream_schema)
 from .manifest import FileRef, Manifest, chain_problems
 
 if TYPE_CHECKING:  # at run time only annotations name it: a job without a storage root skips fsspec
@@ -265,11 +265,12 @@ class ChainReader:
 
     def iter_key_group(self, manifest: Manifest, operator: str, state: str, key_group: int) -> Iterator[pa.RecordBatch]:
         """:meth:`SnapshotStore.iter_key_group`: a base alone one batch at a time, a longer
-        chain resolved as a whole first."""
+        chain resolved as a whole first, its rows sorted by key as a base's are (resolving
+        puts the rows a delta changed after the base's others)."""
         cid = manifest.checkpoint_id
         chain = key_group_chain(manifest, operator, state, key_group)
         if len(chain) > 1 or chain[0].shared:
-            yield from self.read_chain(chain, checkpoint_id=cid).to_batches()
+            yield from sort_by_key(self.read_chain(chain, checkpoint_id=cid)).to_batches()
             return
         ref = chain[0]
         problems = chain_problems(chain, operator=operator, state=state, key_group=key_group)

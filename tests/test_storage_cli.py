@@ -104,6 +104,24 @@ def test_dump_prints_resolved_rows_as_a_table_or_json_lines(capsys, root):
     assert code == 0 and len(rows) == 3 and set(rows[0]) == {"key_group", "key", "value"}
 
 
+def test_dump_lists_a_resolved_key_groups_rows_in_key_order(capsys, tmp_path):
+    """A chain whose delta changed some keys: resolving puts those after the base's others;
+    dump lists the rows by key, as it lists a base's, so a --limit shows the smallest keys."""
+    url = str(tmp_path / "snap")
+    store = SnapshotStore.open(url, policy=CompactionPolicy(max_delta_ratio=100.0))
+    store.init_job({"job_name": "order", "max_parallelism": 4})
+    chain = store.write_key_group(1, "op", "n", 0, [], pa.table({"key": [10, 20, 30], "value": [1, 2, 3]}))
+    chain = store.write_key_group(2, "op", "n", 0, chain, pa.table({"key": [5, 20], "value": [7, 8]}))
+    assert len(chain) == 2
+    store.commit(Manifest(checkpoint_id=2, job_name="order", max_parallelism=4, created_at=1_700_000_000,
+                          keyed={"op": {"n": {0: chain}}}))
+    code, out, _ = run(capsys, "dump", url, "2", "--operator", "op", "--state", "n", "--format", "jsonl")
+    assert code == 0
+    assert [(r["key"], r["value"]) for r in map(json.loads, out.splitlines())] == [(5, 7), (10, 1), (20, 8), (30, 3)]
+    code, out, _ = run(capsys, "dump", url, "2", "--operator", "op", "--state", "n", "--format", "jsonl", "--limit", "2")
+    assert [json.loads(line)["key"] for line in out.splitlines()] == [5, 10]
+
+
 def test_dump_never_unpickles_unless_asked(capsys, root):
     code, out, _ = run(capsys, "dump", root, "2", "--operator", "count/1", "--state", "blobs")
     assert code == 0 and "<pickled" in out and "bytes>" in out
