@@ -27,6 +27,7 @@ def main(boot: dict | None = None) -> None:
     if boot is None:
         boot = json.loads(sys.stdin.readline())
     no_huge_pages()  # before the writer's fork: it inherits the setting
+    keep_freed_heap()  # so does this one
     # the writer shares this process's pages: frozen, the objects of both stay out of their
     # collections, which would copy every page they examine (see abs.runtime.forked)
     gc.freeze()
@@ -114,6 +115,39 @@ def no_huge_pages() -> None:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE
+    except (OSError, AttributeError):
+        pass
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+KEEP_FREED_HEAP = 32 << 20
+"""Freed memory at the top of a worker's heap kept for reuse, at most (glibc's trim threshold)."""
+HEAP_BLOCKS_UP_TO = 4 << 20
+"""A worker's allocations up to this size come from its heap (glibc's mmap threshold)."""
+
+
+def keep_freed_heap() -> None:
+    """Keep up to :data:`KEEP_FREED_HEAP` of freed memory in this process's heap for its next
+    allocations, and take blocks of up to :data:`HEAP_BLOCKS_UP_TO` from the heap (glibc's
+    ``mallopt``; elsewhere a no-op). The processes it forks (the snapshot writer) inherit it.
+
+    Why: a snapshot's synchronous part copies each changed key group's keys and values into
+    new arrays (8 MB a checkpoint for each task on the ABS paper's workload at p=2), which the
+    uploader frees once they are written. glibc gave those pages back to the kernel at once
+    (a trim threshold of 128 KB, or twice the largest block freed since), and the next
+    checkpoint's copies faulted them in again, 4 KB at a time: half of the synchronous part,
+    during which the task stops (at p=2 7.0 ms a checkpoint, 3.8-4.4 ms with the pages kept;
+    ``bench_overhead.py --only windows``). Blocks above the mmap threshold are fresh pages at
+    every allocation; setting the trim threshold fixes the mmap threshold, which glibc would
+    otherwise raise as large blocks are freed, so it is set too."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_TRIM_THRESHOLD, KEEP_FREED_HEAP)
+        libc.mallopt(_M_MMAP_THRESHOLD, HEAP_BLOCKS_UP_TO)
     except (OSError, AttributeError):
         pass
 
