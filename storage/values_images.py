@@ -78,9 +78,7 @@ def values_image(image: pa.Table) -> pa.Table | None:
     if not strictly_increasing(keys.to_numpy()):  # the writer's images come sorted
         image = sort_by_key(image)
         keys = image.column(KEY_COLUMN)
-        if not strictly_increasing(keys.to_numpy()):
-            return None  # repeated keys: rows cannot stand for the base's rows one to one
-    return values_image_over(keys.to_numpy(), image.drop_columns([KEY_COLUMN]))
+    return values_image_over(keys.to_numpy(), image.drop_columns([KEY_COLUMN]))  # None where keys repeat
 
 
 def values_image_over(keys: np.ndarray, values: pa.Table, digest: str | None = None) -> pa.Table | None:

@@ -539,7 +539,8 @@ def write_jobs(store: Any, orders: Any, checkpoint_id: int, jobs: list, session:
             table, complete = functools.partial(delta.to_table, orders, slot), delta.complete
             image = functools.partial(delta.image, orders, slot)
             keys = functools.partial(delta.image_keys, orders, slot)
-            values, rows = functools.partial(_values_image, delta, orders, slot), delta.num_rows
+            if delta.typed_image:  # its values image from its columns; the table only if the write needs it
+                values, rows = functools.partial(_values_image, delta, orders, slot), delta.num_rows
         else:  # complete is read after to_table, which may set it
             table = delta.to_table()
             image, complete = getattr(delta, "image", None), getattr(delta, "complete", complete)
@@ -548,19 +549,14 @@ def write_jobs(store: Any, orders: Any, checkpoint_id: int, jobs: list, session:
 
 
 def _values_image(delta: Any, orders: Any, slot: tuple) -> Any:
-    """The values image of a :class:`~abs.state.ColumnDelta` (what
-    :func:`storage.values_images.values_image` makes of its normalized table), from its sorted
-    keys and values alone when it is a full image over int64 keys, the keys' digest kept from
-    the last image of the same keys (:meth:`abs.columns.KeyOrders.derived`); otherwise from
-    its table. Per key group of 7.8 k keys ~30 us instead of ~100 (to_table, normalize_delta,
-    values_image)."""
-    from storage.tables import normalize_delta
-    from storage.values_images import int64_digest, values_image, values_image_over
+    """The values image of a :attr:`~abs.state.ColumnDelta.typed_image` (what
+    :func:`storage.values_images.values_image` makes of its normalized table) from its sorted
+    keys and values alone, the keys' digest kept from the last image of the same keys
+    (:meth:`abs.columns.KeyOrders.derived`). Per key group of 7.8 k keys ~30 us instead of
+    ~100 (to_table, normalize_delta, values_image)."""
+    from storage.values_images import int64_digest, values_image_over
 
-    parts = delta.sorted_image(orders, slot)
-    if parts is None:
-        return values_image(normalize_delta(delta.to_table(orders, slot), what=" / ".join(map(str, slot))))
-    keys, values = parts
+    keys, values = delta.sorted_image(orders, slot)
     return values_image_over(keys, values, orders.derived(slot, keys, int64_digest))
 
 

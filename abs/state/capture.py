@@ -181,17 +181,22 @@ class ColumnDelta:
         c = self._rows()
         return (len(c.keys) if c.changed is None else len(c.changed)) + len(c.deleted)
 
-    def sorted_image(self, orders: KeyOrders, slot: Any) -> tuple[np.ndarray, pa.Table] | None:
-        """When :meth:`to_table` would give the key group's full image over int64 keys of a
-        typed state (every row, no delete): its keys in ascending order (the array ``orders``
-        keeps for ``slot``, see :meth:`image_keys`) and its other columns in that order (the
-        ``value`` column, with the delta's schema metadata), without building the delta's
-        table: a values image needs no more (:func:`storage.values_images.values_image_over`).
-        Else ``None``."""
+    @property
+    def typed_image(self) -> bool:
+        """Whether :meth:`to_table` gives the key group's full image over int64 keys of a typed
+        state (every row, no delete): :meth:`sorted_image` then has it in columns."""
         c = self._rows()
-        if (self._arrow_type is None or not c.all_rows or c.changed is not None or c.deleted
-                or not isinstance(c.keys, np.ndarray) or len(c.keys) < 2):
-            return None
+        return (self._arrow_type is not None and c.all_rows and c.changed is None and not c.deleted
+                and isinstance(c.keys, np.ndarray) and len(c.keys) >= 2)
+
+    def sorted_image(self, orders: KeyOrders, slot: Any) -> tuple[np.ndarray, pa.Table]:
+        """A :attr:`typed_image`'s keys in ascending order (the array ``orders`` keeps for
+        ``slot``, see :meth:`image_keys`) and its other columns in that order (the ``value``
+        column, with the delta's schema metadata), without building the delta's table: a
+        values image needs no more (:func:`storage.values_images.values_image_over`)."""
+        if not self.typed_image:
+            raise ValueError("sorted_image: the delta is not a full image over int64 keys of a typed state (typed_image)")
+        c = self._rows()
         order, ordered = self._sort(orders, slot)
         return ordered, values_table(self._arrow_type, self._kind, c.values[order],
                                      None if c.nulls is None else c.nulls[order])
