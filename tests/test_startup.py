@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -185,7 +186,7 @@ _HEAP_CYCLES = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt: keep_freed_heap does nothing elsewhere")
 def test_a_workers_freed_heap_serves_the_next_checkpoints_copies_without_page_faults():
     """keep_freed_heap (a worker calls it at start): the pages a checkpoint's copies freed are
     the next checkpoint's, not handed back to the kernel and faulted in again 4 KB at a time."""
