@@ -29,7 +29,11 @@ quiet windows before and after it (which cancels a linear drift); the figure is 
 over windows. Throughput comes from the workers' counts of records in, which reach the
 driver every 0.5 s, interpolated at the window boundaries. A checkpoint's asynchronous part
 (~0.3 s) ends inside its window, so quiet windows carry none of it; the per-record work is
-the same in both (dirty tracking runs whether or not checkpointing is on).
+the same in both (dirty tracking runs whether or not checkpointing is on). It also splits the
+cost from ``/proc`` (Linux): the CPU per event of the worker processes in quiet and in ABS
+windows (what checkpoints add to the workers' own threads, and how much slower their processing
+runs beside the writers), the writers' CPU per event, and the share of the cores the workers
+got; and it prints the checkpoints' duration (a writer starved of CPU would show there).
 
     .venv/bin/python scripts/bench_overhead.py [--quick] [--only paper|windows|reference] [--rounds N]
                                                [--paper-parallelism P [P ...]] [--path process|aggregate]
@@ -213,6 +217,34 @@ class _RecordsIn:
         return float(np.interp(end, t, n) - np.interp(start, t, n)) / (end - start)
 
 
+def _descendants_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) so far of this process's children (the job's workers) and
+    grandchildren (their snapshot writers), from ``/proc`` (Linux; empty elsewhere)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    parent: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    try:
+        pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent[pid] = int(fields[1])
+        cpu[pid] = (int(fields[11]) + int(fields[12])) / tick
+    me = os.getpid()
+    out = {"workers": 0.0, "writers": 0.0}
+    for pid, ppid in parent.items():
+        if ppid == me:
+            out["workers"] += cpu[pid]
+        elif parent.get(ppid) == me:
+            out["writers"] += cpu[pid]
+    return out
+
+
 def median_interval(costs: list[float], resamples: int = 10_000) -> tuple[float, float]:
     """95 % percentile-bootstrap interval of the median of ``costs`` (windows resampled with
     replacement): how far the figure would move were the run repeated on the same machine."""
@@ -295,11 +327,13 @@ def windows(args: argparse.Namespace) -> None:
             handle.trigger_checkpoint()
             time.sleep(2.0)
             spans: list[tuple[str, float, float, int]] = []  # (kind, start, end, checkpoints)
+            procs: list[dict[str, float]] = []  # CPU seconds of the workers and of their writers in each window
             at = time.monotonic()
             driver_cpu0, driver_t0 = time.process_time(), at
             driver_by_kind: dict[str, list[float]] = {"quiet": [0.0, 0.0], "ABS": [0.0, 0.0]}  # CPU s, wall s
             for i in range(2 * count + 1):
                 start, taken, cpu_start = at, 0, time.process_time()
+                procs_start = _descendants_cpu()
                 for _ in range(round(width)):
                     if i % 2:
                         handle.trigger_checkpoint()
@@ -307,6 +341,8 @@ def windows(args: argparse.Namespace) -> None:
                     at += 1.0
                     time.sleep(max(0.0, at - time.monotonic()))
                 spans.append(("ABS" if i % 2 else "quiet", start, max(at, time.monotonic()), taken))
+                procs_end = _descendants_cpu()
+                procs.append({k: procs_end.get(k, 0.0) - procs_start.get(k, 0.0) for k in procs_end})
                 driver_by_kind[spans[-1][0]][0] += time.process_time() - cpu_start
                 driver_by_kind[spans[-1][0]][1] += spans[-1][2] - start
                 at = spans[-1][2]
@@ -329,6 +365,19 @@ def windows(args: argparse.Namespace) -> None:
         print(f"  quiet windows  median {float(np.median(quiet)):>10,.0f} events/s  ({', '.join(f'{r / 1e3:.0f}k' for r in quiet)})")
         print(f"  ABS windows    median {float(np.median(busy)):>10,.0f} events/s  ({', '.join(f'{r / 1e3:.0f}k' for r in busy)}); "
               f"checkpoints per window {', '.join(str(s[3]) for s in spans[1::2])}")
+        if procs and procs[0]:
+            # CPU per event of the worker processes (every thread: sources, tasks, uploader) and of
+            # the writers, quiet vs ABS windows: the machine's speed moves it far less than throughput
+            events = [r * (z - a) for r, (_, a, z, _) in zip(rates, spans)]
+            per = {kind: [1e9 * sum(procs[i][role] for i in range(j, len(spans), 2)) / sum(events[j::2])
+                          for role in ("workers", "writers")] for j, kind in ((0, "quiet"), (1, "ABS"))}
+            busy_share = {kind: 100 * sum(procs[i]["workers"] for i in range(j, len(spans), 2))
+                          / sum(spans[i][2] - spans[i][1] for i in range(j, len(spans), 2)) / (os.cpu_count() or 1)
+                          for j, kind in ((0, "quiet"), (1, "ABS"))}
+            print(f"  CPU per event: workers {per['quiet'][0]:.0f} ns quiet, {per['ABS'][0]:.0f} ns ABS "
+                  f"({(per['ABS'][0] / per['quiet'][0] - 1) * 100:+.1f} %); writers {per['ABS'][1]:.1f} ns ABS "
+                  f"({per['quiet'][1]:.1f} quiet); the workers used {busy_share['quiet']:.0f} % of the cores in quiet windows, "
+                  f"{busy_share['ABS']:.0f} % in ABS windows", flush=True)
         q1, med, q3 = (float(np.percentile(costs, q)) for q in (25, 50, 75))
         lo, hi = median_interval(costs)
         print(f"  throughput cost of ABS: {med * 100:5.1f} % (median over {len(costs)} windows, 95 % bootstrap interval "
@@ -351,6 +400,9 @@ def windows(args: argparse.Namespace) -> None:
                   f"second that is {(async_ms + p * sync_ms) / 10 / cores:.1f} % of the {cores} cores' time; barrier "
                   f"alignment {align_ms:.1f} ms (median of the slowest task's: a channel that delivered the barrier waits "
                   "that long for the others)", flush=True)
+            durations = [c.duration for c in cps]
+            print(f"  checkpoint duration (trigger to completion): median {1000 * float(np.median(durations)):.0f} ms, "
+                  f"max {1000 * max(durations):.0f} ms", flush=True)
 
 
 def reference(args: argparse.Namespace) -> None:
