@@ -201,8 +201,14 @@ class KeyedOp(OperatorRuntime):
         self.backend.abort(checkpoint_id)
 
     # ------------------------------------------------------------------ live reconfiguration
-    def _movable_backend(self) -> KeyedStateBackend:
-        return self.backend  # type: ignore[return-value]
+    def _export(self, kg: int, full: bool) -> dict[str, pa.Table]:
+        return export_key_group(self.backend, kg, full=full)
+
+    def _release(self, kg: int) -> None:
+        release_key_group(self.backend, kg)
+
+    def _adopt(self, kg: int, base: dict[str, pa.Table], changes: dict[str, pa.Table]) -> None:
+        adopt_key_group(self.backend, kg, base, changes)
 
     def hand_out(self, kg: int, *, full: bool) -> tuple[dict[str, pa.Table], dict[str, list]]:
         """Key group ``kg`` leaves this subtask: its state (what changed since the last
@@ -212,16 +218,15 @@ class KeyedOp(OperatorRuntime):
         full = full or self.need_full
         chains = {} if full else {state: list(by_kg[kg]) for state, by_kg in self.confirmed_chains.items()
                                   if kg in by_kg}
-        backend = self._movable_backend()
-        tables = export_key_group(backend, kg, full=full)
-        release_key_group(backend, kg)
+        tables = self._export(kg, full)
+        self._release(kg)
         self.chains.forget(self.uid, kg, self.last_captured)
         return tables, chains
 
     def take_in(self, kg: int, base: dict[str, pa.Table], changes: dict[str, pa.Table]) -> None:
         """Key group ``kg`` joins this subtask: ``base`` (state -> the resolved chain the
         changes build on) then ``changes`` (state -> delta table) from :meth:`hand_out`."""
-        adopt_key_group(self._movable_backend(), kg, base, changes)
+        self._adopt(kg, base, changes)
         self.chains.forget(self.uid, kg, self.last_captured)
 
 
@@ -353,9 +358,15 @@ class AggregateOp(KeyedOp):
         # Not with emit="updates", whose updates are one row per key of each batch processed.
         self.merge_rows = MERGE_ROWS if node.spec["emit"] == "none" else 0
 
-    def _movable_backend(self) -> KeyedStateBackend:
-        self.backend.migrate_to_dict()  # key groups move in the dict backend's encoding
-        return self.backend.dict_backend
+    # key groups move in the columnar store's own form while it holds them (AggregateBackend)
+    def _export(self, kg: int, full: bool) -> dict[str, pa.Table]:
+        return self.backend.export_key_group(kg, full=full)
+
+    def _release(self, kg: int) -> None:
+        self.backend.release_key_group(kg)
+
+    def _adopt(self, kg: int, base: dict[str, pa.Table], changes: dict[str, pa.Table]) -> None:
+        self.backend.adopt_key_group(kg, base, changes)
 
     def process(self, batch: pa.RecordBatch) -> None:
         self.records_in += batch.num_rows

@@ -7,18 +7,20 @@ fits, the dict backend (:mod:`abs.state.dict_backend`) after, behind one
 dict backend when a batch's key column is neither an integer nor a string/binary type, has
 nulls, holds uint64 keys beyond int64 or keys of another kind than the store's (int, string,
 binary: a store holds one), when a value column is neither integer nor floating, or when a
-restored table does not fit the same way. The migration keeps every value, and every key changed since
+restored or handed-over table does not fit the same way (a live reconfiguration's key groups
+move in the columnar form otherwise). The migration keeps every value, and every key changed since
 the last confirmed checkpoint stays dirty (later deltas may carry a few more keys than
 strictly needed, never fewer).
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import pyarrow as pa
 
 from abs.keygroups import KeyGroupRange
 
+from . import handover
 from .columnar import ColumnarKeyedState, columnar_descriptors_ok
 from .descriptors import StateDescriptor
 from .dict_backend import KeyedStateBackend
@@ -101,6 +103,30 @@ class AggregateBackend:
         restored in bulk (:meth:`ColumnarKeyedState.finish_restore`)."""
         if self.columnar is not None:
             self.columnar.finish_restore()
+
+    # live reconfiguration (abs.state.handover): key groups move in the columnar form while
+    # the store is columnar; the dict backend owns the same key groups (one shared set), empty
+    def export_key_group(self, kg: int, *, full: bool) -> dict[str, pa.Table]:
+        if self.columnar is not None:
+            return self.columnar.export_key_group(kg, full=full)
+        return handover.export_key_group(self.dict_backend, kg, full=full)
+
+    def release_key_group(self, kg: int) -> None:
+        if self.columnar is not None:
+            self.columnar.release_key_group(kg)
+        handover.release_key_group(self.dict_backend, kg)
+
+    def adopt_key_group(self, kg: int, base: Mapping[str, pa.Table], changes: Mapping[str, pa.Table]) -> None:
+        """Load key group ``kg`` into the columnar store when every table fits it, else move
+        to the dict backend first (as a restore does)."""
+        if self.columnar is not None:
+            handover.adopt_key_group(self.dict_backend, kg, {}, {})  # owned from now on, empty there
+            if self.columnar.fits(kg, [*base.items(), *changes.items()]):
+                self.columnar.adopt_key_group(kg, base, changes)
+                return
+            handover.release_key_group(self.dict_backend, kg)
+            self.migrate_to_dict()
+        handover.adopt_key_group(self.dict_backend, kg, base, changes)
 
     def items(self, name: str, kg: int | None = None) -> Iterator[tuple[Any, Any]]:
         return self.impl.items(name, kg)

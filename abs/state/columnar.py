@@ -39,6 +39,23 @@ accumulators (:meth:`ColumnarKeyedState.slots_for`, :meth:`~ColumnarKeyedState.s
 :meth:`~ColumnarKeyedState.touch`).
 The store has no deletes: an aggregate never removes a key.
 
+Moving key groups while the job runs
+------------------------------------
+Live reconfiguration (:mod:`abs.reconfig`) moves key groups between subtasks in the store's own
+form, with the semantics of :mod:`abs.state.handover`:
+:meth:`~ColumnarKeyedState.export_key_group` gives a key group's rows changed since the last
+confirmed capture (or all of them) as the delta tables a capture writes;
+:meth:`~ColumnarKeyedState.release_key_group` forgets it: its slots stay as they are (slots are
+only ever appended, the index has no deletes, and a batch's fast paths need every slot valid and
+present), and from then on captures, exports and ``items`` leave out the slots of key groups
+the subtask does not own, and a batch with a key of such a key group is refused as routed to
+the wrong subtask;
+:meth:`~ColumnarKeyedState.adopt_key_group` loads a key group (the resolved chain, then the
+handed-over changes): keys of a key group that comes back find their old slots again (cleared
+first), the others are appended as a restore appends them, and every key of the key group counts
+as changed, so the next capture writes it whole. A released key group's slots cost their memory until it
+comes back.
+
 Dirty tracking with the semantics of KeyedStateBackend
 ------------------------------------------------------
 Writes happen in *epochs*; ``capture(n)`` closes the current epoch ``e`` (remembered as the
@@ -78,7 +95,8 @@ from abs.errors import StateError
 from abs.keygroups import KeyGroupRange, KeyGroupSet, key_groups
 
 from .capture import FrozenSlots, SlotsDelta, group_bounds
-from .encoding import ENCODING_ARROW, META_KEY_ENCODING, META_STATE_KIND, META_VALUE_ENCODING, check_restore_table
+from .encoding import (ENCODING_ARROW, META_KEY_ENCODING, META_STATE_KIND, META_VALUE_ENCODING, OP_DELETE,
+                       check_restore_table)
 from .keyindex import INT64_MAX, IntKeyIndex, SlotMap, distinct, distinct_inverse, representatives
 from .varkeys import Gathered, VarKeyStore, arrow_buffers, key_codes, var_key_kind
 
@@ -175,6 +193,9 @@ class ColumnarKeyedState:
         # restored in bulk (load_checked): slots from here on are not in the index yet
         self._unindexed: int | None = None
         self._bulk: dict[int, tuple[int, int]] = {}  # key group -> its slots, of the bulk not indexed yet
+        # a key group left this subtask (release_key_group): its slots stay, in no state, until it
+        # comes back; captures and lookups then check ownership (see "Moving key groups")
+        self._released = False
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -227,6 +248,8 @@ class ColumnarKeyedState:
         sel = col.present[: self.n].copy()
         if kg is not None:
             sel &= self.kg[: self.n] == kg
+        if self._released:
+            sel &= self.key_group_range.mask[self.kg[: self.n]]
         slots = np.flatnonzero(sel)
         vals = col.values[slots].tolist()
         valid = col.valid[slots].tolist()
@@ -410,9 +433,14 @@ class ColumnarKeyedState:
         return got[1], got[2], got[3]
 
     def touch(self, slots: np.ndarray) -> None:
-        """Record that ``slots`` changed in the current epoch."""
+        """Record that ``slots`` changed in the current epoch (before their values change): a
+        slot of a key group this subtask released is refused, as routed to the wrong subtask."""
         epoch = self.epoch
-        fresh = slots[self.ver[slots] != epoch]
+        ver = self.ver[slots]
+        if self._released and len(ver) and ver.min() == _RELEASED:
+            s = int(slots[int(np.flatnonzero(ver == _RELEASED)[0])])
+            self._check_range(self.kg[s:s + 1], lambda _i: self.key_rows[s:s + 1].tolist()[0])
+        fresh = slots[ver != epoch]
         if fresh.size:
             self.ver[fresh] = epoch
             self.dirty[epoch].append(fresh)
@@ -443,7 +471,7 @@ class ColumnarKeyedState:
         ``lazy=False``: the deltas are ``pa.Table`` at once. ``lazy=True``: they are
         :class:`SlotsDelta` objects (``ColumnDelta`` instances) that do the split by key group
         and the Arrow encoding later (the asynchronous part; see the module docstring)."""
-        slots = self.changed_since_confirmed()
+        slots = self._live(self.changed_since_confirmed())
         self._close_epoch(checkpoint_id)
         frozen = FrozenSlots(self, slots)
         if not lazy:
@@ -454,7 +482,19 @@ class ColumnarKeyedState:
     def capture_full(self, checkpoint_id: int) -> dict[str, dict[int, pa.Table]]:
         """Every non-empty key group's full contents (counts as a capture)."""
         self._close_epoch(checkpoint_id)
-        return FrozenSlots(self, np.arange(self.n, dtype=np.int64)).encode()
+        return FrozenSlots(self, self._live(np.arange(self.n, dtype=np.int64))).encode()
+
+    def _live(self, slots: np.ndarray) -> np.ndarray:
+        """``slots`` without those of key groups this subtask does not own (nothing to filter
+        while it released none) nor slots that hold no entry of any state (a key group that
+        came back without some of its old keys)."""
+        if not self._released or not len(slots):
+            return slots
+        keep = self.key_group_range.mask[self.kg[slots]]
+        held = np.zeros(len(slots), bool)
+        for c in self.columns.values():
+            held |= c.present[slots]
+        return slots[keep & held]
 
     def confirm(self, checkpoint_id: int) -> None:
         if self._last_confirmed is not None and checkpoint_id <= self._last_confirmed:
@@ -707,6 +747,82 @@ class ColumnarKeyedState:
             if c.all_present is None:
                 c.all_present = bool(c.present[:n].all())
 
+    # ------------------------------------------------------------------ moving key groups
+    def export_key_group(self, kg: int, *, full: bool) -> dict[str, pa.Table]:
+        """State name -> delta table of key group ``kg``: its keys changed since the last
+        confirmed capture, or with ``full`` every key (states with no row are left out); the
+        tables a capture writes (:mod:`abs.state.handover`)."""
+        self._own(kg, "export of")
+        n = self.n
+        sel = self.kg[:n] == kg
+        if not full:
+            sel &= self.ver[:n] > self.confirmed_epoch
+        slots = self._live(np.flatnonzero(sel))
+        if not len(slots):
+            return {}
+        return {name: by_kg[kg] for name, by_kg in FrozenSlots(self, slots).encode().items()
+                if kg in by_kg and by_kg[kg].num_rows}
+
+    def release_key_group(self, kg: int) -> None:
+        """Forget key group ``kg``: once the caller dropped it from the owned set, its slots
+        are left out of captures, exports and :meth:`items`, and its keys are refused
+        (captures taken before still write it, as in :func:`abs.state.handover.release_key_group`)."""
+        self._own(kg, "release of")
+        if self._unindexed is not None:
+            self.finish_restore()
+        # the slots keep their values and flags (the batches' fast paths need every slot valid
+        # and present): ownership leaves them out of captures, exports and items (_live), the
+        # version _RELEASED makes touch refuse them, and adopt_key_group clears them should the
+        # key group come back
+        self.ver[: self.n][self.kg[: self.n] == kg] = _RELEASED
+        self._released = True
+
+    def fits(self, kg: int, tables: Any) -> bool:
+        """Whether every table of ``tables`` (``(state name, table)`` pairs) fits the columnar
+        store (:meth:`check_restore_table`) and holds no delete (an aggregate writes none; the
+        dict backend applies a delta that has some); ``kg`` must be owned."""
+        for name, table in tables:
+            if "op" in table.schema.names:
+                if table.num_rows and pc.any(pc.equal(table.column("op"), OP_DELETE)).as_py():
+                    return False
+                table = table.drop_columns(["op"])
+            if not self.check_restore_table(name, kg, table):
+                return False
+        return True
+
+    def adopt_key_group(self, kg: int, base: Any, changes: Any) -> None:
+        """Load key group ``kg`` (already added to the owned set; :meth:`fits` said yes):
+        ``base`` (state -> resolved table) then ``changes`` (state -> delta table with ``op``),
+        in that order; every key of the key group then counts as changed."""
+        if self.kg_counts[kg]:  # it was here before: its old slots hold nothing until loaded again
+            old = np.flatnonzero(self.kg[: self.n] == kg)
+            self.ver[old] = 0
+            for c in self.columns.values():
+                c.values[old] = c.init
+                c.valid[old] = False
+                c.present[old] = False
+                c.all_valid = c.all_present = c.bound = None
+        for name, table in base.items():
+            if table.num_rows:
+                self.load_checked(name, kg, table)
+        for name, table in changes.items():
+            if table.num_rows:  # upserts only (fits)
+                self.load_checked(name, kg, table.drop_columns(["op"]) if "op" in table.schema.names else table)
+        if self._unindexed is not None:
+            self.finish_restore()
+        n = self.n
+        held = np.zeros(n, bool)
+        for c in self.columns.values():
+            held |= c.present[:n]
+        self.touch(np.flatnonzero(held & (self.kg[:n] == kg)))
+
+    def _own(self, kg: int, what: str) -> None:
+        if kg not in self.key_group_range:
+            raise StateError(
+                f"operator {self.operator_uid!r}: {what} key group {kg}, which this subtask does not own "
+                f"(it owns {self.key_group_range}); the reconfiguration plan disagrees with the subtask (a bug)"
+            )
+
     # ------------------------------------------------------------------ migration
     def move_to(self, target: KeyedStateBackend) -> None:
         """Load everything into an empty dict backend: keys changed since the last confirmed
@@ -719,13 +835,17 @@ class ColumnarKeyedState:
         n = self.n
         dirty = self.ver[:n] > self.confirmed_epoch
         for want_dirty in (False, True):
-            for name, by_kg in FrozenSlots(self, np.flatnonzero(dirty == want_dirty)).encode().items():
+            for name, by_kg in FrozenSlots(self, self._live(np.flatnonzero(dirty == want_dirty))).encode().items():
                 for g, table in by_kg.items():
                     if want_dirty:
                         target.put_many(name, g, table.column("key").to_pylist(), table.column("value").to_pylist())
                     else:
                         target.restore(name, g, table)
 
+
+_RELEASED = -1
+"""``ver`` of the slots of a key group the subtask released (ver > confirmed epoch never holds
+for it, so no capture lists it as changed)."""
 
 _BULK_ROOM = 2  # home positions per key of an index built by finish_restore at least (load <= 1/2, as after a rebuild)
 

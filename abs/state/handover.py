@@ -1,5 +1,7 @@
 """Key groups leaving and joining a running subtask's dict backend (live reconfiguration,
-:mod:`abs.reconfig`).
+:mod:`abs.reconfig`). The aggregate's columnar store does the same in its own form, with the
+same tables (:meth:`abs.state.columnar.ColumnarKeyedState.export_key_group` and the two
+after it, through :class:`abs.state.aggregate_backend.AggregateBackend`).
 
 * :func:`export_key_group` -- the state of one key group as delta tables (``key``, ``value``,
   ``op``; the encoding of :mod:`abs.state.encoding`): what changed since the last *confirmed*
