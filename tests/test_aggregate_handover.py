@@ -123,6 +123,7 @@ def schedules(pool):
             st.tuples(st.just("abort"), st.integers(0, 1)),
             st.tuples(st.just("move"), st.integers(0, M - 1), st.booleans()),
             st.tuples(st.just("misroute"), st.sampled_from(pool)),
+            st.tuples(st.just("compact"), st.integers(0, 1)),
         ),
         max_size=40,
     )
@@ -161,6 +162,16 @@ def run_schedule(steps, pool) -> None:
             src, dst = subtasks if kg in _owned(subtasks[0].op) else subtasks[::-1]
             if len(_owned(src.op)) > 1:  # a subtask keeps a key group
                 _move(src, dst, kg, step[2])
+        elif kind == "compact":  # drop the slots of key groups given away (only with no capture pending)
+            t = subtasks[step[1]]
+            store = t.op.backend.columnar
+            if t.pending:
+                with pytest.raises(StateError, match="pending"):
+                    store.compact()
+            else:
+                store.compact()
+                mine = _owned(t.op)
+                assert store.n == sum(1 for k in model if key_group(k, M) in mine)
         else:  # a key sent to a subtask that does not own its key group is refused
             k = step[1]
             wrong = subtasks[1] if key_group(k, M) in _owned(subtasks[0].op) else subtasks[0]
@@ -346,3 +357,32 @@ def test_an_aggregate_job_rescaled_while_it_runs_ends_with_exact_sums(tmp_path, 
             assert not set(keys) & set(got), f"key group {kg} repeats keys"
             got.update(zip(keys, t.column("value").to_pylist()))
         assert got == {f"user-{k}": want(k) for k in range(JOB_KEYS)}, state
+
+
+def test_the_slots_of_key_groups_given_away_are_dropped_at_the_first_batch_with_no_capture_pending():
+    a = Subtask(0, pa.string())
+    b = Subtask(1, pa.string())
+    keys = [f"user-{i}" for i in range(3000)]
+    mine = [k for k in keys if key_group(k, M) in _owned(a.op)]
+    feed(a.op, batch(mine, [1] * len(mine), key_type=pa.string()))
+    model = {k: [1, 1] for k in mine}
+    a.capture(1, model)
+    a.confirm(1)
+    gone = sorted(_owned(a.op))[:2]  # half of subtask 0's key groups
+    for kg in gone:
+        _move(a, b, kg, full=False)
+    store = a.op.backend.columnar
+    n = store.n
+    staying = [k for k in mine if key_group(k, M) not in gone]
+    a.capture(2, model)  # pending: the store keeps its arrays
+    feed(a.op, batch(staying[:5], [1] * 5, key_type=pa.string()))
+    assert store.n == n
+    a.confirm(2)
+    feed(a.op, batch(staying[:5], [1] * 5, key_type=pa.string()))
+    for k in staying[:5]:
+        model[k] = [3, 3]
+    assert store.n == len(staying) < n
+    _check([a, b], model)
+    a.capture(3, model)  # the five keys changed since 2, in their new slots
+    assert sorted(k for t in (as_table(d) for d in a.op.backend.capture(4)["s"].values())
+                  for k in t.column("key").to_pylist()) == sorted(staying[:5])

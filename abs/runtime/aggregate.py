@@ -143,6 +143,7 @@ class Aggregator:
     def _process_columnar(self, batch: pa.RecordBatch, keycol: pa.Array, keys: np.ndarray | None) -> pa.RecordBatch | None:
         """``keys``: the int64 keys, or None for string/binary keys (``keycol``)."""
         store = self.backend.columnar
+        store.maybe_compact()  # slots of key groups given away (live reconfiguration)
         store.refresh_flags()
         n0 = store.n
         slots = store.slots_for(keys) if keys is not None else store.slots_for_var(keycol)

@@ -53,8 +53,9 @@ the wrong subtask;
 :meth:`~ColumnarKeyedState.adopt_key_group` loads a key group (the resolved chain, then the
 handed-over changes): keys of a key group that comes back find their old slots again (cleared
 first), the others are appended as a restore appends them, and every key of the key group counts
-as changed, so the next capture writes it whole. A released key group's slots cost their memory until it
-comes back.
+as changed, so the next capture writes it whole. Once the slots of key groups given away are a
+quarter of the store, the next batch that finds no capture pending drops them
+(:meth:`~ColumnarKeyedState.maybe_compact`: new arrays and a new index, as after a restore).
 
 Dirty tracking with the semantics of KeyedStateBackend
 ------------------------------------------------------
@@ -816,6 +817,69 @@ class ColumnarKeyedState:
             held |= c.present[:n]
         self.touch(np.flatnonzero(held & (self.kg[:n] == kg)))
 
+    def maybe_compact(self) -> None:
+        """Drop the slots of key groups this subtask gave away (:meth:`release_key_group`) once
+        they are :data:`_COMPACT_SHARE` of the store or more, and no capture is pending (the
+        asynchronous part of a pending one may still read the store's arrays); the aggregate
+        calls it before each batch."""
+        if not self._released or self._pending:
+            return
+        live = int(self.kg_counts[self.key_group_range.mask].sum())
+        if self.n - live >= _COMPACT_SHARE * self.n:
+            self.compact()
+
+    def compact(self) -> None:
+        """Keep only the slots of owned key groups that hold an entry of some state, in their
+        order, in new arrays (never written in place: views a capture took stay as they
+        were), and index them anew. Only while no capture is pending (see :meth:`maybe_compact`)."""
+        if self._pending:
+            raise StateError(f"operator {self.operator_uid!r}: compact() while captures {list(self._pending)} "
+                             "are pending (their asynchronous part may read the store): a runtime bug")
+        if self._unindexed is not None:
+            self.finish_restore()
+        n, cap = self.n, self.capacity
+        keep = self.key_group_range.mask[self.kg[:n]]
+        held = np.zeros(n, bool)
+        for c in self.columns.values():
+            held |= c.present[:n]
+        keep &= held
+        kept = np.flatnonzero(keep)
+        m = len(kept)
+        new_slot = np.full(n, -1, np.int64)
+        new_slot[kept] = np.arange(m)
+        for name in ("keys", "kg", "ver"):
+            old = getattr(self, name)
+            new = np.zeros(cap, old.dtype)
+            new[:m] = old[kept]
+            setattr(self, name, new)
+        for c in self.columns.values():
+            values = np.full(cap, c.init, c.dtype)
+            values[:m] = c.values[kept]
+            valid = np.zeros(cap, bool)
+            valid[:m] = c.valid[kept]
+            present = np.zeros(cap, bool)
+            present[:m] = c.present[kept]
+            c.values, c.valid, c.present = values, valid, present
+            c.all_valid = c.all_present = c.bound = None
+        if self.var is not None:
+            var = VarKeyStore(self.var.kind, cap)
+            if m:
+                var.append(self.var[kept].large_arrow())
+            self.var = var
+        for e, lists in self.dirty.items():
+            moved = [new_slot[a] for a in lists]
+            self.dirty[e] = [a[a >= 0] for a in moved]
+        self.kg_counts = np.bincount(self.kg[:m], minlength=self.max_parallelism).astype(np.int64)
+        self.n = m
+        self._by_kg = None
+        self._bulk = {}
+        self.collisions = {}
+        self.map = SlotMap()
+        self._released = False
+        if m:  # indexed as after a restore into a fresh store
+            self._unindexed = 0
+            self.finish_restore()
+
     def _own(self, kg: int, what: str) -> None:
         if kg not in self.key_group_range:
             raise StateError(
@@ -846,6 +910,10 @@ class ColumnarKeyedState:
 _RELEASED = -1
 """``ver`` of the slots of a key group the subtask released (ver > confirmed epoch never holds
 for it, so no capture lists it as changed)."""
+
+_COMPACT_SHARE = 0.25
+"""The share of a store's slots that key groups it gave away may hold before
+:meth:`ColumnarKeyedState.maybe_compact` drops them."""
 
 _BULK_ROOM = 2  # home positions per key of an index built by finish_restore at least (load <= 1/2, as after a rebuild)
 
