@@ -819,10 +819,9 @@ class ColumnarKeyedState:
 
     def maybe_compact(self) -> None:
         """Drop the slots of key groups this subtask gave away (:meth:`release_key_group`) once
-        they are :data:`_COMPACT_SHARE` of the store or more, and no capture is pending (the
-        asynchronous part of a pending one may still read the store's arrays); the aggregate
-        calls it before each batch."""
-        if not self._released or self._pending:
+        they are :data:`_COMPACT_SHARE` of the store or more, and every capture is settled
+        (:meth:`_settled`); the aggregate calls it before each batch."""
+        if not self._released or not self._settled():
             return
         live = int(self.kg_counts[self.key_group_range.mask].sum())
         if self.n - live >= _COMPACT_SHARE * self.n:
@@ -831,10 +830,11 @@ class ColumnarKeyedState:
     def compact(self) -> None:
         """Keep only the slots of owned key groups that hold an entry of some state, in their
         order, in new arrays (never written in place: views a capture took stay as they
-        were), and index them anew. Only while no capture is pending (see :meth:`maybe_compact`)."""
-        if self._pending:
-            raise StateError(f"operator {self.operator_uid!r}: compact() while captures {list(self._pending)} "
-                             "are pending (their asynchronous part may read the store): a runtime bug")
+        were), and index them anew. Only when every capture is settled (:meth:`_settled`)."""
+        if not self._settled():
+            raise StateError(f"operator {self.operator_uid!r}: compact() after capture {self._last_captured}, which "
+                             f"no confirmation covers yet (last confirmed: {self._last_confirmed}): its asynchronous "
+                             "part may still read the store (a runtime bug)")
         if self._unindexed is not None:
             self.finish_restore()
         n, cap = self.n, self.capacity
@@ -879,6 +879,14 @@ class ColumnarKeyedState:
         if m:  # indexed as after a restore into a fresh store
             self._unindexed = 0
             self.finish_restore()
+
+    def _settled(self) -> bool:
+        """Every capture taken is covered by a confirmation: none is pending, and none that was
+        aborted can still be written (a worker uploads its captures one after the other, so the
+        upload of a confirmed checkpoint ends after those of every capture before it). The
+        asynchronous part of a full capture reads the store's arrays (order_by_key_group)."""
+        last = self._last_captured
+        return last is None or (self._last_confirmed is not None and self._last_confirmed >= last)
 
     def _own(self, kg: int, what: str) -> None:
         if kg not in self.key_group_range:
