@@ -392,3 +392,38 @@ def test_the_slots_of_key_groups_given_away_are_dropped_at_the_first_batch_after
     a.capture(4, model)  # the five keys changed since 3, in their new slots
     assert sorted(k for t in (as_table(d) for d in a.op.backend.capture(5)["s"].values())
                   for k in t.column("key").to_pylist()) == sorted(staying[:5])
+
+
+@pytest.mark.parametrize("pool", [INT_POOL, STR_POOL], ids=["int", "string"])
+def test_a_key_group_from_an_aggregate_on_the_dict_backend_joins_a_columnar_one(pool):
+    """The old owner's aggregate moved to the dict backend (as it does for keys of another
+    kind): its key group travels in the dict backend's tables, which the new owner's columnar
+    store takes as they are."""
+    key_type = _key_type(pool)
+    a, b = Subtask(0, key_type), Subtask(1, key_type)
+    mine = [k for k in pool if key_group(k, M) in _owned(a.op)]
+    feed(a.op, batch(mine, list(range(len(mine))), key_type=key_type))
+    a.op.backend.migrate_to_dict()
+    kg = key_group(mine[0], M)
+    tables, _ = a.op.hand_out(kg, full=True)
+    b.op.take_in(kg, {}, tables)
+    assert b.op.backend.columnar is not None and a.op.backend.columnar is None
+    assert _state(b.op, "s") == {k: i for i, k in enumerate(mine) if key_group(k, M) == kg}
+    assert _state(b.op, "n") == {k: 1 for k in mine if key_group(k, M) == kg}
+    assert _state(a.op, "s") == {k: i for i, k in enumerate(mine) if key_group(k, M) != kg}
+
+
+def test_a_store_that_took_a_key_group_in_moves_to_the_dict_backend_with_it():
+    """After a key group joined the columnar store, a move to the dict backend (a batch of
+    another key kind) keeps its keys, and its next capture still holds the key group whole."""
+    a, b = Subtask(0, pa.int64()), Subtask(1, pa.int64())
+    mine = [k for k in range(200) if key_group(k, M) in _owned(a.op)]
+    feed(a.op, batch(mine, [2] * len(mine)))
+    kg = key_group(mine[0], M)
+    tables, _ = a.op.hand_out(kg, full=True)
+    b.op.take_in(kg, {}, tables)
+    b.op.backend.migrate_to_dict()
+    moved = sorted(k for k in mine if key_group(k, M) == kg)
+    assert _state(b.op, "s") == {k: 2 for k in moved}
+    got = b.op.backend.capture(1)["s"]
+    assert sorted(as_table(got[kg]).column("key").to_pylist()) == moved
