@@ -5,7 +5,8 @@ adopt_key_group through AggregateBackend and KeyedOp.hand_out / take_in).
 The model: per key, its running sum and count, and per subtask the image of each key group as
 of its last confirmed capture (the captures of a subtask folded when a confirmation covers
 them, as storage resolves a chain). A schedule of batches (each key routed to its key group's
-owner), captures, confirmations, aborts and moves of key groups, back and forth, must keep:
+owner), captures, confirmations, aborts, moves of key groups back and forth and compactions
+(refused while a capture is unconfirmed) must keep:
 every subtask's state equal to the model on the key groups it owns and empty elsewhere; every
 capture free of key groups the subtask does not own; a key of a key group the subtask gave
 away refused; the new owner's first capture after a move holding the whole key group; and
