@@ -428,3 +428,27 @@ def test_a_store_that_took_a_key_group_in_moves_to_the_dict_backend_with_it():
     assert _state(b.op, "s") == {k: 2 for k in moved}
     got = b.op.backend.capture(1)["s"]
     assert sorted(as_table(got[kg]).column("key").to_pylist()) == moved
+
+
+def test_a_compaction_right_after_a_restore_indexes_the_restored_keys():
+    """Key groups restored in bulk and not indexed yet (the index is built at the first
+    lookup), one of them given away, then a compaction: the kept keys are found again (a
+    batch over them adds no slot) and hold their restored sums."""
+    src = Subtask(0, pa.string())
+    mine = [k for k in STR_POOL if key_group(k, M) in _owned(src.op)]
+    feed(src.op, batch(mine, [4] * len(mine), key_type=pa.string()))
+    full = src.op.backend.capture_full(1)
+    a = Subtask(0, pa.string())
+    for name, by_kg in full.items():
+        for kg, t in by_kg.items():
+            a.op.backend.restore(name, kg, as_table(t))
+    store = a.op.backend.columnar
+    assert store._unindexed is not None
+    kg = key_group(mine[0], M)
+    a.op.hand_out(kg, full=True)
+    store.compact()
+    kept = [k for k in mine if key_group(k, M) != kg]
+    assert store.n == len(kept)
+    feed(a.op, batch(kept, [1] * len(kept), key_type=pa.string()))
+    assert store.n == len(kept)
+    assert _state(a.op, "s") == {k: 5 for k in kept}

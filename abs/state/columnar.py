@@ -491,11 +491,14 @@ class ColumnarKeyedState:
         came back without some of its old keys)."""
         if not self._released or not len(slots):
             return slots
-        keep = self.key_group_range.mask[self.kg[slots]]
-        held = np.zeros(len(slots), bool)
+        return slots[self.key_group_range.mask[self.kg[slots]] & self._held(slots)]
+
+    def _held(self, slots: Any) -> np.ndarray:
+        """Per slot of ``slots`` (an index array or a slice): it holds an entry of some state."""
+        held = np.zeros(len(self.kg[slots]), bool)
         for c in self.columns.values():
             held |= c.present[slots]
-        return slots[keep & held]
+        return held
 
     def confirm(self, checkpoint_id: int) -> None:
         if self._last_confirmed is not None and checkpoint_id <= self._last_confirmed:
@@ -769,8 +772,6 @@ class ColumnarKeyedState:
         are left out of captures, exports and :meth:`items`, and its keys are refused
         (captures taken before still write it, as in :func:`abs.state.handover.release_key_group`)."""
         self._own(kg, "release of")
-        if self._unindexed is not None:
-            self.finish_restore()
         # the slots keep their values and flags (the batches' fast paths need every slot valid
         # and present): ownership leaves them out of captures, exports and items (_live), the
         # version _RELEASED makes touch refuse them, and adopt_key_group clears them should the
@@ -812,10 +813,7 @@ class ColumnarKeyedState:
         if self._unindexed is not None:
             self.finish_restore()
         n = self.n
-        held = np.zeros(n, bool)
-        for c in self.columns.values():
-            held |= c.present[:n]
-        self.touch(np.flatnonzero(held & (self.kg[:n] == kg)))
+        self.touch(np.flatnonzero(self._held(slice(0, n)) & (self.kg[:n] == kg)))
 
     def maybe_compact(self) -> None:
         """Drop the slots of key groups this subtask gave away (:meth:`release_key_group`) once
@@ -835,15 +833,8 @@ class ColumnarKeyedState:
             raise StateError(f"operator {self.operator_uid!r}: compact() after capture {self._last_captured}, which "
                              f"no confirmation covers yet (last confirmed: {self._last_confirmed}): its asynchronous "
                              "part may still read the store (a runtime bug)")
-        if self._unindexed is not None:
-            self.finish_restore()
         n, cap = self.n, self.capacity
-        keep = self.key_group_range.mask[self.kg[:n]]
-        held = np.zeros(n, bool)
-        for c in self.columns.values():
-            held |= c.present[:n]
-        keep &= held
-        kept = np.flatnonzero(keep)
+        kept = np.flatnonzero(self.key_group_range.mask[self.kg[:n]] & self._held(slice(0, n)))
         m = len(kept)
         new_slot = np.full(n, -1, np.int64)
         new_slot[kept] = np.arange(m)
@@ -876,7 +867,8 @@ class ColumnarKeyedState:
         self.collisions = {}
         self.map = SlotMap()
         self._released = False
-        if m:  # indexed as after a restore into a fresh store
+        self._unindexed = None
+        if m:  # indexed as after a restore into a fresh store (a bulk not indexed yet is indexed with it)
             self._unindexed = 0
             self.finish_restore()
 
