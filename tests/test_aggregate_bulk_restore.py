@@ -3,9 +3,15 @@
 ``IntKeyIndex.fill`` in abs/state/keyindex.py): the store is the one ``slots_for_var`` builds
 from the same tables (slots may differ, key -> value may not), whatever the codes' collisions
 (forced by cutting the codes to a few bits), the states, their key orders and the keys the
-store held before; it answers lookups and captures like it; a key restored twice is refused."""
+store held before; it answers lookups and captures like it; a key restored twice is refused.
+
+Every test runs twice: string/binary keys indexed after the last key group, and indexed by a
+thread of their own as the key groups come (``BackgroundFill``, which a restore of 128 k keys
+and more uses), a run of keys at a time."""
 from __future__ import annotations
 
+import gc
+import threading
 import types
 from contextlib import nullcontext
 from unittest import mock
@@ -20,14 +26,27 @@ import abs
 from abs.errors import StateError
 from abs.keygroups import key_group_range, key_groups
 from abs.runtime.operators import build_operator
+from abs.state import columnar as columnar_module
 from abs.state.columnar import ColumnarKeyedState
 from abs.state import keyindex as keyindex_module
-from abs.state.keyindex import IntKeyIndex
+from abs.state.keyindex import IntKeyIndex, SlotMap
 from storage import SnapshotStore
 from test_aggregate import SETTINGS, as_table
 from test_aggregate_strings import colliding_codes
 
 M = 8
+
+
+@pytest.fixture(scope="module", autouse=True, params=["after the last key group", "by a thread as they come"])
+def index_fill(request):
+    """The way a bulk of string/binary keys is indexed (module-scoped: hypothesis tests take no
+    function-scoped fixture)."""
+    if request.param == "after the last key group":
+        yield request.param
+        return
+    with mock.patch.object(columnar_module, "_BACKGROUND_FILL_MIN", 0), mock.patch.object(columnar_module, "_FILL_RUN", 1):
+        yield request.param
+
 DESCRIPTORS = [abs.ValueState("a", pa.int64()), abs.ValueState("b", pa.float64())]
 
 # short keys (exact codes) and longer ones (hashed codes), multi-byte UTF-8, NULs
@@ -216,3 +235,125 @@ def test_index_fill_places_keys_where_lookups_find_them_and_names_the_repeated_o
     assert sorted(rows.tolist()) == sorted(same - {owner})
     assert set(owners.tolist()) == {owner}
     assert index.size == len(keys)
+
+
+def _fill_threads() -> list:
+    return [t for t in threading.enumerate() if t.name == "abs-index-fill"]
+
+
+def _ended(threads: list) -> bool:
+    for t in threads:
+        t.join(timeout=30)
+    return not any(t.is_alive() for t in threads)
+
+
+@pytest.mark.parametrize("run", [1, 700])
+def test_a_thread_indexes_the_bulk_as_it_comes_and_ends_with_the_restore(index_fill, run):
+    """Runs of one key group, or of ~3 (700 keys: the last run is handed over by finish_restore)."""
+    keys = [f"customer-{i:05d}" for i in range(2000)]
+    s = store()
+    with mock.patch.object(columnar_module, "_FILL_RUN", run):
+        for state, kg, table in key_group_tables(keys, pa.string(), np.random.default_rng(1), hows=(0,)):
+            s.restore(state, kg, table)
+    threads = _fill_threads()
+    assert (s._fill is not None) == (index_fill == "by a thread as they come")
+    assert len(threads) == (s._fill is not None)
+    s.finish_restore()
+    assert s._fill is None and _ended(threads)
+    slots = s.slots_for_var(pa.array(keys))
+    assert sorted(slots.tolist()) == list(range(len(keys))) and s.n == len(keys)
+    assert s.columns["a"].values[slots].tolist() == [i * 3 - 7 for i in range(len(keys))]
+
+
+def test_keys_past_what_the_first_key_group_promised_are_indexed_anew(index_fill):
+    """The thread's index is sized from the first key group (room for as many in each key
+    group at load 1/2: 2,048 positions for 100 keys); 1,500 keys in all would fill it to 0.73:
+    the store indexes every key after the last key group instead."""
+    pool = pa.array([f"k{i}" for i in range(20000)])
+    kgs = key_groups(pool, M)
+    first = pool.filter(pa.array(kgs == 0)).slice(0, 100)
+    rest = pool.filter(pa.array(kgs != 0)).slice(0, 1400)
+    s = store()
+    s.restore("a", 0, pa.table({"key": first, "value": pa.array(range(100))}))
+    assert (s._fill is not None) == (index_fill == "by a thread as they come")
+    rest_kgs = key_groups(rest, M)
+    for kg in range(1, M):
+        part = rest.filter(pa.array(rest_kgs == kg))
+        s.restore("a", kg, pa.table({"key": part, "value": pa.array([int(k.as_py()[1:]) for k in part])}))
+    s.finish_restore()
+    assert s.n == 1500 and s.map.hash.size == 1500
+    assert s.map.hash.size <= 0.5 * s.map.hash.cap  # built anew for all of them
+    probe = pa.concat_arrays([first, rest])
+    slots = s.slots_for_var(probe)
+    assert sorted(slots.tolist()) == list(range(1500))
+    assert s.columns["a"].values[slots].tolist() == list(range(100)) + [int(k[1:]) for k in rest.to_pylist()]
+
+
+def test_a_restore_that_never_finishes_leaves_no_thread_behind(index_fill):
+    if index_fill != "by a thread as they come":
+        pytest.skip("no thread without the background fill")
+    s = store()
+    s.restore("a", 1, pa.table({"key": pa.array(["a-long-key-1", "b"]), "value": pa.array([1, 2])}))
+    threads = _fill_threads()
+    assert len(threads) == 1
+    del s  # a restore that failed: nothing calls finish_restore
+    gc.collect()
+    assert _ended(threads)
+
+
+def test_an_error_of_the_index_thread_is_raised_by_finish_restore(index_fill):
+    if index_fill != "by a thread as they come":
+        pytest.skip("no thread without the background fill")
+    with mock.patch.object(keyindex_module, "_fill_more", side_effect=MemoryError("no room for the index")):
+        s = store()
+        s.restore("a", 1, pa.table({"key": pa.array(["p", "q"]), "value": pa.array([1, 2])}))
+        with pytest.raises(MemoryError, match="no room for the index"):
+            s.finish_restore()
+
+
+INT_LAYOUTS = {
+    # key group -> its keys (M = 8 key groups; key_group_tables is not used: the layouts choose
+    # what the first key group promises)
+    "dense ids from 0": lambda: np.arange(3000),
+    "a later key past the array the first key group sized": lambda: np.concatenate((np.arange(3000), [1 << 20])),
+    "a later key just past the array the first key group sized": lambda: np.concatenate((np.arange(3000), [4096])),
+    "ids far from 0": lambda: np.arange(3000) + 10**12,
+    "the first key group spread wide, the others nearly empty": lambda: np.arange(0, 600_000, 30),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(INT_LAYOUTS))
+def test_int_keys_indexed_by_the_thread_give_the_map_the_restore_after_the_last_key_group_gives(index_fill, layout):
+    """The dense array the thread fills (sized from the first key group restored) is taken only
+    where the keys indexed after the last key group would get that very array; elsewhere the
+    store indexes them itself."""
+    keys = INT_LAYOUTS[layout]()
+    kgs = key_groups(keys, M)
+    if layout.startswith("the first key group spread wide"):
+        kgs = np.where(keys % 600 == 0, 1 + keys % 7, 0)  # key group 0 first, with nearly all of them
+    by_kg = {int(g): keys[kgs == g] for g in np.unique(kgs)}
+    assert keys.max() != 4096 or by_kg[min(by_kg)].max() < 4096  # the first key group sizes the array below it
+    stores = []
+    for background in (False, True):
+        s = store()
+        with mock.patch.object(columnar_module, "_BACKGROUND_FILL_MIN", 0 if background else 1 << 40), \
+                mock.patch.object(columnar_module, "_FILL_RUN", 1000):
+            for g, ks in by_kg.items():
+                s.load_checked("a", g, pa.table({"key": pa.array(ks), "value": pa.array(ks * 2)}))
+        if background:
+            assert (s._fill is not None) == (layout != "ids far from 0")
+        with mock.patch.object(SlotMap, "fill_direct", autospec=True, side_effect=SlotMap.fill_direct) as scatter:
+            s.finish_restore()
+        if background and layout == "dense ids from 0":
+            assert not scatter.called  # the thread's array, with the last run handed over by finish_restore
+        stores.append(s)
+    after, threaded = stores
+    assert (after.map.direct is None) == (threaded.map.direct is None)
+    if after.map.direct is not None:
+        assert after.map.base == threaded.map.base and np.array_equal(after.map.direct, threaded.map.direct)
+    assert after.map.hash.size == threaded.map.hash.size
+    probe = np.concatenate((keys, [-5, 7 << 40]))
+    for s in stores:
+        slots = s.slots_for(probe)
+        assert s.columns["a"].values[slots[:len(keys)]].tolist() == (keys * 2).tolist()
+        assert s.n == len(keys) + 2

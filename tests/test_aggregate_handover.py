@@ -14,6 +14,8 @@ both stores columnar throughout.
 """
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -22,6 +24,7 @@ from hypothesis import strategies as st
 
 from abs.errors import StateError
 from abs.keygroups import key_group
+from abs.state import columnar as columnar_module
 from test_aggregate import M, as_table, batch, feed, make_op
 
 AGGS = {"s": ("v", "sum"), "n": ("v", "count")}
@@ -430,21 +433,26 @@ def test_a_store_that_took_a_key_group_in_moves_to_the_dict_backend_with_it():
     assert sorted(as_table(got[kg]).column("key").to_pylist()) == moved
 
 
-def test_a_compaction_right_after_a_restore_indexes_the_restored_keys():
+@pytest.mark.parametrize("background", [False, True], ids=["indexed at the first lookup", "indexed by a thread"])
+def test_a_compaction_right_after_a_restore_indexes_the_restored_keys(background):
     """Key groups restored in bulk and not indexed yet (the index is built at the first
-    lookup), one of them given away, then a compaction: the kept keys are found again (a
-    batch over them adds no slot) and hold their restored sums."""
+    lookup, or by a thread as they come and finished at the first lookup), one of them given
+    away, then a compaction: the kept keys are found again (a batch over them adds no slot) and
+    hold their restored sums."""
     src = Subtask(0, pa.string())
     mine = [k for k in STR_POOL if key_group(k, M) in _owned(src.op)]
     feed(src.op, batch(mine, [4] * len(mine), key_type=pa.string()))
     full = src.op.backend.capture_full(1)
     a = Subtask(0, pa.string())
-    for name, by_kg in full.items():
-        for kg, t in by_kg.items():
-            a.op.backend.restore(name, kg, as_table(t))
+    with mock.patch.object(columnar_module, "_BACKGROUND_FILL_MIN", 0 if background else 1 << 17), \
+            mock.patch.object(columnar_module, "_FILL_RUN", 1):
+        for name, by_kg in full.items():
+            for kg, t in by_kg.items():
+                a.op.backend.restore(name, kg, as_table(t))
     store = a.op.backend.columnar
-    assert store._unindexed is not None
-    kg = key_group(mine[0], M)
+    assert store._unindexed is not None and (store._fill is not None) == background
+    kg = min(next(iter(full.values())))  # the key group restored first: the compaction renumbers every kept slot
+    assert store.kg[0] == kg
     a.op.hand_out(kg, full=True)
     store.compact()
     kept = [k for k in mine if key_group(k, M) != kg]

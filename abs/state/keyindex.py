@@ -10,11 +10,16 @@ positions).
 """
 from __future__ import annotations
 
+import queue
+import threading
+import weakref
+from typing import Any
+
 import numpy as np
 
 from abscore.native import NATIVE
 
-__all__ = ["INT64_MAX", "IntKeyIndex", "SlotMap", "distinct", "distinct_inverse", "first_occurrences", "representatives"]
+__all__ = ["INT64_MAX", "BackgroundFill", "DirectFill", "HashFill", "IntKeyIndex", "SlotMap", "distinct", "distinct_inverse", "first_occurrences", "representatives"]
 
 INT64_MAX = np.iinfo(np.int64).max
 _H1 = np.uint64(0x9E3779B97F4A7C15)
@@ -232,6 +237,126 @@ class IntKeyIndex:
 
 
 _PACK_BITS = 64  # IntKeyIndex.fill packs a home position and a row into one word while they fit
+
+
+class BackgroundFill:
+    """A key index filled by a thread of its own from runs of keys as they come (a restore's
+    key groups, while the next ones are read and appended): ``add(keys, first)`` places
+    ``keys[i] -> first + i``, runs in the order added; :meth:`finish` waits for the thread and
+    gives what ``filler.end()`` gives, or None when a run did not fit (the caller then indexes
+    every key after the last one, as without the thread).
+
+    ``filler``: :class:`HashFill` (an :class:`IntKeyIndex`) or :class:`DirectFill` (the dense
+    int32 array of :class:`SlotMap`). The thread allocates the index itself (the page faults of
+    fresh memory are half the cost of indexing millions of keys) and fills it in C or numpy,
+    both without the GIL, so it runs on the other core beside the caller. ``keys`` must stay
+    unchanged until :meth:`finish` (the columnar store writes a slot's key once). A fill that
+    is never finished (a restore that failed) ends its thread when the object is collected."""
+
+    def __init__(self, filler: Any) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._result: list = []
+        self._thread = threading.Thread(target=self._run, args=(filler, self._queue, self._result),
+                                        name="abs-index-fill", daemon=True)
+        self._thread.start()
+        weakref.finalize(self, self._queue.put, None)
+
+    def add(self, keys: np.ndarray, first: int) -> None:
+        self._queue.put((keys, first))
+
+    def finish(self) -> Any:
+        self._queue.put(None)
+        self._thread.join()
+        (outcome,) = self._result
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    @staticmethod
+    def _run(filler: Any, jobs: queue.SimpleQueue, result: list) -> None:
+        fits = True
+        try:
+            filler.begin()
+            while (job := jobs.get()) is not None:
+                fits = fits and filler.add(*job)
+            result.append(filler.end() if fits else None)
+        except BaseException as e:  # noqa: BLE001 - raised again by finish()
+            result.append(e)
+
+
+class HashFill:
+    """:class:`BackgroundFill` of an :class:`IntKeyIndex` of ``capacity`` home positions, as
+    :meth:`IntKeyIndex.fill` fills one (in C: needs :mod:`abscore.native`); ``end()``: the index
+    and the ``(rows, owners)`` of keys an earlier row holds (absolute rows). A run fits while
+    the load stays <= 1/2."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+
+    def begin(self) -> None:
+        self.index = IntKeyIndex(self.capacity)
+        self.rows: list = []
+        self.owners: list = []
+
+    def add(self, keys: np.ndarray, first: int) -> bool:
+        if self.index.size + len(keys) > _MAX_LOAD * self.index.cap:
+            return False
+        r, o = _fill_more(self.index, keys, first)
+        if r is None:
+            return False
+        self.rows.append(r)
+        self.owners.append(o)
+        return True
+
+    def end(self) -> tuple[IntKeyIndex, np.ndarray, np.ndarray]:
+        return self.index, _joined(self.rows), _joined(self.owners)
+
+
+class DirectFill:
+    """:class:`BackgroundFill` of :class:`SlotMap`'s dense array over keys ``[0, size)``, as
+    :meth:`SlotMap.fill_direct` fills it; ``end()``: ``(direct, keys placed, largest key,
+    whether no key came twice)``. A run fits while its keys fall in the range."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def begin(self) -> None:
+        self.direct = np.full(self.size, -1, np.int32)
+        self.n = 0
+        self.hi = -1
+
+    def add(self, keys: np.ndarray, first: int) -> bool:
+        if not len(keys):
+            return True
+        lo, hi = int(keys.min()), int(keys.max())
+        if lo < 0 or hi >= self.size:
+            return False
+        self.direct[keys] = np.arange(first, first + len(keys), dtype=np.int32)
+        self.n += len(keys)
+        self.hi = max(self.hi, hi)
+        return True
+
+    def end(self) -> tuple[np.ndarray, int, int, bool]:
+        return self.direct, self.n, self.hi, np.count_nonzero(self.direct >= 0) == self.n
+
+
+def _fill_more(index: IntKeyIndex, keys: np.ndarray, first: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Place ``keys[i] -> first + i`` in ``index`` beside the keys already there (C, without
+    the GIL): ``(rows, owners)`` absolute, of the keys it holds already, or ``(None, None)``
+    when a key would land past the table's end (the index is then partly filled: build it
+    anew)."""
+    n = len(keys)
+    keys = np.ascontiguousarray(keys, np.int64)
+    rows, owners = np.empty(n, np.int64), np.empty(n, np.int64)
+    dups = NATIVE.index_fill(index.t, int(index.shift), keys, first, rows, owners)
+    if dups < 0:
+        return None, None
+    index.size += n - dups
+    return rows[:dups] + first, owners[:dups] + first
+
+
+def _joined(parts: list) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 _WINDOW = 32  # positions scanned at once when few probes are left
 _WIN = np.arange(_WINDOW)
 _STEP_ABOVE = 128  # more unresolved keys than this: step them one position at a time
@@ -310,6 +435,18 @@ class SlotMap:
             index.build(keys, np.flatnonzero(mask))
             self.hash = index
 
+    @staticmethod
+    def direct_range(lo: int, hi: int, n: int) -> tuple[int, int] | None:
+        """``(base, length)`` of the dense array :meth:`fill_direct` gives ``n`` keys from
+        ``lo`` to ``hi``, or None when they are not dense enough for one."""
+        if not n or n >= 2**31:
+            return None
+        limit = max(_DIRECT_MIN, _DIRECT_PER_KEY * n)
+        base = 0 if 0 <= lo < limit else lo
+        if hi - base >= limit or base > INT64_MAX - 2 * limit or base < -(2**62):
+            return None
+        return base, 1 << (hi - base).bit_length()
+
     def fill_direct(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """Place ``keys[i] -> i`` in an empty map at once when they all fall in the dense range
         :meth:`place` would give them (int keys restored in bulk; ids usually are dense): one
@@ -318,22 +455,25 @@ class SlotMap:
         row each of them finds instead (both empty: every key once); None when the keys do not
         all fall in such a range (place them with :meth:`place`)."""
         n = len(keys)
-        if self.direct is not None or self.hash.size or not n or n >= 2**31:
+        if self.direct is not None or self.hash.size or not n:
             return None
-        limit = max(_DIRECT_MIN, _DIRECT_PER_KEY * n)
-        lo, hi = int(keys.min()), int(keys.max())
-        base = 0 if 0 <= lo < limit else lo
-        if hi - base >= limit or base > INT64_MAX - 2 * limit or base < -(2**62):
+        got = self.direct_range(int(keys.min()), int(keys.max()), n)
+        if got is None:
             return None
-        direct = np.full(1 << (hi - base).bit_length(), -1, np.int32)
+        base, length = got
+        direct = np.full(length, -1, np.int32)
         at = keys - base if base else keys
-        rows = np.arange(n, dtype=np.int32)
-        direct[at] = rows
+        direct[at] = np.arange(n, dtype=np.int32)
+        return self.adopt_direct(direct, base, keys, np.count_nonzero(direct >= 0) == n)
+
+    def adopt_direct(self, direct: np.ndarray, base: int, keys: np.ndarray, once: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Take ``direct`` (``keys[i] -> i`` scattered into it, ``once``: no key given twice)
+        as this empty map's dense array: :meth:`fill_direct`'s ``(rows, owners)``."""
         self.direct, self.base = direct, base
-        if np.count_nonzero(direct >= 0) == n:  # n positions taken: no key twice
+        if once:  # n positions taken: no key twice
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        found = direct[at]  # a key given twice finds one of its rows
-        twice = np.flatnonzero(found != rows)
+        found = direct[keys - base if base else keys]  # a key given twice finds one of its rows
+        twice = np.flatnonzero(found != np.arange(len(keys)))
         return twice, found[twice].astype(np.int64)
 
     def _grow_direct(self, all_keys: np.ndarray, new: np.ndarray) -> None:
