@@ -52,12 +52,12 @@ def colliding_codes(bits: int):
         yield
         return
 
-    def few_bits(arr, out=None):
+    def few_bits(arr, out=None, *, rows=True):
         codes, _ = real_key_codes(arr)
         codes &= np.int64((1 << bits) - 1)
         if out is not None:
             out[:] = codes
-        return codes if out is None else out, np.ones(len(codes), bool)
+        return codes if out is None else out, np.ones(len(codes), bool) if rows else None
 
     with mock.patch.object(columnar_module, "key_codes", few_bits):
         yield

@@ -101,7 +101,6 @@ import pyarrow.compute as pc
 
 from abs.errors import StateError
 from abs.keygroups import KeyGroupRange, KeyGroupSet, key_groups
-from abscore.native import NATIVE
 
 from .capture import FrozenSlots, SlotsDelta, group_bounds
 from .encoding import (ENCODING_ARROW, META_KEY_ENCODING, META_STATE_KIND, META_VALUE_ENCODING, OP_DELETE,
@@ -653,11 +652,11 @@ class ColumnarKeyedState:
             if guess > self.capacity:
                 self._grow(guess)
             if not ints:
-                offsets, _ = arrow_buffers(arr)
+                offsets, _ = arrow_buffers(arr, wide=False)
                 self.var.reserve(guess, int(offsets[-1] - offsets[0]) * guess // max(n1, 1))
             if guess >= _BACKGROUND_FILL_MIN and self.map.direct is None and not self.map.hash.size:
                 self._fill_from = 0
-                if not ints and NATIVE is not None:  # the hash index in C
+                if not ints and HashFill.available():  # the hash index in C
                     self._fill = BackgroundFill(HashFill(int(_BULK_ROOM * guess)))
                 elif ints and len(arr) and (dense := SlotMap.direct_range(int(arr.min()), int(arr.max()), guess)) \
                         and dense[0] == 0:  # ids from near 0: their dense array (other ranges: after the last key group)
@@ -670,7 +669,7 @@ class ColumnarKeyedState:
             self.keys[n0:n1] = arr
         else:
             self.var.append(arr)
-            key_codes(arr, out=self.keys[n0:n1])  # written in place: no array of codes to copy
+            key_codes(arr, out=self.keys[n0:n1], rows=False)  # written in place: no array of codes to copy
         self.kg[n0:n1] = kg
         self.kg_counts[kg] += n1 - n0
         self.n = n1

@@ -293,6 +293,11 @@ class HashFill:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
 
+    @staticmethod
+    def available() -> bool:
+        """Whether the C fill is there (:mod:`abscore.native`)."""
+        return NATIVE is not None
+
     def begin(self) -> None:
         self.index = IntKeyIndex(self.capacity)
         self.rows: list = []
