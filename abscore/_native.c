@@ -13,7 +13,7 @@
  *   (abs.state.varkeys.key_codes);
  * - index_lookup / index_insert / index_fill: the open-addressing table of
  *   abs.state.keyindex.IntKeyIndex (rows of (key, slot), slot -1 empty, linear
- *   probing without wrap-around, homes from a multiplicative hash);
+ *   probing without wrap-around, homes from a multiplicative hash scaled to the table);
  * - partition: a key_by writer's rows grouped by channel (abs.runtime.exchange);
  * - text_array: a list of str or bytes keys as Arrow string/binary buffers (abs.columns);
  * - byte_streams: a values image's numeric column byte-stream split and joined again
@@ -286,20 +286,22 @@ static PyObject *key_codes(PyObject *self, PyObject *args) {
 #define H2 0xBF58476D1CE4E5B9ull
 #define AHEAD 8 /* keys whose home row is prefetched ahead of the probe */
 
-static inline int64_t home_of(int64_t key, unsigned shift) {
+/* The home row of a key among `homes` (1..2**32): the top 32 bits of a multiplicative hash
+ * scaled to [0, homes) ("fast range"), so a table needs no power-of-two size. */
+static inline int64_t home_of(int64_t key, uint64_t homes) {
     uint64_t x = (uint64_t)key * H1;
     x ^= x >> 31;
     x *= H2;
-    return (int64_t)(x >> shift);
+    return (int64_t)(((x >> 32) * homes) >> 32);
 }
 
 typedef struct {
     int64_t *t; /* rows of (key, slot) */
     int64_t rows;
-    unsigned shift;
+    uint64_t homes;
 } Table;
 
-static int get_table(PyObject *o_t, int shift, Buf *b, Table *tab) {
+static int get_table(PyObject *o_t, long long homes, Buf *b, Table *tab) {
     if (get_buf(o_t, b, 1, SIZES_8, "table") < 0)
         return -1;
     if (items(b) % 2) {
@@ -307,15 +309,15 @@ static int get_table(PyObject *o_t, int shift, Buf *b, Table *tab) {
         release(b);
         return -1;
     }
-    if (shift < 1 || shift > 63) {
-        PyErr_SetString(PyExc_ValueError, "shift: must be 1..63");
+    if (homes < 1 || homes > (1LL << 32)) {
+        PyErr_SetString(PyExc_ValueError, "homes: must be 1..2**32");
         release(b);
         return -1;
     }
     tab->t = b->view.buf;
     tab->rows = items(b) / 2;
-    tab->shift = (unsigned)shift;
-    if (((uint64_t)-1 >> tab->shift) >= (uint64_t)tab->rows) {
+    tab->homes = (uint64_t)homes;
+    if ((int64_t)tab->homes > tab->rows) {
         PyErr_SetString(PyExc_ValueError, "table: fewer rows than home positions");
         release(b);
         return -1;
@@ -332,9 +334,9 @@ static int need(const Buf *b, Py_ssize_t n, const char *what) {
 }
 
 /* The table, the keys and two writable outputs at least as long as the keys (b[0..3]). */
-static int index_open(PyObject *o_t, int shift, PyObject *o_keys, PyObject *o_a, const char *a, PyObject *o_b,
+static int index_open(PyObject *o_t, long long homes, PyObject *o_keys, PyObject *o_a, const char *a, PyObject *o_b,
                       const char *bn, Buf b[4], Table *tab, Py_ssize_t *n) {
-    if (get_table(o_t, shift, &b[0], tab) < 0 || get_buf(o_keys, &b[1], 0, SIZES_8, "keys") < 0 ||
+    if (get_table(o_t, homes, &b[0], tab) < 0 || get_buf(o_keys, &b[1], 0, SIZES_8, "keys") < 0 ||
         get_buf(o_a, &b[2], 1, SIZES_8, a) < 0 || get_buf(o_b, &b[3], 1, SIZES_8, bn) < 0)
         goto fail;
     *n = items(&b[1]);
@@ -346,18 +348,18 @@ fail:
     return -1;
 }
 
-/* index_lookup(table, shift, keys, slots, ends): slot of every key (-1 absent) and the row where
+/* index_lookup(table, homes, keys, slots, ends): slot of every key (-1 absent) and the row where
  * its probe ended (for an absent key the first empty row, or the row count past the end). */
 static PyObject *index_lookup(PyObject *self, PyObject *args) {
     PyObject *o_t, *o_keys, *o_slots, *o_ends;
-    int shift;
-    if (!PyArg_ParseTuple(args, "OiOOO", &o_t, &shift, &o_keys, &o_slots, &o_ends))
+    long long n_homes;
+    if (!PyArg_ParseTuple(args, "OLOOO", &o_t, &n_homes, &o_keys, &o_slots, &o_ends))
         return NULL;
     Buf b[4];
     memset(b, 0, sizeof b);
     Table tab;
     Py_ssize_t n;
-    if (index_open(o_t, shift, o_keys, o_slots, "slots", o_ends, "ends", b, &tab, &n) < 0)
+    if (index_open(o_t, n_homes, o_keys, o_slots, "slots", o_ends, "ends", b, &tab, &n) < 0)
         return NULL;
     const int64_t *k = b[1].view.buf;
     int64_t *s = b[2].view.buf, *e = b[3].view.buf;
@@ -366,13 +368,13 @@ static PyObject *index_lookup(PyObject *self, PyObject *args) {
     PyThreadState *ts = release_for(n);
     int64_t homes[AHEAD];
     for (Py_ssize_t i = 0; i < n && i < AHEAD; i++) {
-        homes[i] = home_of(k[i], tab.shift);
+        homes[i] = home_of(k[i], tab.homes);
         __builtin_prefetch(t + 2 * homes[i]);
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t pos = homes[i % AHEAD];
         if (i + AHEAD < n) {
-            int64_t h = home_of(k[i + AHEAD], tab.shift);
+            int64_t h = home_of(k[i + AHEAD], tab.homes);
             homes[i % AHEAD] = h;
             __builtin_prefetch(t + 2 * h);
         }
@@ -394,19 +396,19 @@ static PyObject *index_lookup(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* index_insert(table, shift, keys, slots, start): put distinct absent keys at the first empty row
+/* index_insert(table, homes, keys, slots, start): put distinct absent keys at the first empty row
  * from start (their probe ends; -1: from their home). False when one would land past the end (the
  * table is then partly filled: the caller rebuilds it). */
 static PyObject *index_insert(PyObject *self, PyObject *args) {
     PyObject *o_t, *o_keys, *o_slots, *o_start;
-    int shift;
-    if (!PyArg_ParseTuple(args, "OiOOO", &o_t, &shift, &o_keys, &o_slots, &o_start))
+    long long n_homes;
+    if (!PyArg_ParseTuple(args, "OLOOO", &o_t, &n_homes, &o_keys, &o_slots, &o_start))
         return NULL;
     Buf bt = {0}, keys = {0}, slots = {0}, start = {0};
     Table tab;
     PyObject *result = NULL;
     int have_start = o_start != Py_None;
-    if (get_table(o_t, shift, &bt, &tab) < 0 || get_buf(o_keys, &keys, 0, SIZES_8, "keys") < 0 ||
+    if (get_table(o_t, n_homes, &bt, &tab) < 0 || get_buf(o_keys, &keys, 0, SIZES_8, "keys") < 0 ||
         get_buf(o_slots, &slots, 0, SIZES_8, "slots") < 0 ||
         (have_start && get_buf(o_start, &start, 0, SIZES_8, "start") < 0))
         goto done;
@@ -419,7 +421,7 @@ static PyObject *index_insert(PyObject *self, PyObject *args) {
     int ok = 1;
     PyThreadState *ts = release_for(n);
     for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t pos = (st && st[i] >= 0) ? st[i] : home_of(k[i], tab.shift);
+        int64_t pos = (st && st[i] >= 0) ? st[i] : home_of(k[i], tab.homes);
         while (pos < rows && t[2 * pos + 1] >= 0)
             pos++;
         if (pos >= rows) {
@@ -436,22 +438,21 @@ done:
     return result;
 }
 
-/* index_fill(table, shift, keys, first, rows_out, owners_out): fill an empty table with
+/* index_fill(table, homes, keys, first, rows_out, owners_out): fill an empty table with
  * keys[i] -> first + i, keys in order; a key already there (the same key at an earlier row) is
  * not placed: its row goes to rows_out and the row that holds it to owners_out. Returns the
  * number of such rows, or -1 when a key would land past the end (the caller retries with a
  * longer table). */
 static PyObject *index_fill(PyObject *self, PyObject *args) {
     PyObject *o_t, *o_keys, *o_rows, *o_owners;
-    int shift;
-    long long first;
-    if (!PyArg_ParseTuple(args, "OiOLOO", &o_t, &shift, &o_keys, &first, &o_rows, &o_owners))
+    long long n_homes, first;
+    if (!PyArg_ParseTuple(args, "OLOLOO", &o_t, &n_homes, &o_keys, &first, &o_rows, &o_owners))
         return NULL;
     Buf b[4];
     memset(b, 0, sizeof b);
     Table tab;
     Py_ssize_t n;
-    if (index_open(o_t, shift, o_keys, o_rows, "rows", o_owners, "owners", b, &tab, &n) < 0)
+    if (index_open(o_t, n_homes, o_keys, o_rows, "rows", o_owners, "owners", b, &tab, &n) < 0)
         return NULL;
     const int64_t *k = b[1].view.buf;
     int64_t *t = tab.t, *ro = b[2].view.buf, *ow = b[3].view.buf;
@@ -461,13 +462,13 @@ static PyObject *index_fill(PyObject *self, PyObject *args) {
     PyThreadState *ts = release_for(n);
     int64_t homes[AHEAD];
     for (Py_ssize_t i = 0; i < n && i < AHEAD; i++) {
-        homes[i] = home_of(k[i], tab.shift);
+        homes[i] = home_of(k[i], tab.homes);
         __builtin_prefetch(t + 2 * homes[i], 1);
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t pos = homes[i % AHEAD];
         if (i + AHEAD < n) {
-            int64_t h = home_of(k[i + AHEAD], tab.shift);
+            int64_t h = home_of(k[i + AHEAD], tab.homes);
             homes[i % AHEAD] = h;
             __builtin_prefetch(t + 2 * h, 1);
         }
@@ -954,10 +955,10 @@ static PyMethodDef methods[] = {
      "bytes_hashes(offsets, data, out): out[i] = fmix64(crc32(value i) << 32 | length of value i)"},
     {"key_codes", key_codes, METH_VARARGS,
      "key_codes(offsets, data, out) -> the number of keys whose code is a hash (longer than 7 bytes)"},
-    {"index_lookup", index_lookup, METH_VARARGS, "index_lookup(table, shift, keys, slots, ends)"},
-    {"index_insert", index_insert, METH_VARARGS, "index_insert(table, shift, keys, slots, start) -> bool"},
+    {"index_lookup", index_lookup, METH_VARARGS, "index_lookup(table, homes, keys, slots, ends)"},
+    {"index_insert", index_insert, METH_VARARGS, "index_insert(table, homes, keys, slots, start) -> bool"},
     {"index_fill", index_fill, METH_VARARGS,
-     "index_fill(table, shift, keys, first, rows, owners) -> duplicate rows, or -1: the table is too short"},
+     "index_fill(table, homes, keys, first, rows, owners) -> duplicate rows, or -1: the table is too short"},
     {"configure_value_handles", configure_value_handles, METH_VARARGS,
      "configure_value_handles(backend_class, column_class): the classes whose __slots__ ValueHandle reads"},
     {"byte_streams", byte_streams, METH_VARARGS,

@@ -958,7 +958,7 @@ _COMPACT_SHARE = 0.25
 """The share of a store's slots that key groups it gave away may hold before
 :meth:`ColumnarKeyedState.maybe_compact` drops them."""
 
-_BULK_ROOM = 2  # home positions per key of an index built by finish_restore at least (load <= 1/2, as after a rebuild)
+_BULK_ROOM = 2.5  # home positions per key of an index built by a restore (load 0.4: room for new keys before it grows at 1/2)
 _BACKGROUND_FILL_MIN = 1 << 17  # string/binary keys a restore expects from which a thread indexes them as they come
 _FILL_RUN = 1 << 17  # keys handed to that thread at a time (the C fill keeps the GIL below 64 k)
 

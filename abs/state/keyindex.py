@@ -25,6 +25,8 @@ INT64_MAX = np.iinfo(np.int64).max
 _H1 = np.uint64(0x9E3779B97F4A7C15)
 _H2 = np.uint64(0xBF58476D1CE4E5B9)
 _S31 = np.uint64(31)
+_S32 = np.uint64(32)
+_MAX_HOMES = 1 << 32  # home positions of an index at most (homes scale the hash's top 32 bits)
 
 
 class IntKeyIndex:
@@ -33,17 +35,19 @@ class IntKeyIndex:
     One int64 row ``(key, slot)`` per position, so a probe costs one cache miss; an empty
     position has slot -1 (its key is irrelevant). Home positions come from the high bits of a
     multiplicative hash (keys of one subtask share low bits of their key-group hash, and
-    sequential keys must not cluster). Probing does not wrap around: the table has spare rows
-    after the ``cap`` home positions; an insert that would run past the end makes the caller
-    rebuild. Lookups step all unresolved keys one position at a time while many remain, then
+    sequential keys must not cluster), scaled to the ``cap`` home positions (the top 32 bits
+    times ``cap``, shifted right by 32: any number of positions, not only powers of two, so a
+    table holds what it is sized for instead of up to twice that). Probing does not wrap
+    around: the table has spare rows after the home positions; an insert that would run past
+    the end makes the caller rebuild. Lookups step all unresolved keys one position at a time while many remain, then
     scan windows of ``_WINDOW`` positions for the few long probe sequences left."""
 
-    __slots__ = ("t", "cap", "shift", "size")
+    __slots__ = ("t", "cap", "size")
 
     def __init__(self, capacity: int = 1024) -> None:
-        bits = max(4, int(capacity - 1).bit_length())
-        self.cap = 1 << bits
-        self.shift = np.uint64(64 - bits)
+        self.cap = max(16, int(capacity))
+        if self.cap > _MAX_HOMES:
+            raise ValueError(f"a key index of {self.cap:,} home positions: at most {_MAX_HOMES:,} (2**32)")
         self.t = self._alloc(self.cap + _WINDOW + self.cap // 64)
         self.size = 0
 
@@ -57,7 +61,9 @@ class IntKeyIndex:
         x = keys.view(np.uint64) * _H1
         x ^= x >> _S31
         x *= _H2
-        x >>= self.shift
+        x >>= _S32
+        x *= np.uint64(self.cap)  # < 2**64: both factors are below 2**32 (cap at most 2**32)
+        x >>= _S32
         return x.view(np.int64)
 
     def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -67,7 +73,7 @@ class IntKeyIndex:
         if NATIVE is not None:  # one C loop (abscore.native), same results
             keys = np.ascontiguousarray(keys, np.int64)
             out, pos = np.empty(len(keys), np.int64), np.empty(len(keys), np.int64)
-            NATIVE.index_lookup(self.t, int(self.shift), keys, out, pos)
+            NATIVE.index_lookup(self.t, self.cap, keys, out, pos)
             return out, pos
         t = self.t
         rows = len(t)
@@ -119,7 +125,7 @@ class IntKeyIndex:
         left). False when a key would land past the table end (the table is then partly
         filled: rebuild it)."""
         if NATIVE is not None:
-            if not NATIVE.index_insert(self.t, int(self.shift), np.ascontiguousarray(keys, np.int64),
+            if not NATIVE.index_insert(self.t, self.cap, np.ascontiguousarray(keys, np.int64),
                                        np.ascontiguousarray(slots, np.int64), np.ascontiguousarray(start, np.int64)):
                 return False
             self.size += len(keys)
@@ -162,7 +168,7 @@ class IntKeyIndex:
         where linear probing puts it)."""
         if NATIVE is not None:  # keys in order, each at the first free position from its home
             keys, slots = np.ascontiguousarray(keys, np.int64), np.ascontiguousarray(slots, np.int64)
-            while not NATIVE.index_insert(self.t, int(self.shift), keys, slots, None):
+            while not NATIVE.index_insert(self.t, self.cap, keys, slots, None):
                 self.t = self._alloc(len(self.t) + self.cap // 8)  # rare: a run past the end
             self.size = len(keys)
             return
@@ -186,31 +192,34 @@ class IntKeyIndex:
         if NATIVE is not None:  # keys in order: an owner is the first row of its key
             keys = np.ascontiguousarray(keys, np.int64)
             rows, owners = np.empty(n, np.int64), np.empty(n, np.int64)
-            while (dups := NATIVE.index_fill(self.t, int(self.shift), keys, first, rows, owners)) < 0:
+            while (dups := NATIVE.index_fill(self.t, self.cap, keys, first, rows, owners)) < 0:
                 self.t = self._alloc(len(self.t) + self.cap // 8)  # rare: a run past the end
             self.size = n
             return rows[:dups].copy(), owners[:dups].copy()
-        bits = int(np.uint64(64) - self.shift)
         rb = max(1, (n - 1).bit_length())  # bits of a row
         # four arrays of n words at most: fresh memory is slow to touch (page faults)
         i = np.arange(n, dtype=np.int64)
-        x = keys.view(np.uint64) * _H1  # the hash of _homes, before its shift
+        x = keys.view(np.uint64) * _H1  # the hash of _homes, before its scaling
         tmp = x >> _S31
         x ^= tmp
         x *= _H2
-        if bits + rb <= _PACK_BITS:  # sort (hash with its low rb bits replaced by the row): by home, equal hashes together
+        cap = np.uint64(self.cap)
+        if rb <= _PACK_BITS:  # sort (hash with its low rb bits replaced by the row): by home, equal hashes together
             low = np.uint64((1 << rb) - 1)
             x &= ~low
             x |= i.view(np.uint64)
             x.sort()
             rows = np.bitwise_and(x, low, out=tmp).view(np.int64)
+            pos = x >> _S32  # the hash's top 32 bits, untouched by the row: the homes, ascending
+            pos *= cap
+            pos >>= _S32
+            pos = pos.view(np.int64)
             x >>= np.uint64(rb)  # the hash's top 64 - rb bits: equal for equal keys
             prefix = x
-            pos = (x >> np.uint64(64 - rb - bits)).view(np.int64)  # the home positions, ascending
         else:  # too many rows to pack: an argsort of the hashes
             rows = np.argsort(x)
             prefix = x[rows]
-            pos = (prefix >> self.shift).view(np.int64)
+            pos = (((prefix >> _S32) * cap) >> _S32).view(np.int64)
         pos -= i  # key i lands at max(home_i, position_{i-1} + 1) = i + cummax(home - i)
         np.maximum.accumulate(pos, out=pos)
         pos += i
@@ -236,7 +245,7 @@ class IntKeyIndex:
         return rows[cand[dup]], rows[owner[dup]]
 
 
-_PACK_BITS = 64  # IntKeyIndex.fill packs a home position and a row into one word while they fit
+_PACK_BITS = 32  # IntKeyIndex.fill packs a row into the low bits of a hash while its top 32 bits (the home) stay
 
 
 class BackgroundFill:
@@ -353,7 +362,7 @@ def _fill_more(index: IntKeyIndex, keys: np.ndarray, first: int) -> tuple[np.nda
     n = len(keys)
     keys = np.ascontiguousarray(keys, np.int64)
     rows, owners = np.empty(n, np.int64), np.empty(n, np.int64)
-    dups = NATIVE.index_fill(index.t, int(index.shift), keys, first, rows, owners)
+    dups = NATIVE.index_fill(index.t, index.cap, keys, first, rows, owners)
     if dups < 0:
         return None, None
     index.size += n - dups
