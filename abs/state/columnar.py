@@ -37,7 +37,7 @@ what its first key group promises) indexes them on another core as they come ins
 (:class:`~abs.state.keyindex.BackgroundFill`) allocates the index and fills it a run of key
 groups at a time, without the GIL, while the next key groups are read and appended;
 ``finish_restore`` hands it the last run and takes its index (5 M keys, with the index:
-string keys 0.49 -> 0.32 s, int keys 0.28 -> 0.20 s), or indexes every key itself when they
+string keys 0.49 -> 0.28 s, int keys 0.28 -> 0.19 s), or indexes every key itself when they
 did not fit what the first key group promised.
 
 Only value states of an integer or floating Arrow type fit (:func:`columnar_descriptors_ok`);
