@@ -201,7 +201,7 @@ class ColumnarKeyedState:
         # restored in bulk (load_checked): slots from here on are not in the index yet
         self._unindexed: int | None = None
         self._bulk: dict[int, tuple[int, int]] = {}  # key group -> its slots, of the bulk not indexed yet
-        # string/binary keys of a bulk into a fresh store: indexed by a thread of their own as they
+        # the keys of a large bulk into a fresh store: indexed by a thread of their own as they
         # come (BackgroundFill), from the first slot not handed to it yet
         self._fill: BackgroundFill | None = None
         self._fill_from = 0
@@ -959,7 +959,7 @@ _COMPACT_SHARE = 0.25
 :meth:`ColumnarKeyedState.maybe_compact` drops them."""
 
 _BULK_ROOM = 2.5  # home positions per key of an index built by a restore (load 0.4: room for new keys before it grows at 1/2)
-_BACKGROUND_FILL_MIN = 1 << 17  # string/binary keys a restore expects from which a thread indexes them as they come
+_BACKGROUND_FILL_MIN = 1 << 17  # keys a restore expects (from its first key group) from which a thread indexes them as they come
 _FILL_RUN = 1 << 17  # keys handed to that thread at a time (the C fill keeps the GIL below 64 k)
 
 
