@@ -993,5 +993,11 @@ PyMODINIT_FUNC PyInit__native(void) {
         Py_DECREF(m);
         return NULL;
     }
+    /* what the functions' arguments mean (abscore.native.API): 2 = the index takes its number
+     * of home positions, not a shift */
+    if (PyModule_AddIntConstant(m, "API", 2) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     return m;
 }

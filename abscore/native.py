@@ -22,6 +22,12 @@ from types import ModuleType
 __all__ = ["NATIVE"]
 
 
+API = 2
+"""What the C functions' arguments mean, as the module built from ``abscore/_native.c`` says
+(its ``API``): a module built from an older source, whose functions have the same names but
+read their arguments otherwise (before 2 the index took a shift, not its number of home
+positions), is not used."""
+
 _NAMES = ("bytes_hashes", "key_codes", "index_lookup", "index_insert", "index_fill", "partition",
           "ValueHandle", "configure_value_handles", "text_array", "byte_streams")
 
@@ -33,7 +39,7 @@ def _load() -> ModuleType | None:
         from abscore import _native
     except ImportError:
         return None
-    if not all(hasattr(_native, name) for name in _NAMES):
+    if not all(hasattr(_native, name) for name in _NAMES) or getattr(_native, "API", 1) != API:
         return None  # built from an older abscore/_native.c: reinstall (pip install -e .) to rebuild it
     return _native
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
+import types
 
 import numpy as np
 import pyarrow as pa
@@ -49,6 +51,20 @@ def test_the_install_built_the_module():
         "reinstall (pip install -e .) with a C compiler and Python's headers to build it; "
         "without it the numpy and Python twins run, 1.4-5x slower"
     )
+
+
+@needs_native
+def test_a_module_built_from_an_older_source_is_not_used(monkeypatch):
+    """Same names, arguments read otherwise (before API 2 the index took a shift): not used."""
+    import abscore
+    from abscore import native as native_module
+
+    stale = types.SimpleNamespace(**{name: getattr(NATIVE, name) for name in native_module._NAMES})
+    monkeypatch.setattr(abscore, "_native", stale, raising=False)
+    monkeypatch.setitem(sys.modules, "abscore._native", stale)
+    assert native_module._load() is None
+    stale.API = native_module.API
+    assert native_module._load() is stale
 
 
 values = st.lists(st.one_of(st.none(), st.binary(max_size=80)), max_size=60)
