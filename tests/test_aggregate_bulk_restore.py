@@ -304,7 +304,7 @@ def test_a_restore_that_never_finishes_leaves_no_thread_behind(index_fill):
 def test_an_error_of_the_index_thread_is_raised_by_finish_restore(index_fill):
     if index_fill != "by a thread as they come":
         pytest.skip("no thread without the background fill")
-    with mock.patch.object(keyindex_module, "_fill_more", side_effect=MemoryError("no room for the index")):
+    with mock.patch.object(IntKeyIndex, "fill_more", side_effect=MemoryError("no room for the index")):
         s = store()
         s.restore("a", 1, pa.table({"key": pa.array(["p", "q"]), "value": pa.array([1, 2])}))
         with pytest.raises(MemoryError, match="no room for the index"):

@@ -696,12 +696,7 @@ class ColumnarKeyedState:
         if self.var is None:
             self._index_int_bulk(lo, n)
             return
-        fill, self._fill = self._fill, None
-        built = None
-        if fill is not None and lo == 0:
-            if self._fill_from < n:
-                fill.add(self.keys[self._fill_from:n], self._fill_from)
-            built = fill.finish()  # None: more keys than the index was sized for
+        built = self._finish_fill(lo, n)  # None: no thread, or more keys than its index was sized for
         if built is not None:
             self.map.hash, rows, owners = built
             self._unindexed = None
@@ -727,20 +722,26 @@ class ColumnarKeyedState:
         if len(rows):
             self._bulk_collided(rows, owners)
 
+    def _finish_fill(self, lo: int, n: int) -> Any:
+        """What the restore's index thread built (:class:`BackgroundFill`), after handing it the
+        last run of slots up to ``n``; None when there is none (or it did not fit), or the bulk
+        did not start at slot 0 (the thread's index is then dropped)."""
+        fill, self._fill = self._fill, None
+        if fill is None or lo:
+            return None
+        if self._fill_from < n:
+            fill.add(self.keys[self._fill_from:n], self._fill_from)
+        return fill.finish()
+
     def _index_int_bulk(self, lo: int, n: int) -> None:
         """:meth:`finish_restore` of int keys: the index places them at once (dense ones in
         its direct range), then finds them all again: a key restored twice finds another slot."""
         keys = self.keys[lo:n]
-        fill, self._fill = self._fill, None
         placed = None
-        if fill is not None and not lo:  # dense ids: the thread's array, if they all fell in it
-            if self._fill_from < n:
-                fill.add(keys[self._fill_from:], self._fill_from)
-            got = fill.finish()
-            if got is not None:
-                direct, placed_n, hi, once = got
-                if placed_n == n and SlotMap.direct_range(0, hi, n) == (0, len(direct)):
-                    placed = self.map.adopt_direct(direct, 0, keys, once)
+        if (got := self._finish_fill(lo, n)) is not None:  # dense ids: the thread's array, if they all fell in it
+            direct, placed_n, hi, once = got
+            if placed_n == n and SlotMap.direct_range(0, hi, n) == (0, len(direct)):
+                placed = self.map.adopt_direct(direct, 0, keys, once)
         if placed is None and not lo:  # a fresh store, dense keys: one scatter
             placed = self.map.fill_direct(keys)
         if placed is not None:

@@ -190,12 +190,10 @@ class IntKeyIndex:
         (3-5x faster), and equal keys come out adjacent (equal keys have equal hashes)."""
         n = len(keys)
         if NATIVE is not None:  # keys in order: an owner is the first row of its key
-            keys = np.ascontiguousarray(keys, np.int64)
-            rows, owners = np.empty(n, np.int64), np.empty(n, np.int64)
-            while (dups := NATIVE.index_fill(self.t, self.cap, keys, first, rows, owners)) < 0:
+            while (got := self.fill_more(keys, first)) is None:
                 self.t = self._alloc(len(self.t) + self.cap // 8)  # rare: a run past the end
             self.size = n
-            return rows[:dups].copy(), owners[:dups].copy()
+            return got
         rb = max(1, (n - 1).bit_length())  # bits of a row
         # four arrays of n words at most: fresh memory is slow to touch (page faults)
         i = np.arange(n, dtype=np.int64)
@@ -243,6 +241,20 @@ class IntKeyIndex:
         owner = cand[np.flatnonzero(head)[np.cumsum(head) - 1]]
         dup = ~head
         return rows[cand[dup]], rows[owner[dup]]
+
+    def fill_more(self, keys: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """:meth:`fill` beside the keys already there, in C without the GIL (needs
+        :mod:`abscore.native`): ``(rows, owners)`` as :meth:`fill` gives them (relative to
+        ``first``; an owner may be a key placed before, at a negative row), or None when a key
+        would land past the table's end (the table is then partly filled: build it anew)."""
+        n = len(keys)
+        keys = np.ascontiguousarray(keys, np.int64)
+        rows, owners = np.empty(n, np.int64), np.empty(n, np.int64)
+        dups = NATIVE.index_fill(self.t, self.cap, keys, first, rows, owners)
+        if dups < 0:
+            return None
+        self.size += n  # the keys given, as fill counts them
+        return rows[:dups].copy(), owners[:dups].copy()
 
 
 _PACK_BITS = 32  # IntKeyIndex.fill packs a row into the low bits of a hash while its top 32 bits (the home) stay
@@ -315,11 +327,11 @@ class HashFill:
     def add(self, keys: np.ndarray, first: int) -> bool:
         if self.index.size + len(keys) > _MAX_LOAD * self.index.cap:
             return False
-        r, o = _fill_more(self.index, keys, first)
-        if r is None:
+        got = self.index.fill_more(keys, first)
+        if got is None:
             return False
-        self.rows.append(r)
-        self.owners.append(o)
+        self.rows.append(got[0] + first)
+        self.owners.append(got[1] + first)
         return True
 
     def end(self) -> tuple[IntKeyIndex, np.ndarray, np.ndarray]:
@@ -352,21 +364,6 @@ class DirectFill:
 
     def end(self) -> tuple[np.ndarray, int, int, bool]:
         return self.direct, self.n, self.hi, np.count_nonzero(self.direct >= 0) == self.n
-
-
-def _fill_more(index: IntKeyIndex, keys: np.ndarray, first: int) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """Place ``keys[i] -> first + i`` in ``index`` beside the keys already there (C, without
-    the GIL): ``(rows, owners)`` absolute, of the keys it holds already, or ``(None, None)``
-    when a key would land past the table's end (the index is then partly filled: build it
-    anew)."""
-    n = len(keys)
-    keys = np.ascontiguousarray(keys, np.int64)
-    rows, owners = np.empty(n, np.int64), np.empty(n, np.int64)
-    dups = NATIVE.index_fill(index.t, index.cap, keys, first, rows, owners)
-    if dups < 0:
-        return None, None
-    index.size += n - dups
-    return rows[:dups] + first, owners[:dups] + first
 
 
 def _joined(parts: list) -> np.ndarray:
