@@ -237,8 +237,13 @@ def test_index_fill_places_keys_where_lookups_find_them_and_names_the_repeated_o
     assert index.size == len(keys)
 
 
-def _fill_threads() -> list:
-    return [t for t in threading.enumerate() if t.name == "abs-index-fill"]
+def _fill_threads(s: ColumnarKeyedState) -> list:
+    """The store's index thread, if it has one (a thread of that name running)."""
+    if s._fill is None:
+        return []
+    thread = s._fill._thread
+    assert thread.name == "abs-index-fill" and thread in threading.enumerate()
+    return [thread]
 
 
 def _ended(threads: list) -> bool:
@@ -255,9 +260,8 @@ def test_a_thread_indexes_the_bulk_as_it_comes_and_ends_with_the_restore(index_f
     with mock.patch.object(columnar_module, "_FILL_RUN", run):
         for state, kg, table in key_group_tables(keys, pa.string(), np.random.default_rng(1), hows=(0,)):
             s.restore(state, kg, table)
-    threads = _fill_threads()
-    assert (s._fill is not None) == (index_fill == "by a thread as they come")
-    assert len(threads) == (s._fill is not None)
+    threads = _fill_threads(s)
+    assert len(threads) == (index_fill == "by a thread as they come")
     s.finish_restore()
     assert s._fill is None and _ended(threads)
     slots = s.slots_for_var(pa.array(keys))
@@ -294,7 +298,7 @@ def test_a_restore_that_never_finishes_leaves_no_thread_behind(index_fill):
         pytest.skip("no thread without the background fill")
     s = store()
     s.restore("a", 1, pa.table({"key": pa.array(["a-long-key-1", "b"]), "value": pa.array([1, 2])}))
-    threads = _fill_threads()
+    threads = _fill_threads(s)
     assert len(threads) == 1
     del s  # a restore that failed: nothing calls finish_restore
     gc.collect()
