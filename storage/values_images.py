@@ -21,6 +21,8 @@ __all__ = [
     "META_BYTE_STREAM_SPLIT",
     "split_byte_streams",
     "join_byte_streams",
+    "split_image_schema",
+    "split_values_image",
 ]
 
 META_BYTE_STREAM_SPLIT = b"abs.byte_stream_split"
@@ -114,16 +116,44 @@ def split_byte_streams(table: pa.Table) -> pa.Table:
             columns.append(column)
             fields.append(field)
             continue
-        width = field.type.bit_width // 8
-        values = np.ascontiguousarray(column.to_numpy())
-        planes = byte_planes(values.view(np.uint8), width, split=True)
-        columns.append(pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), len(values), [None, pa.py_buffer(planes)]))
-        fields.append(pa.field(field.name, pa.binary(width), nullable=field.nullable,
-                               metadata={**(field.metadata or {}), META_BYTE_STREAM_SPLIT: str(field.type).encode()}))
+        columns.append(_split_column(np.ascontiguousarray(column.to_numpy())))
+        fields.append(_split_field(field))
         changed = True
     if not changed:
         return table
     return pa.Table.from_arrays(columns, schema=pa.schema(fields, metadata=table.schema.metadata))
+
+
+def _split_field(field: pa.Field) -> pa.Field:
+    """The field of ``field``'s column stored byte-stream split (its type named in its metadata)."""
+    return pa.field(field.name, pa.binary(field.type.bit_width // 8), nullable=field.nullable,
+                    metadata={**(field.metadata or {}), META_BYTE_STREAM_SPLIT: str(field.type).encode()})
+
+
+def _split_column(values: np.ndarray) -> pa.Array:
+    """Contiguous fixed-width values as the ``fixed_size_binary`` column of their byte planes."""
+    width = values.dtype.itemsize
+    planes = byte_planes(values.view(np.uint8), width, split=True)
+    return pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), len(values), [None, pa.py_buffer(planes)])
+
+
+def split_image_schema(value_type: pa.DataType, metadata: dict, digest: str) -> pa.Schema | None:
+    """The schema :func:`values_image_over` gives the values image of a single ``value`` column
+    of ``value_type`` without nulls (``metadata``: the delta's schema metadata; ``digest``: its
+    keys' :func:`int64_digest`), when that column is stored byte-stream split; None for a type
+    that is not split. With :func:`split_values_image`, a writer that keeps this schema from one
+    checkpoint to the next (the same while the keys stay) builds a key group's values image from
+    its values alone: ~20 us instead of ~50 (the value table, then its split copy)."""
+    if str(value_type) not in _SPLIT_TYPES:
+        return None
+    return pa.schema([_split_field(pa.field("value", value_type))],
+                     metadata={**metadata, META_KEYS_DIGEST: digest.encode()})
+
+
+def split_values_image(values: np.ndarray, schema: pa.Schema) -> pa.Table:
+    """The values image :func:`values_image_over` makes of ``values`` (no nulls, in key order,
+    of the type ``schema`` names) under a :func:`split_image_schema`: the same table."""
+    return pa.Table.from_arrays([_split_column(np.ascontiguousarray(values))], schema=schema)
 
 
 def join_byte_streams(table: pa.Table) -> pa.Table:

@@ -26,7 +26,7 @@ from abs.columns import Captured, KeyOrders, SameKeys, _text_array
 from abs.errors import StateError
 
 from .encoding import (ENCODING_PICKLE, MISSING, column_table, delta_table, encode_keys, encode_pairs, pickled_values,
-                       split_deletes, values_table)
+                       split_deletes, values_metadata, values_table)
 from .varkeys import Gathered
 
 if TYPE_CHECKING:
@@ -194,12 +194,27 @@ class ColumnDelta:
         ``slot``, see :meth:`image_keys`) and its other columns in that order (the ``value``
         column, with the delta's schema metadata), without building the delta's table: a
         values image needs no more (:func:`storage.values_images.values_image_over`)."""
+        ordered, values, nulls = self.sorted_values(orders, slot)
+        return ordered, values_table(self._arrow_type, self._kind, values, nulls)
+
+    def sorted_values(self, orders: KeyOrders, slot: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """:meth:`sorted_image` as arrays: the keys in ascending order, the values and the null
+        mask (None: no null) in that order; the values as the column holds them (their dtype
+        may differ from :attr:`value_type`, which a table of them casts to)."""
         if not self.typed_image:
             raise ValueError("sorted_image: the delta is not a full image over int64 keys of a typed state (typed_image)")
         c = self._rows()
         order, ordered = self._sort(orders, slot)
-        return ordered, values_table(self._arrow_type, self._kind, c.values[order],
-                                     None if c.nulls is None else c.nulls[order])
+        return ordered, c.values[order], None if c.nulls is None else c.nulls[order]
+
+    @property
+    def value_type(self) -> pa.DataType | None:
+        """The Arrow type of the state's values (None: pickled objects)."""
+        return self._arrow_type
+
+    def values_metadata(self) -> dict:
+        """The schema metadata of the tables of this delta's values (:func:`values_table`)."""
+        return values_metadata(self._kind)
 
     def full_list_keys(self) -> list | None:
         """The keys of the delta when it is a full image (no deletes) whose keys are a list

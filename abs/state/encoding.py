@@ -56,6 +56,7 @@ __all__ = [
     "encode_pairs",
     "pickled_values",
     "split_deletes",
+    "values_metadata",
     "values_table",
 ]
 
@@ -191,8 +192,12 @@ def values_table(t: pa.DataType, kind: str, values: np.ndarray, nulls: np.ndarra
     :func:`column_table` of int64 keys: what a delta table of those rows holds besides its
     ``key`` and ``op`` columns (a values image's input, :mod:`storage.values_images`)."""
     return pa.Table.from_arrays([pa.array(values, t, mask=nulls)],
-                                schema=pa.schema([pa.field("value", t)],
-                                                 metadata=_delta_metadata(kind, ENCODING_ARROW, ENCODING_ARROW)))
+                                schema=pa.schema([pa.field("value", t)], metadata=values_metadata(kind)))
+
+
+def values_metadata(kind: str) -> dict:
+    """The schema metadata of :func:`values_table` (typed keys and values of a state of ``kind``)."""
+    return _delta_metadata(kind, ENCODING_ARROW, ENCODING_ARROW)
 
 
 def _delta_metadata(kind: str, key_enc: bytes, value_enc: bytes) -> dict:
