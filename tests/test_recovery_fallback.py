@@ -164,6 +164,34 @@ def test_fallback_past_a_broken_newest_checkpoint_rolls_the_file_sink_back_to_ex
     assert min(c.checkpoint_id for c in result.completed_checkpoints) > newest
 
 
+@pytest.mark.parametrize("where", ["into the root", "second savepoint of a directory"])
+def test_restoring_a_savepoint_of_an_older_checkpoint_rolls_back_what_that_checkpoint_had_not_committed(
+        tmp_path, capfd, where):
+    """A savepoint's id can exceed the id of the checkpoint it copied: a copy of an older
+    checkpoint into its own root gets the root's next id (and so is its latest), and the later
+    of two savepoints in one directory the id after the first. Restoring it restores that older
+    checkpoint's state, so the output committed after that checkpoint must be rolled back,
+    not only the output above the savepoint's own id (which left it in place: published twice)."""
+    root, out, newest = finished_run(tmp_path)
+    store = SnapshotStore.open(root)
+    older = newest - 1
+    if where == "into the root":
+        saved = store.savepoint(older, root)
+        restore = "latest"
+    else:
+        restore = str(tmp_path / "sp")
+        store.savepoint(newest, restore)
+        saved = store.savepoint(older, restore)
+    assert saved.checkpoint_id > older  # the premise: the copy's id is above the checkpoint it holds
+    capfd.readouterr()
+    result = abs.run(flow(out), parallelism=2, checkpoint=CHECKPOINTS, storage=root, restore=restore)
+    err = capfd.readouterr().err
+    assert result.status == "FINISHED" and result.restored_from == saved.checkpoint_id
+    assert result.rolled_back == {"out": [newest]}
+    assert f"restoring checkpoint {saved.checkpoint_id} (a savepoint of checkpoint {older}) of " in err
+    assert_exactly_once(read_output(out, "parquet"))
+
+
 def test_rollback_is_idempotent_and_finishes_one_stopped_part_way(tmp_path):
     out = str(tmp_path / "out")
     writers = [FileSink(out).create_writer(s, 2) for s in range(2)]

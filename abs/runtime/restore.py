@@ -46,6 +46,7 @@ __all__ = [
     "plan_output",
     "committed_evidence",
     "id_ranges",
+    "savepoint_origin",
 ]
 
 
@@ -147,6 +148,14 @@ def plan_output(
         target=target, rollback=tuple(rollback), drop_collected=drop, repeated=repeated,
         above={i: above[i] for i in ids}, sinks={s.uid: s for s in sinks},
     )
+
+
+def savepoint_origin(manifest: Any) -> int | None:
+    """The id of the checkpoint a savepoint's manifest copied (its ``stats.savepoint_of``), or
+    None for a checkpoint's own manifest (or a savepoint that does not record it)."""
+    origin = manifest.stats.get("savepoint_of") if isinstance(manifest.stats, Mapping) else None
+    cid = origin.get("checkpoint_id") if isinstance(origin, Mapping) else None
+    return cid if isinstance(cid, int) and not isinstance(cid, bool) else None
 
 
 def committed_evidence(

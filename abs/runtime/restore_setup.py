@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..connectors.sinks import CollectSink
 from . import messages as m
-from .restore import SinkView, committed_evidence, id_ranges, plan_output
+from .restore import SinkView, committed_evidence, id_ranges, plan_output, savepoint_origin
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +74,14 @@ class RestoreSetup:
                 source_splits={uid: list(src.splits()) for uid, src in sources.items()},
                 allow_non_restored_state=self.allow_non_restored_state,
             )
-        # what the sinks must undo: decided before anything is changed, carried out before any worker starts
+        # what the sinks must undo: decided before anything is changed, carried out before any worker starts.
+        # A savepoint holds the state of the checkpoint it copied, whose id may be lower than its
+        # own (a copy of an older checkpoint into this very root, or the later of two savepoints
+        # in one directory): the output to undo is what that checkpoint had not committed.
         target = cid if cid is not None else (rs.run_first_id - 1 if rs.started else None)
+        origin = savepoint_origin(manifest) if manifest is not None else None
+        if origin is not None and origin < target:
+            target = origin
         undo = self._plan_output(target, evidence, skipped, cid, url) if target is not None else None
         first_id = max([self.store.next_checkpoint_id() if self.store is not None else 1,
                         (cid or 0) + 1, max(evidence, default=0) + 1])
@@ -88,7 +94,8 @@ class RestoreSetup:
             # the short reasons here; the warnings above carry the details
             why = (f" (skipped {'; '.join(f'{sk.checkpoint_id}: {sk.reason.split(chr(40))[0].strip()}' for sk in skipped)})"
                    if skipped else "")
-            log.info(f"{job}: restoring checkpoint {cid} of {url}{why}")
+            copy = f" (a savepoint of checkpoint {origin})" if origin is not None and origin != cid else ""
+            log.info(f"{job}: restoring checkpoint {cid}{copy} of {url}{why}")
         if undo is not None:
             self._roll_back_output(*undo)
         if cid is None:
