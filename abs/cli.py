@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("savepoint", parents=[common], help="copy a checkpoint into a self-contained, pinned savepoint")
     p.add_argument("id", type=_checkpoint_id, metavar="ID", help="a checkpoint id or 'latest'")
-    p.add_argument("dest", metavar="DEST", help="destination root (may be ROOT itself)")
+    p.add_argument("dest", metavar="DEST", help="destination root: an empty directory, an existing savepoint root, or ROOT itself (a copy of an older checkpoint there becomes its latest)")
     p.add_argument("--dest-storage-option", action="append", default=[], metavar="KEY=VALUE",
                    help="fsspec storage option of DEST (default: DEST of the same protocol reuses ROOT's file system)")
     _spark_arguments(p, "resolve the key groups on Spark executors (DEST must be a new, empty root)")
@@ -389,6 +389,9 @@ def _savepoint(args: argparse.Namespace) -> int:
     _out([f"savepoint {saved.checkpoint_id} of checkpoint {args.id} written to {args.dest} "
           f"({len(saved.paths())} file(s), {sum(r.bytes for r in files.values())} bytes); pinned until deleted; "
           f"restore with restore={args.dest!r}"])
+    if saved.checkpoint_id != args.id and store.url.rstrip("/") == SnapshotStore.open(args.dest, options).url.rstrip("/"):
+        _out([f"note: it is now the newest checkpoint of {args.dest}: restore='latest' there restores checkpoint "
+              f"{args.id}'s state, and a sink that can roll back drops the output committed after it"])
     return 0
 
 

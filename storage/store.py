@@ -17,6 +17,7 @@ each concept to the module that owns it:
 from __future__ import annotations
 
 import functools
+import os
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -26,7 +27,7 @@ from abscore.progress import ProgressCallback
 
 from .backend import RootIO, protocols_of
 from .chains import CompactionPolicy
-from .errors import CheckpointNotFoundError, StorageError
+from .errors import CheckpointNotFoundError, StorageConfigError, StorageError
 from .format import DEFAULT_DECODE_LIMITS, DecodeLimits, EncodedFile
 from .gc import GcPlan
 from .ids import CheckpointId
@@ -48,6 +49,20 @@ if TYPE_CHECKING:  # a local root needs no fsspec (see storage.backend): importe
 
 __all__ = ["KeyGroupWrite", "SnapshotStore"]
 
+
+_ROOT_DIRS = frozenset({StoragePaths.CHECKPOINTS_DIR, StoragePaths.STATE_DIR, StoragePaths.OPSTATE_DIR,
+                        StoragePaths.CHANNELS_DIR, StoragePaths.PINS_DIR})
+"""The directories of a snapshot root's own layout (a savepoint may not go inside one)."""
+
+
+def _comparable(url: str) -> str:
+    """A root's URL to compare with another's: a local path made absolute (``file://`` and
+    relative paths alike), without a trailing slash."""
+    if url.startswith("file://"):
+        url = url[len("file://"):]
+    if "://" not in url:
+        url = os.path.realpath(url)
+    return url.rstrip("/")
 
 class SnapshotStore:
     """A snapshot root (any fsspec URL) holding the checkpoints of one job.
@@ -456,7 +471,34 @@ class SnapshotStore:
                 fs = self._io.fs
         dest = SnapshotStore.open(dest_url, storage_options, fs=fs, policy=self.policy, clock=self._clock,
                                   fsync=self._io.fsync)
+        self._check_savepoint_dest(dest)
         return take_savepoint(self, checkpoint_id, dest, source_pin=source_pin, progress=progress)
+
+    def _check_savepoint_dest(self, dest: "SnapshotStore") -> None:
+        """Refuse a savepoint destination that would mix its files with others: a directory
+        inside one of this root's own directories (``state/``, ``checkpoints/``, ...: the
+        savepoint's files among the root's), or one that holds files but is no snapshot root.
+        This root itself, an existing (savepoint) root and another directory under this root
+        (a job's ``savepoints/``) are fine."""
+        mine, theirs = _comparable(self.url), _comparable(dest.url)
+        if theirs == mine:
+            return
+        if theirs.startswith(mine + "/") and theirs[len(mine) + 1:].split("/")[0] in _ROOT_DIRS:
+            raise StorageConfigError(
+                f"{dest.url}: is inside the source root's own directory {theirs[len(mine) + 1:].split('/')[0]}/; a "
+                "savepoint there mixes its files with the root's; pass a directory outside the root (or the root "
+                "itself, or a directory of its own under it such as savepoints/)"
+            )
+        if dest.exists():
+            return
+        files = dest.list_files()
+        if files:
+            sample = sorted(files)[:3]
+            raise StorageConfigError(
+                f"{dest.url}: is not empty ({len(files)} file(s), e.g. {sample}) and holds no snapshots; refusing to "
+                "mix a savepoint with other files; pass an empty directory, an existing savepoint root, or the root "
+                "itself"
+            )
 
     def delete_savepoint(self, checkpoint_id: int) -> None:
         """Unpin a savepoint by deleting its manifest; the next GC reclaims its files."""

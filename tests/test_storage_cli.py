@@ -255,6 +255,20 @@ def test_latest_is_taken_by_savepoint_too(capsys, root, tmp_path):
     assert code == 0 and "of checkpoint 2 written" in out and err == ""
 
 
+def test_a_savepoint_of_an_older_checkpoint_into_its_own_root_says_it_is_now_the_latest(capsys, root, tmp_path):
+    code, out, err = run(capsys, "savepoint", root, "1", root)
+    assert code == 0 and err == ""
+    assert "savepoint 3 of checkpoint 1 written" in out
+    assert f"note: it is now the newest checkpoint of {root}: restore='latest' there restores checkpoint 1's state" in out
+    code, out, _ = run(capsys, "savepoint", root, "2", str(tmp_path / "elsewhere"))
+    assert code == 0 and "note:" not in out
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "notes.txt").write_text("mine")
+    code, out, err = run(capsys, "savepoint", root, "2", str(tmp_path / "mixed"))
+    assert code == 2 and out == "" and "is not empty (1 file(s), e.g. ['notes.txt']) and holds no snapshots" in err
+    assert sorted(os.listdir(tmp_path / "mixed")) == ["notes.txt"]
+
+
 def test_latest_on_a_root_without_checkpoints_says_so(capsys, tmp_path):
     store = SnapshotStore.open(str(tmp_path / "empty"))
     store.init_job({"job_name": "j", "max_parallelism": 2})

@@ -21,6 +21,7 @@ from storage import (
     Manifest,
     MissingFileError,
     SnapshotStore,
+    StorageConfigError,
     StateNotFoundError,
     StoragePaths,
     UnsupportedFormatError,
@@ -426,6 +427,24 @@ class StoreContract(StoreFixtures):
         store.gc(retain=1)
         assert store.list_checkpoints() == [5]
         assert not any(p.startswith("state/") and "/00000002-" in p for p in store.list_files())
+
+    def test_a_savepoint_refuses_a_destination_that_would_mix_its_files_with_others(self, store, root, open_store):
+        chain = store.write_key_group(1, "count", "n", 0, [], delta([(1, "a", 0)]))
+        self.commit(store, 1, {0: chain})
+        base = root.rstrip("/")
+        other = open_store(base + "-other")
+        other._io.put("notes.txt", b"keep me")
+        before, others = store.list_files(), other.list_files()
+        for dest, why in [(base + "-other", r"is not empty \(1 file\(s\), e\.g\. \['notes\.txt'\]\) and holds no snapshots"),
+                          (base + "/state/sp", r"inside the source root's own directory state/"),
+                          (base + "/checkpoints", r"inside the source root's own directory checkpoints/")]:
+            with pytest.raises(StorageConfigError, match=why):
+                store.savepoint(1, dest)
+        assert store.list_files() == before and other.list_files() == others  # nothing written anywhere
+        # an empty directory, one of the root's own under it (a job's savepoints/), an existing root
+        assert store.savepoint(1, base + "/savepoints/sp-1").stats["savepoint_of"]["checkpoint_id"] == 1
+        assert store.savepoint(1, base + "-sp").checkpoint_id == 1
+        assert store.savepoint(1, base + "-sp").checkpoint_id == 2
 
 
 class MemoryRoot:
