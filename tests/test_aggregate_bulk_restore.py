@@ -217,6 +217,32 @@ def test_the_runtime_indexes_the_bulk_after_the_last_key_group(tmp_path):
     assert dict(op.backend.items("s")) == {f"name-{i:04d}": i for i in range(500)}
 
 
+def test_a_restore_of_skewed_keys_is_sized_from_what_the_runtime_expects_not_from_its_first_key_group(tmp_path):
+    """Every key in one key group: the first key group promises as many in each of the others.
+    The runtime tells the store how many keys its chains hold at most (KeyedOp.restore), and
+    the store and its index are sized for those, not for the M-fold guess."""
+    flow = abs.Dataflow("skew", max_parallelism=M)
+    pool = pa.array([f"name-{i:05d}" for i in range(20_000)])
+    names = pool.filter(pa.array(key_groups(pool, M) == 3)).slice(0, 600)
+    n = len(names)
+    src = abs.GeneratorSource(n, num_keys=n, make_batch=lambda idx: pa.RecordBatch.from_arrays(
+        [names.take(pa.array(idx)), pa.array(idx)], names=["k", "v"]))
+    flow.source("src", src).key_by("k").aggregate("agg", {"s": ("v", "sum"), "c": ("v", "count")}, emit="none")
+    first = abs.run(flow, parallelism=1, storage=str(tmp_path))
+    store_ = SnapshotStore.open(str(tmp_path))
+    manifest = store_.read_manifest(first.last_checkpoint)
+    node = next(n for n in flow.nodes if n.kind == "aggregate")
+    ctx = types.SimpleNamespace(subtask=0, parallelism=1, max_parallelism=M,
+                                key_group_range=key_group_range(M, 1, 0), send_to_driver=None)
+    op = build_operator(node, ctx)
+    op.restore({state: manifest.chains(node.uid, state) for state in manifest.keyed[node.uid]}, store_.read_chain)
+    col = op.backend.columnar
+    assert col.n == n and col.capacity <= 2 * n  # without the bound: M * n and more
+    assert col.map.hash.cap <= 3 * n
+    assert col._restore_bound is None  # the bound was for that restore only
+    assert dict(op.backend.items("s")) == {k: i for i, k in enumerate(names.to_pylist())}
+
+
 @pytest.mark.parametrize("packed", [True, False])
 def test_index_fill_places_keys_where_lookups_find_them_and_names_the_repeated_ones(packed):
     rng = np.random.default_rng(5)

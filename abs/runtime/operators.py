@@ -161,6 +161,12 @@ class KeyedOp(OperatorRuntime):
         nbytes = 0
         wanted = [(state, kg, chain) for state, by_kg in chains.items() if state in self.confirmed_chains
                   for kg, chain in by_kg.items()]  # compatibility is checked by the driver before anything runs
+        expect = getattr(self.backend, "expect_restore", None)
+        if expect is not None:  # the keys of a key group: at most the rows of its longest state's chain
+            rows: dict[int, int] = {}
+            for _state, kg, chain in wanted:
+                rows[kg] = max(rows.get(kg, 0), sum(ref.rows for ref in chain))
+            expect(sum(rows.values()))
         for (state, kg, chain), table in read_ahead(read_chain, wanted, readers):
             read = sum(ref.bytes for ref in chain)
             nbytes += read

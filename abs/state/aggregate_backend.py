@@ -98,6 +98,12 @@ class AggregateBackend:
             self.migrate_to_dict()
         self.dict_backend.restore(state_name, kg, table, verify=verify)
 
+    def expect_restore(self, keys: int) -> None:
+        """A restore about to begin brings at most ``keys`` keys (see
+        :meth:`ColumnarKeyedState.expect_restore`)."""
+        if self.columnar is not None:
+            self.columnar.expect_restore(keys)
+
     def finish_restore(self) -> None:
         """After the last key group of a restore: the columnar store indexes the keys it
         restored in bulk (:meth:`ColumnarKeyedState.finish_restore`)."""

@@ -205,6 +205,7 @@ class ColumnarKeyedState:
         # come (BackgroundFill), from the first slot not handed to it yet
         self._fill: BackgroundFill | None = None
         self._fill_from = 0
+        self._restore_bound: int | None = None  # keys a restore brings at most (expect_restore)
         # a key group left this subtask (release_key_group): its slots stay, in no state, until it
         # comes back; captures and lookups then check ownership (see "Moving key groups")
         self._released = False
@@ -649,6 +650,8 @@ class ColumnarKeyedState:
         if not n0:  # the first key group of a restore: room for as many in each key group of the range
             groups = int(self.key_group_range.mask.sum())
             guess = n1 * groups + n1 // 8 * int(groups ** 0.5)
+            if self._restore_bound is not None:
+                guess = max(n1, min(guess, self._restore_bound))
             if guess > self.capacity:
                 self._grow(guess)
             if not ints:
@@ -681,12 +684,22 @@ class ColumnarKeyedState:
             self._fill_from = n1
         return slice(n0, n1)
 
+    def expect_restore(self, keys: int) -> None:
+        """A restore about to begin brings at most ``keys`` keys (the rows of its chains' files:
+        the runtime counts them from the manifest). A bulk into a fresh store is sized from its
+        first key group (as many in each key group it owns), and never larger than this: the
+        first key group of a skewed key set (all keys in one key group) made room, an index
+        thread's table included, for as many in every other key group (300 k string keys in
+        one of 128 key groups: ~1.6 GB, where 0.1 GB held them)."""
+        self._restore_bound = max(0, int(keys))
+
     def finish_restore(self) -> None:
         """Index the keys restored in bulk (:meth:`_bulk_slots`); slot lookups call it first,
         the runtime after the last key group of a restore. String/binary keys whose code
         another key has go to ``collisions``, as :meth:`slots_for_var` puts them there; a key
         restored twice (in two key groups, or twice in one table: a corrupt snapshot) is
         refused."""
+        self._restore_bound = None
         lo = self._unindexed
         if lo is None:
             return
