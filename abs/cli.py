@@ -22,6 +22,7 @@ from storage import (
     StorageConfigError,
     StorageError,
     StorageUnavailableError,
+    UnsupportedFormatError,
 )
 from storage.format import DEFAULT_DECODE_LIMITS, DecodeLimits
 from storage.inspect import corrupt_lines, dump_lines, list_lines, parse_storage_options, show_lines
@@ -112,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--job-stopped", action="store_true",
                    help="the job is not running: also delete unreferenced files of attempts newer than the newest "
                         "complete checkpoint (never use while the job runs)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="do not read the kept checkpoints' files first (by default GC verifies them, newest first, "
+                        "and also keeps the newest intact checkpoint when every kept one is damaged)")
 
     p = sub.add_parser("check", parents=[common],
                        help="can a job restore this checkpoint (default: the latest) at a parallelism?")
@@ -247,16 +251,54 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
+    if args.retain < 1:
+        raise StorageConfigError(f"--retain {args.retain}: GC keeps at least the newest checkpoint; use K >= 1")
     store = _open(args)
     guard = None
     if args.job_stopped:
         guard = max(store.next_checkpoint_id() - 1, 0)
+    retain = args.retain
+    if not args.no_verify:
+        retain, notes = _intact_retention(store, retain)
+        _out(notes)
     with _progress(args) as progress:
-        plan = store.gc(args.retain, protect_newer_than=guard, dry_run=args.dry_run, progress=progress)
+        plan = store.gc(retain, protect_newer_than=guard, dry_run=args.dry_run, progress=progress)
     verb = "would delete" if args.dry_run else "deleted"
     _out([f"{verb} {p}" for p in plan.delete_files + plan.delete_manifests])
     _out([("dry run: " if args.dry_run else "") + plan.summary()])
     return 0
+
+
+def _intact_retention(store: SnapshotStore, retain: int) -> tuple[int, list[str]]:
+    """The retention that keeps a checkpoint a restore can use: ``retain`` when one of the
+    ``retain`` newest checkpoints verifies (checked newest first, stopping at the first intact
+    one), else enough to keep the newest intact checkpoint below them. A GC that kept only
+    damaged checkpoints would delete the last one a restore could fall back to. Raises when no
+    checkpoint verifies (nothing is deleted then)."""
+    try:
+        ids = sorted((cid for cid in store.list_checkpoints() if store.read_manifest(cid).kind == "checkpoint"),
+                     reverse=True)
+    except UnsupportedFormatError:
+        return retain, []  # the GC itself refuses such a root, naming the manifest
+    damaged: list[int] = []
+    for at, cid in enumerate(ids):
+        if store.verify(cid).ok:
+            if at < retain:
+                notes = [f"checkpoint(s) {sorted(damaged)} among the {retain} kept are damaged (abs-snapshot verify "
+                         f"{store.url} names the problems); checkpoint {cid} is intact"] if damaged else []
+                return retain, notes
+            return at + 1, [
+                f"checkpoint(s) {sorted(damaged)} are damaged (abs-snapshot verify {store.url} names the problems); "
+                f"keeping every checkpoint down to {cid}, the newest intact one, which a restore falls back to "
+                f"(retain {at + 1} instead of {retain})"]
+        damaged.append(cid)
+    if not ids:
+        return retain, []
+    raise StorageError(
+        f"{store.url}: no checkpoint is intact (checked {sorted(damaged)}; abs-snapshot verify {store.url} names the "
+        "problems); GC refused so that nothing a repair may need is deleted, nothing was deleted; pass --no-verify "
+        "to collect garbage anyway"
+    )
 
 
 def _read_job_file(path: str | None) -> dict | None:

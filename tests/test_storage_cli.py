@@ -180,7 +180,42 @@ def test_gc_dry_run_then_real(capsys, root):
     code, out, _ = run(capsys, "verify", root)
     assert code == 0
     code, _, err = run(capsys, "gc", root, "--retain", "0")
-    assert code == 1 and "retain >= 1" in err
+    assert code == 2 and "use K >= 1" in err  # a bad flag value: usage, as elsewhere
+
+
+def _flip_a_byte_of(root: str, cid: int, key_group: int) -> None:
+    """Damage the file (or range) checkpoint ``cid`` wrote for key group ``key_group`` of count/1 n."""
+    store = SnapshotStore.open(root)
+    ref = store.read_manifest(cid).keyed["count/1"]["n"][key_group][-1]
+    assert ref.checkpoint_id == cid
+    path = os.path.join(root, ref.path)
+    at = (ref.offset or 0) + ref.bytes // 2
+    data = bytearray(open(path, "rb").read())
+    data[at] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+
+
+def test_gc_keeps_the_newest_intact_checkpoint_when_every_kept_one_is_damaged(capsys, root):
+    """Checkpoint 2 (the one --retain 1 keeps) is damaged: GC keeps checkpoint 1 too, which a
+    restore falls back to; --no-verify collects as before."""
+    _flip_a_byte_of(root, 2, 0)
+    code, out, err = run(capsys, "gc", root, "--retain", "1")
+    assert code == 0 and err == ""
+    assert "checkpoint(s) [2] are damaged" in out and "keeping every checkpoint down to 1, the newest intact one" in out
+    assert SnapshotStore.open(root).list_checkpoints() == [1, 2]
+    code, out, err = run(capsys, "gc", root, "--retain", "1", "--no-verify")
+    assert code == 0 and "damaged" not in out
+    assert SnapshotStore.open(root).list_checkpoints() == [2]
+
+
+def test_gc_deletes_nothing_when_no_checkpoint_is_intact(capsys, root):
+    _flip_a_byte_of(root, 1, 1)  # key group 1's base: both checkpoints read it
+    before = SnapshotStore.open(root).list_files()
+    code, out, err = run(capsys, "gc", root, "--retain", "1")
+    assert code == 1 and "no checkpoint is intact (checked [1, 2]" in err and "nothing was deleted" in err
+    assert SnapshotStore.open(root).list_files() == before
+    code, _, err = run(capsys, "gc", root, "--retain", "0")
+    assert code == 2 and "--retain 0: GC keeps at least the newest checkpoint" in err
 
 
 def test_gc_with_job_stopped_also_removes_files_of_a_crashed_last_attempt(capsys, root):
