@@ -23,6 +23,7 @@ __all__ = [
     "CorruptFileError",
     "MissingFileError",
     "CorruptManifestError",
+    "CorruptJobFileError",
     "UnsupportedFormatError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
@@ -125,6 +126,16 @@ class CorruptManifestError(StorageError, ValueError):
     def __init__(self, message: str = "", *, reason: str | None = None) -> None:
         super().__init__(message)
         self.reason = reason or "corrupt manifest"
+
+
+class CorruptJobFileError(CorruptManifestError):
+    """The root's ``_job.json`` does not read as a job fingerprint (it does not parse, is not
+    an object, or holds out-of-range numbers). Unlike a checkpoint's manifest, which a restore
+    falls back past, every attempt of the job reads the same bytes: a restart cannot help.
+
+    Remedy: restore ``_job.json`` from a backup (or write it again from
+    ``Dataflow.fingerprint()``), or use another storage root.
+    """
 
 
 class UnsupportedFormatError(StorageError):

@@ -12,7 +12,7 @@ import threading
 from typing import Any, Mapping
 
 from .backend import RootIO
-from .errors import CorruptManifestError, FingerprintError, InvalidPathError, JobMismatchError, UnsupportedFormatError
+from .errors import CorruptJobFileError, CorruptManifestError, FingerprintError, InvalidPathError, JobMismatchError, UnsupportedFormatError
 from .manifest import FORMAT_VERSION, MAX_INT, MAX_MANIFEST_BYTES, parse_json_document
 from .paths import StoragePaths
 
@@ -64,15 +64,18 @@ class JobRecord:
         except FileNotFoundError:
             return None
         source = f"{self._io.url}: _job.json"
-        doc = parse_json_document(raw, source=source, what="_job.json")
+        try:
+            doc = parse_json_document(raw, source=source, what="_job.json")
+        except CorruptManifestError as exc:
+            raise CorruptJobFileError(str(exc), reason=exc.reason) from None
         fix = "the root's job fingerprint is corrupt; restore it from a backup or use another storage root"
         if not isinstance(doc, dict):
-            raise CorruptManifestError(f"{source}: is not a JSON object; {fix}", reason="not a JSON object")
+            raise CorruptJobFileError(f"{source}: is not a JSON object; {fix}", reason="not a JSON object")
         for name in ("format_version", "max_parallelism"):
             value = doc.get(name)
             if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= MAX_INT:
-                raise CorruptManifestError(f"{source}: {name} is out of range ({str(value)[:20]}...); {fix}",
-                                           reason=f"{name} out of range")
+                raise CorruptJobFileError(f"{source}: {name} is out of range ({str(value)[:20]}...); {fix}",
+                                          reason=f"{name} out of range")
         version = doc.get("format_version")
         if isinstance(version, int) and version > FORMAT_VERSION:
             raise UnsupportedFormatError(

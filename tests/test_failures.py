@@ -14,6 +14,8 @@ from recovery.errors import CheckpointUnusableError, IncompatibleSnapshotError, 
 from storage.errors import (
     CheckpointNotFoundError,
     CorruptFileError,
+    CorruptJobFileError,
+    CorruptManifestError,
     JobMismatchError,
     MissingFileError,
     StorageConfigError,
@@ -26,7 +28,7 @@ PERMANENT = [
     StorageConfigError("bad url"), JobMismatchError("another job"), UnsupportedFormatError("newer"),
     CheckpointNotFoundError("no 42"), IncompatibleSnapshotError("uid gone"),
     CheckpointUnusableError("42 broken", checkpoint_id=42), NoUsableCheckpointError("none verifies"),
-    ModuleNotFoundError("no module named jobcode"),
+    ModuleNotFoundError("no module named jobcode"), CorruptJobFileError("_job.json: does not parse as JSON"),
     abs.StartupError("worker 1 failed while creating its tasks: ConfigError: x", permanent=True),
 ]
 TRANSIENT = [
@@ -34,6 +36,7 @@ TRANSIENT = [
     abs.StartupError("worker 0 failed while restoring its state: StorageUnavailableError: x"),
     abs.CheckpointFailedError("the final checkpoint failed 5 times"),
     StorageUnavailableError("unreachable"), CorruptFileError("torn"), MissingFileError("gone"),
+    CorruptManifestError("_job.json vanished while being checked; retry"),
     OSError(errno.ENOSPC, "No space left on device"), ConnectionRefusedError(), EOFError(), RuntimeError("bug?"),
 ]
 VERDICTS = [abs.JobFailedError("more failed checkpoints than tolerable_failures allows"), KeyboardInterrupt(), SystemExit(1)]
@@ -67,3 +70,27 @@ def test_describe_gives_the_type_and_the_first_line():
     assert describe(StorageUnavailableError("s3://b: reading x failed\ndetails")) == \
         "StorageUnavailableError: s3://b: reading x failed"
     assert describe(EOFError()) == "EOFError"
+
+
+def test_a_corrupt_job_file_fails_the_job_at_once_without_a_restart(tmp_path, capfd):
+    """A restart re-reads the same _job.json: the error is the job's answer, at once."""
+    import pyarrow as pa
+
+    def count(ctx, row):
+        ctx.state.n.update((ctx.state.n.value() or 0) + 1)
+
+    def flow() -> abs.Dataflow:
+        f = abs.Dataflow("jobfile")
+        f.source("s", abs.GeneratorSource(500, num_keys=10)).key_by("key").process(
+            "c", count, state=[abs.ValueState("n", pa.int64())])
+        return f
+
+    root = str(tmp_path / "root")
+    abs.run(flow(), parallelism=1, storage=root)
+    with open(tmp_path / "root" / "_job.json", "w") as f:
+        f.write('{"job_name": "jobfile", "max_par')
+    capfd.readouterr()
+    with pytest.raises(CorruptJobFileError, match="_job.json: does not parse as JSON"):
+        abs.run(flow(), parallelism=1, storage=root, restore="latest",
+                restart=abs.RestartStrategy(max_restarts=2, delay=0.01))
+    assert "restart 1 of 2" not in capfd.readouterr().err

@@ -44,6 +44,7 @@ def _permanent_types() -> tuple[type, ...]:
     )
     from storage.errors import (
         CheckpointNotFoundError,
+        CorruptJobFileError,
         FingerprintError,
         InvalidChainError,
         JobMismatchError,
@@ -57,6 +58,7 @@ def _permanent_types() -> tuple[type, ...]:
         StateError,  # state that does not fit its declaration (e.g. restored with another type)
         StorageConfigError,  # the URL / storage options cannot build a file system
         JobMismatchError,  # the root belongs to another job
+        CorruptJobFileError,  # the root's _job.json does not read: every attempt reads the same bytes
         FingerprintError,
         UnsupportedFormatError,  # written by a newer toolkit
         CheckpointNotFoundError,  # restore= names a checkpoint that does not exist
