@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from storage import (
     CheckpointNotFoundError,
+    CorruptManifestError,
     SnapshotStore,
     StateNotFoundError,
     StorageConfigError,
@@ -196,6 +197,8 @@ def _resolve_id(store: SnapshotStore, args: argparse.Namespace, *, default_lates
         if cid is None:
             raise CheckpointNotFoundError(f"{args.root}: holds no complete checkpoint, so 'latest' names none; "
                                           "take a checkpoint first")
+        for line in corrupt_lines(store, newer_than=cid):  # newer manifests that do not read: say so
+            print(line, file=sys.stderr)
         return cid
     return int(args.id)
 
@@ -214,9 +217,6 @@ def _show(args: argparse.Namespace) -> int:
     store = _open(args)
     cid = _resolve_id(store, args, default_latest=True)
     assert cid is not None
-    if args.id is None or args.id == "latest":  # say so when newer manifests are corrupt (show ID of one names its problem)
-        for line in corrupt_lines(store, newer_than=cid):
-            print(line, file=sys.stderr)
     manifest = store.read_manifest(cid)
     unreadable: list[str] = []
     images = store.values_images(manifest, unreadable)
@@ -244,10 +244,15 @@ def _progress(args: argparse.Namespace) -> Any:
 def _verify(args: argparse.Namespace) -> int:
     store = _open(args)
     cid = _resolve_id(store, args, default_latest=False)
+    try:  # a restore reads the root's job fingerprint first
+        store.read_job()
+        job_problem = None
+    except CorruptManifestError as exc:
+        job_problem = f"problem: {exc}"
     with _progress(args) as progress:
         report = store.verify(cid, progress=progress)
-    _out(report.lines())
-    return 0 if report.ok else 1
+    _out(([job_problem] if job_problem else []) + report.lines())
+    return 0 if report.ok and job_problem is None else 1
 
 
 def _gc(args: argparse.Namespace) -> int:

@@ -304,6 +304,19 @@ def test_a_savepoint_of_an_older_checkpoint_into_its_own_root_says_it_is_now_the
     assert sorted(os.listdir(tmp_path / "mixed")) == ["notes.txt"]
 
 
+def test_verify_counts_a_corrupt_job_file_and_latest_names_newer_corrupt_manifests(capsys, root):
+    with open(os.path.join(root, "checkpoints", "chk-00000003.json"), "w") as f:
+        f.write("{")
+    for argv in (["verify", root, "latest"], ["check", root, "latest"], ["dump", root, "latest", "--operator",
+                                                                          "count/1", "--state", "n"]):
+        code, out, err = run(capsys, *argv)
+        assert code == 0 and "note: checkpoint 3: manifest is corrupt (does not parse as JSON)" in err
+    with open(os.path.join(root, "_job.json"), "w") as f:
+        f.write('{"job_name": "clicks", "max_par')
+    code, out, err = run(capsys, "verify", root)
+    assert code == 1 and out.startswith("problem: ") and "_job.json: does not parse as JSON" in out
+
+
 def test_latest_on_a_root_without_checkpoints_says_so(capsys, tmp_path):
     store = SnapshotStore.open(str(tmp_path / "empty"))
     store.init_job({"job_name": "j", "max_parallelism": 2})
