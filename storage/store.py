@@ -164,14 +164,25 @@ class SnapshotStore:
         delete_probe(self._io, token)
 
     # ================================================================== job fingerprint
-    def init_job(self, fingerprint: Mapping[str, Any]) -> None:
-        """Claim the root for a job, or check that it is this job's.
+    def init_job(self, fingerprint: Mapping[str, Any]) -> bool:
+        """Claim the root for a job, or check that it is this job's; True when this call
+        claimed it (wrote ``_job.json``).
 
         ``fingerprint`` needs ``job_name`` (or ``name``) and ``max_parallelism``; anything else
         (operators, state descriptors) is stored as given by the first writer and not compared
         here. Raises :class:`JobMismatchError` when the root belongs to another job.
         """
-        self._job.init(fingerprint)
+        return self._job.init(fingerprint)
+
+    def unclaim_job(self) -> bool:
+        """Undo :meth:`init_job`'s claim of a root nothing was written to since: delete
+        ``_job.json`` when the root holds no manifest (a job that claimed it and then refused to
+        start). True when it was deleted."""
+        if self._catalog.paths():
+            return False
+        self._io.delete(StoragePaths.JOB)
+        self._job.forget()
+        return True
 
     def read_job(self) -> dict[str, Any] | None:
         """The stored job fingerprint (``_job.json``), or ``None`` when the root is unclaimed."""

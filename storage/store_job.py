@@ -27,8 +27,9 @@ class JobRecord:
         self._lock = threading.Lock()
         self._job: dict[str, Any] | None = None  # ``{}`` remembers an unclaimed root
 
-    def init(self, fingerprint: Mapping[str, Any]) -> None:
-        """:meth:`SnapshotStore.init_job`: claim the root for a job, or check that it is this job's."""
+    def init(self, fingerprint: Mapping[str, Any]) -> bool:
+        """:meth:`SnapshotStore.init_job`: claim the root for a job (True), or check that it is
+        this job's (False)."""
         url = self._io.url
         if not isinstance(fingerprint, Mapping):
             raise FingerprintError(f"job fingerprint must be a dict, got {type(fingerprint).__name__}")
@@ -53,9 +54,15 @@ class JobRecord:
             self.check_same(existing, name, max_par, FORMAT_VERSION)
             with self._lock:
                 self._job = existing
-            return
+            return False
         with self._lock:
             self._job = json.loads(data)
+        return True
+
+    def forget(self) -> None:
+        """Drop the fingerprint kept in memory (its file was deleted)."""
+        with self._lock:
+            self._job = None
 
     def read(self) -> dict[str, Any] | None:
         """:meth:`SnapshotStore.read_job`: the stored fingerprint, or ``None`` when the root is unclaimed."""

@@ -275,6 +275,12 @@ def test_latest_on_an_empty_root_is_an_error_and_latest_if_any_starts_fresh(tmp_
     root = str(tmp_path / "snap")
     with pytest.raises(NoUsableCheckpointError, match=r"holds no checkpoint of job 'small'.*restore='latest-if-any'"):
         abs.run(small_flow(), parallelism=2, storage=root, restore="latest")
+    # the refusal leaves the root as it was: no probe file, no claim by a job that never ran
+    assert SnapshotStore.open(root).list_files() == {}
+    other = abs.Dataflow("other")
+    other.source("s", abs.GeneratorSource(10, num_keys=2)).sink("mem", abs.CollectSink())
+    assert abs.run(other, parallelism=1, storage=root).status == "FINISHED"  # no JobMismatchError
+    root = str(tmp_path / "snap2")
     capfd.readouterr()
     first = abs.run(small_flow(), parallelism=2, storage=root, restore="latest-if-any")
     assert first.restored_from is None and first.status == "FINISHED"

@@ -36,9 +36,23 @@ class RestoreSetup:
             from storage import SnapshotStore
 
             self.store = SnapshotStore.open(self.storage_url, self.storage_options)
-            self.store.init_job(self.flow.fingerprint())
+            claimed = self.store.init_job(self.flow.fingerprint())
             if not self.storage_url.startswith("memory://"):  # memory:// is each process's own
                 self._probe = self.store.write_probe()  # every worker checks it sees this root
+            try:
+                return self._resolve_restore()
+            except BaseException:
+                # refused before anything ran (e.g. restore='latest' on an empty root): leave the
+                # root as it was, neither a probe file nor a claim by a job that never started
+                self._drop_probe()
+                if claimed:
+                    from storage.errors import StorageError
+
+                    try:
+                        self.store.unclaim_job()
+                    except StorageError as exc:
+                        log.warning(f"could not remove the _job.json this attempt wrote: {exc}")
+                raise
         if self.store is None and self.restore is None:
             return 1, {}
         return self._resolve_restore()
