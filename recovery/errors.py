@@ -137,8 +137,9 @@ class ExecutorStorageError(RewriteInputError):
 
 
 class SparkNotInstalledError(RewriteInputError):
-    """``--spark`` was given but pyspark cannot be imported. Remedy: ``pip install
-    'abs-snapshots[spark]'`` (and Java 17) in this Python, or run without ``--spark``."""
+    """``--spark`` was given but pyspark cannot be imported. Remedy: install the project with its
+    ``spark`` extra (``pip install '.[spark]'`` in a checkout) and Java 17 in this Python, or run
+    without ``--spark``."""
 
 
 class MaxParallelismError(RewriteInputError, ParallelismError):

@@ -66,7 +66,7 @@ from abscore.errors import AbsError
 from abscore.progress import ProgressCallback, ProgressEvent
 from storage import Manifest
 from storage import errors as storage_errors
-from storage.extras import install_command
+from storage.extras import install_hint
 from storage.format import DEFAULT_DECODE_LIMITS, DecodeLimits
 
 from . import errors as recovery_errors
@@ -378,7 +378,7 @@ def require_pyspark() -> None:
     except ImportError as exc:
         raise SparkNotInstalledError(
             f"--spark needs pyspark, which does not import in this Python ({sys.executable}: {exc}); "
-            f"install it with {install_command('spark')} (Spark also needs Java 17), or run without --spark "
+            f"{install_hint('spark')} (Spark also needs Java 17), or run without --spark "
             "(in-process)"
         ) from exc
 

@@ -199,13 +199,14 @@ class GcRefusedError(StorageError):
 
 
 class MissingExtraError(StorageConfigError, ConfigError, ImportError):
-    """A feature needs an optional dependency (an *extra* of the ``abs-snapshots`` package)
-    that is not installed: pyspark for ``abs.SparkExecutor``, the Spark sources,
+    """A feature needs an optional dependency (an *extra* of the project) that is not
+    installed: pyspark for ``abs.SparkExecutor``, the Spark sources,
     :mod:`storage.spark` and :mod:`recovery.spark`; s3fs for ``s3://`` snapshot roots and
     ``s3://`` paths of the file connectors (see :mod:`storage.extras`).
 
     One class for every package: a :class:`StorageConfigError` (the CLI's usage errors), an
     ``abs.ConfigError`` and an ``ImportError`` (what a missing module raised before).
 
-    Remedy: install the extra the message names, e.g. ``pip install 'abs-snapshots[spark]'``.
+    Remedy: install the project with the extra the message names, e.g. ``pip install '.[spark]'``
+    in a checkout.
     """

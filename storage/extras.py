@@ -1,6 +1,9 @@
-"""The optional dependencies of the ``abs-snapshots`` package (its *extras*) and the words of
-the error when one is missing (:class:`storage.errors.MissingExtraError`, which ``abs`` and
-``recovery`` raise too).
+"""The optional dependencies of the project (the *extras* of its ``abs-snapshots``
+distribution) and the words of the error when one is missing
+(:class:`storage.errors.MissingExtraError`, which ``abs`` and ``recovery`` raise too).
+
+The distribution is not published on a package index: it is installed from a checkout of the
+project (``pip install '.[spark]'``), so the messages say that, not ``pip install NAME[extra]``.
 
 - ``spark``: pyspark (``abs.SparkExecutor``, the Spark sources, :mod:`storage.spark`,
   :mod:`recovery.spark`);
@@ -11,23 +14,29 @@ from __future__ import annotations
 import importlib
 from .errors import MissingExtraError
 
-__all__ = ["PACKAGE", "EXTRAS", "install_command", "missing_extra_message", "missing_module", "extra_for_url",
-           "require"]
+__all__ = ["PACKAGE", "EXTRAS", "install_command", "install_hint", "missing_extra_message", "missing_module",
+           "extra_for_url", "require"]
 
-PACKAGE = "abs-snapshots"
+PACKAGE = "abs-snapshots"  # the distribution's name (its metadata), not an index name to pip install
 EXTRAS = {"spark": "pyspark", "s3": "s3fs"}  # extra -> the module it provides
 _PROTOCOL_EXTRAS = {"s3": "s3", "s3a": "s3"}  # URL protocol -> extra
 
 
 def install_command(extra: str) -> str:
-    return f"pip install '{PACKAGE}[{extra}]'"
+    """The pip command, run in a checkout of the project, that installs it with ``extra``."""
+    return f"pip install '.[{extra}]'"
+
+
+def install_hint(extra: str) -> str:
+    """How to install the project with ``extra``, in words a user can act on."""
+    return f"install the project with its '{extra}' extra: {install_command(extra)} in a checkout"
 
 
 def missing_extra_message(what: str, extra: str, module: str | None = None) -> str:
     """``what`` needs extra ``extra``, which is not installed: what to install."""
     module = module or EXTRAS[extra]
-    return (f"{what} needs {module}, which is not installed (it is the optional extra [{extra}] of "
-            f"{PACKAGE}); install it with: {install_command(extra)}")
+    return (f"{what} needs {module}, which is not installed (the project's optional extra '{extra}'); "
+            f"{install_hint(extra)}")
 
 
 def missing_module(exc: BaseException) -> str | None:

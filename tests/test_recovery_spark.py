@@ -606,7 +606,7 @@ def test_cli_bad_input_exits_2_and_names_the_way_out(spark, synthetic, capsys, t
     assert code == 2 and "is already a snapshot root" in err and "new, empty directory" in err
     monkeypatch.setitem(sys.modules, "pyspark", None)  # pyspark not importable
     code, _, err = run_cli(capsys, "savepoint", root, "3", str(tmp_path / "b"), "--spark")
-    assert code == 2 and "--spark needs pyspark" in err and "pip install 'abs-snapshots[spark]'" in err
+    assert code == 2 and "--spark needs pyspark" in err and "install the project with its 'spark' extra: pip install '.[spark]' in a checkout" in err
     assert "run without --spark" in err
 
 
