@@ -1,12 +1,15 @@
 """Collatz steps with a loop: every number goes round until it reaches 1; the loop's output
-is ``(start, steps)``. Runs with checkpoints every 0.2 s into ``./collatz-snapshots`` (or
-the directory given), kills nothing, and checks every answer.
+is ``(start, steps)``. Runs with checkpoints every 0.2 s into a new temporary directory (or
+into STORAGE when given; a STORAGE that already holds checkpoints is started from empty state
+all the same, ``restore="fresh"``, its checkpoint ids continuing above the ones there), kills
+nothing, checks every answer and prints where the snapshots are.
 
     .venv/bin/python examples/collatz.py [STORAGE] [--count N] [--workers P]
 """
 from __future__ import annotations
 
 import argparse
+import tempfile
 
 import pyarrow as pa
 
@@ -49,17 +52,20 @@ def steps_of(n: int) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("storage", nargs="?", default="collatz-snapshots")
+    ap.add_argument("storage", nargs="?", default=None,
+                    help="snapshot root (default: a new temporary directory); its earlier checkpoints are kept")
     ap.add_argument("--count", type=int, default=5000)
     ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args()
     flow = build(numbers(args.count), abs.CollectSink())
-    result = abs.run(flow, parallelism=args.workers, storage=args.storage,
-                     checkpoint=abs.CheckpointConfig(interval=0.2))
+    storage = args.storage or tempfile.mkdtemp(prefix="abs-collatz-")
+    result = abs.run(flow, parallelism=args.workers, storage=storage,
+                     checkpoint=abs.CheckpointConfig(interval=0.2), restore="fresh")
     got = {r["start"]: r["steps"] for r in result.collected("out").to_pylist()}
     wrong = [n for n in range(1, args.count + 1) if got.get(n) != steps_of(n)]
     print(f"{len(got)} numbers, {len(result.completed_checkpoints)} checkpoints, "
           f"{'all steps right' if not wrong else f'{len(wrong)} wrong'}")
+    print(f"snapshots: abs-snapshot ls {storage}")
 
 
 if __name__ == "__main__":
