@@ -1,5 +1,6 @@
 """Demo: a keyed running count over generated events, parallelism 3, a checkpoint every
-second into ./.abs-demo/ (run through scripts/demo, which sets up the environment).
+second into .abs-demo/ in the checkout (run through scripts/demo, which sets up the
+environment). A relative --storage is taken from the directory scripts/demo was run in.
 
 Prints progress while the job runs, then the checkpoints it took, then checks the final
 counts against the input. With --spark the same job runs on a local Spark master: its
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -17,6 +19,12 @@ import time
 import pyarrow as pa
 
 import abs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# scripts/demo cd's to the checkout before running this: it passes the directory it was run in
+CALLER_DIR = os.environ.get("ABS_DEMO_CALLER_DIR") or os.getcwd()
+# what a snapshot root holds at its top (storage/paths.py), besides the drivers' ._probe.* files
+ROOT_ENTRIES = {"_job.json", "_committed.json", "checkpoints", "state", "opstate", "channels", "pins"}
 
 
 def count_events(ctx, event):
@@ -59,19 +67,76 @@ def spark_session(master: str):
     return spark
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit code 2 (argparse prints the whole usage first)
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def int_in(low: int, high: int | None = None):
+    """An argparse type: an integer in ``[low, high]`` (a one-line usage error otherwise)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text.replace("_", ""))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(
+                f"{value} is out of range: give {low}..{high}" if high is not None else f"{value} is below {low}")
+        return value
+    return parse
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text} is below 0")
+    return value
+
+
+def is_url(path: str) -> bool:
+    return "://" in path
+
+
+def shown(path: str) -> str:
+    """``path`` as the user can type it where they ran scripts/demo: relative to that directory
+    when inside it, else absolute."""
+    if is_url(path):
+        return path
+    rel = os.path.relpath(path, CALLER_DIR)
+    return path if rel == os.pardir or rel.startswith(os.pardir + os.sep) else rel
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--events", type=int, default=3_000_000)
-    ap.add_argument("--keys", type=int, default=100_000)
-    ap.add_argument("--rate", type=float, default=50_000.0, help="events/s per split (6 splits); 0 = unlimited")
-    ap.add_argument("--parallelism", type=int, default=3)
-    ap.add_argument("--storage", default=os.path.join(os.getcwd(), ".abs-demo"))
+    ap = Parser(prog="scripts/demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--events", type=int_in(1), default=3_000_000, help="events to generate (default %(default)s)")
+    ap.add_argument("--keys", type=int_in(1), default=100_000, help="distinct keys (default %(default)s)")
+    ap.add_argument("--rate", type=non_negative_float, default=50_000.0,
+                    help="events/s per split (6 splits); 0 = unlimited (default %(default)s)")
+    max_parallelism = abs.Dataflow("demo-counts").max_parallelism
+    ap.add_argument("--parallelism", type=int_in(1, max_parallelism), default=3,
+                    help=f"workers, 1..{max_parallelism} (default %(default)s)")
+    ap.add_argument("--storage", default=os.path.join(ROOT, ".abs-demo"),
+                    help="snapshot root; a relative path is taken from the directory you ran scripts/demo in "
+                         "(default: .abs-demo in the checkout). Without --keep, a directory left there by an "
+                         "earlier run is deleted first")
     ap.add_argument("--keep", action="store_true",
-                    help="keep earlier snapshots in --storage (the job starts fresh; its checkpoint ids continue above them)")
+                    help="do not delete --storage first: the job starts from empty state next to the earlier "
+                         "snapshots, its checkpoint ids continuing above theirs; garbage collection keeps the "
+                         "newest 3 checkpoints, so earlier checkpoints are deleted as new ones complete")
     ap.add_argument("--spark", action="store_true", help="run the workers as a Spark barrier stage")
     ap.add_argument("--master", default=None, help="Spark master with --spark (default local[PARALLELISM])")
     args = ap.parse_args(argv)
+    if not is_url(args.storage):
+        args.storage = os.path.normpath(os.path.join(CALLER_DIR, os.path.expanduser(args.storage)))
     if not args.keep and os.path.isdir(args.storage):
+        strangers = [e for e in os.listdir(args.storage) if e not in ROOT_ENTRIES and not e.startswith("._probe.")]
+        if strangers:  # never delete a directory that is not a snapshot root (say --storage .)
+            ap.error(f"--storage {shown(args.storage)} holds files that are not snapshots ({strangers[0]}, ...); "
+                     "not deleting it: give another path, or --keep")
+        print(f"demo: deleting the previous snapshots in {shown(args.storage)} (--keep keeps them)")
         shutil.rmtree(args.storage)
     flow = build(args.events, args.keys, args.rate or None)
     executor: object = "local"
@@ -80,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                                      num_workers=args.parallelism)
     print(f"demo: {args.events:,} events over {args.keys:,} keys, parallelism {args.parallelism}"
           f"{' on Spark (' + executor.spark.sparkContext.master + ')' if args.spark else ''}, "
-          f"checkpoints every 1 s into {args.storage}")
+          f"checkpoints every 1 s into {shown(args.storage)}")
     job = abs.submit(
         flow,
         parallelism=args.parallelism,
@@ -120,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     out = result.collected("milestones")
     expected = args.events // args.keys // 10 * args.keys if args.events % args.keys == 0 else None
     print(f"\nmilestones emitted: {out.num_rows:,}" + (f" (expected {expected:,})" if expected is not None else ""))
-    print(f"inspect the snapshots: abs-snapshot ls {args.storage}")
+    print(f"inspect the snapshots: abs-snapshot ls {shlex.quote(shown(args.storage))}")
     if expected is not None and out.num_rows != expected:
         print("MISMATCH: output does not match the input", file=sys.stderr)
         return 1
