@@ -82,6 +82,10 @@ def _driver(flow: Dataflow, o: _JobOptions) -> JobDriver:
     if not isinstance(runtime, RuntimeOptions):
         raise ConfigError(f"runtime must be an abs.RuntimeOptions, got {type(runtime).__name__}; "
                           "pass runtime=abs.RuntimeOptions(...)")
+    if o.restart is not None and not isinstance(o.restart, RestartStrategy):
+        # the driver reads its fields (min_workers, max_restarts): anything else fails deep inside it
+        raise ConfigError(f"restart must be an abs.RestartStrategy instance or None, got {_spelled(o.restart)}; "
+                          "pass restart=abs.RestartStrategy(max_restarts=...)")
     if o.autoscale is not None and not isinstance(o.autoscale, Autoscale):
         raise ConfigError(f"autoscale must be an abs.Autoscale, got {type(o.autoscale).__name__}; pass "
                           "autoscale=abs.Autoscale(min_workers=..., max_workers=...)")
@@ -102,6 +106,13 @@ def _driver(flow: Dataflow, o: _JobOptions) -> JobDriver:
         progress=runtime.progress,
         autoscale=o.autoscale,
     )
+
+
+def _spelled(value: Any) -> str:
+    """``value`` for an error message: a class by its name, anything else by its type and repr."""
+    if isinstance(value, type):
+        return f"the class {value.__module__}.{value.__qualname__} itself"
+    return f"{type(value).__name__} {value!r}"
 
 
 def _takes_job_options(fn: Callable[..., _R]) -> Callable[..., _R]:

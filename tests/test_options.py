@@ -231,3 +231,15 @@ def test_runtime_options_reach_the_workers_a_hung_worker_is_found_by_heartbeat(t
     assert result.status == "FINISHED" and len(result.restarts) == 1
     assert "heartbeat" in result.restarts[0]["error"]
     assert result.collected("mem").num_rows >= 1_000
+
+
+@pytest.mark.parametrize("fn", [abs.run, abs.submit], ids=["run", "submit"])
+@pytest.mark.parametrize("restart, got", [
+    (3, r"int 3"),
+    ("3", r"str '3'"),
+    (abs.RestartStrategy, r"the class abs\.config\.RestartStrategy itself"),
+])
+def test_restart_must_be_a_restart_strategy_instance(fn, restart, got):
+    with pytest.raises(abs.ConfigError, match=rf"restart must be an abs\.RestartStrategy instance or None, got {got}; "
+                                              r"pass restart=abs\.RestartStrategy\(max_restarts=\.\.\.\)"):
+        fn(small_flow(), parallelism=1, restart=restart)
