@@ -6,6 +6,7 @@ import queue
 import threading
 import time
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Callable, TypeVar
 
@@ -82,6 +83,14 @@ def _driver(flow: Dataflow, o: _JobOptions) -> JobDriver:
     if not isinstance(runtime, RuntimeOptions):
         raise ConfigError(f"runtime must be an abs.RuntimeOptions, got {type(runtime).__name__}; "
                           "pass runtime=abs.RuntimeOptions(...)")
+    storage_options = o.storage_options
+    if storage_options is not None:
+        # they go to fsspec as keyword arguments, in the driver and in every worker: anything but a
+        # mapping would fail only there, as a failed job
+        if not isinstance(storage_options, Mapping):
+            raise ConfigError(f"storage_options must be a mapping (a dict of the file system's options) or None, "
+                              f"got {_spelled(storage_options)}; pass e.g. storage_options={{'endpoint_url': ...}}")
+        storage_options = dict(storage_options)
     if o.restart is not None and not isinstance(o.restart, RestartStrategy):
         # the driver reads its fields (min_workers, max_restarts): anything else fails deep inside it
         raise ConfigError(f"restart must be an abs.RestartStrategy instance or None, got {_spelled(o.restart)}; "
@@ -94,7 +103,7 @@ def _driver(flow: Dataflow, o: _JobOptions) -> JobDriver:
         parallelism=parallelism,
         checkpoint=checkpoint,
         storage=o.storage,
-        storage_options=o.storage_options,
+        storage_options=storage_options,
         restore=Restore.parse(o.restore).value,  # the runtime takes the plain value
         executor=executor,
         restart=o.restart,

@@ -243,3 +243,12 @@ def test_restart_must_be_a_restart_strategy_instance(fn, restart, got):
     with pytest.raises(abs.ConfigError, match=rf"restart must be an abs\.RestartStrategy instance or None, got {got}; "
                                               r"pass restart=abs\.RestartStrategy\(max_restarts=\.\.\.\)"):
         fn(small_flow(), parallelism=1, restart=restart)
+
+
+@pytest.mark.parametrize("fn", [abs.run, abs.submit], ids=["run", "submit"])
+@pytest.mark.parametrize("storage_options, got", [("x", r"str 'x'"), ([("key", "k")], r"list \[\('key', 'k'\)\]")])
+def test_storage_options_must_be_a_mapping(fn, storage_options, got, tmp_path):
+    with pytest.raises(abs.ConfigError, match=rf"storage_options must be a mapping \(a dict of the file system's "
+                                              rf"options\) or None, got {got}; pass e\.g\. storage_options="):
+        fn(small_flow(), parallelism=1, storage=str(tmp_path / "snap"), storage_options=storage_options)
+    assert not (tmp_path / "snap").exists()  # refused before the root was opened
