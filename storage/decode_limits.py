@@ -14,6 +14,7 @@ from .errors import CorruptFileError, StorageConfigError
 __all__ = [
     "DecodeLimits",
     "DEFAULT_DECODE_LIMITS",
+    "beyond_limits",
     "decoded_size",
 ]
 
@@ -132,7 +133,7 @@ def _buffers_size(buf: bytes, batch: int, body: int, body_size: int) -> int:
     return total
 
 
-def decoded_size(data: bytes, *, source: str) -> int:
+def decoded_size(data: bytes | memoryview, *, source: str) -> int:
     """Bytes of Arrow buffers ``data`` (an encoded state file) decodes to, read from its
     message headers without decompressing anything (a few microseconds)."""
     try:
@@ -141,7 +142,7 @@ def decoded_size(data: bytes, *, source: str) -> int:
         raise _unreadable(source, exc) from exc
 
 
-def _decoded_size(data: bytes) -> int:
+def _decoded_size(data: bytes | memoryview) -> int:
     end = len(data)
     pos = 8 if data[:len(_FILE_MAGIC)] == _FILE_MAGIC else 0  # an IPC file holds a stream after its magic
     total = 0
@@ -176,14 +177,23 @@ def _decoded_size(data: bytes) -> int:
     return total
 
 
-def _check_decoded_size(data: bytes, source: str, limits: DecodeLimits | None) -> None:
+def beyond_limits(data: bytes | memoryview, limits: DecodeLimits | None, *, source: str) -> str | None:
+    """Why ``data`` (an encoded state file) may not be decoded within ``limits`` (default:
+    :data:`DEFAULT_DECODE_LIMITS`), or ``None`` when it may: what a reader refuses, for
+    verification to report before any reader meets it. Decompresses nothing; a file whose
+    headers do not parse raises :class:`CorruptFileError` naming ``source``."""
     limits = DEFAULT_DECODE_LIMITS if limits is None else limits
     allowed = limits.allowed(len(data))
     size = decoded_size(data, source=source)
-    if size > allowed:
-        raise CorruptFileError(
-            f"{source}: {len(data)} encoded bytes would decode to {size} bytes, beyond {limits.describe()}; "
+    if size <= allowed:
+        return None
+    return (f"{len(data)} encoded bytes would decode to {size} bytes, beyond {limits.describe()}; "
             "refusing to decode it (a corrupt or hostile file, e.g. a compression bomb); if you trust this root, "
             "raise the limit (abs-snapshot --max-decoded-bytes N, or SnapshotStore.open(..., "
-            "decode_limits=DecodeLimits.fixed(N)))"
-        )
+            "decode_limits=DecodeLimits.fixed(N)))")
+
+
+def _check_decoded_size(data: bytes, source: str, limits: DecodeLimits | None) -> None:
+    reason = beyond_limits(data, limits, source=source)
+    if reason is not None:
+        raise CorruptFileError(f"{source}: {reason}")

@@ -370,8 +370,9 @@ class SnapshotStore:
     def verify(self, checkpoint_id: int | None = None, *, progress: ProgressCallback | None = None) -> VerifyReport:
         """Check one checkpoint (or all manifests in the root): manifests parse and match their
         checksum, chains are well formed, every referenced file exists with its recorded size,
-        checksum and row count, and each manifest follows its recorded predecessor where that is
-        still here (see :mod:`storage.verify`). ``progress``: called per file checked."""
+        checksum and row count and decodes within this store's ``decode_limits``, and each
+        manifest follows its recorded predecessor where that is still here (see
+        :mod:`storage.verify`). ``progress``: called per file checked."""
         paths = self._catalog.paths()
         if checkpoint_id is not None:
             if checkpoint_id not in paths:
@@ -388,7 +389,8 @@ class SnapshotStore:
         present.update(self._catalog.load({p: StoragePaths.manifest(p) for p in predecessors - set(manifests)
                                            if StoragePaths.manifest(p) in listing})[0])
         problems.extend(lineage_problems(manifests, present))
-        file_problems, files, nbytes = check_files(manifests, listing, self._io.get, progress=progress)
+        file_problems, files, nbytes = check_files(manifests, listing, self._io.get, progress=progress,
+                                                  limits=self.decode_limits)
         problems.extend(file_problems)
         return VerifyReport(
             checkpoints=tuple(CheckpointId(c) for c in sorted(paths)),

@@ -1,7 +1,8 @@
 """Verification of checkpoints: manifests parse (and match their own checksum), chains are
 well formed, every referenced file exists with the recorded size, checksum (with the algorithm
-its manifest names) and row count, and each manifest follows its recorded predecessor where
-that is still in the root (lineage).
+its manifest names) and row count and decodes within the root's decode limits (its decoded
+size read from its headers, as a reader checks it before decoding), and each manifest follows
+its recorded predecessor where that is still in the root (lineage).
 
 The structural checks are pure (:func:`structural_problems`, :func:`lineage_problems`);
 :func:`check_files` does the I/O.
@@ -17,6 +18,8 @@ import pyarrow as pa
 
 from abscore.progress import ProgressCallback, Tracker
 
+from .decode_limits import DEFAULT_DECODE_LIMITS, DecodeLimits, beyond_limits
+from .errors import CorruptFileError
 from .format import checksum_hex
 from .ids import CheckpointId
 from .manifest import FileRef, Manifest, manifest_problems
@@ -24,7 +27,8 @@ from .manifest import FileRef, Manifest, manifest_problems
 __all__ = ["Problem", "ProblemKind", "VerifyReport", "structural_problems", "lineage_problems", "check_files",
            "count_rows"]
 
-ProblemKind = Literal["manifest", "chain", "missing", "size", "checksum", "unreadable", "rows", "lineage"]
+ProblemKind = Literal["manifest", "chain", "missing", "size", "checksum", "unreadable", "rows", "decoded_size",
+                      "lineage"]
 _FILE_MAGIC = b"ARROW1"
 
 
@@ -180,13 +184,16 @@ def check_files(
     *,
     workers: int = 8,
     progress: ProgressCallback | None = None,
+    limits: DecodeLimits = DEFAULT_DECODE_LIMITS,
 ) -> tuple[list[Problem], int, int]:
-    """Check existence, size and checksum of every distinct referenced file; a packed file is
-    read once and each referenced range of it checked on its own (a problem in one range
-    names only the checkpoints that reference that range).
+    """Check existence, size, checksum, row count and decoded size of every distinct referenced
+    file; a packed file is read once and each referenced range of it checked on its own (a
+    problem in one range names only the checkpoints that reference that range).
 
     Returns (problems, files checked, bytes read). ``read`` fetches a file by relative path;
-    ``progress`` hears of each file checked (stage ``verify``).
+    ``progress`` hears of each file checked (stage ``verify``); ``limits``: the decode limits
+    the store reads with, so that a file its readers would refuse (e.g. a compression bomb)
+    does not verify.
     """
     users: dict[str, list[CheckpointId]] = {}  # by FileRef.id
     by_path: dict[str, dict[str, FileRef]] = {}
@@ -228,6 +235,7 @@ def check_files(
             return [Problem("unreadable", who(refs), path, f"cannot be read: {exc}")], 0
         digests: dict[tuple[int, int, str], str] = {}  # a shared range's digest and rows, once
         counted: dict[tuple[int, int], int] = {}
+        too_large: dict[tuple[int, int], str | None] = {}  # a range's reason a reader refuses it, once
         for ref in refs:
             start = ref.offset or 0
             part = memoryview(data)[start:start + ref.read_size]
@@ -250,6 +258,17 @@ def check_files(
             except (pa.ArrowException, OSError, ValueError) as exc:
                 problems.append(Problem("unreadable", who([ref]), ref.id,
                                         f"not a readable Arrow IPC stream ({str(exc)[:200]})"))
+                continue
+            try:
+                if (start, ref.read_size) not in too_large:
+                    too_large[start, ref.read_size] = beyond_limits(part, limits, source=ref.where)
+            except CorruptFileError as exc:  # headers that count rows but do not add up to a size
+                problems.append(Problem("unreadable", who([ref]), ref.id,
+                                        f"not a readable Arrow IPC stream ({str(exc.__cause__ or exc)[:200]})"))
+                continue
+            reason = too_large[start, ref.read_size]
+            if reason is not None:
+                problems.append(Problem("decoded_size", who([ref]), ref.id, reason))
                 continue
             want = ref.rows if ref.range_rows is None else ref.range_rows
             if rows != want:

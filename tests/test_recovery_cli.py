@@ -100,6 +100,19 @@ def test_check_reports_a_corrupt_file_and_the_fallback(root, capsys):
     assert code == 0
 
 
+def test_check_applies_max_decoded_bytes_to_the_files_as_a_restore_would(root, capsys):
+    """A file a reader would refuse to decode (beyond the decode limit) is a problem of the
+    checkpoint, with the limit check was given; the default limits pass the same files."""
+    code, out, _ = run(capsys, "check", root.url, "2", "--max-decoded-bytes", "1")
+    assert code == 1, out
+    assert "error [file] checkpoint 2: file " in out and "beyond the decode limit of 1 bytes" in out
+    assert "--max-decoded-bytes N" in out and "cannot be restored" in out.splitlines()[-1]
+    code, out, _ = run(capsys, "check", root.url, "2")
+    assert code == 0 and "can be restored" in out
+    code, out, _ = run(capsys, "check", root.url, "2", "--max-decoded-bytes", "1MiB")
+    assert code == 0 and "can be restored" in out
+
+
 def test_check_usage_errors_exit_2(root, capsys, tmp_path):
     code, _, err = run(capsys, "check", root.url, "--job", str(tmp_path / "nope.json"))
     assert code == 2 and "--job" in err and "cannot read a JSON job fingerprint" in err

@@ -157,6 +157,14 @@ def test_verify_exit_codes(capsys, root):
     assert code == 2 and "checkpoint 7 has no manifest" in err and "Traceback" not in err
 
 
+def test_verify_applies_max_decoded_bytes(capsys, root):
+    """verify reports the files a reader would refuse to decode under the limit it was given."""
+    code, out, _ = run(capsys, "verify", root, "1", "--max-decoded-bytes", "1")
+    assert code == 1 and "beyond the decode limit of 1 bytes" in out and "no checked checkpoint is intact" in out
+    code, out, _ = run(capsys, "verify", root, "1")
+    assert code == 0 and out.strip().endswith("OK")
+
+
 def test_errors_are_one_line_without_traceback(capsys, tmp_path, root):
     code, out, err = run(capsys, "ls", str(tmp_path / "nowhere"))
     assert code == 2 and out == "" and err.count("\n") == 1 and "holds no snapshots" in err
