@@ -13,7 +13,7 @@ import pyarrow as pa
 
 from abscore.ids import id_ranges
 
-from .errors import CorruptManifestError, StorageError, UnsupportedFormatError
+from .errors import CorruptManifestError, StateNotFoundError, StorageError, UnsupportedFormatError
 from .format import is_pickled
 from .manifest import FileRef, Manifest
 from .store import SnapshotStore
@@ -332,9 +332,24 @@ def dump_lines(
     unpickle: bool = False,
 ) -> list[str]:
     """Resolved rows of a state (one key group or all), as a text table or JSON lines. Files
-    are decoded batch by batch where the chain allows it, and reading stops at ``limit``."""
+    are decoded batch by batch where the chain allows it, and reading stops at ``limit``.
+    A key group within ``0..max_parallelism-1`` without a chain held no state at this
+    checkpoint: it has no rows (said so in a table), which is no error; one outside that range
+    raises :class:`StateNotFoundError` naming the range."""
     jsonl = fmt == "jsonl"
-    groups = sorted(manifest.chains(operator, state)) if key_group is None else [key_group]
+    chains = manifest.chains(operator, state)  # names an unknown operator or state first
+    if key_group is not None:
+        top = manifest.max_parallelism - 1
+        if not 0 <= key_group <= top:
+            raise StateNotFoundError(
+                f"checkpoint {manifest.checkpoint_id}: key group {key_group} is outside 0..{top} (max_parallelism "
+                f"{manifest.max_parallelism}); pass a key group from 0 to {top} ('abs-snapshot show ROOT "
+                f"{manifest.checkpoint_id} --key-groups' lists those that hold state)"
+            )
+        if key_group not in chains:
+            return [] if jsonl else [f"(no rows: key group {key_group} of {operator}/{state} held no state at "
+                                     f"checkpoint {manifest.checkpoint_id})"]
+    groups = sorted(chains) if key_group is None else [key_group]
     rows: list[dict[str, Any]] = []
     for kg in groups:
         if limit is not None and len(rows) >= limit:

@@ -104,6 +104,25 @@ def test_dump_prints_resolved_rows_as_a_table_or_json_lines(capsys, root):
     assert code == 0 and len(rows) == 3 and set(rows[0]) == {"key_group", "key", "value"}
 
 
+@pytest.mark.parametrize("key_group", ["4", "-1", "128"])
+def test_dump_of_a_key_group_outside_the_range_says_so(capsys, root, key_group):
+    code, out, err = run(capsys, "dump", root, "2", "--operator", "count/1", "--state", "n", "--key-group", key_group)
+    assert code == 2 and out == ""
+    assert f"key group {key_group} is outside 0..3 (max_parallelism 4); pass a key group from 0 to 3" in err
+    assert "held no state" not in err
+
+
+def test_dump_of_a_key_group_that_held_no_state_prints_no_rows(capsys, root):
+    code, out, err = run(capsys, "dump", root, "2", "--operator", "count/1", "--state", "n", "--key-group", "3")
+    assert code == 0 and err == ""
+    assert out.splitlines() == ["(no rows: key group 3 of count/1/n held no state at checkpoint 2)"]
+    code, out, err = run(capsys, "dump", root, "2", "--operator", "count/1", "--state", "n", "--key-group", "3",
+                         "--format", "jsonl")
+    assert (code, out, err) == (0, "", "")
+    code, _, err = run(capsys, "dump", root, "2", "--operator", "count/1", "--state", "nope", "--key-group", "3")
+    assert code == 2 and "has no state 'nope'" in err  # an unknown state is still named first
+
+
 def test_dump_lists_a_resolved_key_groups_rows_in_key_order(capsys, tmp_path):
     """A chain whose delta changed some keys: resolving puts those after the base's others;
     dump lists the rows by key, as it lists a base's, so a --limit shows the smallest keys."""
