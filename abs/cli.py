@@ -476,6 +476,8 @@ def _report(args: argparse.Namespace) -> int:
                                  "pick a writable path") from exc
     for cid, why in data.corrupt:
         print(f"note: checkpoint {cid}: manifest does not read ({why}); left out of the report", file=sys.stderr)
+    if data.garbage_unknown is not None:
+        print(f"note: garbage not counted: {data.garbage_unknown}", file=sys.stderr)
     _out([f"report of {len(data.checkpoints)} checkpoint(s) of job {data.job_name!r} ({data.checkpoints[0].checkpoint_id}"
           f"..{data.newest}) written to {args.output}; open it in a browser (no server, no network needed)"])
     return 0

@@ -3,6 +3,7 @@ its figures against the manifests, its bad-input errors, and the file in a real 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 from pathlib import Path
@@ -139,3 +140,26 @@ def test_the_report_file_renders_its_charts_in_a_browser_with_the_manifests_numb
             (tmp_path / "readme.html").write_text(render_report(data), encoding="utf-8")
             page.goto((tmp_path / "readme.html").as_uri())
             page.screenshot(path=str(DOCS / "report.png"), full_page=True)
+
+
+def test_a_manifest_of_a_newer_format_leaves_the_garbage_uncounted_not_the_report(root, tmp_path, capsys):
+    """GC refuses such a root (the manifest may reference any file); the report is still
+    written, says it left that checkpoint out and that it could not count the garbage."""
+    newer = tmp_path / "newer"
+    shutil.copytree(root, newer)
+    ids = SnapshotStore.open(str(newer)).list_checkpoints()
+    doc = json.loads((newer / StoragePaths.manifest(ids[-1])).read_text())
+    doc.update(checkpoint_id=ids[-1] + 1, format_version=99)
+    (newer / StoragePaths.manifest(ids[-1] + 1)).write_text(json.dumps(doc))
+    out = tmp_path / "n.html"
+    assert main(["report", str(newer), "-o", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert f"checkpoint {ids[-1] + 1}: manifest does not read (written by a newer format" in captured.err
+    assert (f"note: garbage not counted: the manifest of checkpoint {ids[-1] + 1} is of a newer storage format"
+            in captured.err)
+    assert "GC refused" not in captured.err and "written to" in captured.out
+    page = out.read_text()
+    assert 'id="garbage-unknown"' in page and 'data-label="garbage (gc deletes it)"' not in page
+    assert 'data-label="referenced by checkpoints"' in page
+    data = collect_report(SnapshotStore.open(str(newer)))
+    assert data.newest == ids[-1] and data.garbage_bytes is None and data.garbage_unknown is not None

@@ -4,7 +4,7 @@ the network, so it opens from disk anywhere.
 
 :func:`collect_report` reads the root through :class:`storage.SnapshotStore` (its manifests,
 their stats, its file listing and a GC plan that keeps every checkpoint, which says which files
-no manifest references); :func:`render_report` turns that :class:`ReportData` into the page
+no manifest references, unless a manifest of a newer format may reference any of them); :func:`render_report` turns that :class:`ReportData` into the page
 (pure). Every chart mark carries its number in ``data-value`` (and a ``<title>`` tooltip), so
 the page can be checked against the manifests.
 """
@@ -73,11 +73,14 @@ class ReportData:
     states: tuple[StateRow, ...]
     key_groups: tuple[tuple[str, int], ...]  # "operator/state kg N", bytes: the largest first
     referenced_bytes: int  # distinct files any manifest references
-    garbage_bytes: int  # files no manifest references, older than the newest checkpoint (gc deletes them)
-    in_flight_bytes: int  # unreferenced files newer than the newest checkpoint (in flight, or a failed attempt's)
-    packed_dead_bytes: int  # bytes of kept packed files that no manifest references
-    metadata_bytes: int  # manifests, _job.json, pins, commit records
+    garbage_bytes: int | None  # files no manifest references, older than the newest checkpoint (gc deletes them)
+    in_flight_bytes: int | None  # unreferenced files newer than the newest checkpoint (in flight, or a failed attempt's)
+    packed_dead_bytes: int | None  # bytes of kept packed files that no manifest references
+    metadata_bytes: int | None  # manifests, _job.json, pins, commit records
     generated_at: float
+    # why the four above are None: a manifest of a newer format may reference any file, so no
+    # file can be called unreferenced (GC refuses such a root for the same reason)
+    garbage_unknown: str | None = None
 
 
 def _num(stats: dict, key: str) -> float | None:
@@ -91,10 +94,11 @@ def collect_report(store: SnapshotStore, *, now: Callable[[], float] | None = No
 
     from storage.stats import storage_stats
 
-    manifests, corrupt = {}, []
+    manifests, corrupt, newer = {}, [], []
     for cid, m in store.list_manifests().items():
         if isinstance(m, UnsupportedFormatError):
             corrupt.append((cid, f"written by a newer format ({m}); upgrade to read it"))
+            newer.append(cid)
         elif isinstance(m, StorageError):
             corrupt.append((cid, getattr(m, "reason", None) or str(m)))
         else:
@@ -127,18 +131,25 @@ def collect_report(store: SnapshotStore, *, now: Callable[[], float] | None = No
     groups.sort(key=lambda g: (-g[1], g[0]))
     listing = store.list_files()
     referenced = {ref.path for m in manifests.values() for ref in m.files().values()}
-    plan = store.plan_gc(max(1, len(manifests) + len(corrupt)))  # keeps every checkpoint: names the unreferenced files
-    garbage = sum(listing.get(p, 0) for p in plan.delete_files)
-    in_flight = sum(listing.get(p, 0) for p in plan.protected)
-    data_paths = referenced | set(plan.delete_files) | set(plan.protected) | set(plan.unknown)
+    garbage = in_flight = packed_dead = metadata = None
+    unknown = None
+    if newer:  # the GC plan refuses such a root: it cannot tell which files those manifests reference
+        unknown = (f"the manifest of checkpoint {min(newer)} is of a newer storage format and may reference any file, "
+                   "so no file is counted as garbage; upgrade the toolkit to see the garbage")
+    else:
+        plan = store.plan_gc(max(1, len(manifests) + len(corrupt)))  # keeps every checkpoint: names the unreferenced files
+        garbage = sum(listing.get(p, 0) for p in plan.delete_files)
+        in_flight = sum(listing.get(p, 0) for p in plan.protected)
+        packed_dead = max(0, plan.packed_bytes_kept - plan.packed_bytes_live)
+        data_paths = referenced | set(plan.delete_files) | set(plan.protected) | set(plan.unknown)
+        metadata = sum(size for p, size in listing.items() if p not in data_paths)
     return ReportData(
         root=store.url, job_name=newest.job_name, max_parallelism=newest.max_parallelism,
         checkpoints=tuple(rows), corrupt=tuple(corrupt), newest=newest_id, states=tuple(states),
         key_groups=tuple(groups[:TOP_KEY_GROUPS]),
         referenced_bytes=sum(listing.get(p, 0) for p in referenced), garbage_bytes=garbage,
-        in_flight_bytes=in_flight, packed_dead_bytes=max(0, plan.packed_bytes_kept - plan.packed_bytes_live),
-        metadata_bytes=sum(size for p, size in listing.items() if p not in data_paths),
-        generated_at=(now or time.time)(),
+        in_flight_bytes=in_flight, packed_dead_bytes=packed_dead, metadata_bytes=metadata,
+        generated_at=(now or time.time)(), garbage_unknown=unknown,
     )
 
 
@@ -240,7 +251,8 @@ def render_report(d: ReportData) -> str:
     ids = [c.checkpoint_id for c in cps]
     newest = next(c for c in cps if c.checkpoint_id == d.newest)
     kpis = [("checkpoints", len(cps)), ("newest", d.newest), ("full size (newest)", human_bytes(newest.full_size)),
-            ("retained bytes", human_bytes(d.referenced_bytes)), ("garbage bytes", human_bytes(d.garbage_bytes)),
+            ("retained bytes", human_bytes(d.referenced_bytes)),
+            ("garbage bytes", "unknown" if d.garbage_bytes is None else human_bytes(d.garbage_bytes)),
             ("corrupt manifests", len(d.corrupt))]
     parts = [
         "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">",
@@ -284,12 +296,12 @@ def render_report(d: ReportData) -> str:
     else:
         parts.append("<p class=\"muted\">no keyed state</p>")
     parts.append("<h2>Retained vs garbage</h2>")
-    parts.append(bar_chart("space", "Bytes in the root", [
-        ("referenced by checkpoints", d.referenced_bytes),
-        ("garbage (gc deletes it)", d.garbage_bytes),
-        ("unreferenced, newer (in flight?)", d.in_flight_bytes),
-        ("dead ranges of packed files", d.packed_dead_bytes),
-        ("manifests and metadata", d.metadata_bytes)], human_bytes))
+    space = [("referenced by checkpoints", d.referenced_bytes), ("garbage (gc deletes it)", d.garbage_bytes),
+             ("unreferenced, newer (in flight?)", d.in_flight_bytes),
+             ("dead ranges of packed files", d.packed_dead_bytes), ("manifests and metadata", d.metadata_bytes)]
+    parts.append(bar_chart("space", "Bytes in the root", [(k, v) for k, v in space if v is not None], human_bytes))
+    if d.garbage_unknown is not None:
+        parts.append(f"<p class=\"warn\" id=\"garbage-unknown\">Garbage not counted: {_e(d.garbage_unknown)}.</p>")
     parts.append("<p class=\"muted\">Garbage: files no manifest references, older than the newest checkpoint "
                  "(<code>abs-snapshot gc</code> deletes them). Newer unreferenced files belong to a checkpoint in "
                  "flight or to an attempt that failed.</p>")
