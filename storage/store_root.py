@@ -40,6 +40,22 @@ def local_root(url: str) -> str | None:
     return path.rstrip("/") or "/"
 
 
+def _file_in_the_way(url: str, root: str) -> StorageConfigError | None:
+    """The error for a local root that is a regular file, or lies under one: every read and
+    write there would fail with ``NotADirectoryError``, which names no remedy."""
+    at = root
+    while not os.path.lexists(at):  # the nearest existing path: the root or an ancestor
+        parent = os.path.dirname(at)
+        if parent == at:
+            return None
+        at = parent
+    if os.path.isdir(at):
+        return None
+    where = "is a file" if at == root else f"lies under {at}, which is a file"
+    return StorageConfigError(f"{url}: {where}, not a directory; a snapshot root (or a savepoint's destination) is "
+                              "a directory; pass the path of a directory, new or existing")
+
+
 def open_root(url: str, storage_options: Mapping[str, Any] | None, *, fs: AbstractFileSystem | None,
               fsync: bool, check: bool) -> RootIO:
     """The :class:`RootIO` of ``url`` (see :meth:`SnapshotStore.open` for the arguments)."""
@@ -50,6 +66,9 @@ def open_root(url: str, storage_options: Mapping[str, Any] | None, *, fs: Abstra
     if root is not None:  # plain os calls: fsspec is not even imported (see storage.backend)
         io = RootIO(None, root, url, fsync=fsync)
         if check:
+            problem = _file_in_the_way(url, root)
+            if problem is not None:
+                raise problem
             io.list(StoragePaths.CHECKPOINTS_DIR)
         return io
     import fsspec.core
@@ -71,6 +90,9 @@ def open_root(url: str, storage_options: Mapping[str, Any] | None, *, fs: Abstra
         raise StorageConfigError(f"{url}: names several paths; a snapshot root is one directory or prefix")
     io = RootIO(fs, root, url, fsync=fsync)
     if check:
+        problem = _file_in_the_way(url, root) if io.local else None
+        if problem is not None:
+            raise problem
         try:
             io.list(StoragePaths.CHECKPOINTS_DIR)
         except TypeError as exc:  # some clients validate options lazily, on first use

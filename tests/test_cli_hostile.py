@@ -452,3 +452,19 @@ def test_max_decoded_bytes_reaches_every_reader(capsys, job_root, tmp_path, comm
             "rekey": ["rekey", job_root, "latest", str(tmp_path / "rk"), "--max-parallelism", "4", "--unpickle"]}[command]
     code, _, err = run_cli(capsys, argv + ["--max-decoded-bytes", "100"])
     assert code == 1 and "beyond the decode limit of 100 bytes" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("command", ["savepoint", "rekey"])
+@pytest.mark.parametrize("under", [False, True], ids=["dest-is-a-file", "dest-under-a-file"])
+def test_a_destination_that_is_a_file_is_named_as_such(capsys, job_root, tmp_path, command, under):
+    """DEST a regular file (or a path below one): the error says so, as a usage error,
+    instead of a NotADirectoryError blamed on the URL, credentials, network or free space."""
+    blocker = tmp_path / "dest"
+    blocker.write_text("not a directory")
+    dest = str(blocker / "sp" if under else blocker)
+    extra = ["--max-parallelism", "4", "--unpickle"] if command == "rekey" else []
+    code, _, err = run_cli(capsys, [command, job_root, "latest", dest, *extra])
+    where = f"lies under {blocker}, which is a file" if under else "is a file"
+    assert code == 2 and f"{dest}: {where}, not a directory;" in err and err.count("\n") == 1, err
+    assert "NotADirectoryError" not in err and "credentials" not in err
+    assert blocker.read_text() == "not a directory"
