@@ -123,8 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("id", nargs="?", type=_checkpoint_id, metavar="ID", help="a checkpoint id or 'latest' (default)")
     p.add_argument("--parallelism", "-p", type=int, metavar="P", help="the parallelism to restore at")
     p.add_argument("--job", metavar="FINGERPRINT.json",
-                   help="the job's fingerprint (json.dump of Dataflow.fingerprint()); default: check the snapshot "
-                        "against its own _job.json (files, versions, parallelism bounds)")
+                   help="the job's fingerprint (json.dump of Dataflow.fingerprint()), checked as the job would run "
+                        "on ROOT (abs.run(..., storage=ROOT): a job of another name is an error); default: check the "
+                        "snapshot against its own _job.json (files, versions, parallelism bounds)")
     p.add_argument("--allow-non-restored-state", action="store_true",
                    help="state the job no longer has is dropped instead of failing the check")
     p.add_argument("--no-verify", action="store_true", help="do not read the files (skip size and checksum checks)")
@@ -339,7 +340,8 @@ def _check(args: argparse.Namespace) -> int:
     store = _open(args)
     report = recovery.check(job, store, checkpoint_id=_resolve_id(store, args, default_latest=False),
                             parallelism=args.parallelism,
-                            allow_non_restored_state=args.allow_non_restored_state, verify_files=not args.no_verify)
+                            allow_non_restored_state=args.allow_non_restored_state, verify_files=not args.no_verify,
+                            storage_root=True)  # as abs.run(..., storage=ROOT) would use it
     _out(report.lines())
     return 0 if report.ok else 1
 

@@ -22,7 +22,9 @@ Problem kinds (``Problem.kind``), and whether they are fatal:
 - ``file`` (fatal): a file of the checkpoint is missing, torn or corrupt (or a chain is
   malformed); the report names ``fallback_checkpoint``.
 - ``manifest`` (fatal): no such checkpoint, or its manifest / ``_job.json`` is corrupt.
-- ``job_name`` (warning): the snapshot was taken by a job of another name.
+- ``job_name`` (warning): the snapshot was taken by a job of another name; fatal with
+  ``storage_root=True`` (``abs-snapshot check``) when the root belongs to a job of another
+  name, which ``abs.run(..., storage=ROOT)`` refuses (``JobMismatchError``).
 - ``unverified_types`` (warning): ``_job.json`` records no state descriptors, so kinds and
   types were not compared.
 
@@ -57,13 +59,17 @@ def check_manifest(
     allow_non_restored_state: bool = False,
     snapshot_fingerprint: Mapping[str, Any] | JobFingerprint | None = None,
     root: str | None = None,
+    storage_root: bool = False,
 ) -> CompatibilityReport:
     """Check a job against a manifest without any I/O.
 
     ``fingerprint``: the job's (``Dataflow.fingerprint()``); ``None`` checks the snapshot on
     its own (versions, ``max_parallelism`` against ``snapshot_fingerprint``, parallelism
     bounds, manifest content). ``snapshot_fingerprint``: the snapshot root's ``_job.json``,
-    needed to compare state kinds and types.
+    needed to compare state kinds and types. ``storage_root``: the job would run on this root
+    (``abs.run(..., storage=ROOT)``), which refuses a root of another job's name: that is
+    then fatal; otherwise (restored from as a savepoint path into a root of the job's own)
+    another name is a warning.
     """
     cid = manifest.checkpoint_id
     job = None if fingerprint is None else JobFingerprint.parse(fingerprint, source="job fingerprint")
@@ -73,7 +79,17 @@ def check_manifest(
     problems: list[Problem] = []
     problems += _version_problems(cid, manifest, snap)
     problems += _parallelism_problems(cid, manifest, job, snap, parallelism)
-    if job is not None and job.name is not None and job.name != manifest.job_name:
+    owner = snap.name if snap is not None and snap.name is not None else manifest.job_name
+    if storage_root and job is not None and job.name is not None and job.name != owner:
+        problems.append(Problem(
+            "job_name", owner,
+            f"checkpoint {cid}: this storage root belongs to job {owner!r}, this job is {job.name!r}; abs.run(..., "
+            "storage=ROOT) refuses a root of another job (JobMismatchError); run the job as "
+            f"{owner!r}, or restore from this root as a savepoint (restore=ROOT) with a storage root of the job's own, "
+            "which restores it (state is matched by operator uid); check that this is the snapshot you meant",
+            True,
+        ))
+    elif job is not None and job.name is not None and job.name != manifest.job_name:
         problems.append(Problem(
             "job_name", manifest.job_name,
             f"checkpoint {cid} was taken by job {manifest.job_name!r}, this job is {job.name!r}; restoring anyway "
@@ -282,6 +298,7 @@ def check(
     allow_non_restored_state: bool = False,
     verify_files: bool = True,
     snapshot_fingerprint: Mapping[str, Any] | None = None,
+    storage_root: bool = False,
 ) -> CompatibilityReport:
     """Check whether the job (``fingerprint``) can be restored from a checkpoint at ``parallelism``.
 
@@ -292,12 +309,13 @@ def check(
     complete one), ``_job.json`` supplies the snapshot's state descriptors, and with
     ``verify_files`` every file of the checkpoint is checked (existence, size, sha256); when
     any is broken, ``fallback_checkpoint`` names the newest older checkpoint that verifies.
+    ``storage_root``: the job would run on this root (see :func:`check_manifest`).
     With a :class:`Manifest`, only the pure checks run (``snapshot_fingerprint`` may be given).
     """
     if isinstance(manifest_or_store, Manifest):
         return check_manifest(fingerprint, manifest_or_store, parallelism=parallelism,
                               allow_non_restored_state=allow_non_restored_state,
-                              snapshot_fingerprint=snapshot_fingerprint)
+                              snapshot_fingerprint=snapshot_fingerprint, storage_root=storage_root)
     if not isinstance(manifest_or_store, SnapshotStore):
         raise TypeError(f"check expects a storage.Manifest or storage.SnapshotStore, got {type(manifest_or_store).__name__}")
     store = manifest_or_store
@@ -336,7 +354,8 @@ def check(
         return CompatibilityReport(cid, parallelism, tuple(early), root=store.url, fallback_checkpoint=fallback)
     report = check_manifest(fingerprint, manifest, parallelism=parallelism,
                             allow_non_restored_state=allow_non_restored_state,
-                            snapshot_fingerprint=snap if isinstance(snap, Mapping) else None, root=store.url)
+                            snapshot_fingerprint=snap if isinstance(snap, Mapping) else None, root=store.url,
+                            storage_root=storage_root)
     problems = early + list(report.problems)
     fallback = None
     files_checked = None

@@ -255,6 +255,18 @@ def test_other_job_name_is_a_warning(root):
     assert report.ok and "taken by job 'fraud'" in only(report, "job_name").message
 
 
+def test_other_job_name_is_fatal_on_the_jobs_own_storage_root(root):
+    """storage_root=True: the job would run on this root, which abs.run refuses for another
+    job's name; the pure check of the manifest alone agrees."""
+    report = check(with_job(name="fraud-v2"), root.store, parallelism=2, storage_root=True)
+    problem = only(report, "job_name")
+    assert not report.ok and problem.fatal and "belongs to job 'fraud'" in problem.message
+    assert "matched by operator uid" in problem.message
+    manifest = root.store.read_manifest(3)
+    assert only(check_manifest(with_job(name="fraud-v2"), manifest, storage_root=True), "job_name").fatal
+    assert check(JOB, root.store, parallelism=2, storage_root=True).ok
+
+
 def test_snapshot_without_descriptors_warns_that_types_were_not_compared(tmp_path):
     root = Root(str(tmp_path / "root"), job={"job_name": "fraud", "max_parallelism": M})
     report = check(JOB, root.store, parallelism=2)

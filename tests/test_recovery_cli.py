@@ -89,6 +89,20 @@ def test_check_with_a_job_file_that_lost_an_operator(root, capsys, tmp_path):
     assert code == 0 and "warning [unknown_operator]" in out and "can be restored at parallelism 2 (1 warning(s))" in out
 
 
+def test_check_with_a_job_of_another_name_fails_as_the_job_would_on_this_root(root, capsys, tmp_path):
+    """abs.run(..., storage=ROOT) refuses a root of another job (JobMismatchError): check
+    says so as an error, with the way out of restoring from the root as a savepoint."""
+    path = job_file(tmp_path, {**JOB, "name": "sessions-v2"})
+    code, out, _ = run(capsys, "check", root.url, "-p", "2", "--job", path)
+    assert code == 1, out
+    assert ("error [job_name] checkpoint 2: this storage root belongs to job 'sessions', this job is 'sessions-v2'; "
+            "abs.run(..., storage=ROOT) refuses a root of another job (JobMismatchError)") in out
+    assert "restore from this root as a savepoint (restore=ROOT)" in out and "matched by operator uid" in out
+    assert "restoring anyway" not in out and "cannot be restored at parallelism 2" in out.splitlines()[-1]
+    code, out, _ = run(capsys, "check", root.url, "-p", "2", "--job", job_file(tmp_path, JOB))
+    assert code == 0 and "job_name" not in out
+
+
 def test_check_reports_a_corrupt_file_and_the_fallback(root, capsys):
     broken = root.read_manifest(2).chains("agg", "total")[3][-1]
     root.fs.pipe_file(f"{root.url}/{broken.path}", b"torn")
