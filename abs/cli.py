@@ -124,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parallelism", "-p", type=int, metavar="P", help="the parallelism to restore at")
     p.add_argument("--job", metavar="FINGERPRINT.json",
                    help="the job's fingerprint (json.dump of Dataflow.fingerprint()), checked as the job would run "
-                        "on ROOT (abs.run(..., storage=ROOT): a job of another name is an error); default: check the "
+                        "on ROOT (abs.run(..., storage=ROOT): a job of another name is an error; a savepoint is "
+                        "checked as restore=ROOT would take it, where another name is a warning); default: check the "
                         "snapshot against its own _job.json (files, versions, parallelism bounds)")
     p.add_argument("--allow-non-restored-state", action="store_true",
                    help="state the job no longer has is dropped instead of failing the check")
@@ -338,12 +339,26 @@ def _check(args: argparse.Namespace) -> int:
     _check_parallelism_arg(args.parallelism)
     job = _read_job_file(args.job)
     store = _open(args)
-    report = recovery.check(job, store, checkpoint_id=_resolve_id(store, args, default_latest=False),
-                            parallelism=args.parallelism,
+    cid = _resolve_id(store, args, default_latest=False)
+    report = recovery.check(job, store, checkpoint_id=cid, parallelism=args.parallelism,
                             allow_non_restored_state=args.allow_non_restored_state, verify_files=not args.no_verify,
-                            storage_root=True)  # as abs.run(..., storage=ROOT) would use it
+                            storage_root=not _is_savepoint(store, cid))
     _out(report.lines())
     return 0 if report.ok else 1
+
+
+def _is_savepoint(store: SnapshotStore, cid: int | None) -> bool:
+    """Whether the checkpoint ``check`` looks at (``None``: the latest) is a savepoint: a job
+    restores it as a savepoint path (restore=ROOT) into a root of its own, where another job
+    name is only a warning; a checkpoint is checked as the job would run on ROOT (abs.run(...,
+    storage=ROOT)), which refuses a root of another job."""
+    cid = store.latest_checkpoint() if cid is None else cid
+    if cid is None:
+        return False
+    try:
+        return store.read_manifest(cid).kind == "savepoint"
+    except StorageError:
+        return False  # check names the problem
 
 
 def _rescale_preview(args: argparse.Namespace) -> int:

@@ -101,6 +101,11 @@ def test_check_with_a_job_of_another_name_fails_as_the_job_would_on_this_root(ro
     assert "restoring anyway" not in out and "cannot be restored at parallelism 2" in out.splitlines()[-1]
     code, out, _ = run(capsys, "check", root.url, "-p", "2", "--job", job_file(tmp_path, JOB))
     assert code == 0 and "job_name" not in out
+    # a savepoint is restored from as a path (restore=DIR) into a root of the job's own: a warning there
+    sp = str(tmp_path / "sp")
+    root.savepoint(2, sp)
+    code, out, _ = run(capsys, "check", sp, "-p", "2", "--job", job_file(tmp_path, {**JOB, "name": "sessions-v2"}))
+    assert code == 0 and "warning [job_name]" in out and "restoring anyway" in out, out
 
 
 def test_check_reports_a_corrupt_file_and_the_fallback(root, capsys):
