@@ -365,4 +365,7 @@ def dump_lines(
     if not rows:
         return ["(no rows)"]
     headers = list(rows[0])
-    return format_table(headers, [[r.get(h) for h in headers] for r in rows])
+    out = format_table(headers, [[r.get(h) for h in headers] for r in rows])
+    if limit is not None and len(rows) >= limit:  # reading stopped there: say so, not as if that were all
+        out.append(f"(the first {limit:,} rows: the limit; there may be more; --limit 0 prints every row)")
+    return out

@@ -102,6 +102,12 @@ def test_dump_prints_resolved_rows_as_a_table_or_json_lines(capsys, root):
                        "--limit", "3")
     rows = [json.loads(line) for line in out.splitlines()]
     assert code == 0 and len(rows) == 3 and set(rows[0]) == {"key_group", "key", "value"}
+    # a table that stopped at the limit says so (JSON lines stay rows alone)
+    code, out, _ = run(capsys, "dump", root, "2", "--operator", "count/1", "--state", "n", "--limit", "3")
+    assert code == 0 and len(out.splitlines()) == 2 + 3 + 1
+    assert out.splitlines()[-1] == "(the first 3 rows: the limit; there may be more; --limit 0 prints every row)"
+    code, out, _ = run(capsys, "dump", root, "2", "--operator", "count/1", "--state", "n", "--limit", "0")
+    assert code == 0 and "the limit" not in out
 
 
 @pytest.mark.parametrize("key_group", ["4", "-1", "128"])
