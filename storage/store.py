@@ -53,6 +53,9 @@ __all__ = ["KeyGroupWrite", "SnapshotStore"]
 _ROOT_DIRS = frozenset({StoragePaths.CHECKPOINTS_DIR, StoragePaths.STATE_DIR, StoragePaths.OPSTATE_DIR,
                         StoragePaths.CHANNELS_DIR, StoragePaths.PINS_DIR})
 """The directories of a snapshot root's own layout (a savepoint may not go inside one)."""
+_SAVEPOINT_SIDE_DIRS = frozenset({"sources"})
+"""What a job's savepoint writes beside the store's copy, before it (the logs of its sources,
+``abs.connectors.batchlog_copies``): a destination holding only those is no stranger's."""
 
 
 def _comparable(url: str) -> str:
@@ -504,9 +507,9 @@ class SnapshotStore:
             )
         if dest.exists():
             return
-        files = dest.list_files()
+        files = sorted(f for f in dest.list_files() if f.split("/")[0] not in _SAVEPOINT_SIDE_DIRS)
         if files:
-            sample = sorted(files)[:3]
+            sample = files[:3]
             raise StorageConfigError(
                 f"{dest.url}: is not empty ({len(files)} file(s), e.g. {sample}) and holds no snapshots; refusing to "
                 "mix a savepoint with other files; pass an empty directory, an existing savepoint root, or the root "
