@@ -18,7 +18,6 @@ that reads as a savepoint); the next savepoint into that destination removes wha
 from __future__ import annotations
 
 import dataclasses
-import functools
 import warnings
 from typing import Any, Mapping, Protocol, Sequence
 
@@ -31,7 +30,6 @@ from .errors import CheckpointNotFoundError, MissingFileError, StorageError, Sto
 from .ids import CheckpointId
 from .manifest import FileRef, Manifest
 from .paths import FileKind, StoragePaths
-from .store_write import KeyGroupWrite
 from .pins import PinLease, PinRecord
 
 __all__ = ["SavepointStore", "take_savepoint", "copy_unkeyed", "remove_incomplete_savepoints"]
@@ -63,8 +61,6 @@ class SavepointStore(Protocol):
     def read_bytes(self, ref: FileRef, *, checkpoint_id: int | None = None) -> bytes: ...
 
     def commit(self, manifest: Manifest) -> Manifest: ...
-
-    def write_key_groups(self, checkpoint_id: int, jobs: Sequence[Any]) -> list[list[FileRef]]: ...
 
     def pins(self) -> list[PinRecord]: ...
 
@@ -134,24 +130,15 @@ def _copy(source: SavepointStore, manifest: Manifest, dest: SavepointStore, leas
             for op, states in manifest.keyed.items():
                 for st, chains in states.items():
                     out = keyed.setdefault(op, {}).setdefault(st, {})
-
-                    def resolved(chain: Sequence[FileRef]) -> pa.Table:
-                        """A key group's live rows, read when the writer comes to it."""
+                    for kg, chain in sorted(chains.items()):
                         if lease is not None:
                             lease.renew()
                         dest_lease.renew()
                         table = source.read_chain(chain, checkpoint_id=checkpoint_id)
+                        path = StoragePaths.state_file(sp_id, op, st, kg, "base")
+                        written.append(path)
+                        out[kg] = [dest._write_table(path, table, "base", sp_id)]
                         tracker.advance()
-                        return table
-
-                    # each key group's live rows as a base, packed as a checkpoint packs them (a
-                    # file per state instead of one per key group: a PUT each on an object store)
-                    kgs = sorted(chains)
-                    jobs = [KeyGroupWrite(op, st, kg, [], functools.partial(resolved, chains[kg]), True) for kg in kgs]
-                    for kg, new in zip(kgs, dest.write_key_groups(sp_id, jobs)):
-                        written.extend(ref.path for ref in new)
-                        if new:  # none: the key group holds no live row
-                            out[kg] = new
 
             if lease is not None:
                 lease.renew()
