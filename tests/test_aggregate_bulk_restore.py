@@ -197,13 +197,14 @@ def test_a_key_group_restored_again_upserts_after_indexing_the_bulk():
     assert s._unindexed is None and s.n == 3
 
 
-def test_the_runtime_indexes_the_bulk_after_the_last_key_group(tmp_path):
-    """A restore through the operator (KeyedOp.restore) leaves nothing to index."""
+def _restored_through_the_operator(tmp_path, names: pa.Array, aggs: dict):
+    """An aggregate over ``names`` (value = the key's position) run to a checkpoint, then
+    restored into a fresh operator at parallelism 1 through KeyedOp.restore, as a worker does."""
+    n = len(names)
     flow = abs.Dataflow("bulk", max_parallelism=M)
-    names = pa.array([f"name-{i:04d}" for i in range(500)])
-    src = abs.GeneratorSource(500, num_keys=500, make_batch=lambda idx: pa.RecordBatch.from_arrays(
+    src = abs.GeneratorSource(n, num_keys=n, make_batch=lambda idx: pa.RecordBatch.from_arrays(
         [names.take(pa.array(idx)), pa.array(idx)], names=["k", "v"]))
-    flow.source("src", src).key_by("k").aggregate("agg", {"s": ("v", "sum")}, emit="none")
+    flow.source("src", src).key_by("k").aggregate("agg", aggs, emit="none")
     first = abs.run(flow, parallelism=1, storage=str(tmp_path))
     store_ = SnapshotStore.open(str(tmp_path))
     manifest = store_.read_manifest(first.last_checkpoint)
@@ -212,6 +213,13 @@ def test_the_runtime_indexes_the_bulk_after_the_last_key_group(tmp_path):
                                 key_group_range=key_group_range(M, 1, 0), send_to_driver=None)
     op = build_operator(node, ctx)
     op.restore({state: manifest.chains(node.uid, state) for state in manifest.keyed[node.uid]}, store_.read_chain)
+    return op
+
+
+def test_the_runtime_indexes_the_bulk_after_the_last_key_group(tmp_path):
+    """A restore through the operator (KeyedOp.restore) leaves nothing to index."""
+    op = _restored_through_the_operator(tmp_path, pa.array([f"name-{i:04d}" for i in range(500)]),
+                                        {"s": ("v", "sum")})
     col = op.backend.columnar
     assert col is not None and col._unindexed is None and col.n == 500
     assert dict(op.backend.items("s")) == {f"name-{i:04d}": i for i in range(500)}
@@ -221,21 +229,10 @@ def test_a_restore_of_skewed_keys_is_sized_from_what_the_runtime_expects_not_fro
     """Every key in one key group: the first key group promises as many in each of the others.
     The runtime tells the store how many keys its chains hold at most (KeyedOp.restore), and
     the store and its index are sized for those, not for the M-fold guess."""
-    flow = abs.Dataflow("skew", max_parallelism=M)
     pool = pa.array([f"name-{i:05d}" for i in range(20_000)])
     names = pool.filter(pa.array(key_groups(pool, M) == 3)).slice(0, 600)
     n = len(names)
-    src = abs.GeneratorSource(n, num_keys=n, make_batch=lambda idx: pa.RecordBatch.from_arrays(
-        [names.take(pa.array(idx)), pa.array(idx)], names=["k", "v"]))
-    flow.source("src", src).key_by("k").aggregate("agg", {"s": ("v", "sum"), "c": ("v", "count")}, emit="none")
-    first = abs.run(flow, parallelism=1, storage=str(tmp_path))
-    store_ = SnapshotStore.open(str(tmp_path))
-    manifest = store_.read_manifest(first.last_checkpoint)
-    node = next(n for n in flow.nodes if n.kind == "aggregate")
-    ctx = types.SimpleNamespace(subtask=0, parallelism=1, max_parallelism=M,
-                                key_group_range=key_group_range(M, 1, 0), send_to_driver=None)
-    op = build_operator(node, ctx)
-    op.restore({state: manifest.chains(node.uid, state) for state in manifest.keyed[node.uid]}, store_.read_chain)
+    op = _restored_through_the_operator(tmp_path, names, {"s": ("v", "sum"), "c": ("v", "count")})
     col = op.backend.columnar
     assert col.n == n and col.capacity <= 2 * n  # without the bound: M * n and more
     assert col.map.hash.cap <= 3 * n
