@@ -566,7 +566,7 @@ def _values_image(delta: Any, orders: Any, slot: tuple) -> Any:
     digest, schema, dtype = form
     if schema is not None and nulls is None and values.dtype == dtype:
         return split_values_image(values, schema)
-    return values_image_over(keys, delta.sorted_image(orders, slot)[1], digest)  # nulls, or a type not split
+    return values_image_over(keys, delta.values_table(values, nulls), digest)  # nulls, or a type not split
 
 
 def _image_form(value_type: Any, metadata: dict, keys: Any) -> tuple | None:

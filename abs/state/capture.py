@@ -195,7 +195,11 @@ class ColumnDelta:
         column, with the delta's schema metadata), without building the delta's table: a
         values image needs no more (:func:`storage.values_images.values_image_over`)."""
         ordered, values, nulls = self.sorted_values(orders, slot)
-        return ordered, values_table(self._arrow_type, self._kind, values, nulls)
+        return ordered, self.values_table(values, nulls)
+
+    def values_table(self, values: np.ndarray, nulls: np.ndarray | None) -> pa.Table:
+        """:func:`values_table` of rows of this delta's state (a ``value`` column of its type)."""
+        return values_table(self._arrow_type, self._kind, values, nulls)
 
     def sorted_values(self, orders: KeyOrders, slot: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """:meth:`sorted_image` as arrays: the keys in ascending order, the values and the null
