@@ -4,9 +4,10 @@ the network, so it opens from disk anywhere.
 
 :func:`collect_report` reads the root through :class:`storage.SnapshotStore` (its manifests,
 their stats, its file listing and a GC plan that keeps every checkpoint, which says which files
-no manifest references, unless a manifest of a newer format may reference any of them); :func:`render_report` turns that :class:`ReportData` into the page
-(pure). Every chart mark carries its number in ``data-value`` (and a ``<title>`` tooltip), so
-the page can be checked against the manifests.
+no manifest references, unless a manifest of a newer format may reference any of them);
+:func:`render_report` turns that :class:`ReportData` into the page (pure). Every chart mark
+carries its number in ``data-value`` (and a ``<title>`` tooltip), so the page can be checked
+against the manifests.
 """
 from __future__ import annotations
 
