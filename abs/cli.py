@@ -158,11 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow unpickling pickled keys to hash them again (runs code from the snapshot: only for "
                         "roots you trust); without it a state with pickled keys is refused")
 
-    # its own arguments: -o is the output file here, as in most report tools
+    # --output has no short form: -o is a storage option here as in every other command (_report
+    # names --output when given -o FILE, the form this command once took)
     p = sub.add_parser("report", help="write an HTML report of the root's checkpoints (one file, opens offline)")
     p.add_argument("root", metavar="ROOT", help="snapshot root: path, file://, memory://, s3://bucket/prefix")
-    p.add_argument("--output", "-o", required=True, metavar="FILE", help="the HTML file to write (e.g. report.html)")
-    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--output", metavar="FILE", help="the HTML file to write (e.g. report.html); required")
+    p.add_argument("--storage-option", "-o", action="append", default=[], metavar="KEY=VALUE",
                    help="fsspec storage option of ROOT (repeatable; JSON values; dotted keys nest)")
     p.add_argument("--max-decoded-bytes", type=_size, metavar="SIZE", help=argparse.SUPPRESS)
     return parser
@@ -483,6 +484,14 @@ def _rekey(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from abs.observe.report import collect_report, render_report
 
+    files = [o for o in args.storage_option if "=" not in o]
+    if files:
+        raise StorageConfigError(f"report: -o {files[0]} is not a storage option (KEY=VALUE); name the HTML file to "
+                                 f"write with --output FILE (e.g. --output {files[0]}); -o KEY=VALUE is a storage "
+                                 "option, as in the other commands")
+    if args.output is None:
+        raise StorageConfigError("report: no output file; name the HTML file to write with --output FILE "
+                                 "(e.g. --output report.html)")
     data = collect_report(_open(args))
     page = render_report(data)
     try:

@@ -78,37 +78,53 @@ def test_the_page_is_self_contained(root):
 
 def test_the_cli_writes_the_report_and_names_bad_roots_without_a_traceback(root, tmp_path, capsys):
     out = tmp_path / "report.html"
-    assert main(["report", root, "-o", str(out)]) == 0
+    assert main(["report", root, "--output", str(out)]) == 0
     assert "written to" in capsys.readouterr().out and out.read_text().startswith("<!doctype html>")
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert main(["report", str(empty), "-o", str(tmp_path / "e.html")]) == 2
+    assert main(["report", str(empty), "--output", str(tmp_path / "e.html")]) == 2
     err = capsys.readouterr().err
     assert "holds no snapshots" in err and "Traceback" not in err
-    assert main(["report", str(tmp_path / "missing"), "-o", str(tmp_path / "m.html")]) == 2
+    assert main(["report", str(tmp_path / "missing"), "--output", str(tmp_path / "m.html")]) == 2
     assert "Traceback" not in capsys.readouterr().err
 
     broken = tmp_path / "broken"
     shutil.copytree(root, broken)
     ids = SnapshotStore.open(str(broken)).list_checkpoints()
     (broken / StoragePaths.manifest(ids[-1])).write_bytes(b"{not json")
-    assert main(["report", str(broken), "-o", str(tmp_path / "b.html")]) == 0
+    assert main(["report", str(broken), "--output", str(tmp_path / "b.html")]) == 0
     assert f"checkpoint {ids[-1]}: manifest does not read" in capsys.readouterr().err
     for cid in ids[:-1]:
         (broken / StoragePaths.manifest(cid)).write_bytes(b"\x00garbage")
-    assert main(["report", str(broken), "-o", str(tmp_path / "b2.html")]) == 1
+    assert main(["report", str(broken), "--output", str(tmp_path / "b2.html")]) == 1
     err = capsys.readouterr().err
     assert "holds no checkpoint that reads" in err and "Traceback" not in err
     assert not (tmp_path / "b2.html").exists()
 
-    assert main(["report", root, "-o", str(tmp_path / "no-such-dir" / "r.html")]) == 2
+    assert main(["report", root, "--output", str(tmp_path / "no-such-dir" / "r.html")]) == 2
     assert "cannot write the report" in capsys.readouterr().err
+
+
+def test_report_takes_the_output_file_as_output_and_o_as_a_storage_option_like_every_command(tmp_path, capsys):
+    """-o was report's output file once; now it is a storage option as elsewhere, and -o FILE
+    (no '=') is a usage error that names --output FILE, before the root is opened."""
+    from abs.cli import build_parser
+
+    args = build_parser().parse_args(["report", "s3://b/p", "--output", "r.html", "-o", "anon=true"])
+    assert (args.output, args.storage_option) == ("r.html", ["anon=true"])
+    out = tmp_path / "report.html"
+    assert main(["report", str(tmp_path), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"name the HTML file to write with --output FILE (e.g. --output {out})" in err
+    assert "Traceback" not in err and err.count("\n") == 1 and not out.exists()
+    assert main(["report", str(tmp_path)]) == 2
+    assert "no output file; name the HTML file to write with --output FILE" in capsys.readouterr().err
 
 
 def test_the_report_file_renders_its_charts_in_a_browser_with_the_manifests_numbers(root, tmp_path):
     out = tmp_path / "report.html"
-    assert main(["report", root, "-o", str(out)]) == 0
+    assert main(["report", root, "--output", str(out)]) == 0
     store = SnapshotStore.open(root)
     ids = store.list_checkpoints()
     with browser_page(tmp_path) as page:
@@ -152,7 +168,7 @@ def test_a_manifest_of_a_newer_format_leaves_the_garbage_uncounted_not_the_repor
     doc.update(checkpoint_id=ids[-1] + 1, format_version=99)
     (newer / StoragePaths.manifest(ids[-1] + 1)).write_text(json.dumps(doc))
     out = tmp_path / "n.html"
-    assert main(["report", str(newer), "-o", str(out)]) == 0
+    assert main(["report", str(newer), "--output", str(out)]) == 0
     captured = capsys.readouterr()
     assert f"checkpoint {ids[-1] + 1}: manifest does not read (written by a newer format" in captured.err
     assert (f"note: garbage not counted: the manifest of checkpoint {ids[-1] + 1} is of a newer storage format"

@@ -1,6 +1,6 @@
-"""The offline report of a snapshot root (``abs-snapshot report ROOT -o report.html``): one
-self-contained HTML file with inline SVG charts drawn here, no script and nothing loaded from
-the network, so it opens from disk anywhere.
+"""The offline report of a snapshot root (``abs-snapshot report ROOT --output report.html``):
+one self-contained HTML file with inline SVG charts drawn here, no script and nothing loaded
+from the network, so it opens from disk anywhere.
 
 :func:`collect_report` reads the root through :class:`storage.SnapshotStore` (its manifests,
 their stats, its file listing and a GC plan that keeps every checkpoint, which says which files
