@@ -16,6 +16,7 @@ from typing import Callable, Literal, Mapping
 
 import pyarrow as pa
 
+from abscore.ids import id_ranges
 from abscore.progress import ProgressCallback, Tracker
 
 from .decode_limits import DEFAULT_DECODE_LIMITS, DecodeLimits, beyond_limits
@@ -177,6 +178,39 @@ def _field(buf: bytes, table: int, index: int) -> int | None:
 _U16, _U32, _I32, _I64 = (struct.Struct(f) for f in ("<H", "<I", "<i", "<q"))
 
 
+def _ranges(refs: list[FileRef]) -> list[list[FileRef]]:
+    """The references of one file grouped by the bytes they read and what they expect of them:
+    the key groups of one shared range form one group (checked and reported once), any other
+    reference a group of its own."""
+    groups: dict[tuple, list[FileRef]] = {}
+    for ref in refs:
+        key = ref.id if not ref.shared else (ref.offset, ref.read_size, ref.checksum_algorithm, ref.checksum,
+                                             ref.range_rows)
+        groups.setdefault(key, []).append(ref)
+    return list(groups.values())
+
+
+def _holding(group: list[FileRef]) -> str:
+    """The key groups a range holds, for messages: ``key group 3``, ``key groups 3-9, 12``."""
+    kgs = sorted({r.key_group for r in group if r.key_group is not None})
+    return f"key group{'s' if len(kgs) > 1 else ''} {id_ranges(kgs)}"
+
+
+def _where(group: list[FileRef]) -> str:
+    """The bytes a group reads: a reference's own :attr:`FileRef.where`, or a shared range's
+    bytes when it holds several key groups."""
+    ref = group[0]
+    if len(group) == 1:
+        return ref.where
+    return f"{ref.path} bytes [{ref.offset}, {ref.offset + ref.read_size})"  # type: ignore[operator]
+
+
+def _subject(group: list[FileRef]) -> str:
+    """What a group's problem is about: a reference's id (``path#kg-NNNN`` for a range), or the
+    packed file of a range shared by several key groups (the message names them)."""
+    return group[0].id if len(group) == 1 else group[0].path
+
+
 def check_files(
     manifests: Mapping[int, Manifest],
     listing: Mapping[str, int],
@@ -188,7 +222,8 @@ def check_files(
 ) -> tuple[list[Problem], int, int]:
     """Check existence, size, checksum, row count and decoded size of every distinct referenced
     file; a packed file is read once and each referenced range of it checked on its own (a
-    problem in one range names only the checkpoints that reference that range).
+    problem in one range names only the checkpoints that reference that range; a range shared
+    by several key groups is checked, and a problem in it reported, once, naming its key groups).
 
     Returns (problems, files checked, bytes read). ``read`` fetches a file by relative path;
     ``progress`` hears of each file checked (stage ``verify``); ``limits``: the decode limits
@@ -216,16 +251,18 @@ def check_files(
             if size != first.bytes:
                 return [Problem("size", who(refs), path,
                                 f"size {size} bytes, the manifest says {first.bytes}: torn or altered write")], 0
-        else:
-            short = [r for r in refs if r.offset + r.read_size > size]  # type: ignore[operator]
+        ranges = _ranges(refs)
+        if first.offset is not None:
+            short = [group for group in ranges if group[0].offset + group[0].read_size > size]  # type: ignore[operator]
             problems.extend(
-                Problem("size", who([r]), r.id, f"the packed file has {size} bytes, key group {r.key_group}'s range "
-                        f"ends at {r.offset + r.read_size}: torn or truncated write")  # type: ignore[operator]
-                for r in short
+                Problem("size", who(group), _subject(group), f"the packed file has {size} bytes, {_holding(group)}'s "
+                        f"range ends at {group[0].offset + group[0].read_size}: torn or truncated write")  # type: ignore[operator]
+                for group in short
             )
-            refs = [r for r in refs if r not in short]
-            if not refs:
+            ranges = [group for group in ranges if group not in short]
+            if not ranges:
                 return problems, 0
+        refs = [ref for group in ranges for ref in group]
         try:
             data = read(path)
         except FileNotFoundError:
@@ -233,46 +270,41 @@ def check_files(
                             f"file (written by checkpoint {first.checkpoint_id}) vanished while verifying")], 0
         except OSError as exc:
             return [Problem("unreadable", who(refs), path, f"cannot be read: {exc}")], 0
-        digests: dict[tuple[int, int, str], str] = {}  # a shared range's digest and rows, once
-        counted: dict[tuple[int, int], int] = {}
-        too_large: dict[tuple[int, int], str | None] = {}  # a range's reason a reader refuses it, once
-        for ref in refs:
+        for group in ranges:  # a range shared by several key groups is checked, and reported, once
+            ref = group[0]
+            subject = _subject(group)
             start = ref.offset or 0
             part = memoryview(data)[start:start + ref.read_size]
             if len(part) != ref.read_size:
-                problems.append(Problem("size", who([ref]), ref.id, f"read {len(part)} bytes of {ref.where}, "
+                problems.append(Problem("size", who(group), subject, f"read {len(part)} bytes of {_where(group)}, "
                                         f"the manifest says {ref.read_size}: torn or altered write"))
                 continue
-            digest = digests.get((start, ref.read_size, ref.checksum_algorithm))
-            if digest is None:
-                digest = digests[start, ref.read_size, ref.checksum_algorithm] = checksum_hex(part, ref.checksum_algorithm)
+            digest = checksum_hex(part, ref.checksum_algorithm)
             if digest != ref.checksum:
-                what = "corrupt file" if ref.offset is None else f"corrupt range of key group {ref.key_group} ({ref.where})"
-                problems.append(Problem("checksum", who([ref]), ref.id, f"{ref.checksum_algorithm} {digest[:12]}..., "
+                what = "corrupt file" if ref.offset is None else f"corrupt range of {_holding(group)} ({ref.where})"
+                if len(group) > 1:  # the problem names the file: the message, the bytes of it
+                    what = f"corrupt shared range of {_holding(group)} (bytes [{start}, {start + ref.read_size}))"
+                problems.append(Problem("checksum", who(group), subject, f"{ref.checksum_algorithm} {digest[:12]}..., "
                                         f"the manifest says {ref.checksum[:12]}...: {what}"))
                 continue
             try:
-                rows = counted.get((start, ref.read_size))
-                if rows is None:
-                    rows = counted[start, ref.read_size] = count_rows(part)
+                rows = count_rows(part)
             except (pa.ArrowException, OSError, ValueError) as exc:
-                problems.append(Problem("unreadable", who([ref]), ref.id,
+                problems.append(Problem("unreadable", who(group), subject,
                                         f"not a readable Arrow IPC stream ({str(exc)[:200]})"))
                 continue
             try:
-                if (start, ref.read_size) not in too_large:
-                    too_large[start, ref.read_size] = beyond_limits(part, limits, source=ref.where)
+                reason = beyond_limits(part, limits, source=_where(group))
             except CorruptFileError as exc:  # headers that count rows but do not add up to a size
-                problems.append(Problem("unreadable", who([ref]), ref.id,
+                problems.append(Problem("unreadable", who(group), subject,
                                         f"not a readable Arrow IPC stream ({str(exc.__cause__ or exc)[:200]})"))
                 continue
-            reason = too_large[start, ref.read_size]
             if reason is not None:
-                problems.append(Problem("decoded_size", who([ref]), ref.id, reason))
+                problems.append(Problem("decoded_size", who(group), subject, reason))
                 continue
             want = ref.rows if ref.range_rows is None else ref.range_rows
             if rows != want:
-                problems.append(Problem("rows", who([ref]), ref.id, f"holds {rows} rows, the manifest says {want}"
+                problems.append(Problem("rows", who(group), subject, f"holds {rows} rows, the manifest says {want}"
                                         f"{' (its shared range)' if ref.shared else ''}: the manifest or the file was altered"))
         return problems, len(data)
 
