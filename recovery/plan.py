@@ -78,6 +78,12 @@ class SubtaskPlan:
         return list(seen.values())
 
     @property
+    def file_count(self) -> int:
+        """Distinct files this subtask reads: a packed file counts once however many of its
+        ranges (:meth:`files`, one per key group it holds) the subtask reads."""
+        return len({ref.path for ref in self.files()})
+
+    @property
     def read_bytes(self) -> int:
         """Bytes this subtask reads (each distinct file or range once; a range shared by key
         groups of several subtasks is read whole by each)."""
@@ -123,6 +129,14 @@ class RestorePlan:
 
     @property
     def total_files(self) -> int:
+        """Distinct files all subtasks read (a packed file, or a file read by several subtasks,
+        counts once)."""
+        return len({ref.path for s in self.subtasks for ref in s.files()})
+
+    @property
+    def total_references(self) -> int:
+        """References the subtasks read, each subtask's counted apart: a file, or a key group's
+        range of a packed file (:meth:`SubtaskPlan.files`)."""
         return sum(len(s.files()) for s in self.subtasks)
 
     @property
@@ -165,25 +179,28 @@ class RestorePlan:
 
     # ------------------------------------------------------------------ printing
     def describe(self) -> str:
-        """A readable table: per subtask its key groups, chains, files, bytes and share."""
+        """A readable table: per subtask its key groups, chains, files (distinct files; a packed
+        file once), references (``refs``: files and key groups' ranges of packed files), bytes
+        and share."""
         prev = self.previous_parallelism if self.previous_parallelism is not None else "?"
         lines = [
             f"restore plan: checkpoint {self.checkpoint_id} of job {self.job_name!r}, "
             f"max_parallelism {self.max_parallelism}, parallelism {prev} -> {self.parallelism}",
         ]
         total = self.total_bytes
-        header = ("subtask", "key groups", "kgs", "chains", "files", "bytes", "share", "splits", "opstate", "logs")
+        header = ("subtask", "key groups", "kgs", "chains", "files", "refs", "bytes", "share", "splits", "opstate",
+                  "logs")
         rows = [header]
         for s in self.subtasks:
             nbytes = s.read_bytes
             rows.append((
-                str(s.index), str(s.key_groups), str(len(s.key_groups)), str(s.chain_count), str(len(s.files())),
-                _human(nbytes), f"{100 * nbytes / total:.1f}%" if total else "-", str(s.split_count),
+                str(s.index), str(s.key_groups), str(len(s.key_groups)), str(s.chain_count), str(s.file_count),
+                str(len(s.files())), _human(nbytes), f"{100 * nbytes / total:.1f}%" if total else "-", str(s.split_count),
                 str(sum(len(v) for v in s.operator_state.values())), str(len(s.channel_logs)),
             ))
         rows.append((
             "total", "", str(self.max_parallelism), str(sum(s.chain_count for s in self.subtasks)),
-            str(self.total_files), _human(total), "100.0%" if total else "-",
+            str(self.total_files), str(self.total_references), _human(total), "100.0%" if total else "-",
             str(sum(s.split_count for s in self.subtasks)),
             str(sum(len(v) for s in self.subtasks for v in s.operator_state.values())),
             str(sum(len(s.channel_logs) for s in self.subtasks)),

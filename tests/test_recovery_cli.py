@@ -155,7 +155,8 @@ def test_rescale_preview_prints_each_new_subtask(root, capsys):
     assert [r[3] for r in rows] == ["6", "5", "5"]  # key groups
     assert [r[4] for r in rows] == ["6", "5", "5"]  # chains (every key group holds state)
     assert [r[5] for r in rows] == ["7", "5", "5"]  # files: + the delta of key group 3
-    shares = [float(r[8].rstrip("%")) for r in rows]
+    assert [r[6] for r in rows] == ["7", "5", "5"]  # references: a file of its own each
+    shares = [float(r[9].rstrip("%")) for r in rows]
     assert sum(shares) == pytest.approx(100, abs=0.2)
     assert shares[0] == max(shares)  # six chains and a delta
     assert lines[5].split()[0] == "total"
@@ -163,6 +164,37 @@ def test_rescale_preview_prints_each_new_subtask(root, capsys):
     assert len(balance) == 1 and "(subtask 0 reads" in balance[0]
     assert float(balance[0].split()[5]) == pytest.approx(shares[0] / (100 / 3), abs=0.01)
     assert "sink 'out': 1 transaction(s) handed to every subtask (union) to re-commit" in lines
+
+
+def test_rescale_preview_counts_a_packed_file_once_in_files_and_its_ranges_in_refs(tmp_path, capsys):
+    """Checkpoint 1 packs the 16 bases into one file, checkpoint 2 the 16 deltas into another
+    (one shared range): each subtask reads 2 files, through one reference per key group and
+    file."""
+    from storage.store import KeyGroupWrite
+
+    store = SnapshotStore.open(str(tmp_path / "packed"), policy=CompactionPolicy(max_chain_length=100,
+                                                                               max_delta_ratio=1e9), fsync=False)
+    store.init_job(JOB)
+    chains = dict(enumerate(store.write_key_groups(1, [
+        KeyGroupWrite("agg", "total", kg, [], delta(list(range(kg * 100, kg * 100 + 50)), [1] * 50))
+        for kg in range(M)])))
+    store.commit(Manifest(checkpoint_id=1, job_name="sessions", max_parallelism=M, keyed={"agg": {"total": chains}}))
+    chains = dict(enumerate(store.write_key_groups(2, [
+        KeyGroupWrite("agg", "total", kg, chains[kg], delta([kg * 100], [2])) for kg in range(M)])))
+    m2 = store.commit(Manifest(checkpoint_id=2, job_name="sessions", max_parallelism=M,
+                               keyed={"agg": {"total": chains}}))
+    assert len({r.path for r in m2.files().values()}) == 2 and len(m2.files()) == 2 * M  # packed, as described
+
+    code, out, err = run(capsys, "rescale-preview", store.url, "-p", "2")
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    rows = [line.split() for line in lines[2:5]]
+    assert [r[0] for r in rows] == ["0", "1", "total"]
+    files = lines[1].split().index("files")  # "key groups" and "[0, 7]" are two words each
+    assert [r[files] for r in rows[:2]] == ["2", "2"]
+    assert lines[1].split()[4:7] == ["chains", "files", "refs"]
+    assert [r[5:7] for r in rows[:2]] == [["2", "16"], ["2", "16"]]  # files, refs of each subtask
+    assert rows[2][3:5] == ["2", str(2 * M)]  # total: 2 distinct files, 32 references
 
 
 def test_rescale_preview_of_an_older_checkpoint_and_errors(root, capsys, tmp_path):

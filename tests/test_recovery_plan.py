@@ -260,7 +260,7 @@ def test_describe_prints_one_row_per_subtask_with_share_and_balance(history):
     rows = {line.split()[0]: line.split() for line in lines[2:6]}
     assert set(rows) == {"0", "1", "2", "total"}
     assert rows["0"][1:3] == ["[0,", "42]"] and rows["2"][1:3] == ["[86,", "127]"]
-    shares = [float(rows[i][8].rstrip("%")) for i in ("0", "1", "2")]
+    shares = [float(rows[i][9].rstrip("%")) for i in ("0", "1", "2")]
     assert sum(shares) == pytest.approx(100, abs=0.2)
     assert "balance: max/mean bytes per subtask" in text
     assert "sink 'out': " in text and "(union)" in text
