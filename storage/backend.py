@@ -15,8 +15,8 @@
     rename makes the content appear at once, but two writers racing for the same name are
     not excluded (check-then-rename). Only the coordinator commits, so this is acceptable.
 - :meth:`RootIO.delete` is idempotent.
-- A local root opened from a plain path or ``file://`` URL without storage options has no
-  fsspec file system: every operation uses ``os`` and ``open`` directly, and fsspec is not
+- A local root opened from a plain path or ``file://`` URL (which takes no storage options:
+  :func:`storage.store_root.open_root` refuses any, naming them) has no fsspec file system: every operation uses ``os`` and ``open`` directly, and fsspec is not
   even imported (its import, asyncio's among its modules, costs a process ~10 MB, counted in
   the driver and in every worker and snapshot writer forked from it). :attr:`RootIO.fs`
   builds fsspec's local file system the first time a caller asks for it.

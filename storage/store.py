@@ -113,8 +113,10 @@ class SnapshotStore:
         """Open the root at ``url`` (plain path, ``file://``, ``memory://``, ``s3://bucket/prefix``).
 
         ``storage_options`` go to the fsspec file system (s3fs: ``key``, ``secret``,
-        ``endpoint_url``, ``client_kwargs``, ...). ``fs`` replaces the file system resolved from
-        ``url`` (e.g. :class:`storage.testing.FaultyFileSystem`); ``url`` then only names the root.
+        ``endpoint_url``, ``client_kwargs``, ...); a local root (a path or ``file://`` URL)
+        takes none: any raises :class:`StorageConfigError` naming them. ``fs`` replaces the
+        file system resolved from ``url`` (e.g. :class:`storage.testing.FaultyFileSystem`);
+        ``url`` then only names the root.
         ``fsync`` makes local-disk writes durable before the manifest is written. ``check``
         lists the root once, so an unreachable endpoint or missing bucket fails here.
         ``decode_limits``: how far one state file may expand when read (see

@@ -40,6 +40,18 @@ def local_root(url: str) -> str | None:
     return path.rstrip("/") or "/"
 
 
+def _local_options_error(url: str, options: Mapping[str, Any]) -> StorageConfigError:
+    """The error for storage options given with a local root: it takes none (it is read and
+    written with plain file calls), so an option there is a mistake (e.g. credentials meant
+    for an object store, or a misspelt key) that would otherwise be ignored."""
+    names = ", ".join(repr(str(k)) for k in options)
+    return StorageConfigError(
+        f"{url}: unknown storage option(s) {names} for a local root; a local root (a path or file:// URL) takes no "
+        "storage options: they apply to remote URLs such as s3://bucket/prefix (endpoint_url, key, secret, ...); "
+        "drop them, or pass the remote URL they are meant for"
+    )
+
+
 def _file_in_the_way(url: str, root: str) -> StorageConfigError | None:
     """The error for a local root that is a regular file, or lies under one: every read and
     write there would fail with ``NotADirectoryError``, which names no remedy."""
@@ -62,7 +74,9 @@ def open_root(url: str, storage_options: Mapping[str, Any] | None, *, fs: Abstra
     if not isinstance(url, str) or not url:
         raise StorageConfigError(f"snapshot root {url!r} is not a URL or path; pass e.g. /data/ckpt or s3://bucket/prefix")
     options = dict(storage_options or {})
-    root = local_root(url) if fs is None and not options else None
+    root = local_root(url) if fs is None else None
+    if root is not None and options:
+        raise _local_options_error(url, options)
     if root is not None:  # plain os calls: fsspec is not even imported (see storage.backend)
         io = RootIO(None, root, url, fsync=fsync)
         if check:

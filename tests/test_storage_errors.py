@@ -35,6 +35,36 @@ def test_an_unknown_storage_option_is_a_configuration_error(s3_server):
         SnapshotStore.open("s3://bucket/job", {**s3_server.storage_options, "no_such_option": 1})
 
 
+@pytest.mark.parametrize("url", ["{tmp}/root", "file://{tmp}/root"])
+def test_storage_options_on_a_local_root_are_refused_naming_them_not_ignored(url, tmp_path):
+    """A local root takes no storage options (plain file calls): anon=true meant for S3, or a
+    misspelt key, is a configuration error naming the options, not silently dropped."""
+    url = url.format(tmp=tmp_path)
+    with pytest.raises(StorageConfigError, match=r"unknown storage option\(s\) 'anon', 'endpoint_ulr' for a local "
+                       r"root; a local root \(a path or file:// URL\) takes no storage options: they apply to "
+                       r"remote URLs such as s3://"):
+        SnapshotStore.open(url, {"anon": True, "endpoint_ulr": "http://x"})
+    assert not (tmp_path / "root").exists()
+    SnapshotStore.open(url, {}).init_job({"job_name": "j", "max_parallelism": 4})  # none (or {}) is fine
+
+
+def test_storage_options_on_a_local_root_fail_abs_run_and_the_cli_at_once(tmp_path, capsys):
+    import pyarrow as pa
+
+    import abs
+    from abs.cli import main
+
+    flow = abs.Dataflow("local-options")
+    flow.source("s", abs.GeneratorSource(10, num_keys=2)).key_by("key").process(
+        "p", lambda ctx, r: ctx.emit(r), state=[abs.ValueState("n", pa.int64())]).sink("o", abs.CollectSink())
+    with pytest.raises(StorageConfigError, match="'anon' for a local root"):
+        abs.run(flow, parallelism=1, storage=str(tmp_path / "snap"), storage_options={"anon": True},
+                restart=abs.RestartStrategy(max_restarts=3, delay=0.1))
+    assert main(["ls", str(tmp_path / "snap"), "-o", "anon=true"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown storage option(s) 'anon' for a local root" in err and "Traceback" not in err
+
+
 def test_an_unknown_protocol_is_a_configuration_error():
     with pytest.raises(StorageConfigError, match="nosuchproto://x: cannot build a file system"):
         SnapshotStore.open("nosuchproto://x")
