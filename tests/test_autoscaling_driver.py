@@ -73,6 +73,18 @@ def test_a_refused_decision_is_reported_leaves_the_job_as_it_was_and_is_retried_
     assert all(b - a >= config().cooldown for a, b in zip(times, times[1:]))
 
 
+def test_autoscaling_notices_carry_the_abs_prefix_of_the_other_runtime_lines(caplog):
+    """Notices are the message alone (abscore.logs), so the runtime's start with "[abs] job ...";
+    warnings get "[abs] warning:" from the default handler."""
+    d = StandIn(config())
+    with caplog.at_level("INFO", logger="abs"):
+        for _ in range(8):
+            d.second(1200.0)
+    notices = [r.getMessage() for r in caplog.records if r.name == "abs.runtime.autoscaling" and r.levelname == "INFO"]
+    assert notices and all(n.startswith("[abs] job 'stand-in': autoscaling: scale_out to 2 worker(s): ")
+                           for n in notices)
+
+
 def test_a_restart_forgets_the_load_before_it():
     d = StandIn(config())
     for _ in range(4):

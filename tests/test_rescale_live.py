@@ -64,6 +64,25 @@ def test_grow_without_storage_keeps_every_count_exact(tmp_path):
     assert 0 < job._driver._records[2]["src"] <= TOTAL // 4
 
 
+def test_reconfiguration_and_rescale_notices_carry_the_abs_prefix_of_the_other_runtime_lines(tmp_path, caplog):
+    """The driver's notices of a live reconfiguration (its start, its end, workers joining and
+    leaving) read "[abs] job 'NAME': ...", as its restore and restart notices do."""
+    gate = str(tmp_path / "gate")
+    with caplog.at_level("INFO", logger="abs"):
+        job = abs.submit(counting_flow(gate), parallelism=2)
+        try:
+            assert job.rescale(3).status == "COMPLETED" and job.rescale(2).status == "COMPLETED"
+        finally:
+            open(gate, "w").close()
+        _ends_exact(job, 2)
+    notices = [r.getMessage() for r in caplog.records
+               if r.name in ("abs.runtime.reconfigure", "abs.runtime.rescale") and r.levelname == "INFO"]
+    for part in ("reconfiguration 1 (rescale", "reconfiguration 1 done in", "workers 2..2 joined",
+                 "reconfiguration 2 (rescale", "workers 2..2 left"):
+        assert any(part in n for n in notices), (part, notices)
+    assert all(n.startswith("[abs] job 'live-counts': ") for n in notices), notices
+
+
 @pytest.mark.parametrize("strategy,batch", [("all_at_once", None), ("batched", 3), ("fluid", None)])
 def test_grow_then_shrink_with_checkpoints_is_exact(tmp_path, strategy, batch):
     """2 -> 3 -> 1 workers while checkpoints run every 50 ms: the output, the final checkpoint

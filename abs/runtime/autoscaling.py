@@ -135,7 +135,7 @@ class Autoscaling:
         reply: "queue.Queue[Any]" = queue.Queue()
         carried = _Carried(decision, reply)
         self.autoscale_decisions.append(carried)
-        log.info(f"job {self.flow.name!r}: autoscaling: {decision.kind} to {decision.workers} worker(s): "
+        log.info(f"[abs] job {self.flow.name!r}: autoscaling: {decision.kind} to {decision.workers} worker(s): "
                  f"{decision.reason}")
         if decision.kind == "rebalance":
             req = m.ReconfigRequest("rebalance", (dict(decision.moves),), config.strategy, config.batch, reply)

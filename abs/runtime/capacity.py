@@ -92,7 +92,8 @@ class Capacity:
         check = getattr(self.executor, "check_launch", None)
         if check is None or check(self.wanted_workers - self.P) is not None:
             return
-        log.info(f"job {self.flow.name!r}: the slots are back: rescaling from {self.P} to {self.wanted_workers} workers")
+        log.info(f"[abs] job {self.flow.name!r}: the slots are back: rescaling from {self.P} to "
+                 f"{self.wanted_workers} workers")
         self._capacity_reply = queue.Queue()
         self._serve_reconfig(run, m.ReconfigRequest("rescale", (self.wanted_workers,), "all_at_once", None,
                                                      self._capacity_reply))

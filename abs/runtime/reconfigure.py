@@ -100,7 +100,7 @@ class LiveReconfiguration(Rescaling):
         self._reconf, self._reconf_reply = reconf, req.reply
         self.reconfigurations.append(reconf.record)
         self._reconf_base = self._last_completed_id
-        log.info(f"job {self.flow.name!r}: reconfiguration {reconf.record.id} ({req.kind}, {req.strategy}): "
+        log.info(f"[abs] job {self.flow.name!r}: reconfiguration {reconf.record.id} ({req.kind}, {req.strategy}): "
                  f"{reconf.record.before} -> {reconf.record.after}, {len(reconf.steps)} step(s)")
         if reconf.steps[0].phase == JOIN:
             try:
@@ -241,7 +241,7 @@ class LiveReconfiguration(Rescaling):
         if reconf.done:
             self._reconf = None
             self._reconf_base = None
-            log.info(f"job {self.flow.name!r}: reconfiguration {reconf.record.id} done in "
+            log.info(f"[abs] job {self.flow.name!r}: reconfiguration {reconf.record.id} done in "
                      f"{reconf.record.duration:.3f} s, {reconf.record.bytes_moved} bytes moved")
             self._reply_reconfig(reconf)
         else:

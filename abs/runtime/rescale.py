@@ -165,7 +165,7 @@ class Rescaling:
         run.coord.add_tasks(keys)
         run.life.add_tasks(keys, sources, joining.conns, self.clock())
         self._resize(joining.workers)
-        log.info(f"job {self.flow.name!r}: workers {first}..{joining.workers - 1} joined")
+        log.info(f"[abs] job {self.flow.name!r}: workers {first}..{joining.workers - 1} joined")
         self._start_step(run)
 
     def _resize(self, workers: int) -> None:
@@ -281,6 +281,6 @@ class Rescaling:
                 # a worker that joins later under the same index runs new tasks, whose count
                 # of splits gained starts at 0 (else their end would look stale for ever)
                 self._splits_relayed.pop(key, None)
-            log.info(f"job {self.flow.name!r}: workers {workers}..{self.P - 1} left")
+            log.info(f"[abs] job {self.flow.name!r}: workers {workers}..{self.P - 1} left")
             self._resize(workers)
             self._step_done(run)
