@@ -26,7 +26,7 @@ from storage import (
     UnsupportedFormatError,
 )
 from storage.format import DEFAULT_DECODE_LIMITS, DecodeLimits
-from storage.inspect import corrupt_lines, dump_lines, list_lines, parse_storage_options, show_lines
+from storage.inspect import corrupt_lines, dump_lines, human_bytes, list_lines, parse_storage_options, show_lines
 
 if TYPE_CHECKING:  # pragma: no cover
     from storage import Manifest
@@ -420,7 +420,7 @@ def _rewrite_summary(saved: "Manifest") -> str:
     files = saved.files()
     rewrite = saved.stats.get("rewrite", {})
     how = f" with Spark ({rewrite.get('tasks')} task(s), {rewrite.get('seconds')} s)" if rewrite.get("engine") == "spark" else ""
-    return f"{len(saved.paths())} file(s), {sum(r.bytes for r in files.values())} bytes{how}"
+    return f"{len(saved.paths())} file(s), {human_bytes(sum(r.bytes for r in files.values()))}{how}"
 
 
 def _pinned(args: argparse.Namespace) -> Any:
@@ -452,7 +452,7 @@ def _savepoint(args: argparse.Namespace) -> int:
         saved = store.savepoint(args.id, args.dest, options, progress=progress)
     files = saved.files()
     _out([f"savepoint {saved.checkpoint_id} of checkpoint {args.id} written to {args.dest} "
-          f"({len(saved.paths())} file(s), {sum(r.bytes for r in files.values())} bytes); pinned until deleted; "
+          f"({len(saved.paths())} file(s), {human_bytes(sum(r.bytes for r in files.values()))}); pinned until deleted; "
           f"restore with restore={args.dest!r}"])
     if saved.checkpoint_id != args.id and store.url.rstrip("/") == SnapshotStore.open(args.dest, options).url.rstrip("/"):
         _out([f"note: it is now the newest checkpoint of {args.dest}: restore='latest' there restores checkpoint "

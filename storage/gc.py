@@ -73,12 +73,15 @@ class GcPlan:
         return not self.delete_files and not self.delete_manifests and not self.delete_pins
 
     def summary(self) -> str:
+        from .inspect import human_bytes  # not at the top: storage.inspect imports the store, which imports this
+
         return (
             f"retain {self.retain}: keep checkpoints {list(self.retained)}, drop {list(self.dropped)}; "
             f"delete {len(self.delete_files)} files and {len(self.delete_manifests)} manifests "
-            f"({self.bytes_freed} bytes); {len(self.protected)} unreferenced files newer than checkpoint "
+            f"({human_bytes(self.bytes_freed)}); {len(self.protected)} unreferenced files newer than checkpoint "
             f"{self.protect_newer_than} kept (may be in flight); {len(self.unknown)} unknown files left alone"
-            + (f"; packed files kept: {self.packed_bytes_kept} bytes, {self.packed_bytes_live} of them referenced"
+            + (f"; packed files kept: {human_bytes(self.packed_bytes_kept)}, {human_bytes(self.packed_bytes_live)} of "
+               "them referenced"
                if self.packed_bytes_kept else "")
             + (f"; held by {len(self.pins)} pin(s): checkpoints {list(self.held)}" if self.pins else "")
             + (f"; {len(self.delete_pins)} expired pin(s) deleted" if self.delete_pins else "")

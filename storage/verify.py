@@ -74,6 +74,8 @@ class VerifyReport:
         return max(intact) if intact else None
 
     def lines(self) -> list[str]:
+        from .inspect import human_bytes  # not at the top: storage.inspect imports the store, which imports this
+
         out = [str(p) for p in self.problems]
         verdict = "OK" if self.ok else f"{len(self.problems)} problem(s) in checkpoints {list(self.broken)}"
         action = ""
@@ -82,7 +84,7 @@ class VerifyReport:
                       else "; no checked checkpoint is intact")
         out.append(
             f"verified {len(self.checkpoints)} checkpoint(s), {self.files_checked} file(s), "
-            f"{self.bytes_checked} bytes: {verdict}{action}"
+            f"{human_bytes(self.bytes_checked)}: {verdict}{action}"
         )
         return out
 

@@ -217,6 +217,10 @@ def test_savepoint_writes_a_pinned_self_contained_copy(root, capsys, tmp_path):
     assert out.startswith(f"savepoint 2 of checkpoint 2 written to {dest} ")
     saved = SnapshotStore.open(dest)
     manifest = saved.read_manifest(2)
+    size = sum(r.bytes for r in manifest.files().values())
+    from storage.inspect import human_bytes
+
+    assert size > 1024 and f"({len(manifest.paths())} file(s), {human_bytes(size)}); pinned" in out  # not in bytes
     assert manifest.kind == "savepoint" and all(len(c) == 1 for c in manifest.chains("agg", "total").values())
     assert check(JOB, saved, parallelism=5).ok
     code, out, _ = run(capsys, "savepoint", root.url, "1", root.url)  # into the same root: a fresh id

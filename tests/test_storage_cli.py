@@ -216,6 +216,24 @@ def test_gc_dry_run_then_real(capsys, root):
     assert code == 2 and "use K >= 1" in err  # a bad flag value: usage, as elsewhere
 
 
+def test_verify_and_gc_print_sizes_as_the_other_commands_do(capsys, root):
+    """KiB/MiB/GiB with one decimal (storage.inspect.human_bytes, as ls and show), not bytes."""
+    from storage.inspect import human_bytes
+
+    store = SnapshotStore.open(root)
+    report = store.verify()
+    assert report.bytes_checked > 1024  # so that the size reads in KiB
+    code, out, _ = run(capsys, "verify", root)
+    assert code == 0 and out.splitlines()[-1] == (f"verified 2 checkpoint(s), {report.files_checked} file(s), "
+                                                  f"{human_bytes(report.bytes_checked)}: OK")
+    assert human_bytes(report.bytes_checked).endswith(" KiB") and f"{report.bytes_checked} bytes" not in out
+    plan = store.plan_gc(1)
+    assert plan.bytes_freed > 1024
+    code, out, _ = run(capsys, "gc", root, "--retain", "1", "--dry-run")
+    assert code == 0 and f"manifests ({human_bytes(plan.bytes_freed)});" in out
+    assert f"{plan.bytes_freed} bytes" not in out
+
+
 def _flip_a_byte_of(root: str, cid: int, key_group: int) -> None:
     """Damage the file (or range) checkpoint ``cid`` wrote for key group ``key_group`` of count/1 n."""
     store = SnapshotStore.open(root)
