@@ -68,3 +68,24 @@ def test_a_job_without_checkpoints_yet_exposes_its_counters_at_zero():
     got = samples(exposition(job_registry(lambda: snap))[0].decode())
     assert got[("abs_job_checkpoints_completed_total", (("job", "wc"),))] == 0
     assert not [k for k in got if k[0] == "abs_job_last_checkpoint_id"]
+
+
+def test_the_first_scrape_has_the_rate_the_mean_since_the_job_started_then_between_scrapes():
+    """The rate needs two readings of the counts; the first scrape has none before it, so it
+    gives the mean since the job started (uptime_s), and a job scraped at its start 0."""
+    from abs.observe.server import DashboardServer
+
+    now = [100.0]
+    snap = snapshot()
+    snap.pop("throughput")  # the server computes it
+    server = DashboardServer(lambda limit: dict(snap, records_in=dict(snap["records_in"])), clock=lambda: now[0])
+    rate = ("abs_operator_records_in_per_second", (("job", "wc"), ("operator", "src")))
+
+    got = samples(server.metrics()[0].decode())
+    assert got[rate] == 900 / 12.5  # records_in / uptime_s of the snapshot
+    now[0] += 2.0
+    snap["records_in"]["src"] += 300
+    assert samples(server.metrics()[0].decode())[rate] == 150.0  # 300 records in 2 s
+
+    fresh = DashboardServer(lambda limit: dict(snapshot(), uptime_s=0.0), clock=lambda: now[0])
+    assert samples(fresh.metrics()[0].decode())[rate] == 0.0

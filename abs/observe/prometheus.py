@@ -40,8 +40,9 @@ METRICS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
      "autoscaling decisions (abs.Autoscale) by kind (scale_out, scale_in, rebalance) and outcome (COMPLETED, FAILED, "
      "RUNNING)"),
     ("abs_operator_records_in_total", "counter", ("operator",), "records an operator received (all its subtasks)"),
-    ("abs_operator_records_in_per_second", "gauge", ("operator",), "records per second an operator received, "
-                                                                     "between the last two dashboard refreshes"),
+    ("abs_operator_records_in_per_second", "gauge", ("operator",),
+     "records per second an operator received, between the last two dashboard refreshes or scrapes (at least 1 s "
+     "apart); at the first, its mean since the job started"),
     ("abs_checkpoint_duration_seconds", "gauge", ("checkpoint", "status"), "trigger to commit, per recent checkpoint"),
     ("abs_checkpoint_alignment_seconds", "gauge", ("checkpoint", "status"), "longest barrier alignment of a task"),
     ("abs_checkpoint_sync_seconds", "gauge", ("checkpoint", "status"), "longest synchronous part of a task's snapshot"),

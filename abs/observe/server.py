@@ -7,7 +7,8 @@ answer is 403. Routes:
 
 * ``GET /``: the page (:mod:`abs.observe.page`), which refreshes itself from ``/api/job``;
 * ``GET /api/job``: the job as JSON (:func:`abs.observe.snapshot.job_snapshot`) plus
-  records per second per operator since the previous request;
+  records per second per operator since the previous request (at the first, since the job
+  started);
 * ``GET /metrics``: Prometheus' text format (:mod:`abs.observe.prometheus`);
 * ``POST /api/checkpoint`` and ``POST /api/savepoint``: take one, answer when it is done.
 """
@@ -72,7 +73,9 @@ class Dashboard:
 
 
 class _Rates:
-    """Records per second per operator between two snapshots at least ``min_gap`` s apart."""
+    """Records per second per operator between two snapshots at least ``min_gap`` s apart; at
+    the first snapshot, the mean since the job started (``uptime`` seconds ago; 0 when it
+    has just started), so that the first answer (and the first scrape) has a rate too."""
 
     def __init__(self, clock: Callable[[], float], min_gap: float = 1.0) -> None:
         self.clock, self.min_gap = clock, min_gap
@@ -80,11 +83,12 @@ class _Rates:
         self._rates: dict[str, float] = {}
         self._lock = threading.Lock()
 
-    def update(self, records: dict[str, int]) -> dict[str, float]:
+    def update(self, records: dict[str, int], uptime: float | None = None) -> dict[str, float]:
         now = self.clock()
         with self._lock:
             if self._last is None:
                 self._last = (now, dict(records))
+                self._rates = {uid: n / uptime if uptime else 0.0 for uid, n in records.items()}
             elif now - self._last[0] >= self.min_gap:
                 t0, before = self._last
                 self._rates = {uid: max(0.0, (n - before.get(uid, 0)) / (now - t0)) for uid, n in records.items()}
@@ -155,7 +159,7 @@ class DashboardServer:
 
     def job(self, limit: int = DEFAULT_HISTORY) -> dict:
         snap = self._snapshot(limit)
-        snap["throughput"] = self._rates.update(snap.get("records_in", {}))
+        snap["throughput"] = self._rates.update(snap.get("records_in", {}), snap.get("uptime_s"))
         snap["actions"] = sorted(name for name, fn in self._actions.items() if fn is not None)
         return snap
 
