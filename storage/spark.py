@@ -51,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any, Iterator
 
 import pyarrow as pa
@@ -98,15 +99,26 @@ _HANDED_ON = (AUTO_PARTITION_BYTES, AUTO_MIN_PARTITION_BYTES, AUTO_MIN_PARTITION
 
 
 # ============================================================================ registration
+_REGISTERED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # sessions the data source is registered with
+_REGISTERED_LOCK = threading.Lock()
+
+
 def register(spark: "SparkSession") -> None:
-    """Register the ``abs-snapshot`` data source with ``spark`` (idempotent)."""
+    """Register the ``abs-snapshot`` data source with ``spark``, once per session: later calls
+    with the same session (every :func:`load` calls it) do nothing, so Spark does not warn
+    that the source replaces one registered before. A new session (after ``spark.stop()``)
+    gets it registered again."""
     require("spark", "storage.spark (the abs-snapshot Spark data source)")
-    spark.dataSource.register(_spark_classes()["AbsSnapshotDataSource"])
+    with _REGISTERED_LOCK:
+        if spark in _REGISTERED:
+            return
+        spark.dataSource.register(_spark_classes()["AbsSnapshotDataSource"])
+        _REGISTERED.add(spark)
 
 
 def load(spark: "SparkSession", root: str, **options: Any) -> "Any":
     """``spark.read.format("abs-snapshot").options(**options).load(root)`` (registering the
-    source first), with the data source's own error raised as itself: Spark reports an error
+    source first, once per session: :func:`register`), with the data source's own error raised as itself: Spark reports an error
     of a Python data source as an ``AnalysisException`` whose message starts with Spark's
     words and a Python traceback and ends with the cause; this raises the cause (e.g.
     :class:`storage.errors.CheckpointNotFoundError` with its message), chained to Spark's.

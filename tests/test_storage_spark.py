@@ -315,6 +315,36 @@ def test_load_raises_the_data_sources_own_error_first(snapshot, spark, tmp_path:
 
 
 # ----------------------------------------------------------------------------- without Spark's JVM
+def test_load_registers_the_data_source_once_per_session():
+    """Spark warns when a data source replaces one registered before: load (and register)
+    register it once per session, and again only with another session."""
+    import storage.spark
+
+    class Session:  # what load uses of a SparkSession, counting registrations
+        def __init__(self) -> None:
+            self.registered: list = []
+            self.dataSource = type("Registration", (), {"register": lambda _, cls: self.registered.append(cls)})()
+            self.read = self
+
+        def format(self, name: str) -> "Session":
+            assert name == storage.spark.SOURCE_NAME
+            return self
+
+        def options(self, **options: str) -> "Session":
+            return self
+
+        def load(self, root: str) -> str:
+            return f"df of {root}"
+
+    first, second = Session(), Session()
+    assert storage.spark.load(first, "/r", operator="count", state="n") == "df of /r"
+    storage.spark.load(first, "/r", table="checkpoints")
+    storage.spark.register(first)
+    assert [c.__name__ for c in first.registered] == ["AbsSnapshotDataSource"]
+    storage.spark.load(second, "/r", table="checkpoints")
+    assert len(second.registered) == 1
+
+
 def test_options_and_types_without_a_session():
     from pyspark.sql import types as T
 
