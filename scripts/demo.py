@@ -19,6 +19,7 @@ import time
 import pyarrow as pa
 
 import abs
+from storage import JobMismatchError, SnapshotStore, StorageError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # scripts/demo cd's to the checkout before running this: it passes the directory it was run in
@@ -109,6 +110,19 @@ def shown(path: str) -> str:
     return path if rel == os.pardir or rel.startswith(os.pardir + os.sep) else rel
 
 
+def root_owner(storage: str) -> str | None:
+    """The job whose snapshots a local directory holds (its ``_job.json``), or None: no such
+    file, or one that does not read (the run then says what is wrong with it)."""
+    if is_url(storage) or not os.path.isfile(os.path.join(storage, "_job.json")):
+        return None
+    try:
+        job = SnapshotStore.open(storage).read_job()
+    except StorageError:
+        return None
+    name = (job or {}).get("job_name")
+    return name if isinstance(name, str) else None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = Parser(prog="scripts/demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--events", type=int_in(1), default=3_000_000, help="events to generate (default %(default)s)")
@@ -121,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--storage", default=os.path.join(ROOT, ".abs-demo"),
                     help="snapshot root; a relative path is taken from the directory you ran scripts/demo in "
                          "(default: .abs-demo in the checkout). Without --keep, a directory left there by an "
-                         "earlier run is deleted first")
+                         "earlier run is deleted first; the snapshots of another job are refused, never deleted")
     ap.add_argument("--keep", action="store_true",
                     help="do not delete --storage first: the job starts from empty state next to the earlier "
                          "snapshots, its checkpoint ids continuing above theirs; garbage collection keeps the "
@@ -131,6 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not is_url(args.storage):
         args.storage = os.path.normpath(os.path.join(CALLER_DIR, os.path.expanduser(args.storage)))
+    flow = build(args.events, args.keys, args.rate or None)
+    owner = root_owner(args.storage)
+    if owner is not None and owner != flow.name:  # never run into, nor delete, another job's snapshots
+        ap.error(f"--storage {shown(args.storage)} holds the snapshots of job {owner!r}, not of this demo "
+                 f"({flow.name!r}); not touching them: give another directory with --storage, or delete "
+                 f"{shown(args.storage)} first if they are no longer needed")
     if not args.keep and os.path.isdir(args.storage):
         strangers = [e for e in os.listdir(args.storage) if e not in ROOT_ENTRIES and not e.startswith("._probe.")]
         if strangers:  # never delete a directory that is not a snapshot root (say --storage .)
@@ -138,7 +158,6 @@ def main(argv: list[str] | None = None) -> int:
                      "not deleting it: give another path, or --keep")
         print(f"demo: deleting the previous snapshots in {shown(args.storage)} (--keep keeps them)")
         shutil.rmtree(args.storage)
-    flow = build(args.events, args.keys, args.rate or None)
     executor: object = "local"
     if args.spark:
         executor = abs.SparkExecutor(spark_session(args.master or f"local[{args.parallelism}]"),
@@ -173,7 +192,11 @@ def main(argv: list[str] | None = None) -> int:
         done = m["records_in"].get("count", 0)
         print(f"  {time.monotonic() - t0:5.1f} s  {done:>10,} events counted  "
               f"checkpoints: {m['completed_checkpoints']} complete, {m['failed_checkpoints']} failed", flush=True)
-    result = job.wait()
+    try:
+        result = job.wait()
+    except JobMismatchError as exc:  # a URL root of another job (a local one is refused above)
+        print(f"{ap.prog}: error: {exc}", file=sys.stderr)
+        return 2
     print(f"\njob {result.status} in {result.duration:.1f} s; "
           f"{result.records_in.get('count', 0) / max(result.duration, 1e-9):,.0f} events/s overall")
     print(f"\n{'id':>4} {'at (s)':>7} {'duration':>9} {'alignment':>10} {'sync':>8} {'written':>10} {'full size':>10}")
