@@ -5,7 +5,8 @@ and an in-process re-key (:func:`rekey_local`) for states that fit in one proces
 Two rewrites share this code:
 
 - **compact**: every key group's chain (base + deltas) is resolved into one base in the same
-  key group; the result equals :func:`storage.savepoint.take_savepoint` (same bytes per base).
+  key group, packed in the runs :func:`storage.savepoint.take_savepoint` packs; the result
+  equals that savepoint (same bytes per base; an empty base for a key group without live rows).
 - **re-key**: every chain is resolved (deletes applied), every live key is hashed again with
   :func:`abs.keygroups.stable_hashes` into the key groups of a new ``max_parallelism``, and the
   rows of each new key group become one base. ``_job.json`` and the manifest carry the new
@@ -47,7 +48,8 @@ from .errors import (
     SparkNotInstalledError,
     UnpickleRefusedError,
 )
-from .rewrite_plan import KeyGroupTask, RewriteContext, RewriteJob, check_new_max_parallelism, group_tasks, plan_rewrite
+from .rewrite_plan import (KeyGroupTask, RewriteContext, RewriteJob, check_new_max_parallelism, group_packs, group_tasks,
+                           plan_rewrite)
 from .rewrite_tasks import compact_group, from_ipc, split_group, to_ipc, write_rekeyed
 
 __all__ = [
@@ -65,6 +67,7 @@ __all__ = [
     "plan_rewrite",
     "check_new_max_parallelism",
     "group_tasks",
+    "group_packs",
     "compact_group",
     "split_group",
     "write_rekeyed",

@@ -18,6 +18,7 @@ from storage.backend import protocols_of
 from storage.errors import CorruptManifestError
 from storage.format import DEFAULT_DECODE_LIMITS, DecodeLimits, is_pickled
 from storage.manifest import manifest_problems
+from storage.savepoint import savepoint_packs
 
 from .errors import (
     DestinationNotEmptyError,
@@ -34,6 +35,7 @@ __all__ = [
     "check_new_max_parallelism",
     "plan_rewrite",
     "group_tasks",
+    "group_packs",
 ]
 
 
@@ -250,3 +252,30 @@ def group_tasks(tasks: Sequence[KeyGroupTask], key_groups_per_task: int | None =
 
     packed = _pack_by_bytes([(task, list(task.chain)) for task in tasks])
     return [[task for task, _ in group] for group in packed]
+
+
+def group_packs(tasks: Sequence[KeyGroupTask], key_groups_per_task: int | None = None) -> list[list[list[KeyGroupTask]]]:
+    """The compact's Spark tasks: runs of whole savepoint packs (:func:`storage.savepoint.savepoint_packs`,
+    the runs of key groups the in-process savepoint writes together), so that each pack is
+    written by one task exactly as :func:`storage.savepoint.take_savepoint` writes it (the same
+    bytes per key group). ``key_groups_per_task``: packs are joined while the task holds at most
+    that many key groups (a larger pack is a task of its own); ``None``: packed by file bytes as
+    :func:`group_tasks` packs key groups."""
+    packs = [[KeyGroupTask(*item) for item in pack]
+             for pack in savepoint_packs([(t.operator, t.state, t.key_group, t.chain) for t in tasks])]
+    if key_groups_per_task is not None:
+        if type(key_groups_per_task) is not int or key_groups_per_task < 1:
+            raise RewriteInputError(f"key_groups_per_task={key_groups_per_task!r}; use an integer >= 1 or None (auto)")
+        groups: list[list[list[KeyGroupTask]]] = []
+        count = 0
+        for pack in packs:
+            if not groups or count + len(pack) > key_groups_per_task:
+                groups.append([])
+                count = 0
+            groups[-1].append(pack)
+            count += len(pack)
+        return groups
+    from storage.spark_partitions import _pack_by_bytes
+
+    packed = _pack_by_bytes([(pack, [ref for task in pack for ref in task.chain]) for pack in packs])
+    return [[pack for pack, _ in group] for group in packed]

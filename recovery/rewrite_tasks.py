@@ -6,7 +6,7 @@ it received (:func:`write_rekeyed`); rows travel between the stages as Arrow IPC
 from __future__ import annotations
 
 import pickle
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -16,6 +16,7 @@ from abscore.keygroups import stable_hashes
 from abscore.schema import ENCODING_ARROW, ENCODING_PICKLE, KEY_COLUMN, META_KEY_ENCODING, META_VALUE_ENCODING
 from storage import FileRef, SnapshotStore, StoragePaths
 from storage.format import is_pickled
+from storage.savepoint import write_savepoint_pack
 
 from .errors import RewriteError, UnpickleRefusedError
 from .rewrite_plan import KeyGroupTask, RewriteContext, _pickled_keys_refusal
@@ -56,14 +57,17 @@ def _write_base(dest: SnapshotStore, ctx: RewriteContext, operator: str, state: 
     return dest._write_table(StoragePaths.state_file(sp, operator, state, key_group, "base"), table, "base", sp)
 
 
-def compact_group(ctx: RewriteContext, group: Iterable[KeyGroupTask]) -> Iterator[tuple[str, str, int, FileRef]]:
-    """Resolve each chain of ``group`` and write it as one base of the savepoint (a key group
-    whose keys were all deleted gets an empty base, as in :func:`take_savepoint`)."""
+def compact_group(ctx: RewriteContext, group: Iterable[Sequence[KeyGroupTask]]) -> Iterator[tuple[str, str, int, FileRef]]:
+    """Resolve each chain of ``group`` (whole savepoint packs, :func:`recovery.rewrite_plan.group_packs`)
+    and write it as one base of the savepoint, each pack packed exactly as
+    :func:`storage.savepoint.take_savepoint` packs it (the same bytes per key group). A key
+    group whose keys were all deleted gets an empty base, as in :func:`take_savepoint`."""
     source, dest = _source_store(ctx), _dest_store(ctx)
-    for task in group:
-        table = source.read_chain(list(task.chain), checkpoint_id=ctx.checkpoint_id)
-        yield task.operator, task.state, task.key_group, _write_base(dest, ctx, task.operator, task.state,
-                                                                     task.key_group, table)
+    for pack in group:
+        items = [(task.operator, task.state, task.key_group, task.chain) for task in pack]
+        for operator, state, key_group, chain in write_savepoint_pack(source, ctx.checkpoint_id, dest,
+                                                                       ctx.savepoint_id, items):
+            yield operator, state, key_group, chain[0]
 
 
 def _where(ctx: RewriteContext, operator: str, state: str, key_group: int) -> str:

@@ -22,9 +22,14 @@ are packed into Spark partitions by file bytes (~32 MiB each, at most 256; the r
 chains with :meth:`~storage.SnapshotStore.read_chain`, which verifies every file's size and
 checksum and applies the deltas in order (deletes drop keys).
 
-**compact.** Each task writes one base per key group it resolved, into the same key group of
-the destination, and returns the :class:`~storage.FileRef`; the bases are byte-identical to
-those of :func:`storage.savepoint.take_savepoint`.
+**compact.** The key groups are cut into the runs the in-process savepoint packs together
+(:func:`storage.savepoint.savepoint_packs`: per state, consecutive key groups of up to 8 MiB of
+chain bytes), and each task takes whole runs (``key_groups_per_task`` joins runs up to that many
+key groups; a larger run is a task of its own). It writes one base per key group it resolved,
+packed per run as a checkpoint packs them, and returns the :class:`~storage.FileRef` (ranges
+of the packed files); the bases are byte-identical to those of
+:func:`storage.savepoint.take_savepoint`, and a key group whose keys were all deleted gets an
+empty base in both.
 
 **rekey.** Stage 1 (one task per input partition): resolve the chain, hash every live key with
 :func:`abs.keygroups.stable_hashes` (vectorized for typed int / string / binary keys; pickled
@@ -197,7 +202,9 @@ def execute(
     tasks; stage ``"<kind>: Spark stage <id> (<operation>)"``), from the driver's status tracker."""
     if output_partitions is not None and (type(output_partitions) is not int or output_partitions < 1):
         raise RewriteInputError(f"output_partitions={output_partitions!r}; use an integer >= 1 or None")
-    groups = rewrite.group_tasks(job.tasks, key_groups_per_task)
+    # a compact writes whole savepoint packs per task (the bytes of the in-process savepoint)
+    groups: list[Any] = (rewrite.group_packs(job.tasks, key_groups_per_task) if job.kind == "compact"
+                         else rewrite.group_tasks(job.tasks, key_groups_per_task))
     if not groups:  # no keyed state: nothing for Spark to do
         return rewrite.finish(job, [], engine="spark", tasks=0)
     job.started = time.monotonic()
@@ -272,11 +279,11 @@ class _StageProgress:
 
 
 # ============================================================================ the Spark jobs
-def _compact_rdd(sc: Any, ctx: RewriteContext, groups: list[list[KeyGroupTask]]) -> Any:
+def _compact_rdd(sc: Any, ctx: RewriteContext, groups: list[list[list[KeyGroupTask]]]) -> Any:
     return sc.parallelize(groups, len(groups)).mapPartitions(functools.partial(_compact_partition, ctx))
 
 
-def _compact_partition(ctx: RewriteContext, groups: Iterator[list[KeyGroupTask]]) -> Iterator[Any]:
+def _compact_partition(ctx: RewriteContext, groups: Iterator[list[list[KeyGroupTask]]]) -> Iterator[Any]:
     for group in groups:
         yield from rewrite.compact_group(ctx, group)
 

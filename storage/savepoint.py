@@ -1,6 +1,8 @@
 """Savepoints: self-contained, pinned copies of a checkpoint.
 
-Every key group's chain is compacted into one base; operator-state and channel files are
+Every key group's chain is compacted into one base, written packed as a checkpoint writes its
+key groups (:func:`savepoint_packs`: a packed file per run of a state's key groups, small key
+groups sharing a stream; a key group whose keys were all deleted keeps an empty base); operator-state and channel files are
 copied byte for byte (checksums verified on the way). The savepoint gets the id
 ``max(checkpoint_id, next id of the destination)`` so that a savepoint into the same root
 takes a fresh id and a savepoint into an empty root keeps the source id (a job restored from
@@ -18,8 +20,10 @@ that reads as a savepoint); the next savepoint into that destination removes wha
 from __future__ import annotations
 
 import dataclasses
+import functools
+import threading
 import warnings
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Protocol, Sequence
 
 import pyarrow as pa
 
@@ -31,8 +35,21 @@ from .ids import CheckpointId
 from .manifest import FileRef, Manifest
 from .paths import FileKind, StoragePaths
 from .pins import PinLease, PinRecord
+from .store_write import KeyGroupWrite
 
-__all__ = ["SavepointStore", "take_savepoint", "copy_unkeyed", "remove_incomplete_savepoints"]
+__all__ = ["SavepointStore", "take_savepoint", "copy_unkeyed", "remove_incomplete_savepoints", "savepoint_packs",
+           "write_savepoint_pack", "SAVEPOINT_PACK_BYTES"]
+
+SAVEPOINT_PACK_BYTES = 8 << 20
+"""A savepoint writes the key groups of one (operator, state) in runs of consecutive key groups
+whose source chains hold up to this many bytes (:func:`savepoint_packs`), each run packed as a
+checkpoint packs its key groups (:meth:`SnapshotStore.write_key_groups`). The runs depend on the
+source manifest only, so the offline rewrite (``recovery.spark.compact``), whose Spark tasks
+each write whole runs, writes the same bytes per key group as the in-process savepoint; the
+bound keeps a large state spread over several Spark tasks."""
+
+KeyGroupChain = tuple[str, str, int, Sequence[FileRef]]
+"""(operator, state, key group, chain) of a checkpoint."""
 
 
 class SavepointStore(Protocol):
@@ -61,6 +78,8 @@ class SavepointStore(Protocol):
     def read_bytes(self, ref: FileRef, *, checkpoint_id: int | None = None) -> bytes: ...
 
     def commit(self, manifest: Manifest) -> Manifest: ...
+
+    def write_key_groups(self, checkpoint_id: int, jobs: Sequence[Any]) -> list[list[FileRef]]: ...
 
     def pins(self) -> list[PinRecord]: ...
 
@@ -128,17 +147,19 @@ def _copy(source: SavepointStore, manifest: Manifest, dest: SavepointStore, leas
             tracker = Tracker(progress, "savepoint: copy", sum(len(c) for s in manifest.keyed.values() for c in s.values()),
                               "key groups")
             for op, states in manifest.keyed.items():
-                for st, chains in states.items():
-                    out = keyed.setdefault(op, {}).setdefault(st, {})
-                    for kg, chain in sorted(chains.items()):
-                        if lease is not None:
-                            lease.renew()
-                        dest_lease.renew()
-                        table = source.read_chain(chain, checkpoint_id=checkpoint_id)
-                        path = StoragePaths.state_file(sp_id, op, st, kg, "base")
-                        written.append(path)
-                        out[kg] = [dest._write_table(path, table, "base", sp_id)]
-                        tracker.advance()
+                for st in states:
+                    keyed.setdefault(op, {}).setdefault(st, {})
+
+            def renewed() -> None:
+                if lease is not None:
+                    lease.renew()
+                dest_lease.renew()
+
+            for pack in savepoint_packs(manifest):
+                for op, st, kg, chain in write_savepoint_pack(source, checkpoint_id, dest, sp_id, pack, renewed,
+                                                              tracker.advance):
+                    written.extend(ref.path for ref in chain)
+                    keyed[op][st][kg] = chain
 
             if lease is not None:
                 lease.renew()
@@ -166,6 +187,58 @@ def _copy(source: SavepointStore, manifest: Manifest, dest: SavepointStore, leas
             raise
         dest._io.delete(marker)
     return stored
+
+
+def savepoint_packs(chains: Manifest | Iterable[KeyGroupChain], limit: int | None = None) -> list[list[KeyGroupChain]]:
+    """The runs of key groups a savepoint writes together (``chains``: a checkpoint's manifest,
+    or its ``(operator, state, key group, chain)``): per (operator, state), in sorted order,
+    consecutive key groups whose chains hold up to ``limit`` bytes (a key group of more is a
+    run of its own; ``None``: :data:`SAVEPOINT_PACK_BYTES`)."""
+    if limit is None:
+        limit = SAVEPOINT_PACK_BYTES
+    if isinstance(chains, Manifest):
+        chains = [(op, st, kg, chain) for op, states in chains.keyed.items()
+                  for st, by_kg in states.items() for kg, chain in by_kg.items()]
+    packs: list[list[KeyGroupChain]] = []
+    size = 0
+    for item in sorted(chains, key=lambda c: (c[0], c[1], c[2])):
+        chain_bytes = sum(ref.bytes for ref in item[3])
+        if not packs or packs[-1][0][:2] != item[:2] or size + chain_bytes > limit:
+            packs.append([])
+            size = 0
+        packs[-1].append(item)
+        size += chain_bytes
+    return packs
+
+
+def write_savepoint_pack(source: Any, checkpoint_id: int, dest: Any, savepoint_id: int, pack: Sequence[KeyGroupChain],
+                         before_read: Any = None, after_read: Any = None) -> Iterator[KeyGroupChain]:
+    """Resolve every chain of ``pack`` (one of :func:`savepoint_packs`, read from checkpoint
+    ``checkpoint_id`` of ``source``) and write its live rows into ``dest`` as bases of
+    ``savepoint_id``, packed by :meth:`SnapshotStore.write_key_groups` (small key groups share
+    a stream). Yields ``(operator, state, key group, new chain)`` of every key group, each chain
+    one base: a key group whose keys were all deleted keeps an empty base (a full image over no
+    chain is a base, whatever its rows: see :func:`storage.chain_decision.decide_chain`), as a
+    savepoint has always named every key group of its checkpoint. Each chain is read when the
+    writer comes to it, so about one pack of encoded bytes is held at once; ``before_read`` /
+    ``after_read`` (no arguments) are called around each read (lease renewals, progress), one
+    call at a time."""
+    lock = threading.Lock()  # on an object store the writer reads on several threads
+
+    def resolved(chain: Sequence[FileRef]) -> pa.Table:
+        if before_read is not None:
+            with lock:
+                before_read()
+        table = source.read_chain(list(chain), checkpoint_id=checkpoint_id)
+        if after_read is not None:
+            with lock:
+                after_read()
+        return table
+
+    jobs = [KeyGroupWrite(op, st, kg, [], functools.partial(resolved, chain), True) for op, st, kg, chain in pack]
+    for (op, st, kg, _), new in zip(pack, dest.write_key_groups(savepoint_id, jobs)):
+        assert len(new) == 1 and new[0].kind == "base", new
+        yield op, st, kg, new
 
 
 def _files_of(dest: SavepointStore, checkpoint_id: int) -> list[str]:

@@ -234,12 +234,40 @@ def test_compact_equals_the_resolved_state_and_the_storage_savepoint(spark, synt
                 assert got.equals(expected, check_metadata=True)
                 # the same bytes as the in-process savepoint writes
                 assert saved.chains(op, st)[kg][0].checksum == reference.chains(op, st)[kg][0].checksum
-    assert saved.chains("count", "n")[EMPTIED_KG][0].rows == 0  # all its keys deleted: an empty base
+    assert saved.chains("count", "n")[EMPTIED_KG][0].rows == 0  # all its keys deleted: an empty base ...
+    assert reference.chains("count", "n")[EMPTIED_KG][0].rows == 0  # ... in both
+    for sp in (saved, reference):  # the key groups of a state packed into one file, as a checkpoint packs them
+        for op, states in sp.keyed.items():
+            for st, chains in states.items():
+                assert len({chain[0].path for chain in chains.values()}) == 1, (op, st)
     state = resolved_state(dest, 3)
     assert {s: {k: _freeze(v) for k, v in d.items()} for s, d in state.items()} == \
         {s: {k: _freeze(v) for k, v in d.items()} for s, d in model.items()}
     assert json.loads((tmp_path / "sp" / "_job.json").read_text())["operators"] == JOB["operators"]
     assert recovery.check(JOB, dest, parallelism=3).ok
+
+
+def test_compact_writes_the_in_process_savepoints_packs_when_a_state_has_several(spark, synthetic, tmp_path,
+                                                                               monkeypatch):
+    """With small packs (several per state), each Spark task writes whole packs: the bytes per
+    key group still equal those of the in-process savepoint, although 5 key groups per task
+    cut the states elsewhere than the packs do."""
+    import storage.savepoint
+
+    root, _ = synthetic
+    source = SnapshotStore.open(root)
+    monkeypatch.setattr(storage.savepoint, "SAVEPOINT_PACK_BYTES", 2000)  # read on the driver only
+    packs = storage.savepoint.savepoint_packs(source.read_manifest(3))
+    assert len(packs) > 8 and max(len(p) for p in packs) > 1
+    saved = rspark.compact(spark, root, 3, str(tmp_path / "sp"), key_groups_per_task=5)
+    reference = source.savepoint(3, str(tmp_path / "reference"))
+    checksums = {(op, st, kg): c[0].checksum for op, s in saved.keyed.items() for st, ch in s.items() for kg, c in ch.items()}
+    assert checksums == {(op, st, kg): c[0].checksum
+                         for op, s in reference.keyed.items() for st, ch in s.items() for kg, c in ch.items()}
+    files = {c[0].path for s in reference.keyed.values() for ch in s.values() for c in ch.values()}
+    assert len(files) == len(packs)  # a file per pack
+    assert saved.stats["rewrite"]["tasks"] <= len(packs)
+    assert SnapshotStore.open(str(tmp_path / "sp")).verify().ok
 
 
 def test_compact_respects_deletes_in_deltas(spark, synthetic, tmp_path):

@@ -436,3 +436,44 @@ def test_show_still_summarises_when_a_file_it_peeks_at_is_missing(capsys, root):
 def test_dump_unpickle_of_a_value_that_fails_to_unpickle_is_one_line(capsys, root):
     code, out, err = run(capsys, "dump", root, "2", "--operator", "count/1", "--state", "blobs", "--unpickle")
     assert code == 1 and err.count("\n") == 1 and "does not unpickle here (AssertionError: the CLI unpickled" in err
+
+
+def test_a_savepoint_packs_its_key_groups_and_every_command_reads_it(capsys, tmp_path):
+    """``abs-snapshot savepoint`` writes a packed file per state (not a file per key group); a
+    key group whose keys were all deleted keeps an empty base (as the Spark rewrite writes it),
+    and every command reads the savepoint."""
+    url = str(tmp_path / "snap")
+    store = SnapshotStore.open(url, policy=CompactionPolicy(max_delta_ratio=100.0))
+    store.init_job({"job_name": "clicks", "max_parallelism": 8})
+    chains = {kg: store.write_key_group(1, "count", "n", kg, [], pa.table({
+        "key": [kg * 10 + i for i in range(3)], "value": [f"v{i}" for i in range(3)],
+        "op": pa.array([0] * 3, pa.int8())})) for kg in range(6)}
+    store.commit(Manifest(checkpoint_id=1, job_name="clicks", max_parallelism=8, keyed={"count": {"n": chains}}))
+    chains[2] = store.write_key_group(2, "count", "n", 2, chains[2], pa.table({  # every key of key group 2 deleted
+        "key": [20, 21, 22], "value": ["", "", ""], "op": pa.array([1, 1, 1], pa.int8())}))
+    store.commit(Manifest(checkpoint_id=2, job_name="clicks", max_parallelism=8, keyed={"count": {"n": chains}}))
+    dest = str(tmp_path / "sp")
+    code, out, err = run(capsys, "savepoint", url, "2", dest)
+    assert code == 0 and err == "", err
+    sp = SnapshotStore.open(dest)
+    saved = sp.read_manifest(2)
+    assert sorted(saved.chains("count", "n")) == [0, 1, 2, 3, 4, 5]
+    assert saved.chains("count", "n")[2][0].rows == 0  # all its keys deleted: an empty base
+    assert sp.read_key_group(saved, "count", "n", 2).num_rows == 0
+    state_files = [p for p in sp.list_files() if p.startswith("state/")]
+    assert len(state_files) == 1 and "/packed/" in state_files[0]
+    assert saved.paths() == set(state_files)
+    for kg in (0, 1, 3, 4, 5):
+        assert sp.read_key_group(saved, "count", "n", kg).column("key").to_pylist() == [kg * 10 + i for i in range(3)]
+    assert run(capsys, "verify", dest)[0] == 0
+    code, out, _ = run(capsys, "dump", dest, "2", "--operator", "count", "--state", "n", "--key-group", "2",
+                       "--format", "jsonl")
+    assert (code, out) == (0, "")
+    code, out, _ = run(capsys, "dump", dest, "2", "--operator", "count", "--state", "n", "--format", "jsonl")
+    assert code == 0 and len(out.splitlines()) == 15
+    for argv in (["ls", dest], ["show", dest], ["check", dest, "2", "-p", "3"],
+                 ["rescale-preview", dest, "2", "-p", "3"], ["report", dest, "--output", str(tmp_path / "r.html")]):
+        code, out, err = run(capsys, *argv)
+        assert code == 0, (argv, out, err)
+    code, out, err = run(capsys, "gc", dest, "--retain", "1")
+    assert code == 0 and set(sp.list_files()) >= set(state_files) and sp.verify().ok

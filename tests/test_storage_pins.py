@@ -302,14 +302,15 @@ def test_a_write_failing_in_the_middle_of_a_copy_leaves_no_partial_savepoint(mem
 
     src = SnapshotStore.open(memory_root + "/src")
     src.init_job(JOB)
-    chains = []
-    for kg in range(4):
-        table = pa.table({"key": pa.array([kg], pa.int64()), "value": pa.array([kg], pa.int64())})
-        chains.append(src.write_key_group(1, "count", "n", kg, [], table))
-    src.commit(Manifest(checkpoint_id=1, job_name="wc", max_parallelism=8,
-                        keyed={"count": {"n": {kg: list(c) for kg, c in enumerate(chains)}}}))
+    keyed: dict = {"count": {}}
+    for state in ("n", "m"):
+        for kg in range(4):
+            table = pa.table({"key": pa.array([kg], pa.int64()), "value": pa.array([kg], pa.int64())})
+            keyed["count"].setdefault(state, {})[kg] = list(src.write_key_group(1, "count", state, kg, [], table))
+    src.commit(Manifest(checkpoint_id=1, job_name="wc", max_parallelism=8, keyed=keyed))
     dest_url = memory_root + "/dest"
-    broken = FaultyFileSystem(fsspec.filesystem("memory"), [Fault(op="write", nth=3, path_glob="*/state/*")])
+    # the copy writes a packed file per state: the second one fails, after the first was written
+    broken = FaultyFileSystem(fsspec.filesystem("memory"), [Fault(op="write", nth=2, path_glob="*/state/*")])
     with pytest.raises(StorageUnavailableError):
         src.savepoint(1, dest_url, fs=broken)
     assert broken.injected and set(SnapshotStore.open(dest_url).list_files()) == {"_job.json"}

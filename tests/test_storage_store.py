@@ -399,6 +399,7 @@ class StoreContract(StoreFixtures):
         assert sp.kind == "savepoint" and sp.pinned and sp.checkpoint_id == 2
         assert all(len(ch) == 1 and ch[0].kind == "base" and ch[0].checkpoint_id == 2
                    for ch in sp.keyed["count"]["n"].values())
+        assert len({ch[0].path for ch in sp.keyed["count"]["n"].values()}) == 1  # packed: a file per state
         assert sp.source_offsets == {"source": {"s": 1}} and sp.stats["savepoint_of"]["checkpoint_id"] == 2
         for ref in store.list_files():  # wipe the source root entirely
             store._io.delete(ref)
