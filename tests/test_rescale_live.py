@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 
+import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -22,7 +23,8 @@ from abs.reconfig.plan import rescale_target
 from abs.runtime.messages import SourceExhausted
 from abs.runtime.plan import task_key
 from storage import SnapshotStore
-from test_reconfig_live import M, NUM_KEYS, TOTAL, check_counts, counting_flow, run_through_a_crash
+from pacing import PacedSource
+from test_reconfig_live import HOLD, M, NUM_KEYS, TOTAL, check_counts, count_fn, counting_flow, run_through_a_crash
 
 
 def _final_state(root: str, cid: int) -> dict:
@@ -126,6 +128,35 @@ def test_one_to_two_and_back(tmp_path, before, after):
     result = job.wait(timeout=300)
     assert result.status == "FINISHED" and result.parallelism == after
     check_counts(result.collected("out"))
+
+
+def test_a_joined_worker_keeps_the_key_groups_of_each_keyed_operator_apart(tmp_path):
+    """Two keyed operators after one source (a count and an aggregate): a joining worker gains
+    the same key groups for each, and installs and hands them over one operator at a time. Its
+    operators once shared one set of owned key groups: the aggregate's install of a key group
+    the count had installed failed the job ("arrived at a subtask that already owns it")."""
+    gate = str(tmp_path / "gate")
+    flow = abs.Dataflow("live-counts-two", max_parallelism=M)
+    src = abs.GeneratorSource(TOTAL, num_keys=NUM_KEYS, num_splits=4, batch_size=50, rate=4000)
+    keyed = flow.source("src", PacedSource(src, TOTAL, gate=gate, hold_per_split=HOLD // 4)).key_by("key")
+    keyed.process("count", count_fn, state=[abs.ValueState("n", pa.int64())]).sink("out", abs.CollectSink())
+    keyed.aggregate("agg", {"c": ("value", "count")}).sink("aout", abs.CollectSink())
+    job = abs.submit(flow, parallelism=1)
+    try:
+        assert job.rescale(2).status == "COMPLETED"
+        # worker 1 gives one key group back: each of its operators hands its own state over
+        gained = job.assignment().key_groups_of(1)[0]
+        assert job.move([gained], to=0).status == "COMPLETED"
+    finally:
+        open(gate, "w").close()
+    result = job.wait(timeout=300)
+    assert result.status == "FINISHED" and result.parallelism == 2
+    check_counts(result.collected("out"))
+    final: dict = {}
+    agg = result.collected("aout")
+    for k, c in zip(agg.column("key").to_pylist(), agg.column("c").to_pylist()):
+        final[k] = max(final.get(k, 0), c)
+    assert final == dict(collections.Counter(i % NUM_KEYS for i in range(TOTAL)))
 
 
 def test_workers_join_again_after_others_left(tmp_path):

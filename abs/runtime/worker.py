@@ -342,7 +342,12 @@ class Worker(WorkerChannels):
             for n in t.nodes:
                 node = flow.nodes[n]
                 restored = (assignment.sink_transactions or {}).get(node.uid, ())
-                op = build_operator(node, ctx, restored)
+                # each operator owns its key groups apart (a live move hands them over one
+                # operator at a time): a set given by the assignment is copied per operator, as
+                # a range is when its backend turns it into a set
+                op_ctx = (dataclasses.replace(ctx, key_group_range=KeyGroupSet(flow.max_parallelism, owned))
+                          if isinstance(owned, KeyGroupSet) else ctx)
+                op = build_operator(node, op_ctx, restored)
                 op.task_key = task_key(t.index, i)
                 if isinstance(op, KeyedOp) and assignment.keyed_chains and node.uid in assignment.keyed_chains:
                     self.fault("restore", f"task{t.index}#{i}")
