@@ -41,6 +41,8 @@ from .errors import ConfigError
 
 __all__ = ["Autoscale", "LoadSample", "Decision", "AutoscalePolicy"]
 
+DEFAULT_BATCH = 8  # key groups per step of the "batched" strategy when Autoscale(batch=) is not given
+
 
 @dataclasses.dataclass(frozen=True)
 class Autoscale:
@@ -57,9 +59,21 @@ class Autoscale:
     skew: float = 1.6  # rebalance when the busiest worker's load exceeds the mean by this factor
     interval: float = 1.0  # seconds between samples
     strategy: str = "batched"  # how the decisions' key groups move (see JobHandle.rescale)
-    batch: int | None = 8
+    batch: int | None = None  # key groups per step of "batched" (None: 8); only for "batched"
 
     def __post_init__(self) -> None:
+        from .reconfig.plan import check_strategy
+
+        if self.strategy == "batched" and self.batch is None:
+            object.__setattr__(self, "batch", DEFAULT_BATCH)
+        try:  # checked here: every decision would fail with it, and the job would never scale
+            check_strategy(self.strategy, self.batch)
+        except ConfigError as exc:
+            raise ConfigError(f"Autoscale: {exc}") from None
+        for name in ("target_utilization", "scale_in_utilization", "scale_out_utilization"):
+            value = getattr(self, name)
+            if type(value) not in (int, float) or not math.isfinite(value):
+                raise ConfigError(f"Autoscale: {name} must be a number (a share of busy time, e.g. 0.7), got {value!r}")
         if type(self.min_workers) is not int or type(self.max_workers) is not int or not (
                 1 <= self.min_workers <= self.max_workers):
             raise ConfigError(f"Autoscale: need 1 <= min_workers <= max_workers (ints), got min_workers="
@@ -69,9 +83,10 @@ class Autoscale:
                               f"scale_out_utilization, got {self.scale_in_utilization!r}, {self.target_utilization!r} "
                               f"and {self.scale_out_utilization!r}")
         for name in ("stabilization", "cooldown", "catch_up", "interval"):
-            if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) <= 0:
+            value = getattr(self, name)
+            if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
                 raise ConfigError(f"Autoscale: {name} must be a positive number of seconds, got {getattr(self, name)!r}")
-        if not isinstance(self.skew, (int, float)) or self.skew <= 1:
+        if type(self.skew) not in (int, float) or not math.isfinite(self.skew) or self.skew <= 1:
             raise ConfigError(f"Autoscale: skew must be a factor above 1, got {self.skew!r}")
 
 

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from abs.autoscale import Autoscale, AutoscalePolicy, LoadSample
 from abs.errors import ConfigError
+from abs.reconfig.plan import check_strategy
 
 CAP = 10_000.0  # records one worker processes per busy second
 
@@ -117,6 +118,25 @@ def test_bad_settings_are_refused():
     for kwargs, match in [(dict(min_workers=3, max_workers=2), "min_workers"),
                           (dict(scale_in_utilization=0.8), "scale_in_utilization"),
                           (dict(cooldown=0), "cooldown"), (dict(skew=1.0), "skew")]:
+        with pytest.raises(ConfigError, match=match):
+            Autoscale(**kwargs)
+
+
+@pytest.mark.parametrize("strategy,batch", [("all_at_once", None), ("fluid", None), ("batched", None), ("batched", 3)])
+def test_every_strategy_gives_decisions_the_reconfiguration_accepts(strategy, batch):
+    """A decision is carried out as JobHandle.rescale(workers, strategy=, batch=), which
+    check_strategy validates. The batch once defaulted to 8 whatever the strategy, so with
+    strategy='fluid' or 'all_at_once' every decision failed ("batch=8 is only for
+    strategy='batched'") and the job never scaled."""
+    cfg = Autoscale(strategy=strategy, **({} if batch is None else {"batch": batch}))
+    assert check_strategy(cfg.strategy, cfg.batch) == {"all_at_once": 0, "fluid": 1}.get(strategy, batch or 8)
+
+
+def test_settings_that_no_decision_could_use_are_refused_at_once():
+    for kwargs, match in [(dict(strategy="gradual"), "strategy='gradual'"),
+                          (dict(strategy="fluid", batch=4), "only for strategy='batched'"),
+                          (dict(batch=0), "positive int"), (dict(target_utilization="0.7"), "target_utilization"),
+                          (dict(interval=math.nan), "interval"), (dict(cooldown=math.inf), "cooldown")]:
         with pytest.raises(ConfigError, match=match):
             Autoscale(**kwargs)
 
