@@ -651,6 +651,34 @@ def test_sink_is_picklable_and_validates_options(mem_root: str) -> None:
         FileSink(mem_root).create_writer(2, 2)
 
 
+@pytest.mark.parametrize("path", ["", "  ", 5, None])
+def test_a_sink_or_source_without_a_path_is_refused(path: Any) -> None:
+    """"" once named the working directory (a job wrote its part files there) and a non-str
+    raised a bare TypeError ("argument of type 'int' is not iterable")."""
+    with pytest.raises(ConfigError, match=r"FileSink: the path must be a non-empty str"):
+        FileSink(path)
+    with pytest.raises(ConfigError, match=r"FileSource: the path must be a non-empty str"):
+        FileSource(path)
+
+
+def test_a_sink_directory_under_a_file_is_refused_before_the_job_runs(tmp_path) -> None:
+    """A FileSink path under a regular file failed the job only at its first commit, at the end
+    of its input here (OperatorError with a NotADirectoryError traceback), its work lost."""
+    import abs
+
+    (tmp_path / "taken").write_text("not a directory")
+    for path in (tmp_path / "taken", tmp_path / "taken" / "out"):
+        with pytest.raises(ConfigError, match=r"which is a file, not a directory|is a file, not a directory"):
+            FileSink(str(path))
+    flow = abs.Dataflow("sink-under-a-file")
+    flow.source("src", abs.GeneratorSource(100)).sink("out", abs.FileSink(str(tmp_path / "out")))
+    (tmp_path / "out").write_text("a file took the directory's place since")
+    # where the job starts (no record read yet): a start-up error naming the sink and the cause
+    with pytest.raises(abs.StartupError, match=r"creating its tasks: ConfigError: FileSink .*out': is a file") as err:
+        abs.run(flow)
+    assert err.value.permanent
+
+
 def test_read_output_of_missing_directory_is_empty(mem_root: str) -> None:
     assert read_output(f"{mem_root}/none", "parquet").num_rows == 0
 

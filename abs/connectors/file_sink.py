@@ -171,9 +171,9 @@ class FileSink(Sink):
     def __init__(
         self, path: str, *, format: str = "parquet", storage_options: Mapping[str, Any] | None = None
     ) -> None:
+        self.path = absolute(path, "FileSink", directory=True)
         if format not in _SINK_FORMATS:
             raise ConfigError(f"FileSink {path!r}: format must be one of {list(_SINK_FORMATS)}, got {format!r}")
-        self.path = absolute(path)
         self.format = format
         self.storage_options = dict(storage_options or {})
 
@@ -216,6 +216,7 @@ class FileSink(Sink):
     ) -> "FileSinkWriter":
         if parallelism < 1 or not 0 <= subtask < parallelism:
             raise ConfigError(f"FileSink {self.path!r}: subtask {subtask} is not in [0, parallelism={parallelism})")
+        absolute(self.path, "FileSink", directory=True)  # again where it runs: a file may have taken its place
         store, layout = self._layout()
         return FileSinkWriter(self.format, store, layout, subtask, parallelism, restored_transactions)
 

@@ -138,7 +138,7 @@ class FileSource(Source):
                 raise ConfigError(
                     f"FileSource {path_glob!r}: text columns are {list(_TEXT_COLUMNS)}, got {columns}"
                 )
-        self.path_glob = absolute(path_glob)
+        self.path_glob = absolute(path_glob, "FileSource")
         self.format = format
         self.storage_options = dict(storage_options or {})
         self.batch_size = batch_size

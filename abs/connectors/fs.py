@@ -38,12 +38,31 @@ __all__ = ["absolute", "open_fs", "is_local", "fsync_dir", "temp_target", "Files
 _TEMP = re.compile(r"\.tmp-[0-9a-f]{32}-(.+)", re.S)
 
 
-def absolute(url: str) -> str:
+def absolute(url: str, what: str | None = None, *, directory: bool = False) -> str:
     """Make a local relative path absolute, so that workers with another working
-    directory resolve it the same way (URLs with a protocol are left alone)."""
+    directory resolve it the same way (URLs with a protocol are left alone).
+
+    With ``what`` (the connector, for the message), ``url`` is checked first: a non-empty str
+    (``""`` would name the working directory); with ``directory`` too, a local path that is
+    not a file and lies under no file (every write there would fail with
+    ``NotADirectoryError``, at the first commit, after the job did its work)."""
+    if what is not None and (not isinstance(url, str) or not url.strip()):
+        raise ConfigError(f"{what}: the path must be a non-empty str (a local path or an fsspec URL), got "
+                          f"{url!r}; pass e.g. '/data/out' or 's3://bucket/out'")
     if "://" in url or url.startswith("/"):
-        return url
-    return os.path.abspath(url)
+        path = url
+    else:
+        path = os.path.abspath(url)
+    if directory and ("://" not in path or path.startswith("file://")):
+        local = path[len("file://"):] if path.startswith("file://") else path
+        at = local
+        while at and not os.path.lexists(at):  # the nearest existing path: the path or an ancestor
+            parent = os.path.dirname(at)
+            at = None if parent == at else parent
+        if at and not os.path.isdir(at):
+            where = "is a file" if at == local else f"lies under {at}, which is a file"
+            raise ConfigError(f"{what} {url!r}: {where}, not a directory; pass the path of a directory, new or existing")
+    return path
 
 
 def open_fs(url: str, options: Mapping[str, Any] | None, *, what: str) -> tuple[Any, str]:
