@@ -98,6 +98,16 @@ def _driver(flow: Dataflow, o: _JobOptions) -> JobDriver:
     if o.autoscale is not None and not isinstance(o.autoscale, Autoscale):
         raise ConfigError(f"autoscale must be an abs.Autoscale, got {type(o.autoscale).__name__}; pass "
                           "autoscale=abs.Autoscale(min_workers=..., max_workers=...)")
+    if o.autoscale is not None:
+        # autoscaling carries its decisions out by live reconfiguration: where that is refused,
+        # every decision would fail while the job ran on at its first parallelism
+        why = ("takes unaligned checkpoints (mode='unaligned' or alignment_timeout)"
+               if checkpoint is not None and checkpoint.priority_barriers
+               else "has an iteration (a loop)" if flow.has_loops else None)
+        if why is not None:
+            raise ConfigError(f"autoscale=: job {flow.name!r} {why}, and live reconfiguration of such a job is not "
+                              "supported yet, so it could never scale; drop autoscale=, or use aligned checkpoints "
+                              "without alignment_timeout and no loop")
     return JobDriver(
         flow,
         parallelism=parallelism,

@@ -96,6 +96,27 @@ def test_autoscale_must_be_an_autoscale():
         abs.run(flow(), autoscale={"max_workers": 3})
 
 
+@pytest.mark.parametrize("checkpoint", [abs.CheckpointConfig(interval=0.5, mode="unaligned"),
+                                        abs.CheckpointConfig(interval=0.5, alignment_timeout=0.05)])
+def test_autoscale_of_a_job_that_cannot_be_reconfigured_live_is_refused(tmp_path, checkpoint):
+    """Decisions are carried out by live reconfiguration, which a job with unaligned barriers
+    refuses: such a job once ran on at one worker, every scale-out FAILED ("takes unaligned
+    checkpoints: live reconfiguration ... not supported yet"), nothing said so at the start."""
+    with pytest.raises(abs.ConfigError, match=r"autoscale=: job 'autoscaled' takes unaligned checkpoints .* could "
+                                              r"never scale"):
+        abs.submit(flow(), storage=str(tmp_path / "root"), checkpoint=checkpoint,
+                   autoscale=abs.Autoscale(min_workers=1, max_workers=3))
+
+
+def test_autoscale_of_a_loop_is_refused():
+    f = abs.Dataflow("looping")
+    f.source("src", abs.GeneratorSource(10)).iterate(
+        "loop", lambda loop: (loop.filter(lambda r: False, uid="again").rebalance(), loop.map(lambda r: r, uid="done"))
+    ).sink("out", abs.CollectSink())
+    with pytest.raises(abs.ConfigError, match=r"job 'looping' has an iteration .* could never scale"):
+        abs.run(f, autoscale=abs.Autoscale(min_workers=1, max_workers=2))
+
+
 def test_a_kill_during_an_automatic_rescale_restores_exactly(tmp_path):
     """A worker is killed (SIGKILL) at the routing switch of the first automatic rescale: the
     job restores its latest checkpoint, the decision is reported as failed, and the output is
