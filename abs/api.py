@@ -298,8 +298,18 @@ class JobHandle:
         (n key groups per step) or ``"fluid"`` (one key group per step). Raises
         :class:`abs.ReconfigurationError` for a request that cannot be carried out (nothing
         is changed then)."""
-        return self._reconfigure("move", (list(key_groups) if not isinstance(key_groups, int) else [key_groups], to),
-                                 strategy, batch, timeout)
+        if isinstance(key_groups, int):
+            key_groups = [key_groups]
+        else:
+            try:
+                key_groups = list(key_groups)
+            except TypeError:
+                from .errors import ReconfigurationError
+
+                raise ReconfigurationError(
+                    f"move(key_groups={key_groups!r}): key_groups must be a key group id or an iterable of them, "
+                    "e.g. move([0, 1], to=1)") from None
+        return self._reconfigure("move", (key_groups, to), strategy, batch, timeout)
 
     def rebalance(self, assignment: Any, *, strategy: str = "all_at_once", batch: int | None = None,
                   timeout: float = 300.0) -> Any:

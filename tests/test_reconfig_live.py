@@ -140,6 +140,9 @@ def test_bad_requests_are_refused_and_change_nothing(tmp_path):
             job.move([0], to=0)
         with pytest.raises(abs.ReconfigurationError, match="one worker per key group"):
             job.rebalance([0, 1])
+        # once a bare TypeError ("'NoneType' object is not iterable") from list(None)
+        with pytest.raises(abs.ReconfigurationError, match=r"key_groups must be a key group id or an iterable"):
+            job.move(None, to=1)
         assert job.assignment() == before and job.reconfigurations() == []
     finally:
         open(gate, "w").close()
