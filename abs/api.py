@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 import queue
 import threading
 import time
@@ -232,6 +233,10 @@ class JobHandle:
         from storage import SnapshotStore
 
         d = self._driver
+        if path is not None and (not isinstance(path, str) or not path.strip()):
+            raise ConfigError(f"savepoint(path={path!r}): the path must be a non-empty str (a directory path or "
+                              "fsspec URL), or None for <storage>/savepoints/sp-<id>")
+        _check_timeout(timeout, "savepoint")
         if d.storage_url is None:
             raise ConfigError(f"job {d.flow.name!r} runs without storage; pass storage=... to take savepoints")
         store = d.store or SnapshotStore.open(d.storage_url, d.storage_options)
@@ -263,6 +268,7 @@ class JobHandle:
 
     def _ask(self, request: Any, timeout: float, what: str) -> Any:
         """Put ``request`` to the driver and wait for what it puts on ``request.reply``."""
+        _check_timeout(timeout, what)
         if not self._thread.is_alive():
             raise JobFailedError(f"job {self._driver.flow.name!r} is not running ({self.status})")
         reply = request.reply
@@ -392,6 +398,12 @@ class JobHandle:
             # per subtask over time: busy/idle/backpressured, queue fill, records in/out per second
             "subtasks": list(d.subtask_series),
         }
+
+
+def _check_timeout(timeout: Any, what: str) -> None:
+    if type(timeout) not in (int, float) or not math.isfinite(timeout) or timeout <= 0:
+        raise ConfigError(f"{what}: timeout must be a positive number of seconds, got {timeout!r}; pass e.g. "
+                          "timeout=60.0")
 
 
 def _cancel_request() -> Any:

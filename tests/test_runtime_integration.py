@@ -362,6 +362,27 @@ def test_job_stopped_at_p4_restores_at_p2_and_at_p5_with_exact_output_and_state(
         assert state_at(store, store.latest_checkpoint(), "count", "n") == expected_state
 
 
+def test_a_savepoint_path_or_timeout_of_the_wrong_kind_is_refused_before_anything_is_taken(tmp_path):
+    """savepoint(5) took a checkpoint and then failed with a bare TypeError ("argument of type
+    'int' is not iterable"); trigger_checkpoint(timeout="x") a TypeError from adding a float
+    and a str; a timeout of 0 or below reported a checkpoint that "did not complete"."""
+    total = 12_000
+    job = abs.submit(counting_flow(held(abs.GeneratorSource(total, num_keys=NUM_KEYS, num_splits=6, batch_size=200),
+                                        1_000, 1_000, tmp_path)), parallelism=2, storage=str(tmp_path / "root"))
+    try:
+        for path in (5, "", " "):
+            with pytest.raises(abs.ConfigError, match=r"savepoint\(path=.*\): the path must be a non-empty str"):
+                job.savepoint(path)
+        for timeout in ("x", 0, -1.0, float("nan")):
+            with pytest.raises(abs.ConfigError, match=r"checkpoint: timeout must be a positive number of seconds"):
+                job.trigger_checkpoint(timeout=timeout)
+            with pytest.raises(abs.ConfigError, match=r"reconfiguration: timeout must be a positive number"):
+                job.rescale(3, timeout=timeout)
+        assert job.metrics()["completed_checkpoints"] == 0 and job.reconfigurations() == []
+    finally:
+        job.cancel()
+
+
 def test_savepoint_copied_elsewhere_restores_into_another_parallelism(tmp_path):
     import shutil
 
