@@ -76,9 +76,9 @@ class Dataflow:
     def __init__(self, name: str, max_parallelism: int = DEFAULT_MAX_PARALLELISM) -> None:
         if not name or not isinstance(name, str):
             raise GraphError("Dataflow: name must be a non-empty string")
-        if not (1 <= max_parallelism <= MAX_MAX_PARALLELISM):
+        if type(max_parallelism) is not int or not (1 <= max_parallelism <= MAX_MAX_PARALLELISM):
             raise GraphError(
-                f"Dataflow {name!r}: max_parallelism must be in 1..{MAX_MAX_PARALLELISM}, got {max_parallelism}"
+                f"Dataflow {name!r}: max_parallelism must be an int in 1..{MAX_MAX_PARALLELISM}, got {max_parallelism!r}"
             )
         self.name = name
         self.max_parallelism = max_parallelism

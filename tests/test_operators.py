@@ -125,3 +125,13 @@ def test_process_keyed_by_a_column_sees_what_a_key_function_sees():
         got[name] = pa.Table.from_batches(out).to_pylist()
     assert got["column"] == got["function"]
     assert [r["n"] for r in got["column"]][-5:] == [10, 4, 13, 8, 18]
+
+
+@pytest.mark.parametrize("mp", ["8", 8.0, True, None])
+def test_a_max_parallelism_that_is_not_an_int_is_refused_when_the_dataflow_is_made(mp):
+    """A str raised a bare TypeError from a comparison, and 8.0 or True passed until the job
+    ran (ParallelismError then, or True taken as 1)."""
+    import abs
+
+    with pytest.raises(GraphError, match=r"Dataflow 'x': max_parallelism must be an int in 1\.\.32768, got"):
+        abs.Dataflow("x", max_parallelism=mp)
