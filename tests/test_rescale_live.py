@@ -9,6 +9,9 @@ their end by the worker they were handed to.
 from __future__ import annotations
 
 import collections
+import os
+import signal
+import time
 
 import pyarrow as pa
 import pytest
@@ -245,6 +248,52 @@ def test_a_join_that_did_not_start_keeps_the_counts_of_relayed_splits(tmp_path):
     finally:
         open(gate, "w").close()
     _ends_exact(job, 2)
+
+class _KillsWorkerZeroAtTheJoin(abs.LocalExecutor):
+    """Before it starts worker 2 it kills worker 0 of the running job (SIGKILL) and waits until
+    that process is dead: a worker of the job is lost while the new one starts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.procs: dict = {}
+
+    def launch(self, index, boot):
+        if index == 2:
+            pid = self.procs[0].pid
+            os.kill(pid, signal.SIGKILL)
+            while _state(pid) not in ("Z", None):  # dead (a zombie until the driver reaps it)
+                time.sleep(0.01)
+        proc = self.procs[index] = super().launch(index, boot)
+        return proc
+
+
+def _state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def test_a_worker_of_the_job_lost_while_new_workers_start_is_named_as_such(tmp_path):
+    """The join's failure once blamed the new workers ("the new workers did not start
+    (WorkerLostError: ... worker 0 ...); nothing was changed") when it was worker 0 of the
+    running job that died; the job then restarts from its latest checkpoint, exactly."""
+    gate = str(tmp_path / "gate")
+    job = abs.submit(counting_flow(gate), parallelism=2, executor=_KillsWorkerZeroAtTheJoin(),
+                     storage=str(tmp_path / "root"), checkpoint=abs.CheckpointConfig(interval=0.05, retained=1),
+                     restart=abs.RestartStrategy(max_restarts=1, delay=0.1))
+    try:
+        with pytest.raises(abs.ReconfigurationError,
+                           match=r"a worker of the job was lost while the new workers started: .*worker 0 \(pid"):
+            job.rescale(3)
+        assert job.reconfigurations()[0].status == "FAILED"
+    finally:
+        open(gate, "w").close()
+    result = job.wait(timeout=300)
+    assert result.status == "FINISHED" and result.parallelism == 2 and len(result.restarts) == 1
+    check_counts(result.collected("out"))
+
 
 # ----------------------------------------------------------------------------- schedules
 ops = st.lists(st.one_of(

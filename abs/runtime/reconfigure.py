@@ -16,6 +16,7 @@ from typing import Any
 from ..reconfig.coordinator import Reconfiguration, ReconfigurationRecord
 from ..reconfig.plan import (DRAIN, JOIN, RETIRE, Assignment, ReconfigurationError, move_target, plan_rescale,
                              plan_steps, rebalance_target, check_strategy)
+from ..errors import WorkerLostError
 from . import messages as m
 from .rescale import Rescaling
 
@@ -107,6 +108,12 @@ class LiveReconfiguration(Rescaling):
                 self._prepare_join(run, reconf.steps[0].workers)  # the join step starts once they are connected
             except ReconfigurationError as exc:  # nothing changed: the job runs on
                 self._reconfig_fail(str(exc))
+            except WorkerLostError as exc:
+                if any(p.poll() not in (None, 0) for p in run.procs):  # not a new one: a worker of the job
+                    self._reconfig_fail(f"a worker of the job was lost while the new workers started: {exc}")
+                else:
+                    self._reconfig_fail(f"the new workers failed while they connected: {type(exc).__name__}: {exc}")
+                raise
             except Exception as exc:
                 self._reconfig_fail(f"the new workers failed while they connected: {type(exc).__name__}: {exc}")
                 raise

@@ -137,8 +137,8 @@ class Rescaling:
             for p in procs:
                 p.kill()
                 p.wait()
-            if told:
-                raise
+            if told or any(p.poll() not in (None, 0) for p in run.procs):
+                raise  # told, or a running worker was lost: the attempt fails (and restarts)
             raise ReconfigurationError(f"rescale({workers}): the new workers did not start ({type(exc).__name__}: "
                                        f"{exc}); nothing was changed") from exc
         finally:
