@@ -109,6 +109,12 @@ def _driver(flow: Dataflow, o: _JobOptions) -> JobDriver:
             raise ConfigError(f"autoscale=: job {flow.name!r} {why}, and live reconfiguration of such a job is not "
                               "supported yet, so it could never scale; drop autoscale=, or use aligned checkpoints "
                               "without alignment_timeout and no loop")
+        a = o.autoscale
+        if type(parallelism) is int and not a.min_workers <= parallelism <= a.max_workers:
+            # the policy keeps the job within the bounds but never brings it into them: below
+            # min_workers a job that is not overloaded stays there
+            raise ConfigError(f"parallelism={parallelism} is outside autoscale's min_workers..max_workers "
+                              f"({a.min_workers}..{a.max_workers}); start the job at a parallelism within them")
     return JobDriver(
         flow,
         parallelism=parallelism,

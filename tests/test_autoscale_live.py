@@ -108,6 +108,17 @@ def test_autoscale_of_a_job_that_cannot_be_reconfigured_live_is_refused(tmp_path
                    autoscale=abs.Autoscale(min_workers=1, max_workers=3))
 
 
+@pytest.mark.parametrize("parallelism", [1, 4])
+def test_a_parallelism_outside_the_autoscale_bounds_is_refused(tmp_path, parallelism):
+    """The policy keeps a job within min_workers..max_workers but never brings it into them:
+    started at 1 with min_workers=2, a job that was not overloaded ran at 1 worker to its end
+    without a decision."""
+    with pytest.raises(abs.ConfigError, match=rf"parallelism={parallelism} is outside autoscale's min_workers\.\."
+                                              r"max_workers \(2\.\.3\)"):
+        abs.submit(flow(), parallelism=parallelism, storage=str(tmp_path / "root"),
+                   autoscale=abs.Autoscale(min_workers=2, max_workers=3))
+
+
 def test_autoscale_of_a_loop_is_refused():
     f = abs.Dataflow("looping")
     f.source("src", abs.GeneratorSource(10)).iterate(
