@@ -173,6 +173,31 @@ def test_run_with_a_dashboard_returns_the_same_result_logs_the_url_and_stops_the
         urllib.request.urlopen(url, timeout=10)
 
 
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+def test_a_dashboard_on_the_ipv6_loopback_serves_the_job(tmp_path):
+    """Dashboard.parse takes "[::1]:PORT" and base_url brackets an IPv6 host, but the server
+    bound IPv4 only: "cannot listen on ::1:0 ([Errno -9] Address family for hostname not
+    supported)"."""
+    job = abs.submit(held_flow(str(tmp_path / "never-opened")), parallelism=1, dashboard="[::1]:0")
+    try:
+        assert job.dashboard.base_url.startswith("http://[::1]:")
+        status, body = get(f"{job.dashboard.base_url}/metrics?token={job.dashboard.token}")
+        assert status == 200 and b'abs_job_up{job="dashboard-counts"' in body
+    finally:
+        job.cancel()
+
+
 def test_a_restart_shows_with_its_cause_in_the_json_and_the_metrics(tmp_path):
     from abs.faults import Fault
 

@@ -19,6 +19,7 @@ import hmac
 import json
 import logging
 import secrets
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -72,6 +73,10 @@ class Dashboard:
         raise ConfigError(f"dashboard must be True, 'HOST:PORT' or an abs.observe.Dashboard, got {value!r}")
 
 
+class _ThreadingHTTPServerV6(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
 class _Rates:
     """Records per second per operator between two snapshots at least ``min_gap`` s apart; at
     the first snapshot, the mean since the job started (``uptime`` seconds ago; 0 when it
@@ -116,8 +121,11 @@ class DashboardServer:
     # ------------------------------------------------------------------ life
     def start(self) -> str:
         """Listen and serve in a daemon thread; returns the dashboard's URL (with its token)."""
+        server: type[ThreadingHTTPServer] = ThreadingHTTPServer
+        if ":" in self.options.host:  # an IPv6 address ("[::1]:8081" parses to "::1"): the server binds IPv4 else
+            server = _ThreadingHTTPServerV6
         try:
-            httpd = ThreadingHTTPServer((self.options.host, self.options.port), _handler(self))
+            httpd = server((self.options.host, self.options.port), _handler(self))
         except OSError as exc:
             raise ConfigError(f"dashboard: cannot listen on {self.options.host}:{self.options.port} ({exc}); "
                               "pick another address or port=0 for any free one") from exc
