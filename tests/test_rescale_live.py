@@ -295,6 +295,48 @@ def test_a_worker_of_the_job_lost_while_new_workers_start_is_named_as_such(tmp_p
     check_counts(result.collected("out"))
 
 
+class _StopsWorkerOneAtTheJoin(abs.LocalExecutor):
+    """Before it starts worker 2 it stops worker 1 of the running job (SIGSTOP: alive, but it
+    sends nothing) and waits until that process is stopped: a worker of the job hangs while
+    the new one starts (the new one then cannot connect to it either)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.procs: dict = {}
+
+    def launch(self, index, boot):
+        if index == 2:
+            pid = self.procs[1].pid
+            os.kill(pid, signal.SIGSTOP)
+            while _state(pid) not in ("T", "t", None):
+                time.sleep(0.01)
+        proc = self.procs[index] = super().launch(index, boot)
+        return proc
+
+
+def test_a_worker_of_the_job_that_hangs_while_new_workers_start_is_found_by_its_heartbeat(tmp_path):
+    """The join waited on the new workers alone: a running worker that hung meanwhile was found
+    only when the others gave up connecting to it (60 s: "the channels of joining workers ...
+    did not connect"). The driver now reads the running workers while it waits, and the
+    heartbeat timeout finds the hung one, as in the message loop; the job restarts, exactly."""
+    gate = str(tmp_path / "gate")
+    job = abs.submit(counting_flow(gate), parallelism=2, executor=_StopsWorkerOneAtTheJoin(),
+                     storage=str(tmp_path / "root"), checkpoint=abs.CheckpointConfig(interval=0.05, retained=1),
+                     restart=abs.RestartStrategy(max_restarts=1, delay=0.1),
+                     runtime=abs.RuntimeOptions(heartbeat_timeout=2.0))
+    try:
+        with pytest.raises(abs.ReconfigurationError,
+                           match=r"worker 1 sent nothing for \d+ s while new workers started \(heartbeat timeout\)"):
+            job.rescale(3)
+        assert job.reconfigurations()[0].status == "FAILED"
+    finally:
+        open(gate, "w").close()
+    result = job.wait(timeout=300)
+    assert result.status == "FINISHED" and result.parallelism == 2 and len(result.restarts) == 1
+    assert "heartbeat timeout" in result.restarts[0]["error"]
+    check_counts(result.collected("out"))
+
+
 # ----------------------------------------------------------------------------- schedules
 ops = st.lists(st.one_of(
     st.tuples(st.just("rescale"), st.integers(1, 4), st.sampled_from(["all_at_once", "batched", "fluid"])),

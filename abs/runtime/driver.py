@@ -18,6 +18,7 @@ and storage calls:
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import queue
 import threading
@@ -71,6 +72,9 @@ class _Attempt:
     life: life.JobLifecycle
     by_conn: dict  # id(connection) -> worker index
     trigger_times: dict = dataclasses.field(default_factory=dict)
+    # messages of running workers read while the driver waited on joining ones (a rescale's
+    # start-up: Rescaling._watch_running), handled by the loop first, in the order they came
+    deferred: collections.deque = dataclasses.field(default_factory=collections.deque)
 
 
 class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfiguration, Autoscaling, Capacity):
@@ -309,6 +313,9 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
                        {id(c): i for i, c in conns.items()})
         while True:
             self._check_procs(procs, conns)
+            while run.deferred:  # read during a join's start-up: before anything newer of theirs
+                i, msg = run.deferred.popleft()
+                self._on_message(run, i, msg)
             for conn in wait(list(conns.values()), timeout=0.02):
                 i = run.by_conn[id(conn)]
                 try:

@@ -31,7 +31,7 @@ import dataclasses
 import logging
 import threading
 import time
-from multiprocessing.connection import Listener
+from multiprocessing.connection import Listener, wait
 from typing import Any
 
 from ..errors import WorkerLostError
@@ -42,6 +42,11 @@ from .plan import task_key
 log = logging.getLogger(__name__)
 
 __all__ = ["Rescaling"]
+
+
+class RunningWorkerLost(WorkerLostError):
+    """A running worker died, closed its connection or went silent (heartbeat timeout) while a
+    rescale started new workers: the attempt fails, as it would in the message loop."""
 
 
 @dataclasses.dataclass
@@ -109,6 +114,7 @@ class Rescaling:
             while acceptor.is_alive() and time.monotonic() < deadline:
                 acceptor.join(0.1)
                 self._check_procs(view, run.conns)
+                self._watch_running(run)
             if len(accepted) < len(new):
                 raise WorkerLostError(f"only {len(accepted)} of {len(new)} new workers connected within "
                                       f"{self.startup_timeout:.0f} s")
@@ -124,20 +130,20 @@ class Rescaling:
             payload = cloudpickle.dumps(spec)
             for i, c in conns.items():
                 c.send(m.JobSpec(payload, m.WorkerAssignment(i, {}, key_groups=())))
-            listening = self._gather(conns, m.Listening, view)
+            listening = self._gather(conns, m.Listening, view, idle=lambda: self._watch_running(run))
             known = list(self._addresses[:first]) + [listening[i].address for i in new]
             for c in conns.values():
                 c.send(m.Peers(tuple(known)))
             told = True
             self._broadcast(run, m.AddPeers(first, tuple(known[first:]), workers))
-            self._gather(conns, m.Ready, view)
+            self._gather(conns, m.Ready, view, idle=lambda: self._watch_running(run))
         except Exception as exc:
             for c in conns.values():
                 c.close()
             for p in procs:
                 p.kill()
                 p.wait()
-            if told or any(p.poll() not in (None, 0) for p in run.procs):
+            if told or isinstance(exc, RunningWorkerLost) or any(p.poll() not in (None, 0) for p in run.procs):
                 raise  # told, or a running worker was lost: the attempt fails (and restarts)
             raise ReconfigurationError(f"rescale({workers}): the new workers did not start ({type(exc).__name__}: "
                                        f"{exc}); nothing was changed") from exc
@@ -145,6 +151,29 @@ class Rescaling:
             listener.close()
         self._addresses = tuple(known)
         self._joining = _Joining(workers, procs, conns, set(run.conns))
+
+    def _watch_running(self, run: Any) -> None:
+        """While a join waits on its new workers: read what the running workers sent (kept for
+        the message loop, which handles it first, in order), so that they count as seen, and
+        fail the attempt on one silent for longer than the heartbeat timeout (hung: stopped,
+        or stuck), as the loop would. Without it a running worker that hung while new workers
+        started was found only when they gave up connecting to it (a minute or more)."""
+        for conn in wait(list(run.conns.values()), timeout=0):
+            i = run.by_conn[id(conn)]
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                try:
+                    self._connection_lost(run, i)  # names the dead worker, or the lost connection
+                except WorkerLostError as exc:
+                    raise RunningWorkerLost(str(exc)) from None
+            run.life.on_seen(i, self.clock())
+            run.deferred.append((i, msg))
+        for silent in run.life.silent_workers(self.clock()):
+            raise RunningWorkerLost(
+                f"job {self.flow.name!r}: worker {silent.worker} sent nothing for {silent.silent_for:.0f} s while new "
+                "workers started (heartbeat timeout); it is hung or overloaded"
+            )
 
     def _on_peers_added(self, run: Any, i: int) -> None:
         joining = self._joining

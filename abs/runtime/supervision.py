@@ -120,9 +120,10 @@ class Supervision:
             except StorageError as exc:  # a leftover probe is harmless (GC leaves it alone)
                 log.warning(f"could not delete the storage probe: {exc}")
 
-    def _gather(self, conns: dict[int, Any], kind: type, procs: list) -> dict[int, Any]:
+    def _gather(self, conns: dict[int, Any], kind: type, procs: list, idle: Any = None) -> dict[int, Any]:
         """The ``kind`` message of every worker (in any order); a worker that reports a
-        failure, dies or closes its connection first fails the attempt with the cause."""
+        failure, dies or closes its connection first fails the attempt with the cause.
+        ``idle``: called between rounds of waiting (a join watches the running workers)."""
         pending = dict(conns)
         got: dict[int, Any] = {}
         deadline = time.monotonic() + self.startup_timeout
@@ -163,6 +164,8 @@ class Supervision:
                 else:
                     raise m.unexpected(msg, f"job {self.flow.name!r}: the driver", f"worker {i}", kind.__name__)
             self._settle(procs, conns, wait_s=0.0)
+            if idle is not None:
+                idle()
         return got
 
     def _settle(self, procs: list, conns: dict, wait_s: float = 0.5) -> None:
