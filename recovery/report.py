@@ -59,16 +59,18 @@ class CompatibilityReport:
         what = f"checkpoint {self.checkpoint_id}" if self.checkpoint_id is not None else "the snapshot"
         return what + (f" of {self.root}" if self.root else "")
 
-    def verdict(self) -> str:
+    def verdict(self, problems: str = "the problems above") -> str:
+        """One line: can the snapshot be restored; if not, what to do (``problems``: how the
+        list of problems is referred to, where it stands)."""
         at = f" at parallelism {self.parallelism}" if self.parallelism is not None else ""
         if self.ok:
             extra = f" ({len(self.warnings)} warning(s))" if self.warnings else ""
             files = "" if self.files_checked is None else f"; {self.files_checked} file(s) verified"
             return f"{self._what()} can be restored{at}{extra}{files}"
         if self.fallback_checkpoint is not None:
-            action = f"restore from checkpoint {self.fallback_checkpoint} (its files verify), or fix the problems above"
+            action = f"restore from checkpoint {self.fallback_checkpoint} (its files verify), or fix {problems}"
         else:
-            action = "fix the problems above"
+            action = f"fix {problems}"
         return f"{self._what()} cannot be restored{at}: {len(self.fatal)} fatal problem(s); {action}"
 
     def lines(self) -> list[str]:
@@ -79,4 +81,4 @@ class CompatibilityReport:
         if self.ok:
             return
         details = "; ".join(p.message for p in self.fatal)
-        raise IncompatibleSnapshotError(f"{self.verdict()}. {details}", self)
+        raise IncompatibleSnapshotError(f"{self.verdict('the problems named below')}: {details}", self)

@@ -209,6 +209,9 @@ def test_corrupt_file_is_fatal_and_names_the_newest_older_checkpoint_that_verifi
     with pytest.raises(IncompatibleSnapshotError, match="restore from checkpoint 2") as info:
         report.raise_if_fatal()
     assert info.value.report is report
+    # the exception is one message: the problems come after the verdict, not "above" it
+    assert "above" not in str(info.value)
+    assert f"or fix the problems named below: checkpoint 3: file {broken.path}" in str(info.value)
     assert check(JOB, root.store, checkpoint_id=2, parallelism=2).ok
 
 
