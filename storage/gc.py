@@ -78,8 +78,10 @@ class GcPlan:
         return (
             f"retain {self.retain}: keep checkpoints {list(self.retained)}, drop {list(self.dropped)}; "
             f"delete {len(self.delete_files)} files and {len(self.delete_manifests)} manifests "
-            f"({human_bytes(self.bytes_freed)}); {len(self.protected)} unreferenced files newer than checkpoint "
-            f"{self.protect_newer_than} kept (may be in flight); {len(self.unknown)} unknown files left alone"
+            f"({human_bytes(self.bytes_freed)})"
+            + (f"; {len(self.protected)} unreferenced files newer than checkpoint {self.protect_newer_than} kept "
+               "(may be in flight)" if self.protected else "")
+            + f"; {len(self.unknown)} unknown files left alone"
             + (f"; packed files kept: {human_bytes(self.packed_bytes_kept)}, {human_bytes(self.packed_bytes_live)} of "
                "them referenced"
                if self.packed_bytes_kept else "")

@@ -291,12 +291,14 @@ class StoreContract(StoreFixtures):
         assert plan.corrupt == ((3, "does not parse as JSON"),) and "checkpoint 3 has a corrupt manifest" in plan.summary()
         # newer than the newest good checkpoint: the orphan may be in flight, the manifest stays for inspection
         assert store.list_files() == before and orphan[0].path in before
+        assert "1 unreferenced files newer than checkpoint 1 kept (may be in flight)" in plan.summary()
         chain4 = store.write_key_group(4, "count", "n", 0, chain, delta([(2, "b", 0)]))
         self.commit(store, 4, {0: chain4})
         plan = store.gc(retain=1)
         after = store.list_files()
         # once a retained checkpoint is newer, the corrupt manifest and the garbage go; retained files stay
         assert path not in after and orphan[0].path not in after and plan.retained == (4,)
+        assert not plan.protected and "newer than checkpoint" not in plan.summary()  # no clause about nothing
         assert all(ref.path in after for ref in chain4) and store.verify(4).ok
 
     @pytest.mark.parametrize("bad_path", ["../outside/x.arrow", "/etc/passwd", "state/../../x.arrow", "s3://other/x"])
