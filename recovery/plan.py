@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from abscore.keygroups import KeyGroupRange, check_parallelism, key_group_range, routing_table
+from abscore.units import human_bytes
 from storage import FileRef, Manifest
 
 from ._content import select, sink_transactions_in_order, source_offsets_of
@@ -195,12 +196,12 @@ class RestorePlan:
             nbytes = s.read_bytes
             rows.append((
                 str(s.index), str(s.key_groups), str(len(s.key_groups)), str(s.chain_count), str(s.file_count),
-                str(len(s.files())), _human(nbytes), f"{100 * nbytes / total:.1f}%" if total else "-", str(s.split_count),
+                str(len(s.files())), human_bytes(nbytes), f"{100 * nbytes / total:.1f}%" if total else "-", str(s.split_count),
                 str(sum(len(v) for v in s.operator_state.values())), str(len(s.channel_logs)),
             ))
         rows.append((
             "total", "", str(self.max_parallelism), str(sum(s.chain_count for s in self.subtasks)),
-            str(self.total_files), str(self.total_references), _human(total), "100.0%" if total else "-",
+            str(self.total_files), str(self.total_references), human_bytes(total), "100.0%" if total else "-",
             str(sum(s.split_count for s in self.subtasks)),
             str(sum(len(v) for s in self.subtasks for v in s.operator_state.values())),
             str(sum(len(s.channel_logs) for s in self.subtasks)),
@@ -212,7 +213,7 @@ class RestorePlan:
         if self.subtasks:
             heaviest = max(self.subtasks, key=lambda s: s.read_bytes)
             lines.append(f"balance: max/mean bytes per subtask {self.balance:.2f} "
-                         f"(subtask {heaviest.index} reads {_human(heaviest.read_bytes)})")
+                         f"(subtask {heaviest.index} reads {human_bytes(heaviest.read_bytes)})")
         for uid, txns in sorted(self.sink_transactions().items()):
             lines.append(f"sink {uid!r}: {len(txns)} transaction(s) handed to every subtask (union) to re-commit")
         for uid, rule in sorted(self.operator_state_rules.items()):
@@ -223,15 +224,6 @@ class RestorePlan:
 
     def __str__(self) -> str:
         return self.describe()
-
-
-def _human(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
 
 
 # ====================================================================== planning

@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
+from abscore.units import human_bytes
+
 from .errors import GcRefusedError
 from .ids import CheckpointId
 from .manifest import FileRef, Manifest
@@ -73,8 +75,6 @@ class GcPlan:
         return not self.delete_files and not self.delete_manifests and not self.delete_pins
 
     def summary(self) -> str:
-        from .inspect import human_bytes  # not at the top: storage.inspect imports the store, which imports this
-
         return (
             f"retain {self.retain}: keep checkpoints {list(self.retained)}, drop {list(self.dropped)}; "
             f"delete {len(self.delete_files)} files and {len(self.delete_manifests)} manifests "

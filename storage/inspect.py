@@ -12,6 +12,7 @@ from typing import Any, Iterator, Sequence
 import pyarrow as pa
 
 from abscore.ids import id_ranges
+from abscore.units import human_bytes
 
 from .errors import CorruptManifestError, StateNotFoundError, StorageError, UnsupportedFormatError
 from .format import is_pickled
@@ -31,17 +32,6 @@ __all__ = [
 ]
 
 _MAX_CELL = 60
-
-
-def human_bytes(n: int | float | None) -> str:
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
 
 
 def _iso(ts: float) -> str:

@@ -18,6 +18,7 @@ import pyarrow as pa
 
 from abscore.ids import id_ranges
 from abscore.progress import ProgressCallback, Tracker
+from abscore.units import human_bytes
 
 from .decode_limits import DEFAULT_DECODE_LIMITS, DecodeLimits, beyond_limits
 from .errors import CorruptFileError
@@ -74,8 +75,6 @@ class VerifyReport:
         return max(intact) if intact else None
 
     def lines(self) -> list[str]:
-        from .inspect import human_bytes  # not at the top: storage.inspect imports the store, which imports this
-
         out = [str(p) for p in self.problems]
         verdict = "OK" if self.ok else f"{len(self.problems)} problem(s) in checkpoints {list(self.broken)}"
         action = ""
