@@ -19,10 +19,11 @@ state at parallelism 1 (one checkpoint); then every round restores that very che
 each configuration, the configurations interleaved:
 
 - *pyarrow*: plain pyarrow reading every file and range of the checkpoint (MB/s), twice: in
-  this process, which has read them before (*warm*: its memory pool hands the read buffers it
-  freed back, and the files are in the page cache), and once in a fresh process (*cold*: the
-  files are in the page cache, but every buffer is new memory, whose pages the kernel faults
-  in: ~0.35 s a GB on the development machine), as a restoring worker is;
+  this process, which has read them before, each table dropped as soon as it is read (*warm*:
+  its memory pool hands the buffers of the range before back for the next; the files are in
+  the page cache), and in a fresh process that keeps every table it read, as a restore keeps
+  the state it read (*cold*: every buffer is new memory, whose pages the kernel faults in:
+  ~0.4 s a GB on the development machine);
 - *in-process*: a fresh process (spawned, transparent huge pages off as in a worker) restores
   every key group into the operator's backend as a worker does (``read_chain`` then
   ``restore``), MB/s against both pyarrow figures (target >= 0.5), then
@@ -127,7 +128,7 @@ def build(keys: int, count: int | None = None, state: str = "payload") -> abs.Da
     return flow
 
 
-def pyarrow_read_speed(root: str, checkpoint_id: int | None = None) -> tuple[float, int, int]:
+def pyarrow_read_speed(root: str, checkpoint_id: int | None = None, keep: bool = False) -> tuple[float, int, int]:
     """MB/s of plain pyarrow reading every state file and range of the latest checkpoint (one
     process), the bytes a full restore reads (each file, or each key group's range of a packed
     file, once) and the bytes of the distinct files on disk.
@@ -135,7 +136,8 @@ def pyarrow_read_speed(root: str, checkpoint_id: int | None = None) -> tuple[flo
     A range of a packed file is a complete IPC stream (one key group's, or in format 6 a
     shared range of several key groups' rows): it is read on its own, once, as a restore reads
     it; the whole packed file is not one stream (reading it as one would stop after its first
-    range)."""
+    range). ``keep``: every table read is kept until the end (as a restore keeps what it read),
+    instead of being dropped at once (its buffers then serve the next range's read)."""
     store = SnapshotStore.open(root)
     manifest = store.read_manifest(store.latest_checkpoint() if checkpoint_id is None else checkpoint_id)
     by_path: dict[str, list] = {}
@@ -144,6 +146,7 @@ def pyarrow_read_speed(root: str, checkpoint_id: int | None = None) -> tuple[flo
     total = sum(ref.read_size for refs in by_path.values() for ref in refs)
     on_disk = sum(os.path.getsize(os.path.join(root, path)) for path in by_path)
     rows = 0
+    kept: list = []
     t0 = time.perf_counter()
     for path, refs in by_path.items():
         with pa.memory_map(os.path.join(root, path)) as f:
@@ -151,10 +154,15 @@ def pyarrow_read_speed(root: str, checkpoint_id: int | None = None) -> tuple[flo
             for ref in refs:
                 part = data if ref.offset is None else data.slice(ref.offset, ref.read_size)
                 if part.size >= 6 and part[:6].to_pybytes() == b"ARROW1":  # format 1: IPC file
-                    rows += pa.ipc.open_file(part).read_all().num_rows
+                    table = pa.ipc.open_file(part).read_all()
                 else:  # format 2 and later: IPC stream
-                    rows += pa.ipc.open_stream(part).read_all().num_rows
+                    table = pa.ipc.open_stream(part).read_all()
+                rows += table.num_rows
+                if keep:
+                    kept.append(table)
+                del table
     seconds = time.perf_counter() - t0
+    del kept
     expected = sum(ref.rows if ref.range_rows is None else ref.range_rows for refs in by_path.values() for ref in refs)
     if rows != expected:
         raise RuntimeError(f"pyarrow read {rows} rows, the manifest lists {expected}; the benchmark reads the files wrongly")
@@ -163,12 +171,13 @@ def pyarrow_read_speed(root: str, checkpoint_id: int | None = None) -> tuple[flo
 
 def _cold_read(root: str, checkpoint_id: int) -> float:
     no_huge_pages()  # as in a worker (and the in-process restore)
-    return pyarrow_read_speed(root, checkpoint_id)[0]
+    return pyarrow_read_speed(root, checkpoint_id, keep=True)[0]
 
 
 def pyarrow_cold_read_speed(root: str, checkpoint_id: int) -> float:
-    """:func:`pyarrow_read_speed` in a fresh process that reads the files once, as a restoring
-    worker does (MB/s): no buffer of an earlier read to reuse."""
+    """:func:`pyarrow_read_speed` in a fresh process that reads the files once and keeps every
+    table it read until the end, as a restoring worker reads and keeps its state (MB/s): no
+    buffer of an earlier read, nor of the range before, to reuse."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(_cold_read, root, checkpoint_id).result()
 
