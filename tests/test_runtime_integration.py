@@ -450,7 +450,11 @@ def test_restore_latest_falls_back_past_a_corrupt_checkpoint(tmp_path, capfd):
     job.cancel()
     store = SnapshotStore.open(str(tmp_path))
     latest = store.latest_checkpoint()
-    newest_files = [ref for ref in store.read_manifest(latest).files().values() if ref.checkpoint_id == latest]
+    # the newest checkpoint that wrote files of its own (under load one may complete before the
+    # source's next records reach the counter, and write nothing): damaging one of them breaks
+    # it and every later checkpoint, whose chains build on it
+    newest_files = next(own for cid in sorted(store.list_checkpoints(), reverse=True)
+                        if (own := [ref for ref in store.read_manifest(cid).files().values() if ref.checkpoint_id == cid]))
     victim = tmp_path / newest_files[0].path
     victim.write_bytes(victim.read_bytes()[:-7] + b"garbage")
     # the first run's CollectSink output of the skipped checkpoint went to its JobResult and
