@@ -253,18 +253,19 @@ def slow_fn(ctx, row):
 
 def test_busy_and_backpressured_time_per_subtask(tmp_path):
     """A slow keyed operator is busy nearly all the time and its source is backpressured;
-    the JSON, the metrics and the page's graph say so."""
+    the JSON, the metrics and the page's graph say so, in lines that fit the task's box (one
+    line for both ran past it from 3 subtasks on; from 5, the mean and the highest)."""
     flow = abs.Dataflow("slow")
-    flow.source("src", abs.GeneratorSource(None, num_keys=64, num_splits=2, batch_size=100)).key_by("key") \
+    flow.source("src", abs.GeneratorSource(None, num_keys=64, num_splits=3, batch_size=100)).key_by("key") \
         .process("slow", slow_fn).sink("out", abs.CollectSink())
-    job = abs.submit(flow, parallelism=2, dashboard=True)
+    job = abs.submit(flow, parallelism=3, dashboard=True)
     server = job.dashboard
     try:
         deadline = time.monotonic() + 120  # bounds a hang only: the figures come within a second or two
         while True:
             load = json.loads(get(f"{server.base_url}/api/job?token={server.token}")[1])["load"]
-            src = [load.get(f"task0#{i}") for i in range(2)]
-            slow = [load.get(f"task1#{i}") for i in range(2)]
+            src = [load.get(f"task0#{i}") for i in range(3)]
+            slow = [load.get(f"task1#{i}") for i in range(3)]
             if all(src + slow) and min(s["backpressured"] for s in src) > 0.5 and min(s["busy"] for s in slow) > 0.5:
                 break
             assert time.monotonic() < deadline, load
@@ -279,7 +280,16 @@ def test_busy_and_backpressured_time_per_subtask(tmp_path):
         with browser_page(tmp_path) as page:
             page.goto(server.url)
             page.wait_for_function("document.querySelector('#graph g.task[data-task=task1] text.load')"
-                                   " && /busy \\d+%\\/\\d+%/.test(document.querySelector("
+                                   " && /busy \\d+%\\/\\d+%\\/\\d+%/.test(document.querySelector("
                                    "'#graph g.task[data-task=task1] text.load').textContent)")
+            overflow = page.evaluate("""[...document.querySelectorAll('#graph g.task')].flatMap(g => {
+                const box = g.querySelector('rect').getBBox();
+                return [...g.querySelectorAll('text')].map(t => t.getBBox())
+                  .filter(b => b.x + b.width > box.x + box.width || b.y + b.height > box.y + box.height)
+                  .map(b => [g.dataset.task, b.width]); })""")
+            assert overflow == []
+            six = page.evaluate("loadLines({'t#0': {busy: 0.1, backpressured: 0}, 't#5': {busy: 0.9, backpressured: 0.5}},"
+                                " {task: 't', parallelism: 6})")
+            assert six == ["busy mean 50%, max 90% (#5)", "backpressured mean 25%, max 50% (#5)"]
     finally:
         job.cancel()

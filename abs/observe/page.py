@@ -97,7 +97,7 @@ function drawGraph(job) {
   for (let pass = 0; pass < tasks.length; pass++)
     edges.forEach(e => { depth[e.to] = Math.max(depth[e.to], depth[e.from] + 1); });
   const cols = {}; tasks.forEach(t => (cols[depth[t.task]] = cols[depth[t.task]] || []).push(t));
-  const W = 230, H = 78, GX = 60, GY = 16, pos = {};
+  const W = 230, H = 94, GX = 60, GY = 16, pos = {};
   let maxRows = 1;
   Object.entries(cols).forEach(([d, ts]) => { maxRows = Math.max(maxRows, ts.length);
     ts.forEach((t, i) => pos[t.task] = {x: 10 + d * (W + GX), y: 10 + i * (H + GY)}); });
@@ -114,16 +114,25 @@ function drawGraph(job) {
       svg("text", {x: p.x + 8, y: p.y + 18, "font-weight": 600, "font-size": 12}, ops.length > 30 ? ops.slice(0, 29) + "…" : ops),
       svg("text", {x: p.x + 8, y: p.y + 36, "font-size": 11}, t.task + "  ×" + t.parallelism + " subtasks"),
       svg("text", {x: p.x + 8, y: p.y + 52, "font-size": 11, fill: "#2e5d8f"}, (n == null ? "-" : n.toLocaleString()) + " in · " + rate(r)),
-      svg("text", {x: p.x + 8, y: p.y + 68, "font-size": 11, class: "load"}, loadLine(job.load || {}, t)));
+      ...loadLines(job.load || {}, t).map((line, k) =>
+        svg("text", {x: p.x + 8, y: p.y + 68 + 16 * k, "font-size": 11, class: k ? "load backpressure" : "load"}, line)));
     kids.push(grp); });
   g.replaceChildren(...kids);
   g.setAttribute("height", 20 + maxRows * (H + GY));
 }
-function loadLine(load, t) {
+function loadLines(load, t) {
+  // two lines that fit the box: each subtask's share up to 4 subtasks, else the mean and the
+  // highest (with its subtask)
   const subs = [...Array(t.parallelism).keys()].map(i => load[t.task + "#" + i]);
-  if (subs.every(s => !s)) return "load: -";
-  const pct = (s, k) => s ? Math.round(100 * s[k]) + "%" : "-";
-  return "busy " + subs.map(s => pct(s, "busy")).join("/") + " · backpressured " + subs.map(s => pct(s, "backpressured")).join("/");
+  if (subs.every(s => !s)) return ["load: -"];
+  const pct = x => Math.round(100 * x) + "%";
+  const line = (label, k) => {
+    if (subs.length <= 4) return label + " " + subs.map(s => s ? pct(s[k]) : "-").join("/");
+    const known = subs.map((s, i) => [s ? s[k] : null, i]).filter(([v]) => v != null);
+    const [top, at] = known.reduce((a, b) => b[0] > a[0] ? b : a);
+    return label + " mean " + pct(known.reduce((sum, [v]) => sum + v, 0) / known.length) + ", max " + pct(top) + " (#" + at + ")";
+  };
+  return [line("busy", "busy"), line("backpressured", "backpressured")];
 }
 function taskTable(cp) {
   const rows = Object.entries(cp.tasks || {}).sort().map(([task, f]) => el("tr", {},
