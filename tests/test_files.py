@@ -506,6 +506,31 @@ def test_pending_files_not_named_by_restored_handles_are_discarded(backend: Back
     assert backend.pending() == []
 
 
+def test_a_transaction_restored_into_another_directory_names_both(tmp_path) -> None:
+    """A savepoint restored with the FileSink pointed at a new directory: the pending file of
+    the restored checkpoint is in the old one. The error once said "something else deleted sink
+    files"; it names both directories and the file, and publishes nothing."""
+    import re
+
+    old_dir, new_dir = tmp_path / "old", tmp_path / "new"
+    old = FileSink(str(old_dir), format="jsonl")
+    writer = old.create_writer(0, 1)
+    writer.write(batch([1]))
+    handle = writer.pre_commit(3)
+    assert handle["dir"] == str(old_dir)
+    new = FileSink(str(new_dir), format="jsonl")
+    with pytest.raises(FileSinkError, match=rf"checkpoint 3 \(subtask 0\) was written under {re.escape(str(old_dir))}, "
+                                            rf"and this job's FileSink writes to {re.escape(str(new_dir))}: its 1 rows "
+                                            rf"are in {re.escape(str(old_dir))}/_pending/{handle['file']}"):
+        new.create_writer(0, 1, restored_transactions=[handle])
+    legacy = {k: v for k, v in handle.items() if k != "dir"}  # a handle of an older release: as before
+    with pytest.raises(FileSinkError, match="is lost"):
+        new.create_writer(0, 1, restored_transactions=[legacy])
+    assert read_output(str(new_dir), "jsonl").num_rows == 0
+    old.create_writer(0, 1, restored_transactions=[handle])  # with the directory as it was: published
+    assert values(read_output(str(old_dir), "jsonl")) == [1]
+
+
 @FORMATS
 def test_several_epochs_are_committed_by_one_notification(backend: Backend, format: str) -> None:
     writer = backend.sink(format).create_writer(0, 1)

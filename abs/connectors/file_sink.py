@@ -6,7 +6,9 @@ Sink transactions
     A writer buffers the epoch's batches in memory; ``pre_commit(n)`` writes them in one
     piece to ``<path>/_pending/part-<n:08d>-<subtask:03d>-<uuid>.<ext>`` (atomically: see
     :mod:`abs.connectors.fs`; a single PUT on object stores) and returns the handle ``{"v": 1, "file": <name>, "checkpoint": n,
-    "subtask": <subtask>, "rows": <rows>}``; ``commit`` moves the file to
+    "subtask": <subtask>, "rows": <rows>, "dir": <path>}`` (``dir``: the sink's directory as its
+    file system names it, so that a restore into another directory can say where the pending
+    file is; handles without it still read); ``commit`` moves the file to
     ``<path>/<name>`` (an atomic rename on local disks; copy-then-delete on other file
     systems, so a crash in between leaves the final file visible and the pending copy is
     deleted by the next commit). Readers of ``<path>`` (Spark, ``pyarrow.dataset``,
@@ -114,15 +116,19 @@ class _Transaction:
     checkpoint: int
     subtask: int
     rows: int
+    directory: str | None = None  # the sink's directory when it wrote the file (None: a handle from before)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        handle = {
             "v": HANDLE_VERSION,
             "file": self.file,
             "checkpoint": self.checkpoint,
             "subtask": self.subtask,
             "rows": self.rows,
         }
+        if self.directory is not None:
+            handle["dir"] = self.directory
+        return handle
 
     @classmethod
     def from_json(cls, handle: Any, layout: _SinkLayout) -> "_Transaction":
@@ -137,7 +143,9 @@ class _Transaction:
                 f"of this toolkit (this one reads version {HANDLE_VERSION}); upgrade to restore"
             )
         try:
-            txn = cls(str(handle["file"]), int(handle["checkpoint"]), int(handle["subtask"]), int(handle["rows"]))
+            directory = handle.get("dir")
+            txn = cls(str(handle["file"]), int(handle["checkpoint"]), int(handle["subtask"]), int(handle["rows"]),
+                      None if directory is None else str(directory))
         except (KeyError, TypeError, ValueError) as exc:
             raise FileSinkError(f"FileSink {layout.root}: malformed transaction handle {handle!r} ({exc})") from exc
         if layout.parse(txn.file) is None:
@@ -265,7 +273,7 @@ class FileSinkWriter(SinkWriter):
         name = self._layout.new_name(checkpoint_id, self.subtask)
         self._store.put(self._layout.pending(name), data)
         self._batches = []
-        return _Transaction(name, checkpoint_id, self.subtask, rows).to_json()
+        return _Transaction(name, checkpoint_id, self.subtask, rows, self._layout.root).to_json()
 
     def commit(self, checkpoint_id: int, transactions: Sequence[Any]) -> None:
         """Publish the handles this writer owns (idempotent; others are skipped)."""
@@ -279,6 +287,14 @@ class FileSinkWriter(SinkWriter):
         for txn in owned:
             pending, final = self._layout.pending(txn.file), self._layout.final(txn.file)
             if not self._store.publish(pending, final):
+                if txn.directory is not None and txn.directory != self._layout.root:
+                    raise FileSinkError(
+                        f"FileSink: transaction of checkpoint {txn.checkpoint} (subtask {txn.subtask}) was written "
+                        f"under {txn.directory}, and this job's FileSink writes to {self._layout.root}: its "
+                        f"{txn.rows} rows are in {txn.directory}/_pending/{txn.file}, not here. Restore with the "
+                        "FileSink's directory as it was (the output continues there), or copy that pending file "
+                        f"into {self._layout.pending_dir}/ first; nothing was published"
+                    )
                 raise FileSinkError(
                     f"FileSink: transaction of checkpoint {txn.checkpoint} (subtask {txn.subtask}) is lost: "
                     f"neither {pending} nor {final} exists. Something else deleted sink files; "
