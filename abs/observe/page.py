@@ -48,7 +48,7 @@ button:disabled{opacity:.5;cursor:wait}
 <section><h2>Job graph</h2><svg id="graph" width="100%" height="140" role="img" aria-label="job graph"></svg>
 <p class="muted" id="graph-note">Boxes are tasks (chained operators) with their parallelism and records per second;
 edges show how records are partitioned; under each, per subtask (#0/#1/...), the share of the last half second it was
-busy, and blocked on full output channels (backpressured).</p></section>
+busy, and blocked on full output channels (backpressured); from 5 subtasks on, their mean and the highest.</p></section>
 <section><h2>Checkpoints <span class="muted" id="cp-counts"></span></h2>
 <table id="checkpoints"><thead><tr><th>id</th><th class="text">status</th><th>triggered at</th><th>duration</th>
 <th>alignment</th><th>sync</th><th>async</th><th>written</th><th>full size</th><th>files</th><th>tasks</th></tr></thead>
