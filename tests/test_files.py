@@ -506,6 +506,18 @@ def test_pending_files_not_named_by_restored_handles_are_discarded(backend: Back
     assert backend.pending() == []
 
 
+def test_storage_options_a_local_path_would_ignore_are_refused(tmp_path) -> None:
+    """fsspec's local file system takes any keyword: credentials or an endpoint meant for an
+    object store (a URL given without its s3://), or a misspelt key, passed unnoticed."""
+    for make in (lambda o: FileSink(str(tmp_path / "out"), storage_options=o),
+                 lambda o: FileSource(f"file://{tmp_path}/*.txt", storage_options=o)):
+        with pytest.raises(ConfigError, match=r"unknown storage option\(s\) 'anon', 'endpoint_url' for a local path; "
+                                              r"a local path takes only auto_mkdir, .*s3://bucket/prefix"):
+            make({"endpoint_url": "http://127.0.0.1:9000", "anon": True})
+        make({"auto_mkdir": True})  # what fsspec's local file system acts on: fine
+        make({})
+
+
 def test_a_transaction_restored_into_another_directory_names_both(tmp_path) -> None:
     """A savepoint restored with the FileSink pointed at a new directory: the pending file of
     the restored checkpoint is in the old one. The error once said "something else deleted sink

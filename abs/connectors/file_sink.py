@@ -48,7 +48,7 @@ from typing import Any, Mapping, Sequence
 import pyarrow as pa
 
 from ..errors import AbsError, ConfigError
-from .fs import Files, absolute, fsync_dir, open_fs, temp_target
+from .fs import Files, absolute, check_local_options, fsync_dir, open_fs, temp_target
 from .sinks import Sink, SinkRollback, SinkWriter
 
 __all__ = ["FileSink", "FileSinkWriter", "FileSinkError", "read_output"]
@@ -184,6 +184,7 @@ class FileSink(Sink):
             raise ConfigError(f"FileSink {path!r}: format must be one of {list(_SINK_FORMATS)}, got {format!r}")
         self.format = format
         self.storage_options = dict(storage_options or {})
+        check_local_options(self.path, self.storage_options, what="FileSink")
 
     def __repr__(self) -> str:
         return f"FileSink({self.path!r}, format={self.format!r})"

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 import pyarrow as pa
 
 from ..errors import AbsError, ConfigError
-from .fs import absolute, open_fs
+from .fs import absolute, check_local_options, open_fs
 from .sources import END, Source, SourceReader
 
 if TYPE_CHECKING:
@@ -141,6 +141,7 @@ class FileSource(Source):
         self.path_glob = absolute(path_glob, "FileSource")
         self.format = format
         self.storage_options = dict(storage_options or {})
+        check_local_options(self.path_glob, self.storage_options, what="FileSource")
         self.batch_size = batch_size
         self.columns = columns
 

@@ -33,7 +33,7 @@ from typing import Any, Mapping
 from ..errors import ConfigError, MissingExtraError
 from storage.extras import extra_for_url, missing_extra_message, missing_module
 
-__all__ = ["absolute", "open_fs", "is_local", "fsync_dir", "temp_target", "Files"]
+__all__ = ["absolute", "open_fs", "check_local_options", "is_local", "fsync_dir", "temp_target", "Files"]
 
 _TEMP = re.compile(r"\.tmp-[0-9a-f]{32}-(.+)", re.S)
 
@@ -81,7 +81,33 @@ def open_fs(url: str, options: Mapping[str, Any] | None, *, what: str) -> tuple[
                 f"{what}: no file system for {url!r} ({exc}); install the fsspec implementation of its protocol"
             ) from exc
         raise MissingExtraError(missing_extra_message(f"{what} ({url})", extra, missing_module(exc))) from exc
+    if is_local(fs):
+        check_local_options(url, options, what=what)
     return fs, path.rstrip("/") or path
+
+
+def check_local_options(url: str, options: Mapping[str, Any] | None, *, what: str) -> None:
+    """Refuse storage options that a local path (no protocol, or ``file://``) would ignore:
+    fsspec's local file system takes any keyword and acts on a few only, so credentials or an
+    endpoint meant for an object store, or a misspelt key, would pass unnoticed. Other URLs
+    are left to their file systems."""
+    if not isinstance(url, str) or not options:
+        return
+    protocol = url.split("://", 1)[0].lower() if "://" in url else None
+    if protocol not in (None, "file", "local"):
+        return
+    unknown = sorted(set(options) - _LOCAL_OPTIONS)
+    if unknown:
+        raise ConfigError(
+            f"{what} {url!r}: unknown storage option(s) {', '.join(map(repr, unknown))} for a local path; a local "
+            f"path takes only {', '.join(sorted(_LOCAL_OPTIONS))}; the others (endpoint_url, key, anon, ...) apply "
+            "to remote URLs such as s3://bucket/prefix: drop them, or pass the remote URL they are meant for"
+        )
+
+
+_LOCAL_OPTIONS = frozenset({"auto_mkdir", "use_listings_cache", "listings_expiry_time", "max_paths",
+                            "skip_instance_cache"})
+"""The options fsspec's local file system (and every fsspec file system) acts on."""
 
 
 def is_local(fs: Any) -> bool:
