@@ -43,6 +43,8 @@ class JobResult:
     failed_checkpoints: list[tuple[int, str]]
     restarts: list[dict]
     restored_from: int | None
+    # operator uid -> records its subtasks received in the last attempt: after a restart the
+    # count starts again at the restored checkpoint (records replayed since are counted again)
     records_in: dict[str, int]
     bytes_restored_per_worker: list[int]
     restore_seconds_per_worker: list[float] = dataclasses.field(default_factory=list)

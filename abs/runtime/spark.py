@@ -361,7 +361,7 @@ class SparkExecutor:
             lingering = [r.group for r in self._runs if r.done.is_set()]
             if not lingering:
                 if time.monotonic() - start > 0.05:
-                    log.info(f"waited {time.monotonic() - start:.1f} s for the tasks of an ended stage to end")
+                    log.info(f"[abs] waited {time.monotonic() - start:.1f} s for the tasks of an ended stage to end")
                 return
             if time.monotonic() >= deadline:
                 log.warning(f"tasks of the ended Spark job group(s) {', '.join(lingering)} still run after "
