@@ -417,6 +417,11 @@ class KeyOrders:
         arr = _text_array(keys)
         if arr is None:
             got: tuple = (None, keys)
+        elif len(arr) <= _SMALL_SORT:  # a compute call and a take cost ~15 us whatever the length
+            listed = arr.to_pylist() if isinstance(keys, pa.Array) else keys
+            order = sorted(range(len(listed)), key=listed.__getitem__)
+            ordered = _text_array([listed[i] for i in order])
+            got = (np.array(order, dtype=np.int32), ordered if ordered is not None else arr.take(pa.array(order)))
         else:
             indices = pc.sort_indices(arr)  # taken as Arrow indices: no conversion from numpy and back
             # kept as int32 where it fits: with the sorted keys ~14 bytes a key of a string
@@ -429,6 +434,11 @@ class KeyOrders:
     def text(self, slot: Any) -> tuple[np.ndarray | None, pa.Array | list] | None:
         """What :meth:`sort_text` last returned for ``slot`` (``None``: never called)."""
         return self._text.get(slot)
+
+
+_SMALL_SORT = 64
+"""Full images of at most this many ``str`` or ``bytes`` keys are sorted as Python objects
+(the order Arrow gives them: ``str`` by code point, which UTF-8 keeps, ``bytes`` byte by byte)."""
 
 
 class SameKeys:

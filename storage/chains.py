@@ -15,6 +15,7 @@ from .errors import DeltaSchemaError
 from .format import (CHECKSUM_ALGORITHMS, KEY_COLUMN, META_FILE_KIND, META_KEYS_DIGEST, OP_COLUMN, OP_UPSERT,
                      is_values_image, keys_digest, strictly_increasing, value_columns)
 from .manifest import FileRef
+from .tables import SMALL_TEXT_ROWS, is_text
 from .values_images import join_byte_streams
 
 __all__ = ["CompactionPolicy", "compaction_reason", "compaction_reason_of_sizes", "resolve_chain"]
@@ -103,12 +104,13 @@ def _text_strictly_increasing(keys: pa.ChunkedArray | pa.Array) -> bool:
         if keys.num_chunks != 1:
             return False
         keys = keys.chunk(0)
-    t = keys.type
-    if keys.null_count or not (pa.types.is_string(t) or pa.types.is_binary(t) or pa.types.is_large_string(t)
-                               or pa.types.is_large_binary(t)):
+    if keys.null_count or not is_text(keys.type):
         return False
     if len(keys) < 2:
         return True
+    if len(keys) <= SMALL_TEXT_ROWS:
+        k = keys.to_pylist()
+        return all(a < b for a, b in zip(k, k[1:]))
     return bool(pc.all(pc.less(keys.slice(0, len(keys) - 1), keys.slice(1))).as_py())
 
 

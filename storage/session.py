@@ -45,7 +45,7 @@ class KeyGroupCapture:
     the same object (by identity) at two checkpoints means the same keys, which lets the
     second image be written as a values image over the base the first was written into. It
     is called before the write and again after it (the write may set the keys' order).
-    ``values_image``, ``rows``: as for :class:`~storage.store_write.KeyGroupWrite`."""
+    ``values_image``, ``rows``, ``base``: as for :class:`~storage.store_write.KeyGroupWrite`."""
 
     operator: str
     state: str
@@ -57,6 +57,7 @@ class KeyGroupCapture:
     image_keys: Callable[[], Any] | None = None
     values_image: Callable[[], "pa.Table | None"] | None = None
     rows: int | None = None
+    base: Callable[[], "pa.Table | None"] | None = None
 
     @property
     def slot(self) -> Slot:
@@ -210,7 +211,7 @@ class CheckpointSession:
         state whose keys stay while its values change then writes its keys once.
         """
         writes = [KeyGroupWrite(c.operator, c.state, c.key_group, c.prev_chain, c.delta, c.complete, c.image,
-                                self._over_base(c), c.values_image, c.rows) for c in captures]
+                                self._over_base(c), c.values_image, c.rows, c.base) for c in captures]
         chains = store.write_key_groups(checkpoint_id, writes)  # capture order; the first failure raises
         for capture, chain in zip(captures, chains):
             if capture.image_keys is not None:

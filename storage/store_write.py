@@ -21,8 +21,8 @@ import pyarrow as pa
 from .chain_decision import CaptureFacts, ChainAction, ChainDecision, ChainFacts, Fact, decide_chain
 from .chains import CompactionPolicy, resolve_chain
 from .errors import DeltaSchemaError, InvalidChainError
-from .format import (FAST_LEVEL, EncodedFile, delta_for_file, encode_prepared, encode_shared, encode_table, normalize_delta,
-                     prepare_table, sort_by_key, values_image)
+from .format import (FAST_LEVEL, EncodedFile, compression_level, delta_for_file, encode_prepared, encode_shared,
+                     encode_table, normalize_delta, prepare_table, sort_by_key, table_bytes, values_image)
 from .ids import CheckpointId, SubtaskIndex
 from .manifest import FileRef, chain_problems
 from .paths import FileKind, StoragePaths
@@ -39,7 +39,7 @@ _REMOTE_ENCODERS = 8  # key groups encoded at once for an object store (zstd and
 PACK_LIMIT = 64 << 20
 """A packed file is closed once it holds this many bytes (the last key group may cross it)."""
 SHARE_BELOW = 16 << 10
-"""A key group's file of fewer in-memory bytes (``pa.Table.nbytes``) than this shares one Arrow
+"""A key group's file of fewer in-memory bytes (:func:`storage.format.table_bytes`) than this shares one Arrow
 stream in its packed file with the other small files of its kind and schema (format 6). An
 Arrow stream of its own costs ~600 bytes (schema, batch header, zstd frames) whatever its
 rows: the whole of a key group's delta when 1 % of the keys changed."""
@@ -69,12 +69,18 @@ class KeyGroupWrite(NamedTuple):
     image: Callable[[], pa.Table | None] | None = None
     over_base: FileRef | None = None
     values_image: Callable[[], pa.Table | None] | None = None
-    """With ``rows``: what :func:`~storage.values_images.values_image` makes of the normalized
-    ``delta`` (a zero-argument callable), made without building it; the write then builds the
-    delta only when it writes something else than a values image (the writer of a columnar key
-    group, :mod:`abs.runtime.writer`: ~75 us of a key group's ~400 us at each checkpoint)."""
+    """What :func:`~storage.values_images.values_image` makes of the normalized ``delta`` (a
+    zero-argument callable), made without building it (the writer of a columnar key group,
+    :mod:`abs.runtime.writer`: ~75 us of a key group's ~400 us at each checkpoint)."""
     rows: int | None = None
-    """The rows of ``delta`` (with ``values_image``)."""
+    """The rows of ``delta`` when known without building it: the write then builds the delta
+    only when what it writes needs it (not for a values image, nor for a ``base``)."""
+    base: Callable[[], pa.Table | None] | None = None
+    """A zero-argument callable giving the delta's rows as a base, made by a writer that knows
+    them to be one: upserts of unique keys in ascending order, no ``op`` column (a columnar key
+    group's full image, :meth:`abs.state.ColumnDelta.base`), or ``None`` when they are not.
+    A checkpoint that writes the key group as a new base then takes it as it is, instead of
+    normalizing the delta and folding its rows (~60 us of a small key group's write)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +91,7 @@ class _Planned:
     encoded: EncodedFile | None  # None: a small file nothing asked the size of, encoded when written
     prefix: list[FileRef]
     table: pa.Table | None = None  # the table as encoded, kept while it may share a stream
+    nbytes: int = 0  # the table's in-memory bytes (table_bytes), when it is kept
 
     @property
     def rows(self) -> int:
@@ -94,13 +101,14 @@ class _Planned:
     def pack_bytes(self) -> int:
         """What the file adds to its packed file, for :data:`PACK_LIMIT` (a small file not
         encoded yet: its in-memory bytes, more than it will take)."""
-        return self.table.nbytes if self.encoded is None else self.encoded.size  # type: ignore[union-attr]
+        return self.nbytes if self.encoded is None else self.encoded.size  # type: ignore[union-attr]
 
 
 class _Encoded(NamedTuple):
     encoded: EncodedFile | None  # None: see _encode's sized
     table: pa.Table | None  # kept when small enough to share a stream (see SHARE_BELOW)
     shared_size: int  # its bytes in a shared stream, estimated: without a stream's fixed cost
+    nbytes: int = 0  # the kept table's table_bytes
 
 
 _STREAM_COST: dict[bytes, int] = {}  # serialized schema -> bytes of a stream of one row of it
@@ -131,12 +139,13 @@ def _encode(table: pa.Table, kind: str, share_below: int, *, sized: bool = True)
     here at all, only when written: the estimate cost ~0.2 ms per key group, thrown away when
     the file went into a shared stream (every key group of a checkpoint of 100 k string keys)."""
     prepared = prepare_table(table, kind)
-    if prepared.nbytes < share_below and prepared.num_rows:
+    nbytes = table_bytes(prepared)
+    if nbytes < share_below and prepared.num_rows:
         if not sized:
-            return _Encoded(None, prepared, 0)
+            return _Encoded(None, prepared, 0, nbytes)
         encoded = encode_prepared(prepared, level=FAST_LEVEL)
-        return _Encoded(encoded, prepared, max(1, encoded.size - _stream_cost(prepared)))
-    encoded = encode_prepared(prepared)
+        return _Encoded(encoded, prepared, max(1, encoded.size - _stream_cost(prepared)), nbytes)
+    encoded = encode_prepared(prepared, level=compression_level(prepared, nbytes))
     return _Encoded(encoded, None, encoded.size)
 
 
@@ -145,11 +154,12 @@ def _final(planned: "_Planned", fast: bool = False) -> EncodedFile:
     zstd's fast level (the bytes :func:`_encode` made for its size, if it made them)."""
     if planned.encoded is not None and (planned.table is None or fast):
         return planned.encoded
-    return encode_prepared(planned.table, level=FAST_LEVEL if fast else None)  # type: ignore[arg-type]
+    level = FAST_LEVEL if fast else compression_level(planned.table, planned.nbytes)  # type: ignore[arg-type]
+    return encode_prepared(planned.table, level=level)  # type: ignore[arg-type]
 
 
 def _planned(kind: Literal["base", "delta"], encoded: _Encoded, prefix: list[FileRef]) -> _Planned:
-    return _Planned(kind, encoded.encoded, prefix, encoded.table)
+    return _Planned(kind, encoded.encoded, prefix, encoded.table, encoded.nbytes)
 
 
 def _streams(members: list[tuple[int, KeyGroupWrite, _Planned]]) -> list[list[tuple[int, KeyGroupWrite, _Planned]]]:
@@ -157,20 +167,29 @@ def _streams(members: list[tuple[int, KeyGroupWrite, _Planned]]) -> list[list[tu
     group's file alone, or the small tables of one kind and schema (metadata included) in
     key group order, up to :data:`SHARED_RANGE_LIMIT` in-memory bytes per stream."""
     streams: list[list[tuple[int, KeyGroupWrite, _Planned]]] = []
-    open_streams: dict[tuple[str, bytes], tuple[list, list[int]]] = {}  # (kind, schema) -> (stream, [its bytes])
+    # the open stream of each (kind, schema): [kind, schema, stream, its bytes]; a few at most,
+    # so a list searched with Schema.equals (~0.2 us) rather than keys serialized per table (~3 us)
+    open_streams: list[list] = []
+    last: list | None = None
     for member in members:
-        table = member[2].table
+        planned = member[2]
+        table = planned.table
         if table is None:
             streams.append([member])
             continue
-        key = (member[2].kind, table.schema.serialize().to_pybytes())
-        current = open_streams.get(key)
-        if current is None or current[1][0] + table.nbytes > SHARED_RANGE_LIMIT:
-            current = ([], [0])
-            open_streams[key] = current
-            streams.append(current[0])
-        current[0].append(member)
-        current[1][0] += table.nbytes
+        schema = table.schema
+        current = last if last is not None and last[0] == planned.kind and (
+            last[1] is schema or last[1].equals(schema, check_metadata=True)) else next(
+            (o for o in open_streams if o[0] == planned.kind and o[1].equals(schema, check_metadata=True)), None)
+        if current is None or current[3] + planned.nbytes > SHARED_RANGE_LIMIT:
+            if current is not None:
+                open_streams.remove(current)
+            current = [planned.kind, schema, [], 0]
+            open_streams.append(current)
+            streams.append(current[2])
+        current[2].append(member)
+        current[3] += planned.nbytes
+        last = current
     return streams
 
 
@@ -278,7 +297,7 @@ class KeyGroupWriter:
         path = StoragePaths.packed_file(checkpoint_id, operator, state)
         parts: list[bytes] = []
         offset = 0
-        fast = sum(p.table.nbytes for _, _, p in members if p.table is not None) > HIGH_LEVEL_LIMIT
+        fast = sum(p.nbytes for _, _, p in members if p.table is not None) > HIGH_LEVEL_LIMIT
 
         def ref(planned: _Planned, key_group: int, encoded: EncodedFile, size: int, **shared: int) -> FileRef:
             return FileRef(path=path, kind=planned.kind, checkpoint_id=CheckpointId(checkpoint_id),
@@ -318,8 +337,7 @@ class KeyGroupWriter:
                 made.append(normalize_delta(delta() if callable(delta) else delta, what=what))
             return made[0]
 
-        lazy = job.values_image is not None and job.rows is not None
-        rows = job.rows if lazy else table().num_rows
+        rows = job.rows if job.rows is not None else table().num_rows
         self.check_key_group(key_group, what)
         chain = list(prev_chain)
         if chain:
@@ -367,6 +385,9 @@ class KeyGroupWriter:
         if action is ChainAction.DELTA:
             return _planned("delta", encoded[Fact.DELTA_BYTES], prefix)  # type: ignore[arg-type]
         if action is ChainAction.BASE:
+            made_base = job.base() if job.base is not None else None
+            if made_base is not None:
+                return _planned("base", _encode(made_base, "base", self.share_below, sized=False), prefix)
             return _planned("base", _encode_base(table(), self.share_below), prefix)
         if action is ChainAction.COMPACT_FROM_IMAGE:  # decided only once the image exists
             full = normalize_delta(full, what=f"{what} (full image)")  # type: ignore[arg-type]

@@ -37,11 +37,26 @@ __all__ = [
 ]
 
 
+SMALL_TEXT_ROWS = 64
+"""String or binary keys of at most this many rows are compared as Python objects: a compute
+call costs ~5-10 us whatever its length, which was most of a small key group's write (max
+parallelism 32768: a few keys a key group). ``str`` compares by code point and UTF-8 keeps
+that order, ``bytes`` byte by byte: Arrow's order of the same keys."""
+
+
+def is_text(t: pa.DataType) -> bool:
+    """Whether ``t`` is a string or binary type (large ones too)."""
+    return pa.types.is_string(t) or pa.types.is_binary(t) or pa.types.is_large_string(t) or pa.types.is_large_binary(t)
+
+
 def _keys_sorted(keys: pa.ChunkedArray) -> bool:
     """True when ``keys`` is in non-decreasing order (False when unsure)."""
     if pa.types.is_integer(keys.type):
         k = keys.to_numpy()
         return bool(np.all(k[1:] >= k[:-1]))
+    if len(keys) <= SMALL_TEXT_ROWS and is_text(keys.type):
+        k = keys.to_pylist()
+        return all(a <= b for a, b in zip(k, k[1:]))
     return bool(pc.all(pc.less_equal(keys.slice(0, len(keys) - 1), keys.slice(1))).as_py())
 
 
@@ -103,6 +118,8 @@ def normalize_delta(table: pa.Table, *, what: str) -> pa.Table:
         codes = op.to_numpy() if not op.null_count else None
         if codes is None or ((codes != OP_UPSERT) & (codes != OP_DELETE)).any():
             raise DeltaSchemaError(f"{what}: column 'op' has values other than 0 (upsert) and 1 (delete); fix the encoder")
+        if names[-1] == OP_COLUMN and op.type == pa.int8() and not table.schema.field(OP_COLUMN).nullable:
+            return table  # already as normalized (a capture's delta table): spare the copy
         op = op.cast(pa.int8())
         table = table.drop_columns([OP_COLUMN])
     else:

@@ -283,6 +283,22 @@ class ColumnDelta:
         image._sorted = self._sorted
         return image
 
+    def base(self, orders: KeyOrders, slot: Any) -> pa.Table | None:
+        """The delta as a base (:attr:`storage.store_write.KeyGroupWrite.base`): when it is its
+        key group's full image (every row, no delete) whose keys come out in ascending order
+        (int64 keys, or ``str`` or ``bytes`` keys sorted as :meth:`to_table` sorts them), its
+        rows in that order without an ``op`` column; else ``None`` (the write then folds
+        :meth:`to_table`). A key group's keys are unique (its column's index holds each once)."""
+        c = self._rows()
+        if not (c.all_rows and c.changed is None and not c.deleted and len(c.keys)):
+            return None
+        if not isinstance(c.keys, (np.ndarray, list, SameKeys)):
+            return None  # e.g. Arrow keys not received yet (receive_keys sorts them)
+        keys, values, nulls = _sorted_rows(self, orders, slot, c.keys, self._values(), c.nulls)
+        if not isinstance(keys, (np.ndarray, pa.Array)):
+            return None  # keys Arrow does not order (mixed types): stored in the writer's order
+        return column_table(self._arrow_type, self._kind, keys, values, nulls, [], with_op=False)
+
     def image(self, orders: KeyOrders | None = None, slot: Any = None) -> pa.Table | None:
         """The key group's full live state at the capture, when the capture copied it;
         ``orders``, ``slot``: as for :meth:`to_table`."""

@@ -130,10 +130,11 @@ def pickled_values(values: list, ops: Any) -> pa.Array:
 
 
 def column_table(t: pa.DataType | None, kind: str, keys: np.ndarray | VarKeys | pa.Array | list, values: np.ndarray | list,
-                  nulls: np.ndarray | None, deleted: list) -> pa.Table:
+                  nulls: np.ndarray | None, deleted: list, *, with_op: bool = True) -> pa.Table:
     """A delta table from captured columns: upserts of ``keys``, then deletes of ``deleted``.
     ``t`` None: an untyped column, its values pickled one by one (the rows a dict key group
-    of the same state would give)."""
+    of the same state would give). ``with_op=False`` (no ``deleted``): without the ``op``
+    column, as a base stores its rows."""
     if t is None:
         value_arr, value_enc = pickled_values(values, np.zeros(len(values), dtype=np.int8)), ENCODING_PICKLE
     else:
@@ -152,7 +153,7 @@ def column_table(t: pa.DataType | None, kind: str, keys: np.ndarray | VarKeys | 
         key_arr, key_enc = keys, ENCODING_ARROW
     else:
         key_arr, key_enc = encode_keys(list(keys))
-    return delta_table(kind, key_arr, key_enc, value_arr, value_enc, ops, with_op=True)
+    return delta_table(kind, key_arr, key_enc, value_arr, value_enc, ops, with_op=with_op or bool(deleted))
 
 
 def check_restore_table(table: pa.Table, declared_kind: str, where: str) -> None:
@@ -177,14 +178,24 @@ def check_restore_table(table: pa.Table, declared_kind: str, where: str) -> None
         )
 
 
+_SCHEMAS: dict[tuple, pa.Schema] = {}  # delta_table's schemas: made once (~5 us each; a key group's write)
+
+
 def delta_table(kind: str, key_arr: pa.Array, key_enc: bytes, value_arr: pa.Array, value_enc: bytes,
                  ops: Any, *, with_op: bool) -> pa.Table:
-    fields = [pa.field("key", key_arr.type), pa.field("value", value_arr.type)]
     arrays = [key_arr, value_arr]
     if with_op:
-        fields.append(pa.field("op", pa.int8(), nullable=False))
         arrays.append(pa.array(ops, pa.int8()))
-    return pa.Table.from_arrays(arrays, schema=pa.schema(fields, metadata=_delta_metadata(kind, key_enc, value_enc)))
+    shape = (kind, key_arr.type, key_enc, value_arr.type, value_enc, with_op)
+    schema = _SCHEMAS.get(shape)
+    if schema is None:
+        fields = [pa.field("key", key_arr.type), pa.field("value", value_arr.type)]
+        if with_op:
+            fields.append(pa.field("op", pa.int8(), nullable=False))
+        if len(_SCHEMAS) > 256:
+            _SCHEMAS.clear()
+        schema = _SCHEMAS[shape] = pa.schema(fields, metadata=_delta_metadata(kind, key_enc, value_enc))
+    return pa.Table.from_arrays(arrays, schema=schema)
 
 
 def values_table(t: pa.DataType, kind: str, values: np.ndarray, nulls: np.ndarray | None) -> pa.Table:
