@@ -49,8 +49,8 @@ from then on, as for a writer that died.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
+import gc
 import importlib
 import io
 import multiprocessing
@@ -71,6 +71,7 @@ __all__ = ["FrameReader", "SnapshotWriter", "WriterHungError", "die_with_parent"
 
 _IOV_MAX = 1024  # POSIX guarantees at least 16; Linux and macOS allow 1024
 _ALIGN = 64  # every out-of-band buffer starts at a multiple of this in the frame
+_IN_BAND = 512  # smaller buffers are pickled in band (see send_frame)
 
 
 def send_frame(conn: Any, msg: Any) -> None:
@@ -82,11 +83,22 @@ def send_frame(conn: Any, msg: Any) -> None:
     where they are (pickle protocol 5, out-of-band buffers) and one ``writev`` call, without
     the GIL, hands them to the pipe. The frame is one ``Connection`` message: a length
     header, then ``!QQ`` (pickle length, buffer count), the buffer lengths (``!Q`` each), the
-    pickle and the buffers, each at an offset that is a multiple of 64.
+    pickle and the buffers, each at an offset that is a multiple of 64. numpy arrays of fewer
+    than :data:`_IN_BAND` bytes go inside the pickle instead (a key group of a few keys: a copy
+    of a few dozen bytes costs less than a buffer's place in the frame, on both sides; they
+    arrive at Python's allocation alignment, 16 bytes).
     """
     buffers: list = []
+
+    def keep(buffer: pickle.PickleBuffer) -> bool:  # False: out of band
+        raw = buffer.raw()
+        if raw.nbytes < _IN_BAND and isinstance(raw.obj, np.ndarray):
+            return True  # numpy's; Arrow's stay 64-byte aligned (its kernels expect it)
+        buffers.append(buffer)
+        return False
+
     out = io.BytesIO()
-    pickler = pickle.Pickler(out, protocol=5, buffer_callback=buffers.append)
+    pickler = pickle.Pickler(out, protocol=5, buffer_callback=keep)
     # no memo: the captured state is many small objects (keys, strings), and remembering each
     # one made pickling 6x slower (1M strings: 370 ms, 56 ms without). Nothing the runtime
     # sends refers to itself; should a user's key do so, the ordinary pickler takes over.
@@ -96,7 +108,7 @@ def send_frame(conn: Any, msg: Any) -> None:
         data = out.getbuffer()
     except (ValueError, RecursionError):
         buffers.clear()
-        data = memoryview(pickle.dumps(msg, protocol=5, buffer_callback=buffers.append))
+        data = memoryview(pickle.dumps(msg, protocol=5, buffer_callback=keep))
     views = [b.raw() for b in buffers]
     head = struct.pack(f"!QQ{len(views)}Q", data.nbytes, len(views), *(v.nbytes for v in views))
     parts: list = [head, data]
@@ -412,12 +424,14 @@ class SentKeys:
             if keys is not None:
                 slot = (job.operator, job.state, job.key_group)
                 if self._sent.get(slot) == keys:
-                    job = dataclasses.replace(job, delta=delta.with_same_keys())
+                    delta = delta.with_same_keys()
                 else:
                     self._sent[slot] = keys
                     # as the Arrow array the writer would make of them (out of band in the
                     # frame): the writer then never holds them as Python objects
-                    job = dataclasses.replace(job, delta=delta.with_arrow_keys())
+                    delta = delta.with_arrow_keys()
+                # not dataclasses.replace: it asks dataclasses.fields() each time (a key group's job)
+                job = m.WriteJob(job.operator, job.state, job.key_group, job.prev_chain, delta, job.complete)
             out.append(job)
         return out
 
@@ -452,34 +466,42 @@ def _main(conn: Any, workers_end: Any) -> None:
     session = None  # what this writer remembers from one write to the next (see write_jobs)
     reader = FrameReader()
     while True:
-        cpu = time.process_time()  # waiting for a frame takes none: the receive is counted
+        # No cyclic garbage collection while a frame is unpacked and written: they make a few
+        # objects per key group, all freed by their reference counts, and the collections
+        # their allocations set off scanned every live object again and again (32,768 key
+        # groups of a few keys: a third of the write's CPU). Collections resume between frames.
+        gc.disable()
         try:
-            msg = reader.recv(conn)
-        except (EOFError, OSError):
-            return
-        if isinstance(msg, m.WriterOpen):
-            from storage import CheckpointSession, SnapshotStore
+            cpu = time.process_time()  # waiting for a frame takes none: the receive is counted
+            try:
+                msg = reader.recv(conn)
+            except (EOFError, OSError):
+                return
+            if isinstance(msg, m.WriterOpen):
+                from storage import CheckpointSession, SnapshotStore
 
-            store = SnapshotStore.open(msg.storage_url, msg.storage_options)
-            session = CheckpointSession()
-            continue
-        if not isinstance(msg, m.WriteSnapshot):
-            reply: Any = m.WriteFailed(str(m.unexpected(msg, "snapshot writer process", "its worker",
-                                                           "WriterOpen or WriteSnapshot")))
-        else:
-            checkpoint_id, jobs = msg.checkpoint_id, msg.jobs
-            del msg  # the jobs' arrays are views of the reader's block: none may outlive the write
-            reply = _write(store, orders, checkpoint_id, jobs, session)
-            del jobs
-            # Arrow's allocator keeps what a write freed for the next one, seconds away: handed
-            # back now (~0.2 ms), the writer holds ~12 MB less between checkpoints (100 k string keys)
-            pa.default_memory_pool().release_unused()
-        if isinstance(reply, m.WriteDone):
-            reply = m.WriteDone(reply.chains, time.process_time() - cpu)
-        try:
-            conn.send(reply)
-        except (EOFError, OSError):
-            return
+                store = SnapshotStore.open(msg.storage_url, msg.storage_options)
+                session = CheckpointSession()
+                continue
+            if not isinstance(msg, m.WriteSnapshot):
+                reply: Any = m.WriteFailed(str(m.unexpected(msg, "snapshot writer process", "its worker",
+                                                               "WriterOpen or WriteSnapshot")))
+            else:
+                checkpoint_id, jobs = msg.checkpoint_id, msg.jobs
+                del msg  # the jobs' arrays are views of the reader's block: none may outlive the write
+                reply = _write(store, orders, checkpoint_id, jobs, session)
+                del jobs
+                # Arrow's allocator keeps what a write freed for the next one, seconds away: handed
+                # back now (~0.2 ms), the writer holds ~12 MB less between checkpoints (100 k string keys)
+                pa.default_memory_pool().release_unused()
+            if isinstance(reply, m.WriteDone):
+                reply = m.WriteDone(reply.chains, time.process_time() - cpu)
+            try:
+                conn.send(reply)
+            except (EOFError, OSError):
+                return
+        finally:
+            gc.enable()
 
 
 def _write(store: Any, orders: Any, checkpoint_id: int, jobs: list, session: Any = None) -> Any:
@@ -526,7 +548,7 @@ def write_jobs(store: Any, orders: Any, checkpoint_id: int, jobs: list, session:
     for job in jobs:
         operator, state, kg, prev_chain, delta, complete = (
             job.operator, job.state, job.key_group, job.prev_chain, job.delta, job.complete)
-        keys = values = rows = None
+        keys = values = rows = base = None
         if isinstance(delta, pa.Table):
             table, image = delta, None
         elif isinstance(delta, ColumnDelta):
@@ -539,12 +561,13 @@ def write_jobs(store: Any, orders: Any, checkpoint_id: int, jobs: list, session:
             table, complete = functools.partial(delta.to_table, orders, slot), delta.complete
             image = functools.partial(delta.image, orders, slot)
             keys = functools.partial(delta.image_keys, orders, slot)
-            if delta.typed_image:  # its values image from its columns; the table only if the write needs it
-                values, rows = functools.partial(_values_image, delta, orders, slot), delta.num_rows
+            rows, base = delta.num_rows, functools.partial(delta.base, orders, slot)  # the table only if needed
+            if delta.typed_image:  # its values image from its columns
+                values = functools.partial(_values_image, delta, orders, slot)
         else:  # complete is read after to_table, which may set it
             table = delta.to_table()
             image, complete = getattr(delta, "image", None), getattr(delta, "complete", complete)
-        captures.append(KeyGroupCapture(operator, state, kg, prev_chain, table, complete, image, keys, values, rows))
+        captures.append(KeyGroupCapture(operator, state, kg, prev_chain, table, complete, image, keys, values, rows, base))
     return session.write(store, checkpoint_id, captures)
 
 
