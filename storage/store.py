@@ -356,6 +356,15 @@ class SnapshotStore:
         From an object store the chain's files are fetched concurrently."""
         return self._reader.read_chain(chain, checkpoint_id=checkpoint_id)
 
+    def read_range(self, chains: Sequence[Sequence[FileRef]], *,
+                   checkpoint_id: int | None = None) -> tuple[pa.Table, list[tuple[int, int]]]:
+        """Resolve many chains that are each one key group's rows of the same shared range of a
+        packed file (format 6; the usual chain of a small key group after a full checkpoint):
+        one table, and each chain's ``(row offset, rows)`` in it, what :meth:`read_chain` of
+        that chain returns. The range is read, verified and decoded once, not once per key
+        group. :class:`InvalidChainError` for a chain that is not one reference to that range."""
+        return self._reader.read_range(chains, checkpoint_id=checkpoint_id)
+
     def read_key_group(self, manifest: Manifest, operator: str, state: str, key_group: int) -> pa.Table:
         """Resolved state of one key group at ``manifest``'s checkpoint."""
         return self._reader.read_key_group(manifest, operator, state, key_group)

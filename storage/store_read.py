@@ -244,6 +244,43 @@ class ChainReader:
         schema = stream_schema(data[0], source=f"{self.io.url}: file {chain[0].path}")
         return resolve_chain([base, *rest], first_is_base=True, base_schema=schema)
 
+    def read_range(self, chains: Sequence[Sequence[FileRef]], *,
+                   checkpoint_id: int | None = None) -> tuple[pa.Table, list[tuple[int, int]]]:
+        """:meth:`SnapshotStore.read_range`: chains that are each one key group's rows of one
+        shared range alone (a base of one reference, the same range in every chain), resolved
+        as :meth:`read_chain` resolves each, as one table and each chain's ``(row offset,
+        rows)`` in it. The range is fetched, verified and decoded once and resolved as a whole
+        (a restore after a full checkpoint of many key groups: one chain of a few rows per
+        key group, some thirty ranges for 32,768 key groups); each chain is checked as
+        :meth:`read_chain` checks it. :class:`InvalidChainError` for a chain that is not such a
+        reference to the first chain's range."""
+        chains = [list(chain) for chain in chains]
+        if not chains:
+            raise InvalidChainError("read_range got no chains; pass chains from a manifest")
+        first = chains[0][0] if chains[0] else None
+        key = None if first is None or not first.shared else SharedRangeCache.key(first)
+        for chain in chains:
+            ref = chain[0] if len(chain) == 1 else None
+            if ref is None or not ref.shared or SharedRangeCache.key(ref) != key:
+                raise InvalidChainError("read_range: a chain is not one reference to the rows of the first chain's "
+                                        "shared range; read it with read_chain")
+            if ref.kind != "base":
+                loc = ref.location()
+                problems = chain_problems(chain, operator=loc.operator, state=loc.state,  # type: ignore[arg-type]
+                                          key_group=loc.key_group)  # type: ignore[arg-type]
+                raise InvalidChainError(f"read_range: malformed chain ({problems[0][1]}); pass a chain from a manifest")
+        ref = chains[0][0]
+        table = self._decode_shared(ref, self.read_bytes(ref, checkpoint_id=checkpoint_id))
+        parts = [(chain[0].row_offset, chain[0].rows) for chain in chains]
+        if OP_COLUMN in table.schema.names:  # a base with an op column (not written so): each key group resolved
+            tables = [resolve_chain([table.slice(o, n)], first_is_base=True) for o, n in parts]
+            parts, at = [], 0
+            for t in tables:
+                parts.append((at, t.num_rows))
+                at += t.num_rows
+            return pa.concat_tables(tables) if tables else table.slice(0, 0), parts  # type: ignore[return-value]
+        return resolve_chain([table], first_is_base=True), parts  # type: ignore[return-value]
+
     def read_files(self, refs: Sequence[FileRef], *, checkpoint_id: int | None = None) -> list[pa.Table]:
         """:meth:`read_file` of each ref, in order (fetched as :meth:`fetch` does)."""
         return [self.decode(ref, d) for ref, d in zip(refs, self.fetch(refs, checkpoint_id=checkpoint_id))]

@@ -8,6 +8,8 @@ snapshot, and it returns an :class:`OpSnapshot` that the uploader turns into fil
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import types
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -113,6 +115,50 @@ def read_ahead(read_chain: Callable[[list], pa.Table], items: Sequence[tuple], r
                 future.cancel()
 
 
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection meanwhile (then as it was): a restore makes objects by the
+    hundred thousand (columns, references, slices), none of them garbage, and the collections
+    their allocations set off scan them all again and again (at 32,768 key groups about half
+    of a restore's time went so)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+class _SharedRange(list):
+    """The ``(key group, chain)`` pairs of one state whose chains are each their rows of one
+    shared range alone: read together (:meth:`SnapshotStore.read_range`)."""
+
+    __slots__ = ()
+
+
+def _restore_units(wanted: Sequence[tuple]) -> list[tuple]:
+    """``wanted`` (``(state, key group, chain)``) as units to read: ``(state, kg, chain)`` for a
+    key group read alone, ``(state, first kg, _SharedRange)`` for the key groups of one state
+    whose chains are a single reference each to rows of the same shared range (two or more),
+    in the place of the first of them."""
+    units: list[tuple] = []
+    ranges: dict[tuple, _SharedRange] = {}
+    for state, kg, chain in wanted:
+        ref = chain[0] if len(chain) == 1 else None
+        if ref is None or not ref.shared or ref.kind != "base":
+            units.append((state, kg, chain))
+            continue
+        key = (state, ref.path, ref.offset, ref.read_size, ref.checksum)
+        group = ranges.get(key)
+        if group is None:
+            group = ranges[key] = _SharedRange()
+            units.append((state, kg, group))
+        group.append((kg, chain))
+    # a range of one key group is read as any chain is
+    return [(s, kg, u[0][1]) if type(u) is _SharedRange and len(u) == 1 else (s, kg, u) for s, kg, u in units]
+
+
 class KeyedOp(OperatorRuntime):
     """Base of operators with keyed state: owns the state backend, the confirmed chain
     of files per key group, and the snapshot/confirm cycle."""
@@ -141,7 +187,8 @@ class KeyedOp(OperatorRuntime):
         return self.backend.key_group_range
 
     def restore(self, chains: dict, read_chain: Callable[[list], pa.Table], same_root: bool = True,
-                on_read: Callable[[int], None] | None = None, readers: int = 1) -> int:
+                on_read: Callable[[int], None] | None = None, readers: int = 1,
+                read_range: Callable[[list], tuple[pa.Table, list]] | None = None) -> int:
         """Load this subtask's key groups: ``chains`` (state -> kg -> [FileRef]) holds exactly
         them, as the driver's restore plan assigned them (``RestorePlan.keyed_chains``); a key
         group outside this subtask's range is a bug of the plan and fails the restore.
@@ -150,7 +197,11 @@ class KeyedOp(OperatorRuntime):
         can build on them; otherwise (a savepoint elsewhere) the first checkpoint is full.
         Returns bytes read; ``on_read(bytes)`` hears of each key group read (progress).
         ``readers``: key groups read (fetched and decoded) at once, ahead of the one being
-        loaded (see :func:`read_ahead`)."""
+        loaded (see :func:`read_ahead`). ``read_range`` (:meth:`SnapshotStore.read_range`):
+        the key groups whose chains are each their rows of one shared range alone (after a
+        full checkpoint, every small key group: thousands of them at a large max_parallelism)
+        are read with it, the range once, and loaded together (the backend's
+        ``restore_slices`` where it has one); without it each key group is read alone."""
         outside = sorted({kg for by_kg in chains.values() for kg in by_kg if kg not in self.key_group_range})
         if outside:
             raise StateError(
@@ -158,7 +209,6 @@ class KeyedOp(OperatorRuntime):
                 f"outside its range {self.key_group_range}; nothing was restored; report this bug"
             )
         self.need_full = not same_root
-        nbytes = 0
         wanted = [(state, kg, chain) for state, by_kg in chains.items() if state in self.confirmed_chains
                   for kg, chain in by_kg.items()]  # compatibility is checked by the driver before anything runs
         expect = getattr(self.backend, "expect_restore", None)
@@ -167,15 +217,39 @@ class KeyedOp(OperatorRuntime):
             for _state, kg, chain in wanted:
                 rows[kg] = max(rows.get(kg, 0), sum(ref.rows for ref in chain))
             expect(sum(rows.values()))
-        for (state, kg, chain), table in read_ahead(read_chain, wanted, readers):
-            read = sum(ref.bytes for ref in chain)
-            nbytes += read
-            if on_read is not None:
-                on_read(read)
-            self.backend.restore(state, kg, table)
-            if same_root:
-                self.chains.restored(self.uid, state, kg, chain)
+        units = _restore_units(wanted) if read_range is not None else [(s, kg, c) for s, kg, c in wanted]
+
+        def read(unit: Any) -> Any:
+            return read_range([c for _kg, c in unit]) if type(unit) is _SharedRange else read_chain(unit)
+
+        restore_slices = getattr(self.backend, "restore_slices", None)
+        with _gc_paused():
+            nbytes = self._load_units(units, read, readers, same_root, on_read, restore_slices)
         self.backend.finish_restore()
+        return nbytes
+
+    def _load_units(self, units: list, read: Callable[[Any], Any], readers: int, same_root: bool,
+                       on_read: Callable[[int], None] | None, restore_slices: Callable | None) -> int:
+        nbytes = 0
+        for (state, kg, unit), got in read_ahead(read, units, readers):
+            members = unit if type(unit) is _SharedRange else ((kg, unit),)
+            read_bytes = sum(ref.bytes for _kg, chain in members for ref in chain)
+            nbytes += read_bytes
+            if on_read is not None:
+                on_read(read_bytes)
+            if type(unit) is _SharedRange:
+                table, parts = got
+                slices = [(g, o, n) for (g, _c), (o, n) in zip(unit, parts)]
+                if restore_slices is not None:
+                    restore_slices(state, table, slices)
+                else:
+                    for g, o, n in slices:
+                        self.backend.restore(state, g, table.slice(o, n))
+            else:
+                self.backend.restore(state, kg, got)
+            if same_root:
+                for g, chain in members:
+                    self.chains.restored(self.uid, state, g, chain)
         return nbytes
 
     def snapshot(self, checkpoint_id: int, full: bool = False) -> OpSnapshot:

@@ -356,7 +356,8 @@ class Worker(WorkerChannels):
                     t0 = time.perf_counter()
                     # counted per key group read: the start-up heartbeats carry the figure
                     op.restore(chains, restore_store.read_chain, same_root, on_read=self._restored,
-                               readers=RESTORE_READERS_REMOTE if restore_store.object_store else RESTORE_READERS)
+                               readers=RESTORE_READERS_REMOTE if restore_store.object_store else RESTORE_READERS,
+                               read_range=restore_store.read_range)
                     self.restore_seconds += time.perf_counter() - t0
                     restored_kgs[node.uid] = {state: tuple(sorted(by_kg)) for state, by_kg in chains.items()}
                 ops[n] = op

@@ -98,6 +98,19 @@ class AggregateBackend:
             self.migrate_to_dict()
         self.dict_backend.restore(state_name, kg, table, verify=verify)
 
+    def restore_slices(self, state_name: str, table: pa.Table, parts: Any) -> None:
+        """:meth:`restore` of ``table.slice(offset, rows)`` into key group ``kg`` for each
+        ``(kg, offset, rows)`` of ``parts`` (one shared range of a snapshot): in bulk by the
+        columnar store when it takes them all so
+        (:meth:`ColumnarKeyedState.restore_slices`), else key group by key group."""
+        if self.columnar is not None and self.columnar.restore_slices(state_name, table, parts):
+            return
+        if self.columnar is None:
+            self.dict_backend.restore_slices(state_name, table, parts)
+            return
+        for kg, offset, rows in parts:
+            self.restore(state_name, kg, table.slice(offset, rows))
+
     def expect_restore(self, keys: int) -> None:
         """A restore about to begin brings at most ``keys`` keys (see
         :meth:`ColumnarKeyedState.expect_restore`)."""

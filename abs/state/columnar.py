@@ -598,7 +598,75 @@ class ColumnarKeyedState:
             slots = self.slots_for_var(keys, kg=kg)
         elif slots is None:
             slots = self._int_slots(keys, lambda new: np.full(len(new), kg, np.int16), present=False)
+        self._load_values(col, slots, one_array(table.column("value")))
+
+    def restore_slices(self, state_name: str, table: pa.Table, parts: Any) -> bool:
+        """:meth:`load_checked` of ``table.slice(offset, rows)`` into key group ``kg`` for each
+        ``(kg, offset, rows)`` of ``parts`` (the key groups of one shared range of a snapshot,
+        :meth:`SnapshotStore.read_range`), as few bulks as the parts' rows allow: each run of
+        parts whose rows follow one another in the table is appended at once (fresh key
+        groups), or found at once in the slots another state's restore gave them. True when
+        done; False, with nothing changed, when the table is not one :meth:`check_restore_table`
+        accepts without a doubt (no op column, no null or uint64 keys) or a key group is
+        neither fresh nor so restored: the caller then restores key group by key group (which
+        raises what it raises)."""
+        col = self.columns.get(state_name)
+        if col is None or len(parts) < 2 or not self._slices_fit(col, table):
+            return False
+        owned = self.key_group_range
+        runs: list[list] = []  # [start, end, [(kg, rows)], slots or None (fresh)]
+        for kg, offset, rows in sorted(parts, key=lambda p: p[1]):
+            if type(kg) is not int or kg not in owned:
+                return False
+            if runs and runs[-1][1] == offset:
+                runs[-1][1] += rows
+                runs[-1][2].append((kg, rows))
+            else:
+                runs.append([offset, offset + rows, [(kg, rows)], None])
+        keycol = one_array(table.column("key"))
+        var = var_key_kind(keycol.type) is not None
+        keys = keycol if var else numpy_int64(keycol)
+        for run in runs:
+            start, end, groups = run[0], run[1], run[2]
+            got = [self._bulk.get(kg) for kg, rows in groups if rows]
+            if all(g is None for g in got):
+                if any(self.kg_counts[kg] for kg, _rows in groups):
+                    return False
+                continue
+            if any(g is None for g in got) or any(a[1] != b[0] for a, b in zip(got, got[1:])) \
+                    or not self._same_keys(got[0][0], got[-1][1], keys[start:end]):
+                return False
+            run[3] = slice(got[0][0], got[-1][1])
         varr = one_array(table.column("value"))
+        for start, end, groups, slots in runs:
+            if start == end:
+                continue  # key groups without rows: load_checked records nothing of them either
+            if slots is None:
+                slots = self._bulk_append(keys[start:end], groups)
+            self._load_values(col, slots, varr.slice(start, end - start))
+        return True
+
+    def _slices_fit(self, col: StateColumn, table: pa.Table) -> bool:
+        """Whether ``table`` passes :meth:`check_restore_table` into the columnar store
+        whatever key group it is of (see :meth:`restore_slices`)."""
+        meta = table.schema.metadata or {}
+        names = table.schema.names
+        kind = meta.get(META_STATE_KIND)
+        if (kind is not None and kind.decode() != col.descriptor.kind) or "key" not in names or "value" not in names \
+                or "op" in names:
+            return False
+        if meta.get(META_KEY_ENCODING, ENCODING_ARROW) != ENCODING_ARROW \
+                or meta.get(META_VALUE_ENCODING, ENCODING_ARROW) != ENCODING_ARROW:
+            return False
+        kt = table.schema.field("key").type
+        vt = table.schema.field("value").type
+        key_kind = "int" if pa.types.is_integer(kt) else var_key_kind(kt)
+        if key_kind is None or not self.takes(key_kind) or table.column("key").null_count or pa.types.is_uint64(kt):
+            return False
+        return pa.types.is_integer(vt) or (pa.types.is_floating(vt) and col.dtype.kind == "f")
+
+    def _load_values(self, col: StateColumn, slots: slice, varr: pa.Array) -> None:
+        """The values ``varr`` of restored keys into ``slots`` of state ``col``."""
         if varr.null_count:
             valid = varr.is_valid().to_numpy(zero_copy_only=False)
             vals = varr.fill_null(0).to_numpy(zero_copy_only=False).astype(col.dtype)
@@ -629,27 +697,37 @@ class ColumnarKeyedState:
         got = self._bulk.get(kg)
         if got is not None:
             lo, hi = got
-            if hi - lo != len(arr):
-                return None
-            if ints:
-                return slice(lo, hi) if np.array_equal(self.keys[lo:hi], arr) else None
-            offsets, data = arrow_buffers(arr)
-            store = self.var
-            mine = store.offsets[lo:hi + 1]
-            a, b = int(offsets[0]), int(offsets[-1])
-            if (b - a != mine[-1] - mine[0] or not np.array_equal(offsets - a, mine - mine[0])
-                    or not np.array_equal(data[a:b], store.data[mine[0]:mine[-1]])):
-                return None
-            return slice(lo, hi)
+            return slice(lo, hi) if self._same_keys(lo, hi, arr) else None
         kind = "int" if ints else var_key_kind(arr.type)
         if self.kg_counts[kg] or not self.takes(kind):
             return None
-        self._set_kind(kind)
+        return self._bulk_append(arr, [(kg, len(arr))])
+
+    def _same_keys(self, lo: int, hi: int, arr: pa.Array | np.ndarray) -> bool:
+        """Whether slots ``lo`` to ``hi`` hold the keys ``arr`` (int64 numpy, or a string/binary
+        array), in that order."""
+        if hi - lo != len(arr):
+            return False
+        if isinstance(arr, np.ndarray):
+            return bool(np.array_equal(self.keys[lo:hi], arr))
+        offsets, data = arrow_buffers(arr)
+        store = self.var
+        mine = store.offsets[lo:hi + 1]
+        a, b = int(offsets[0]), int(offsets[-1])
+        return not (b - a != mine[-1] - mine[0] or not np.array_equal(offsets - a, mine - mine[0])
+                    or not np.array_equal(data[a:b], store.data[mine[0]:mine[-1]]))
+
+    def _bulk_append(self, arr: pa.Array | np.ndarray, groups_rows: list[tuple[int, int]]) -> slice:
+        """Append the keys ``arr`` of fresh key groups (``(kg, rows)`` in ``arr``'s order) in
+        bulk, unindexed (see :meth:`_bulk_slots`): their slots."""
+        ints = isinstance(arr, np.ndarray)
+        self._set_kind("int" if ints else var_key_kind(arr.type))
         n0 = self.n
         n1 = n0 + len(arr)
-        if not n0:  # the first key group of a restore: room for as many in each key group of the range
+        if not n0:  # the first key groups of a restore: room for as many in each key group of the range
             groups = int(self.key_group_range.mask.sum())
-            guess = n1 * groups + n1 // 8 * int(groups ** 0.5)
+            first = -(-len(arr) // max(len(groups_rows), 1))  # their mean
+            guess = max(n1, first * groups + first // 8 * int(groups ** 0.5))
             if self._restore_bound is not None:
                 guess = max(n1, min(guess, self._restore_bound))
             if guess > self.capacity:
@@ -673,12 +751,16 @@ class ColumnarKeyedState:
         else:
             self.var.append(arr)
             key_codes(arr, out=self.keys[n0:n1], rows=False)  # written in place: no array of codes to copy
-        self.kg[n0:n1] = kg
-        self.kg_counts[kg] += n1 - n0
+        at = n0
+        for kg, rows in groups_rows:
+            if rows:
+                self.kg[at:at + rows] = kg
+                self.kg_counts[kg] += rows
+                self._bulk[kg] = (at, at + rows)
+                at += rows
         self.n = n1
         if self._unindexed is None:
             self._unindexed = n0
-        self._bulk[kg] = (n0, n1)
         if self._fill is not None and n1 - self._fill_from >= _FILL_RUN:  # runs of a few key groups: the C fill lets the GIL go from 64 k keys on
             self._fill.add(self.keys[self._fill_from:n1], self._fill_from)
             self._fill_from = n1

@@ -23,6 +23,7 @@ from .descriptors import KINDS, StateDescriptor
 from .encoding import (
     ENCODING_ARROW,
     META_KEY_ENCODING,
+    META_STATE_KIND,
     META_VALUE_ENCODING,
     MISSING,
     arrow_to_list,
@@ -492,6 +493,61 @@ class KeyedStateBackend:
             d.update(zip(keys, values))
         else:  # the usual restore, into an empty key group: a dict built at once, not grown
             slot.data[kg] = dict(zip(keys, values))
+
+    def restore_slices(self, state_name: str, table: pa.Table, parts: Sequence[tuple[int, int, int]]) -> None:
+        """:meth:`restore` of ``table.slice(offset, rows)`` into key group ``kg`` for each
+        ``(kg, offset, rows)`` of ``parts`` (the key groups of one shared range of a snapshot,
+        :meth:`SnapshotStore.read_range`), with what does not depend on the key group done
+        once: the checks of the table, the cast of its values, their numpy form. A key group
+        that is not an empty typed column, or a table not of the shape :meth:`_load_column`
+        loads in bulk, goes through :meth:`restore` (which raises what it raises)."""
+        slot = self._slot(state_name)
+        loaded = self._load_slices(slot, table, parts)
+        for kg, offset, rows in parts:
+            if kg not in loaded:
+                self.restore(state_name, kg, table.slice(offset, rows))
+
+    def _load_slices(self, slot: StateSlot, table: pa.Table, parts: Sequence[tuple[int, int, int]]) -> set[int]:
+        """The key groups of ``parts`` :meth:`restore_slices` kept as restored columns (see
+        :meth:`_load_column`); none when the table is not of that shape or does not pass
+        :func:`check_restore_table` (the caller's :meth:`restore` then names the problem)."""
+        meta = table.schema.metadata or {}
+        if slot.typecode is None or slot.arrow_type is None or len(parts) < 2:
+            return set()
+        if meta.get(META_KEY_ENCODING) != ENCODING_ARROW or meta.get(META_VALUE_ENCODING) != ENCODING_ARROW:
+            return set()
+        kind = meta.get(META_STATE_KIND)
+        names = table.schema.names
+        if (kind is not None and kind.decode() != slot.descriptor.kind) or "key" not in names or "value" not in names \
+                or "op" in names:
+            return set()
+        key_col, value_col = table.column("key"), table.column("value")
+        kt = key_col.type
+        text = (pa.types.is_string(kt) or pa.types.is_large_string(kt) or pa.types.is_binary(kt)
+                or pa.types.is_large_binary(kt))
+        if not (pa.types.is_integer(kt) or text) or key_col.null_count:
+            return set()
+        try:
+            keys = key_col if text else key_col.cast(pa.int64()).to_numpy()
+            values = value_col.cast(slot.arrow_type)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+            return set()
+        nulls = values.is_null().to_numpy() if values.null_count else None
+        array = (values.fill_null(0) if values.null_count else values).to_numpy()
+        loaded: set[int] = set()
+        owned = self.key_group_range
+        for kg, offset, rows in parts:
+            if type(kg) is not int or kg not in owned:
+                continue  # restore() refuses it
+            col = slot.data[kg]
+            if type(col) is not Column or len(col) or col.deleted:
+                continue  # restore() loads it into what the key group holds
+            end = offset + rows
+            mask = None if nulls is None else nulls[offset:end]
+            RestoredColumn.keep(col, keys.slice(offset, rows) if text else keys[offset:end], array[offset:end],
+                                mask if mask is not None and mask.any() else None)
+            loaded.add(kg)
+        return loaded
 
     def _load_column(self, slot: StateSlot, kg: int, table: pa.Table, meta: dict) -> bool:
         """Bulk-load an Arrow-encoded table with integer, string or binary keys into an empty
