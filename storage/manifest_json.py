@@ -3,6 +3,7 @@ nesting, integers), and the manifest checksum over their canonical encoding."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Mapping
 
 from .checksums import WRITE_CHECKSUM_ALGORITHM, checksum_hex
@@ -82,10 +83,57 @@ def _key(key: Any) -> str:
     return _compact(key) if isinstance(key, str) else _compact({key: 0})[1:-3]
 
 
+_CHAINS = re.compile(r'\{"\d+":\[[\[\],\d-]*\](?:,"\d+":\[[\[\],\d-]*\])*\}')
+"""The compact form of an object of integer keys (digits) whose values are arrays of arrays of
+integers (or empty): a state's chains by key group in a manifest."""
+
+
+def _layout_chains(value: dict, inner: str, width: int) -> str | None:
+    """The items :func:`_layout` lays out, one per line, of ``value`` when it is an object of
+    integer keys whose values are arrays of arrays of integers, each short enough for one line
+    (a state's chains by key group: thousands of them), from one encoder call and string
+    operations over its output; ``None`` for any other object."""
+    compact = _compact(value)
+    if not _CHAINS.fullmatch(compact):
+        return None
+    # no quote but the keys': items are split at each ',"', and a key ends at its '":'
+    pieces = compact[1:-1].split(',"')
+    if max(map(len, pieces)) > width:  # a key and its value: that value might not fit one line
+        return None
+    return inner + (",\n" + inner + '"').join(pieces).replace('":', '": ')
+
+
+def _exceeds(value: dict | list, width: int) -> bool:
+    """Whether the compact form of ``value`` is surely longer than ``width`` characters, from a
+    walk that counts the least each part costs (brackets, a key's quotes and colon, a comma, a
+    character per number) and stops once past ``width``: an object that holds a few objects
+    of thousands of items is not encoded whole to learn that it does not fit."""
+    total = 0
+    stack: list = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            total += 1 + 4 * len(v) if v else 2
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            total += 1 + len(v) if v else 2
+            stack.extend(v)
+        else:
+            total += 1
+        if total > width:
+            return True
+    return False
+
+
 def _layout(value: Any, indent: str, width: int) -> str:
     if not isinstance(value, (dict, list)):
         return _compact(value)
-    if 2 * len(value) <= width:  # else no compact form fits: every item costs a character and a comma
+    if isinstance(value, dict) and 2 * len(value) > width:
+        lines = _layout_chains(value, indent + " ", width)
+        if lines is not None:
+            return "{\n" + lines + "\n" + indent + "}"
+    if 2 * len(value) <= width and not (len(value) < 8 and _exceeds(value, width)):
+        # else no compact form fits: every item costs a character and a comma
         compact = _compact_refs(value) if _is_refs(value) else _compact(value)
         if len(compact) <= width:
             return compact

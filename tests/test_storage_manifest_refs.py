@@ -193,3 +193,34 @@ def test_a_one_percent_delta_commits_a_manifest_of_a_few_bytes_per_reference(tmp
 def test_the_range_fields_are_those_format_md_documents():
     md = " ".join((pathlib.Path(__file__).resolve().parents[1] / "storage" / "FORMAT.md").read_text().split())
     assert "`[" + ", ".join(RANGE_FIELDS) + "]`" in md
+
+
+def _chains(n: int, **special) -> dict:
+    out = {str(kg): [[kg % 7, kg, 3]] for kg in range(n)}
+    out.update(special)
+    return out
+
+
+@pytest.mark.parametrize("chains,at_once", [
+    (_chains(500), True),
+    (_chains(300, **{"7": [[1]] * 2, "8": [], "9": [[-1, 10 ** 20]], "10": [[2], [3, 0, 1], [4]]}), True),
+    (_chains(300, **{"7": [[i, i, i] for i in range(40)]}), False),  # a chain too long for one line
+    (_chains(300, **{"7": [[1, "a"]]}), False),  # a string among the numbers
+    (_chains(300, **{"x7": [[1]]}), False),  # a key that is not a key group
+    (_chains(300, **{"7": [[1.5]]}), False),
+    (_chains(300, **{"7": [[True]]}), False),
+    (_chains(300, **{"7": {"a": [1]}}), False),
+])
+def test_the_chains_of_many_key_groups_are_laid_out_at_once_as_item_by_item(monkeypatch, chains, at_once):
+    """A state's chains by key group (thousands at a large max_parallelism) are laid out from
+    one encoding of them: the same text as item by item, one line per key group."""
+    from storage import manifest_json
+
+    doc = {"format_version": 8, "keyed": {OP: {"n": chains}}, "stats": {"a": 1}}
+    real = manifest_json._layout_chains
+    used: list = []
+    monkeypatch.setattr(manifest_json, "_layout_chains", lambda *a: used.append(real(*a)) or used[-1])
+    fast = layout_json(doc)
+    assert any(u is not None for u in used) == at_once
+    monkeypatch.setattr(manifest_json, "_layout_chains", lambda *a: None)
+    assert fast == layout_json(doc) and json.loads(fast) == doc
