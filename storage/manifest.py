@@ -254,7 +254,7 @@ class Manifest:
             # the runtime's JSON values are the only parts that may nest deep (the rest has a fixed depth)
             if json_depth_exceeds({k: doc[k] for k in _FREE_FORM if k in doc}, MAX_JSON_DEPTH):
                 raise ValueError(f"arrays or objects nest deeper than {MAX_JSON_DEPTH} levels")
-            parsed = json.loads(json.dumps(doc, allow_nan=False))  # exactly what a reader will parse and hash
+            parsed = _as_parsed(doc)  # exactly what a reader will parse and hash
             digest = manifest_checksum(parsed, algorithm)
             stored = {"format_version": parsed.pop("format_version"), "checksum_algorithm": algorithm,
                       "checksum": digest, **parsed}
@@ -421,6 +421,20 @@ class Manifest:
         )
 
 
+def _as_parsed(doc: dict[str, Any]) -> dict[str, Any]:
+    """``json.loads(json.dumps(doc))``: the document as a reader parses it back. Its ``keyed``
+    part, the chains by key group (the bulk of a manifest at a large max_parallelism), is
+    already in that form when its operator and state names are strings (:meth:`Manifest.to_dict`
+    builds the rest of it of strings, integers and lists): it is taken as is, in its place."""
+    keyed = doc.get("keyed")
+    if not (isinstance(keyed, dict) and all(type(op) is str and type(states) is dict and all(type(st) is str for st in states)
+                                             for op, states in keyed.items())):
+        return json.loads(json.dumps(doc, allow_nan=False))
+    parsed = json.loads(json.dumps({**doc, "keyed": {}}, allow_nan=False))
+    parsed["keyed"] = keyed
+    return parsed
+
+
 def chain_problems(chain: list[FileRef], *, operator: str, state: str, key_group: int,
                    max_checkpoint_id: int | None = None) -> list[tuple[str | None, str]]:
     """Structural problems of one key group's chain, as ``(path or None, message)`` pairs.
@@ -429,14 +443,39 @@ def chain_problems(chain: list[FileRef], *, operator: str, state: str, key_group
     checkpoint ids, and every file lives in the directory of (operator, state, key_group) or is
     a range of that key group in a packed file of (operator, state).
     """
+    return _chain_problems(chain, operator, state, key_group, max_checkpoint_id,
+                           StoragePaths.packed_dir(operator, state) + "/")
+
+
+def _chain_problems(chain: list[FileRef], operator: str, state: str, key_group: int, max_checkpoint_id: int | None,
+                    packed_dir: str) -> list[tuple[str | None, str]]:
+    """:func:`chain_problems` with the packed directory of (operator, state) given (a manifest's
+    key groups share it); an empty list, without a message built, for a sound chain."""
+    if not chain:
+        return [(None, f"{operator}/{state}/kg {key_group}: empty chain")]
+    expected_dir = None
+    last = 0
+    sound = chain[0].kind == "base"
+    for i, ref in enumerate(chain):
+        if ref.offset is not None:
+            placed = ref.key_group == key_group and ref.path.startswith(packed_dir)
+        else:
+            if expected_dir is None:
+                expected_dir = StoragePaths.key_group_dir(operator, state, key_group) + "/"
+            placed = ref.path.startswith(expected_dir)
+        cid = ref.checkpoint_id
+        if not placed or (i > 0 and ref.kind != "delta") or cid < last \
+                or (max_checkpoint_id is not None and cid > max_checkpoint_id):
+            sound = False
+            break
+        last = cid
+    if sound and (len(chain) == 1 or len({r.id for r in chain}) == len(chain)):
+        return []
     problems: list[tuple[str | None, str]] = []
     where = f"{operator}/{state}/kg {key_group}"
-    if not chain:
-        return [(None, f"{where}: empty chain")]
     if chain[0].kind != "base":
         problems.append((chain[0].path, f"{where}: chain starts with a {chain[0].kind}, not a base"))
     expected_dir = StoragePaths.key_group_dir(operator, state, key_group) + "/"
-    packed_dir = StoragePaths.packed_dir(operator, state) + "/"
     last = 0
     for i, ref in enumerate(chain):
         if i > 0 and ref.kind != "delta":
@@ -460,10 +499,13 @@ def manifest_problems(manifest: Manifest) -> list[tuple[str | None, str]]:
     cid = manifest.checkpoint_id
     for op, states in manifest.keyed.items():
         for st, chains in states.items():
+            packed_dir = StoragePaths.packed_dir(op, st) + "/"
             for kg, chain in chains.items():
                 if not 0 <= kg < manifest.max_parallelism:
                     problems.append((None, f"{op}/{st}: key group {kg} outside [0, {manifest.max_parallelism})"))
-                problems.extend(chain_problems(chain, operator=op, state=st, key_group=kg, max_checkpoint_id=cid))
+                found = _chain_problems(chain, op, st, kg, cid, packed_dir)
+                if found:
+                    problems.extend(found)
     for op, subtasks in manifest.operator_state.items():
         for i, ref in subtasks.items():
             loc = ref.location()

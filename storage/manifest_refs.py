@@ -44,11 +44,28 @@ class RefTables:
         self.ranges: list[list[Any]] = []
         self._file_index: dict[str, int] = {}
         self._range_index: dict[tuple[str, int], int] = {}
+        self._known: dict[tuple, int] = {}  # a range's fields -> its index
 
     def entry(self, ref: FileRef) -> list[int]:
         """The entry of ``ref``: ``[range]`` or ``[range, row_offset, rows]``. ``ValueError``
         when two references to one range disagree about it, or a shared reference's ``bytes``
         is not its share of the range (neither happens to references this code writes)."""
+        row_offset, range_rows, range_bytes = ref.row_offset, ref.range_rows, ref.range_bytes
+        # a range already named with the same fields: its index (one dictionary look-up per
+        # reference; a manifest of 32,768 key groups has that many)
+        known = (ref.path, ref.offset, ref.kind, ref.bytes if range_bytes is None else range_bytes,
+                 ref.rows if range_rows is None else range_rows, ref.checksum_algorithm, ref.checksum)
+        index = self._known.get(known)
+        if index is None:
+            index = self._known[known] = self._new_entry(ref)
+        if row_offset is None:
+            return [index]
+        if ref.bytes != share_of_range(range_bytes, range_rows, row_offset, ref.rows):  # type: ignore[arg-type]
+            raise ValueError(f"file {ref.where}: bytes={ref.bytes} is not the key group's share of its shared range")
+        return [index, row_offset, ref.rows]
+
+    def _new_entry(self, ref: FileRef) -> int:
+        """The index of ``ref``'s range, named in ``ranges`` (and its file in ``files``) if it is not yet."""
         file = self._file_index.get(ref.path)
         if file is None:
             file = self._file_index[ref.path] = len(self.files)
@@ -64,12 +81,7 @@ class RefTables:
         elif self.ranges[index] != described:
             raise ValueError(f"file {ref.where}: references to this range disagree about its kind, size, rows or "
                              "checksum")
-        if not ref.shared:
-            return [index]
-        assert ref.row_offset is not None and ref.range_rows is not None and ref.range_bytes is not None
-        if ref.bytes != share_of_range(ref.range_bytes, ref.range_rows, ref.row_offset, ref.rows):
-            raise ValueError(f"file {ref.where}: bytes={ref.bytes} is not the key group's share of its shared range")
-        return [index, ref.row_offset, ref.rows]
+        return index
 
 
 class RefReader:

@@ -224,3 +224,35 @@ def test_the_chains_of_many_key_groups_are_laid_out_at_once_as_item_by_item(monk
     assert any(u is not None for u in used) == at_once
     monkeypatch.setattr(manifest_json, "_layout_chains", lambda *a: None)
     assert fast == layout_json(doc) and json.loads(fast) == doc
+
+
+def _ref(kind: str, cid: int, kg: int | None, packed: bool = True, op: str = OP, state: str = "n") -> FileRef:
+    if packed:
+        whole = FileRef(path=StoragePaths.packed_file(cid, op, state), kind=kind, checkpoint_id=cid, rows=10,
+                        bytes=100, checksum="0" * 32, checksum_algorithm="xxh3_128", offset=cid * 100, key_group=0)
+        return whole.in_range(kg)  # type: ignore[arg-type]
+    return FileRef(path=StoragePaths.state_file(cid, op, state, kg, kind), kind=kind, checkpoint_id=cid,  # type: ignore[arg-type]
+                   rows=1, bytes=10, checksum="0" * 32, checksum_algorithm="xxh3_128")
+
+
+@pytest.mark.parametrize("chain,messages", [
+    (lambda: [_ref("base", 1, 3)], []),
+    (lambda: [_ref("base", 1, 3, packed=False), _ref("delta", 2, 3)], []),
+    (lambda: [], ["empty chain"]),
+    (lambda: [_ref("delta", 1, 3)], ["chain starts with a delta, not a base"]),
+    (lambda: [_ref("base", 1, 3), _ref("base", 2, 3)], ["position 1 is a base, only deltas may follow the base"]),
+    (lambda: [_ref("base", 1, 4)], ["file belongs to another operator/state/key group"]),
+    (lambda: [_ref("base", 1, 4, packed=False)], ["file belongs to another operator/state/key group"]),
+    (lambda: [_ref("base", 1, 3, state="other")], ["file belongs to another operator/state/key group"]),
+    (lambda: [_ref("base", 2, 3), _ref("delta", 1, 3)], ["checkpoint ids go backwards along the chain"]),
+    (lambda: [_ref("base", 1, 3), _ref("delta", 9, 3)], ["file of checkpoint 9 is newer than the manifest"]),
+    (lambda: [_ref("base", 1, 3)] + [_ref("delta", 2, 3)] * 2, ["the same file appears twice"]),
+    (lambda: [_ref("delta", 2, 3), _ref("base", 1, 4)],
+     ["starts with a delta", "position 1 is a base", "belongs to another", "go backwards"]),
+])
+def test_chain_problems_names_each_problem_of_a_chain(chain, messages):
+    from storage.manifest import chain_problems
+
+    got = chain_problems(chain(), operator=OP, state="n", key_group=3, max_checkpoint_id=5)
+    assert len(got) == len(messages) and all(m in text for m, (_p, text) in zip(messages, got))
+    assert all(text.startswith(f"{OP}/n/kg 3: ") for _p, text in got)
