@@ -100,3 +100,20 @@ def test_a_restart_forgets_the_load_before_it():
     # sized on the load after the restart alone (no sample mixes the counts of both workers)
     assert first["kind"] == "scale_out" and first["reason"].startswith("input 1,500/s, lag 0 records, busy 100%")
     assert all(min(s.busy) > 0.5 for s in d.load_series)  # 60 %, then 100 %: none compares across the restart
+
+
+
+def test_a_sample_as_a_dict_is_asdict_of_it_without_its_deep_copy():
+    import dataclasses
+
+    from abs.autoscale import LoadSample
+    from abs.runtime.autoscaling import sample_dict
+
+    owners = tuple(kg % 3 for kg in range(32768))
+    sample = LoadSample(12.5, (0.5, 1.0, 0.0), (10.0, 20.0, 0.0), 30.0, 4.0, {7: 2.5, 9: 1.0}, owners)
+    got = sample_dict(sample)
+    assert got == dataclasses.asdict(sample) and list(got) == list(dataclasses.asdict(sample))
+    assert got["owners"] is owners  # shared, not copied key group by key group
+    got["key_group_rates"][7] = 0.0
+    assert sample.key_group_rates[7] == 2.5  # the rates are the dict's own
+    assert sample_dict(LoadSample(1.0, (), (), 0.0)) == dataclasses.asdict(LoadSample(1.0, (), (), 0.0))
