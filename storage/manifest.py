@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Literal
 
+from abscore.gcpause import gc_paused
 from abscore.keygroups import MAX_MAX_PARALLELISM as _MAX_MAX_PARALLELISM
 
 from .checksums import WRITE_CHECKSUM_ALGORITHM, is_checksum
@@ -244,6 +245,10 @@ class Manifest:
 
     def _encode(self, algorithm: str = WRITE_CHECKSUM_ALGORITHM) -> tuple[str, str]:
         """(JSON text, checksum)."""
+        with gc_paused():  # lists and strings per key group: no garbage among them
+            return self._encode_unpaused(algorithm)
+
+    def _encode_unpaused(self, algorithm: str) -> tuple[str, str]:
         try:
             doc = self.to_dict()
         except ValueError as exc:  # references to one range disagree
@@ -269,7 +274,8 @@ class Manifest:
     def from_json(cls, text: str | bytes, *, source: str = "manifest") -> "Manifest":
         """Parse a manifest and check its checksum; ``source`` names it in error messages.
         Size, nesting and numbers are bounded (see :func:`parse_json_document`)."""
-        return cls.from_dict(parse_json_document(text, source=source), source=source, stored=True)
+        with gc_paused():  # a reference per key group and chain position: no garbage among them
+            return cls.from_dict(parse_json_document(text, source=source), source=source, stored=True)
 
     @classmethod
     def from_dict(cls, data: Any, *, source: str = "manifest", stored: bool = False) -> "Manifest":

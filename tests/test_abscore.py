@@ -363,3 +363,40 @@ def test_cycle_finder_finds_a_cycle():
 def test_no_import_cycle_between_files():
     cycles = _cycles(_file_graph())
     assert cycles == [], f"import cycles between files: {cycles}"
+
+
+def test_gc_paused_turns_collection_off_inside_and_back_on_after_the_last_pause_only_if_it_was_on():
+    import gc
+    import threading
+
+    from abscore.gcpause import gc_paused
+
+    assert gc.isenabled()
+    try:
+        with gc_paused():
+            assert not gc.isenabled()
+            with gc_paused():
+                assert not gc.isenabled()
+            assert not gc.isenabled()  # an inner pause ending leaves the outer one on
+            other = gc_paused()
+            inner = threading.Thread(target=other.__enter__)
+            inner.start()
+            inner.join(5)
+        assert not gc.isenabled()  # another thread's pause still runs
+        other.__exit__(None, None, None)
+        assert gc.isenabled()  # the last pause ended
+        gc.disable()
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # off before: stays off
+        with pytest.raises(ValueError):
+            with gc_paused():
+                raise ValueError("the step failed")
+        assert not gc.isenabled()
+        gc.enable()
+        with pytest.raises(ValueError):
+            with gc_paused():
+                raise ValueError("the step failed")
+        assert gc.isenabled()  # back on after a failure too
+    finally:
+        gc.enable()

@@ -8,8 +8,6 @@ snapshot, and it returns an :class:`OpSnapshot` that the uploader turns into fil
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import types
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +16,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import pyarrow as pa
 
+from abscore.gcpause import gc_paused
 from storage.session import CheckpointSession
 
 from ..dataflow import Node
@@ -115,21 +114,6 @@ def read_ahead(read_chain: Callable[[list], pa.Table], items: Sequence[tuple], r
                 future.cancel()
 
 
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection meanwhile (then as it was): a restore makes objects by the
-    hundred thousand (columns, references, slices), none of them garbage, and the collections
-    their allocations set off scan them all again and again (at 32,768 key groups about half
-    of a restore's time went so)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 class _SharedRange(list):
     """The ``(key group, chain)`` pairs of one state whose chains are each their rows of one
     shared range alone: read together (:meth:`SnapshotStore.read_range`)."""
@@ -223,7 +207,7 @@ class KeyedOp(OperatorRuntime):
             return read_range([c for _kg, c in unit]) if type(unit) is _SharedRange else read_chain(unit)
 
         restore_slices = getattr(self.backend, "restore_slices", None)
-        with _gc_paused():
+        with gc_paused():  # objects by the hundred thousand, none of them garbage
             nbytes = self._load_units(units, read, readers, same_root, on_read, restore_slices)
         self.backend.finish_restore()
         return nbytes
