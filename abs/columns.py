@@ -120,6 +120,12 @@ class Captured:
     all_rows: bool
     complete: bool
 
+    def __reduce__(self) -> tuple:
+        # small arrays as (dtype, bytes): numpy's own pickling costs ~8 us an array, most of a
+        # small key group's trip to the writer process (a few keys each at a large max_parallelism)
+        return _captured, (_packed(self.keys), _packed(self.values), _packed(self.nulls), _packed(self.changed),
+                           self.deleted, self.all_rows, self.complete)
+
     def delta_rows(self, values: np.ndarray | list | None = None) -> tuple[np.ndarray | list, np.ndarray | list, np.ndarray | None]:
         """Keys, values and null mask of the changed rows; ``values``: the rows' values when
         they are not in :attr:`values` (objects frozen by a pickle, see ``ColumnDelta``)."""
@@ -132,6 +138,30 @@ class Captured:
         if isinstance(values, list):
             return keys, [values[i] for i in at.tolist()], None
         return keys, values[at], None if self.nulls is None else self.nulls[at]
+
+
+_PACK_BELOW = 512  # bytes: arrays smaller than this pickle as their bytes (see Captured.__reduce__)
+
+
+def _packed(a: Any) -> Any:
+    """A small C-contiguous numpy array of a plain dtype as ``(dtype string, bytes)``, for
+    :func:`_unpacked`; anything else as it is (large arrays go out of band in a frame)."""
+    if type(a) is np.ndarray and a.nbytes < _PACK_BELOW and a.dtype.kind in "biufcmM" and a.flags.c_contiguous \
+            and a.ndim == 1:
+        return (a.dtype.str, a.tobytes())
+    return a
+
+
+def _unpacked(a: Any) -> Any:
+    if type(a) is tuple:
+        return np.frombuffer(bytearray(a[1]), np.dtype(a[0]))  # writable, as the array was
+    return a
+
+
+def _captured(keys: Any, values: Any, nulls: Any, changed: Any, deleted: list, all_rows: bool,
+              complete: bool) -> Captured:
+    return Captured(_unpacked(keys), _unpacked(values), _unpacked(nulls), _unpacked(changed), deleted, all_rows,
+                    complete)
 
 
 class Column:

@@ -312,13 +312,19 @@ class KeyGroupWriter:
             else:
                 encoded = encode_shared([planned.table for _, _, planned in stream],  # type: ignore[misc]
                                         **({"level": FAST_LEVEL} if fast else {}))
+                # the whole range, checked once; each key group's rows of it derived from it
+                # (FileRef.in_range checks only what differs: ~10 us less a key group)
+                whole = FileRef(path=path, kind=stream[0][2].kind, checkpoint_id=CheckpointId(checkpoint_id),
+                                rows=encoded.rows, bytes=encoded.size, checksum=encoded.checksum,
+                                checksum_algorithm=encoded.checksum_algorithm, offset=offset,
+                                key_group=stream[0][1].key_group)
                 row = 0
                 for i, job, planned in stream:
                     end = row + planned.rows
                     # the key group's share of the range's bytes: by rows, adding up to the range exactly
                     share = encoded.size * end // encoded.rows - encoded.size * row // encoded.rows
-                    out[i] = planned.prefix + [ref(planned, job.key_group, encoded, share, row_offset=row,
-                                                   range_rows=encoded.rows, range_bytes=encoded.size)]
+                    out[i] = planned.prefix + [whole.in_range(job.key_group, row_offset=row, rows=planned.rows,
+                                                              share=share)]
                     row = end
             parts.append(encoded.data)
             offset += encoded.size

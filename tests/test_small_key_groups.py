@@ -177,3 +177,47 @@ def test_thousands_of_small_key_groups_checkpoint_and_restore_exactly(tmp_path, 
         got[kg] = dict(zip(table.column("key").to_pylist(), table.column("value").to_pylist()))
     assert got == {kg: m for kg, m in model.items() if m}
     assert fresh.verify().ok
+
+
+@pytest.mark.parametrize("key_type", [pa.string(), pa.binary(), pa.int64()])
+def test_an_aggregates_full_images_written_as_bases_from_their_captures_are_the_folded_deltas(key_type):
+    """The columnar aggregate's captures (string keys cut sorted per key group, as VarKeys),
+    as the writer process receives them: the base from each encodes to the folded delta."""
+    from test_aggregate import batch, feed, make_op
+
+    op = make_op({"s": ("v", "sum")}, emit="none", m=64)
+    raw = [f"customer-{i:05d}-é" for i in range(3000)] if key_type != pa.int64() else list(range(-1500, 1500))
+    keys = [k.encode() for k in raw] if key_type == pa.binary() else raw
+    for checkpoint_id in (1, 2):
+        feed(op, batch(keys, list(range(len(keys))), key_type=key_type))  # every key changes
+        captured = op.backend.capture(checkpoint_id, lazy=True)
+        deltas = pickle.loads(pickle.dumps(list(captured["s"].values()), protocol=5))
+        assert len(deltas) == 64
+        for delta in deltas:
+            _same_bytes(delta)
+
+
+def test_captured_rows_and_var_keys_pickle_to_equal_writable_arrays_small_or_large():
+    from abs.columns import Captured
+    from abs.state.varkeys import VarKeys
+
+    for n in (0, 3, 40, 5000):  # 5000: past the small form, numpy's own pickling
+        keys = np.arange(n, dtype=np.int64) * 7
+        values = np.linspace(0, 1, n, dtype=np.float32)
+        nulls = np.arange(n) % 3 == 0
+        changed = np.arange(0, n, 2, dtype=np.int64)
+        text = VarKeys.from_arrow(pa.array([f"k{i}é" for i in range(n)], pa.string()), "string")
+        for c in (Captured(keys, values, nulls, changed, ["gone"], True, False),
+                  Captured(text, [{"a": 1}] * n, None, None, [], True, True),
+                  Captured(keys[::2], values, None, None, [], False, False)):  # a strided view
+            back = pickle.loads(pickle.dumps(c, protocol=5))
+            for field in ("keys", "values", "nulls", "changed"):
+                a, b = getattr(c, field), getattr(back, field)
+                if isinstance(a, np.ndarray):
+                    assert b.dtype == a.dtype and np.array_equal(a, b) and b.flags.writeable
+                elif isinstance(a, VarKeys):
+                    assert b.kind == a.kind and b.to_arrow().equals(a.to_arrow())
+                    assert np.array_equal(b.offsets, a.offsets) and b.offsets.dtype == a.offsets.dtype
+                else:
+                    assert a == b
+            assert (back.deleted, back.all_rows, back.complete) == (c.deleted, c.all_rows, c.complete)

@@ -241,8 +241,9 @@ class KeyedOp(OperatorRuntime):
         full = full or self.need_full
         if self.need_full:
             self.full_pending.add(checkpoint_id)
-        deltas = self.backend.capture_full(checkpoint_id) if full else self.backend.capture(checkpoint_id, lazy=True)
-        prev = self.chains.prev_chains(self.uid, full=full)
+        with gc_paused():  # the synchronous part: objects by the key group, none of them garbage
+            deltas = self.backend.capture_full(checkpoint_id) if full else self.backend.capture(checkpoint_id, lazy=True)
+            prev = self.chains.prev_chains(self.uid, full=full)
         return OpSnapshot(self.uid, deltas=deltas, prev_chains=prev, on_chains=self._chains_written)
 
     @property

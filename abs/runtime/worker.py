@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from abscore.gcpause import gc_paused
 from storage.session import with_written
 
 from ..dataflow import Dataflow
@@ -243,17 +244,18 @@ class Worker(WorkerChannels):
                 sinks[piece.uid] = piece.sink_transactions
             if not piece.prev_chains and not piece.deltas:
                 continue
-            for state, by_kg in piece.deltas.items():
-                prev_all = piece.prev_chains.get(state, {})
-                for kg, delta in by_kg.items():
-                    complete = False
-                    if not (in_thread or isinstance(delta, (ColumnDelta, PickledDelta, pa.Table))):
-                        # captured by reference in the synchronous part: encoded here, and the
-                        # writer process gets the table
-                        lazy = delta
-                        delta = lazy.to_table()
-                        complete = getattr(lazy, "complete", False)
-                    jobs.append(m.WriteJob(piece.uid, state, kg, prev_all.get(kg, []), delta, complete))
+            with gc_paused():  # a job per key group: objects by the thousand, none of them garbage
+                for state, by_kg in piece.deltas.items():
+                    prev_all = piece.prev_chains.get(state, {})
+                    for kg, delta in by_kg.items():
+                        complete = False
+                        if not (in_thread or isinstance(delta, (ColumnDelta, PickledDelta, pa.Table))):
+                            # captured by reference in the synchronous part: encoded here, and the
+                            # writer process gets the table
+                            lazy = delta
+                            delta = lazy.to_table()
+                            complete = getattr(lazy, "complete", False)
+                        jobs.append(m.WriteJob(piece.uid, state, kg, prev_all.get(kg, []), delta, complete))
             finished.append(piece)
         writer_cpu = 0.0
         new_chains: list = []
@@ -264,19 +266,20 @@ class Worker(WorkerChannels):
                 new_chains = writer.write(checkpoint_id, jobs, timeout=self.spec.writer_timeout)
             writer_cpu = writer.last_cpu
         by_uid: dict[str, list] = {}  # operator -> (state, key group, its new chain)
-        for job, new_chain in zip(jobs, new_chains):
-            fresh = [r for r in new_chain if r.checkpoint_id == checkpoint_id]
-            written += sum(r.bytes for r in fresh)
-            paths.update(r.path for r in fresh)
-            self.fault("during_upload", task)
-            by_uid.setdefault(job.operator, []).append((job.state, job.key_group, new_chain))
-        for piece in finished:
-            chains = with_written(piece.prev_chains, by_uid.get(piece.uid, ()))
-            for state in piece.deltas:
-                chains.setdefault(state, {})  # a captured state is named even with no key group left
-            if piece.on_chains is not None:
-                piece.on_chains(checkpoint_id, chains)
-            keyed[piece.uid] = chains
+        with gc_paused():  # the new chains: a list per key group
+            for job, new_chain in zip(jobs, new_chains):
+                fresh = [r for r in new_chain if r.checkpoint_id == checkpoint_id]
+                written += sum(r.bytes for r in fresh)
+                paths.update(r.path for r in fresh)
+                self.fault("during_upload", task)
+                by_uid.setdefault(job.operator, []).append((job.state, job.key_group, new_chain))
+            for piece in finished:
+                chains = with_written(piece.prev_chains, by_uid.get(piece.uid, ()))
+                for state in piece.deltas:
+                    chains.setdefault(state, {})  # a captured state is named even with no key group left
+                if piece.on_chains is not None:
+                    piece.on_chains(checkpoint_id, chains)
+                keyed[piece.uid] = chains
         self.bytes_written += written
         return m.TaskAck(
             keyed=keyed,

@@ -50,7 +50,6 @@ from then on, as for a writer that died.
 from __future__ import annotations
 
 import functools
-import gc
 import importlib
 import io
 import multiprocessing
@@ -63,6 +62,8 @@ import time
 from typing import Any
 
 import numpy as np
+
+from abscore.gcpause import gc_paused
 
 from . import messages as m
 
@@ -288,20 +289,25 @@ class SnapshotWriter:
             chains: list = []
             cpu = 0.0
             try:
-                frames = _frames(jobs)
-                send_frame(self._conn, m.WriteSnapshot(checkpoint_id, self._sent.substitute(frames[0])))
+                # no cyclic GC while frames are cut and pickled (objects by the key group, none
+                # garbage); it runs while the writer works
+                with gc_paused():
+                    frames = _frames(jobs)
+                    send_frame(self._conn, m.WriteSnapshot(checkpoint_id, self._sent.substitute(frames[0])))
                 _release_arrow_memory()  # the keys' Arrow arrays, made in this thread
                 for frame in frames[1:]:
                     # cut (and gather) the next chunk while the writer encodes the last one
                     try:
-                        frame = self._sent.substitute(frame)
+                        with gc_paused():
+                            frame = self._sent.substitute(frame)
                     except Exception:
                         self._conn.recv()  # the answer to the frame sent: not left for the next write
                         raise
                     done, done_cpu = self._reply(self._conn.recv())
                     chains.extend(done)
                     cpu += done_cpu
-                    send_frame(self._conn, m.WriteSnapshot(checkpoint_id, frame))
+                    with gc_paused():
+                        send_frame(self._conn, m.WriteSnapshot(checkpoint_id, frame))
                     _release_arrow_memory()
                 reply = self._conn.recv()
             except (EOFError, OSError) as exc:
@@ -470,8 +476,7 @@ def _main(conn: Any, workers_end: Any) -> None:
         # objects per key group, all freed by their reference counts, and the collections
         # their allocations set off scanned every live object again and again (32,768 key
         # groups of a few keys: a third of the write's CPU). Collections resume between frames.
-        gc.disable()
-        try:
+        with gc_paused():
             cpu = time.process_time()  # waiting for a frame takes none: the receive is counted
             try:
                 msg = reader.recv(conn)
@@ -500,8 +505,6 @@ def _main(conn: Any, workers_end: Any) -> None:
                 conn.send(reply)
             except (EOFError, OSError):
                 return
-        finally:
-            gc.enable()
 
 
 def _write(store: Any, orders: Any, checkpoint_id: int, jobs: list, session: Any = None) -> Any:

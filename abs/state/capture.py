@@ -27,7 +27,7 @@ from abs.errors import StateError
 
 from .encoding import (ENCODING_PICKLE, MISSING, column_table, delta_table, encode_keys, encode_pairs, pickled_values,
                        split_deletes, values_metadata, values_table)
-from .varkeys import Gathered
+from .varkeys import Gathered, VarKeys
 
 if TYPE_CHECKING:
     from .protocol import KeyedBackend
@@ -286,16 +286,19 @@ class ColumnDelta:
     def base(self, orders: KeyOrders, slot: Any) -> pa.Table | None:
         """The delta as a base (:attr:`storage.store_write.KeyGroupWrite.base`): when it is its
         key group's full image (every row, no delete) whose keys come out in ascending order
-        (int64 keys, or ``str`` or ``bytes`` keys sorted as :meth:`to_table` sorts them), its
-        rows in that order without an ``op`` column; else ``None`` (the write then folds
-        :meth:`to_table`). A key group's keys are unique (its column's index holds each once)."""
+        (int64 keys, ``str`` or ``bytes`` keys sorted as :meth:`to_table` sorts them, the
+        columnar aggregate's keys, cut sorted by key group), its rows in that order without an
+        ``op`` column; else ``None`` (the write then folds :meth:`to_table`). A key group's
+        keys are unique (its column's index, or the aggregate's, holds each once); their order
+        is checked where the file is encoded (:func:`storage.format.prepare_table` sorts what
+        is not sorted)."""
         c = self._rows()
         if not (c.all_rows and c.changed is None and not c.deleted and len(c.keys)):
             return None
-        if not isinstance(c.keys, (np.ndarray, list, SameKeys)):
+        if not isinstance(c.keys, (np.ndarray, list, SameKeys, VarKeys)):
             return None  # e.g. Arrow keys not received yet (receive_keys sorts them)
         keys, values, nulls = _sorted_rows(self, orders, slot, c.keys, self._values(), c.nulls)
-        if not isinstance(keys, (np.ndarray, pa.Array)):
+        if not isinstance(keys, (np.ndarray, pa.Array, VarKeys)):  # VarKeys: the aggregate's, cut sorted
             return None  # keys Arrow does not order (mixed types): stored in the writer's order
         return column_table(self._arrow_type, self._kind, keys, values, nulls, [], with_op=False)
 

@@ -70,6 +70,14 @@ class VarKeys:
         offsets, data = arrow_buffers(arr)
         return cls(offsets, data, kind)
 
+    def __reduce__(self) -> tuple:
+        # a few keys (a small key group's) as bytes: numpy's pickling of the two arrays cost
+        # ~16 us, most of what such a key group's trip to the writer process costs
+        if self.offsets.nbytes + self.data.nbytes < 1024 and self.offsets.flags.c_contiguous \
+                and self.data.flags.c_contiguous:
+            return _small_var_keys, (self.offsets.dtype.str, self.offsets.tobytes(), self.data.tobytes(), self.kind)
+        return VarKeys, (self.offsets, self.data, self.kind)
+
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
@@ -105,6 +113,11 @@ class VarKeys:
     def tolist(self) -> list:
         """The keys as Python ``str`` (``bytes``) objects."""
         return self.to_arrow().to_pylist()
+
+
+def _small_var_keys(offsets_dtype: str, offsets: bytes, data: bytes, kind: str) -> VarKeys:
+    return VarKeys(np.frombuffer(bytearray(offsets), np.dtype(offsets_dtype)), np.frombuffer(bytearray(data), np.uint8),
+                   kind)
 
 
 class VarKeyStore:
