@@ -140,7 +140,7 @@ class Captured:
         return keys, values[at], None if self.nulls is None else self.nulls[at]
 
 
-_PACK_BELOW = 512  # bytes: arrays smaller than this pickle as their bytes (see Captured.__reduce__)
+_PACK_BELOW = 4096  # bytes: arrays smaller than this pickle as their bytes (see Captured.__reduce__)
 
 
 def _packed(a: Any) -> Any:

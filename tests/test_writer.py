@@ -41,14 +41,14 @@ def column_deltas(values: dict[int, int]) -> dict[int, ColumnDelta]:
 def test_frames_carry_arrays_out_of_band_whole_and_in_order():
     """More buffers than one writev takes (1024), empty and 8 MB arrays, odd-sized ones, a
     non-contiguous array (pickled in band), an Arrow table and plain objects all arrive equal
-    and 64-byte aligned (numpy arrays under 512 bytes, pickled in band: 16), frame after frame."""
+    and 64-byte aligned (numpy arrays under 4 KiB, pickled in band: 16), frame after frame."""
     a, b = multiprocessing.Pipe()
     rng = np.random.default_rng(7)
     cyclic: list = [1]
     cyclic.append(cyclic)
     msgs = [
         ("write", 1, [np.arange(i, dtype=np.int64) for i in range(1500)]),
-        ("write", 5, [np.arange(200 + i, dtype=np.int64) for i in range(1100)]),  # 1,100 out of band
+        ("write", 5, [np.arange(600 + i, dtype=np.int64) for i in range(1100)]),  # 1,100 out of band
         ("open", "s3://b/p", {"key": "k"}),
         ("write", 2, [rng.integers(0, 1 << 62, 1 << 20), np.empty(0, np.float64), np.arange(10)[::3], ["a", (1, 2)],
                       np.arange(7, dtype=np.int8), np.arange(5, dtype=np.int64)]),

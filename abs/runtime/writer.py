@@ -72,7 +72,7 @@ __all__ = ["FrameReader", "SnapshotWriter", "WriterHungError", "die_with_parent"
 
 _IOV_MAX = 1024  # POSIX guarantees at least 16; Linux and macOS allow 1024
 _ALIGN = 64  # every out-of-band buffer starts at a multiple of this in the frame
-_IN_BAND = 512  # smaller buffers are pickled in band (see send_frame)
+_IN_BAND = 4096  # smaller numpy buffers are pickled in band (see send_frame)
 
 
 def send_frame(conn: Any, msg: Any) -> None:
@@ -85,9 +85,10 @@ def send_frame(conn: Any, msg: Any) -> None:
     the GIL, hands them to the pipe. The frame is one ``Connection`` message: a length
     header, then ``!QQ`` (pickle length, buffer count), the buffer lengths (``!Q`` each), the
     pickle and the buffers, each at an offset that is a multiple of 64. numpy arrays of fewer
-    than :data:`_IN_BAND` bytes go inside the pickle instead (a key group of a few keys: a copy
-    of a few dozen bytes costs less than a buffer's place in the frame, on both sides; they
-    arrive at Python's allocation alignment, 16 bytes).
+    than :data:`_IN_BAND` bytes go inside the pickle instead (a small key group's: a copy of up
+    to 4 KiB costs less than a buffer's place in the frame, on both sides: a checkpoint of
+    400 k string keys in 4,096 key groups 0.89-0.98 -> 0.74-0.83 s with 4 KiB instead of 512
+    bytes; they arrive at Python's allocation alignment, 16 bytes).
     """
     buffers: list = []
 

@@ -73,7 +73,7 @@ class VarKeys:
     def __reduce__(self) -> tuple:
         # a few keys (a small key group's) as bytes: numpy's pickling of the two arrays cost
         # ~16 us, most of what such a key group's trip to the writer process costs
-        if self.offsets.nbytes + self.data.nbytes < 1024 and self.offsets.flags.c_contiguous \
+        if self.offsets.nbytes + self.data.nbytes < 4096 and self.offsets.flags.c_contiguous \
                 and self.data.flags.c_contiguous:
             return _small_var_keys, (self.offsets.dtype.str, self.offsets.tobytes(), self.data.tobytes(), self.kind)
         return VarKeys, (self.offsets, self.data, self.kind)
