@@ -8,6 +8,7 @@ import ast
 import importlib
 import inspect
 import math
+import os
 import pkgutil
 from pathlib import Path
 
@@ -400,3 +401,47 @@ def test_gc_paused_turns_collection_off_inside_and_back_on_after_the_last_pause_
         assert gc.isenabled()  # back on after a failure too
     finally:
         gc.enable()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_process_forked_during_a_pause_collects_its_garbage():
+    """The driver forks workers: a fork while another thread (or the forking one) is inside a
+    pause gives a child whose collection is on, and stays on after the child leaves a pause
+    it was forked in."""
+    import gc
+    import threading
+
+    from abscore.gcpause import gc_paused
+
+    def child_collects(inside_too: bool) -> int:
+        pid = os.fork()
+        if pid == 0:
+            ok = gc.isenabled()
+            if inside_too:
+                with gc_paused():
+                    ok = ok and not gc.isenabled()
+                ok = ok and gc.isenabled()
+            os._exit(0 if ok else 1)
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+    entered, leave = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with gc_paused():
+            entered.set()
+            leave.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert entered.wait(10) and not gc.isenabled()
+        assert child_collects(inside_too=True) == 0  # another thread's pause
+        with gc_paused():
+            pid = os.fork()  # this thread's own pause: the child leaves the block itself
+            if pid == 0:
+                os._exit(0 if gc.isenabled() else 1)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    finally:
+        leave.set()
+        holder.join(10)
+    assert gc.isenabled()
