@@ -33,6 +33,7 @@ from .encoding import (
 )
 from .restored import RestoredColumn
 from .slots import StateSlot
+from .varkeys import var_key_kind
 
 __all__ = ["KeyedStateBackend"]
 
@@ -512,28 +513,17 @@ class KeyedStateBackend:
         :meth:`_load_column`); none when the table is not of that shape or does not pass
         :func:`check_restore_table` (the caller's :meth:`restore` then names the problem)."""
         meta = table.schema.metadata or {}
-        if slot.typecode is None or slot.arrow_type is None or len(parts) < 2:
-            return set()
-        if meta.get(META_KEY_ENCODING) != ENCODING_ARROW or meta.get(META_VALUE_ENCODING) != ENCODING_ARROW:
+        if slot.typecode is None or len(parts) < 2:
             return set()
         kind = meta.get(META_STATE_KIND)
         names = table.schema.names
         if (kind is not None and kind.decode() != slot.descriptor.kind) or "key" not in names or "value" not in names \
                 or "op" in names:
             return set()
-        key_col, value_col = table.column("key"), table.column("value")
-        kt = key_col.type
-        text = (pa.types.is_string(kt) or pa.types.is_large_string(kt) or pa.types.is_binary(kt)
-                or pa.types.is_large_binary(kt))
-        if not (pa.types.is_integer(kt) or text) or key_col.null_count:
+        arrays = self._bulk_arrays(slot, table, meta)
+        if arrays is None:
             return set()
-        try:
-            keys = key_col if text else key_col.cast(pa.int64()).to_numpy()
-            values = value_col.cast(slot.arrow_type)
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
-            return set()
-        nulls = values.is_null().to_numpy() if values.null_count else None
-        array = (values.fill_null(0) if values.null_count else values).to_numpy()
+        keys, array, nulls, text = arrays
         loaded: set[int] = set()
         owned = self.key_group_range
         for kg, offset, rows in parts:
@@ -549,37 +539,47 @@ class KeyedStateBackend:
             loaded.add(kg)
         return loaded
 
+    @staticmethod
+    def _bulk_arrays(slot: StateSlot, table: pa.Table, meta: dict) -> tuple | None:
+        """``(keys, values, nulls, text)`` of an Arrow-encoded table with integer, string or
+        binary keys, as a bulk load takes them (keys: int64 numpy, or the Arrow column of text
+        keys; values: numpy of the slot's type, nulls as 0; nulls: a mask or None); None when
+        the table or the slot is not of that shape (the key by key path takes it, and names a
+        value that does not fit)."""
+        if slot.arrow_type is None:
+            return None  # an untyped column: Arrow values go in key by key, as Python objects
+        if meta.get(META_KEY_ENCODING) != ENCODING_ARROW or meta.get(META_VALUE_ENCODING) != ENCODING_ARROW:
+            return None
+        key_col, value_col = table.column("key"), table.column("value")
+        kt = key_col.type
+        text = var_key_kind(kt) is not None
+        if not (pa.types.is_integer(kt) or text) or key_col.null_count:
+            return None
+        try:
+            keys = key_col if text else key_col.cast(pa.int64()).to_numpy()
+            values = value_col.cast(slot.arrow_type)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+            return None
+        nulls = values.is_null().to_numpy() if values.null_count else None
+        return keys, (values.fill_null(0) if values.null_count else values).to_numpy(), nulls, text
+
     def _load_column(self, slot: StateSlot, kg: int, table: pa.Table, meta: dict) -> bool:
         """Bulk-load an Arrow-encoded table with integer, string or binary keys into an empty
         column, kept as arrays until the key group is first used (:mod:`abs.state.restored`);
         False when the table or the column is not of that shape (the caller loads it key by
         key). String keys went key by key before: 1M of them with int64 values took 0.55 s of
         CPU; built at once, 0.2 s."""
-        if slot.arrow_type is None:
-            return False  # an untyped column: Arrow values go in key by key, as Python objects
-        if meta.get(META_KEY_ENCODING) != ENCODING_ARROW or meta.get(META_VALUE_ENCODING) != ENCODING_ARROW:
+        arrays = self._bulk_arrays(slot, table, meta)
+        if arrays is None:
             return False
-        key_col, value_col = table.column("key"), table.column("value")
-        kt = key_col.type
-        text = (pa.types.is_string(kt) or pa.types.is_large_string(kt) or pa.types.is_binary(kt)
-                or pa.types.is_large_binary(kt))
-        if not (pa.types.is_integer(kt) or text) or key_col.null_count:
-            return False
-        try:
-            keys = key_col if text else key_col.cast(pa.int64()).to_numpy()
-            values = value_col.cast(slot.arrow_type)
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
-            return False  # the key by key path names the value that does not fit
-        nulls = values.is_null().to_numpy() if values.null_count else None
-        if values.null_count:
-            values = values.fill_null(0)
+        keys, values, nulls, text = arrays
         col = slot.data[kg]
         if type(col) is Column and not len(col) and not col.deleted:
             # the usual restore, into an empty key group: its Python objects are built when
             # it is first used (abs.state.restored)
-            RestoredColumn.keep(col, keys, values.to_numpy(), nulls)
+            RestoredColumn.keep(col, keys, values, nulls)
             return True
-        return col.load(arrow_to_list(keys) if text else keys, values.to_numpy(), nulls)
+        return col.load(arrow_to_list(keys) if text else keys, values, nulls)
 
 
 if NATIVE is not None:
