@@ -123,8 +123,8 @@ class Captured:
     def __reduce__(self) -> tuple:
         # small arrays as (dtype, bytes): numpy's own pickling costs ~8 us an array, most of a
         # small key group's trip to the writer process (a few keys each at a large max_parallelism)
-        return _captured, (_packed(self.keys), _packed(self.values), _packed(self.nulls), _packed(self.changed),
-                           self.deleted, self.all_rows, self.complete)
+        return _captured, (pack_small_array(self.keys), pack_small_array(self.values), pack_small_array(self.nulls),
+                           pack_small_array(self.changed), self.deleted, self.all_rows, self.complete)
 
     def delta_rows(self, values: np.ndarray | list | None = None) -> tuple[np.ndarray | list, np.ndarray | list, np.ndarray | None]:
         """Keys, values and null mask of the changed rows; ``values``: the rows' values when
@@ -143,16 +143,19 @@ class Captured:
 _PACK_BELOW = 4096  # bytes: arrays smaller than this pickle as their bytes (see Captured.__reduce__)
 
 
-def _packed(a: Any) -> Any:
+def pack_small_array(a: Any) -> Any:
     """A small C-contiguous numpy array of a plain dtype as ``(dtype string, bytes)``, for
-    :func:`_unpacked`; anything else as it is (large arrays go out of band in a frame)."""
+    :func:`unpack_small_array`; anything else as it is (large arrays go out of band in a
+    frame). For the ``__reduce__`` of what goes to the writer process per key group
+    (:class:`Captured`, :class:`abs.state.varkeys.VarKeys`)."""
     if type(a) is np.ndarray and a.nbytes < _PACK_BELOW and a.dtype.kind in "biufcmM" and a.flags.c_contiguous \
             and a.ndim == 1:
         return (a.dtype.str, a.tobytes())
     return a
 
 
-def _unpacked(a: Any) -> Any:
+def unpack_small_array(a: Any) -> Any:
+    """What :func:`pack_small_array` packed, as a writable array; anything else as it is."""
     if type(a) is tuple:
         return np.frombuffer(bytearray(a[1]), np.dtype(a[0]))  # writable, as the array was
     return a
@@ -160,8 +163,8 @@ def _unpacked(a: Any) -> Any:
 
 def _captured(keys: Any, values: Any, nulls: Any, changed: Any, deleted: list, all_rows: bool,
               complete: bool) -> Captured:
-    return Captured(_unpacked(keys), _unpacked(values), _unpacked(nulls), _unpacked(changed), deleted, all_rows,
-                    complete)
+    return Captured(unpack_small_array(keys), unpack_small_array(values), unpack_small_array(nulls),
+                    unpack_small_array(changed), deleted, all_rows, complete)
 
 
 class Column:

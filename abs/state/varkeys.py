@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from abs.columns import pack_small_array, unpack_small_array
 from abscore.native import NATIVE
 
 __all__ = ["Gathered", "VarKeyStore", "VarKeys", "arrow_buffers", "var_key_kind"]
@@ -73,10 +74,7 @@ class VarKeys:
     def __reduce__(self) -> tuple:
         # a few keys (a small key group's) as bytes: numpy's pickling of the two arrays cost
         # ~16 us, most of what such a key group's trip to the writer process costs
-        if self.offsets.nbytes + self.data.nbytes < 4096 and self.offsets.flags.c_contiguous \
-                and self.data.flags.c_contiguous:
-            return _small_var_keys, (self.offsets.dtype.str, self.offsets.tobytes(), self.data.tobytes(), self.kind)
-        return VarKeys, (self.offsets, self.data, self.kind)
+        return _var_keys, (pack_small_array(self.offsets), pack_small_array(self.data), self.kind)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -115,9 +113,8 @@ class VarKeys:
         return self.to_arrow().to_pylist()
 
 
-def _small_var_keys(offsets_dtype: str, offsets: bytes, data: bytes, kind: str) -> VarKeys:
-    return VarKeys(np.frombuffer(bytearray(offsets), np.dtype(offsets_dtype)), np.frombuffer(bytearray(data), np.uint8),
-                   kind)
+def _var_keys(offsets: Any, data: Any, kind: str) -> VarKeys:
+    return VarKeys(unpack_small_array(offsets), unpack_small_array(data), kind)
 
 
 class VarKeyStore:
