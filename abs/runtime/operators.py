@@ -213,7 +213,7 @@ class KeyedOp(OperatorRuntime):
         return nbytes
 
     def _load_units(self, units: list, read: Callable[[Any], Any], readers: int, same_root: bool,
-                       on_read: Callable[[int], None] | None, restore_slices: Callable | None) -> int:
+                    on_read: Callable[[int], None] | None, restore_slices: Callable | None) -> int:
         nbytes = 0
         for (state, kg, unit), got in read_ahead(read, units, readers):
             members = unit if type(unit) is _SharedRange else ((kg, unit),)
