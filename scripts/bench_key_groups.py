@@ -4,11 +4,11 @@ key groups, against 128.
 Flink users set a large max parallelism (up to 32,768) to be free to rescale later; the state
 is then cut into key groups of a few keys each, and whatever a snapshot does per key group
 (capture, pickle to the writer, plan, encode, reference, restore) is paid tens of thousands of
-times. Workload: the reference job's keyed running sum (``process`` with a ``ValueState``, and
-``aggregate``) over K string keys, one event per key, p=1, no periodic checkpoint: the final
-checkpoint writes every key group whole; then a restore of it (launch to ``run()`` returning,
-10 more events, its final checkpoint; ``startup`` is launch to the first event, which holds the
-restore). Configurations alternate within each round; medians over rounds, each beside the
+times. Workload: the reference job (``bench_reference.build``: a keyed running sum, ``process``
+with a ``ValueState`` and ``aggregate``) over K string keys, one event per key, p=1, no
+periodic checkpoint: the final checkpoint writes every key group whole; then a restore of it
+(launch to ``run()`` returning, 10 more events, its final checkpoint; ``startup`` is launch to
+the first event, which holds the restore). Configurations alternate within each round; medians over rounds, each beside the
 same path at max_parallelism 128 (measured in the same rounds).
 
     .venv/bin/python scripts/bench_key_groups.py [--keys 400000] [--max-parallelism 128 4096 32768]
@@ -24,34 +24,22 @@ import tempfile
 import time
 
 import numpy as np
-import pyarrow as pa
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import abs  # noqa: E402
-from bench_reference import Events, running_sum  # noqa: E402
-
-
-def build(path: str, keys: int, max_parallelism: int, events: int) -> abs.Dataflow:
-    flow = abs.Dataflow(f"key-groups-{path}", max_parallelism=max_parallelism)
-    src = abs.GeneratorSource(events, num_keys=keys, num_splits=2, batch_size=10_000, make_batch=Events(keys, "string"))
-    keyed = flow.source("events", src).key_by("key")
-    if path == "process":
-        keyed.process("sum", running_sum, state=[abs.ValueState("total", pa.int64())])
-    else:
-        keyed.aggregate("sum", {"total": ("value", "sum")}, emit="none")
-    return flow
+from bench_reference import build  # noqa: E402
 
 
 def one(path: str, keys: int, max_parallelism: int, root_dir: str | None) -> dict[str, float]:
     root = tempfile.mkdtemp(prefix="abs-bench-kg-", dir=root_dir)
     try:
-        first = abs.run(build(path, keys, max_parallelism, keys), parallelism=1, storage=root,
+        first = abs.run(build(path, keys, keys, "string", max_parallelism), parallelism=1, storage=root,
                         checkpoint=abs.CheckpointConfig(interval=None))
         cp = first.completed_checkpoints[-1]
         t0 = time.perf_counter()
-        second = abs.run(build(path, keys, max_parallelism, keys + 10), parallelism=1, storage=root, restore="latest",
-                         checkpoint=abs.CheckpointConfig(interval=None))
+        second = abs.run(build(path, keys + 10, keys, "string", max_parallelism), parallelism=1, storage=root,
+                         restore="latest", checkpoint=abs.CheckpointConfig(interval=None))
         restore = time.perf_counter() - t0
         if second.restored_from != cp.checkpoint_id:
             raise RuntimeError(f"restored {second.restored_from}, expected checkpoint {cp.checkpoint_id}")

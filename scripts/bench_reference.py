@@ -146,8 +146,8 @@ def running_sum(ctx, event):
     total.update((total.value() or 0) + event["value"])
 
 
-def build(path: str, events: int, keys: int, key_type: str) -> abs.Dataflow:
-    flow = abs.Dataflow(f"reference-{path}")
+def build(path: str, events: int, keys: int, key_type: str, max_parallelism: int = 128) -> abs.Dataflow:
+    flow = abs.Dataflow(f"reference-{path}", max_parallelism=max_parallelism)
     src = abs.GeneratorSource(events, num_keys=keys, num_splits=SPLITS, batch_size=BATCH,
                               make_batch=Events(keys, key_type))
     keyed = flow.source("events", src).key_by("key")
