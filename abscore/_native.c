@@ -16,6 +16,8 @@
  *   probing without wrap-around, homes from a multiplicative hash scaled to the table);
  * - partition: a key_by writer's rows grouped by channel (abs.runtime.exchange);
  * - text_array: a list of str or bytes keys as Arrow string/binary buffers (abs.columns);
+ * - TextIndex / text_index: the key index of a restored key group of text keys over its Arrow
+ *   buffers (abs.state.restored), which ValueHandle probes;
  * - byte_streams: a values image's numeric column byte-stream split and joined again
  *   (storage.values_images);
  * - ValueHandle: value() and update() of a typed ValueState's handle (abs.state.handles).
@@ -723,6 +725,236 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ the restored text index */
+
+/* TextIndex: the key -> slot index of a restored key group of str (or bytes) keys, over the
+ * Arrow buffers it was restored into (abs.state.restored): no Python object per key. Open
+ * addressing with linear probing over a power-of-two table of uint64 entries, each
+ * (32 bits of the key's hash) << 32 | (slot + 1), 0 empty; a hit compares the bytes. A probe
+ * takes an exact str (its UTF-8 bytes) or bytes; find() answers -2 for any other key (the
+ * caller builds the key group's Python index and asks it, which knows what such a key equals). */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *keys;   /* the Arrow array the buffers belong to (kept alive, given back as .keys) */
+    Py_buffer off, data;
+    int has_data, is_bytes;
+    const int32_t *o; /* n + 1 offsets, from the array's own offset */
+    const char *d;
+    Py_ssize_t n;
+    uint64_t *table, mask;
+} TextIndex;
+
+static PyTypeObject TextIndexType;
+
+static inline uint64_t text_hash(const char *p, Py_ssize_t len) {
+    uint64_t h = 0x9E3779B97F4A7C15ull ^ (uint64_t)len;
+    while (len >= 8) {
+        uint64_t w;
+        memcpy(&w, p, 8);
+        h = (h ^ w) * 0xFF51AFD7ED558CCDull;
+        h ^= h >> 32;
+        p += 8;
+        len -= 8;
+    }
+    if (len) {
+        uint64_t w = 0;
+        memcpy(&w, p, (size_t)len);
+        h = (h ^ w) * 0xC4CEB9FE1A85EC53ull;
+    }
+    return fmix64(h);
+}
+
+/* slot of the len bytes at p, or -1 */
+static inline Py_ssize_t ti_lookup(const TextIndex *t, const char *p, Py_ssize_t len) {
+    uint64_t h = text_hash(p, len), tag = h >> 32 << 32, at = h & t->mask;
+    for (;;) {
+        uint64_t e = t->table[at];
+        if (!e)
+            return -1;
+        if ((e & 0xFFFFFFFF00000000ull) == tag) {
+            Py_ssize_t slot = (Py_ssize_t)(e & 0xFFFFFFFFull) - 1;
+            int32_t a = t->o[slot], b = t->o[slot + 1];
+            if (b - a == len && memcmp(t->d + a, p, (size_t)len) == 0)
+                return slot;
+        }
+        at = (at + 1) & t->mask;
+    }
+}
+
+/* slot of key, -1 absent, -2 a key this index cannot answer for (not an exact str or bytes);
+ * never raises */
+static Py_ssize_t ti_find(const TextIndex *t, PyObject *key) {
+    const char *p;
+    Py_ssize_t len;
+    if (PyUnicode_CheckExact(key)) {
+        if (t->is_bytes)
+            return -1; /* a str never equals bytes */
+        if (PyUnicode_IS_COMPACT_ASCII(key)) {
+            p = (const char *)PyUnicode_DATA(key);
+            len = PyUnicode_GET_LENGTH(key);
+        } else {
+            p = PyUnicode_AsUTF8AndSize(key, &len);
+            if (!p) {
+                PyErr_Clear(); /* lone surrogates: no Arrow string holds them */
+                return -1;
+            }
+        }
+    } else if (PyBytes_CheckExact(key)) {
+        if (!t->is_bytes)
+            return -1;
+        p = PyBytes_AS_STRING(key);
+        len = PyBytes_GET_SIZE(key);
+    } else
+        return -2;
+    return ti_lookup(t, p, len);
+}
+
+static void ti_dealloc(TextIndex *t) {
+    PyObject_GC_UnTrack(t);
+    Py_CLEAR(t->keys);
+    if (t->has_data)
+        PyBuffer_Release(&t->data);
+    if (t->o)
+        PyBuffer_Release(&t->off);
+    PyMem_Free(t->table);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static int ti_traverse(TextIndex *t, visitproc visit, void *arg) {
+    Py_VISIT(t->keys);
+    return 0;
+}
+
+static Py_ssize_t ti_len(TextIndex *t) { return t->n; }
+
+static PyObject *ti_find_py(TextIndex *t, PyObject *key) { return PyLong_FromSsize_t(ti_find(t, key)); }
+
+static PyMethodDef ti_methods[] = {
+    {"find", (PyCFunction)ti_find_py, METH_O, "find(key) -> its slot, -1 when absent, -2 for a key that is neither str nor bytes"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef ti_members[] = {
+    {"keys", T_OBJECT_EX, offsetof(TextIndex, keys), READONLY, "the Arrow array of the keys"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PySequenceMethods ti_as_sequence = {.sq_length = (lenfunc)ti_len};
+
+static PyTypeObject TextIndexType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "abscore._native.TextIndex",
+    .tp_basicsize = sizeof(TextIndex),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The key -> slot index of a restored key group of text keys (see abscore/_native.c); make one with text_index().",
+    .tp_traverse = (traverseproc)ti_traverse,
+    .tp_dealloc = (destructor)ti_dealloc,
+    .tp_methods = ti_methods,
+    .tp_members = ti_members,
+    .tp_as_sequence = &ti_as_sequence,
+};
+
+/* text_index(keys, offsets, data, start, n, is_bytes): the index of the n keys of an Arrow
+ * string (binary) array whose int32 offsets buffer is `offsets` (read from item `start`, the
+ * array's offset) and data buffer `data` (None: every key empty), or None when a key repeats. */
+static PyObject *text_index(PyObject *self, PyObject *args) {
+    PyObject *keys, *o_off, *o_data;
+    Py_ssize_t start, n;
+    int is_bytes;
+    if (!PyArg_ParseTuple(args, "OOOnnp", &keys, &o_off, &o_data, &start, &n, &is_bytes))
+        return NULL;
+    if (n < 0 || start < 0 || n >= 0x7FFFFFFF) {
+        PyErr_Format(PyExc_ValueError, "text_index: %zd keys from item %zd (0 to 2**31 - 2 keys)", n, start);
+        return NULL;
+    }
+    TextIndex *t = PyObject_GC_New(TextIndex, &TextIndexType);
+    if (!t)
+        return NULL;
+    t->keys = NULL;
+    t->o = NULL;
+    t->has_data = 0;
+    t->table = NULL;
+    t->n = n;
+    t->is_bytes = is_bytes;
+    Py_INCREF(keys);
+    t->keys = keys;
+    if (PyObject_GetBuffer(o_off, &t->off, PyBUF_C_CONTIGUOUS) < 0)
+        goto fail;
+    t->o = (const int32_t *)t->off.buf + start;
+    if ((start + n + 1) * (Py_ssize_t)sizeof(int32_t) > t->off.len) {
+        PyErr_Format(PyExc_ValueError, "text_index: offsets of %zd bytes hold no %zd items from item %zd", t->off.len,
+                     n + 1, start);
+        goto fail;
+    }
+    Py_ssize_t dlen = 0;
+    if (o_data != Py_None) {
+        if (PyObject_GetBuffer(o_data, &t->data, PyBUF_C_CONTIGUOUS) < 0)
+            goto fail;
+        t->has_data = 1;
+        t->d = (const char *)t->data.buf;
+        dlen = t->data.len;
+    } else
+        t->d = "";
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (t->o[i] < 0 || t->o[i] > t->o[i + 1] || t->o[i + 1] > dlen) {
+            PyErr_Format(PyExc_ValueError, "text_index: offset %zd out of order or past the data's %zd bytes", i, dlen);
+            goto fail;
+        }
+    uint64_t cap = 8; /* a load of 3/8 to 3/4: linear probing stays short, the table small */
+    while (cap < (uint64_t)n + (uint64_t)n / 3)
+        cap <<= 1;
+    t->table = PyMem_Calloc((size_t)cap, sizeof(uint64_t));
+    if (!t->table) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    t->mask = cap - 1;
+    PyObject_GC_Track(t);
+    int repeated = 0;
+    PyThreadState *ts = release_for(n); /* nothing below touches a Python object */
+    uint64_t hashes[16]; /* a batch's hashes first, their entries fetched while the next are hashed */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!(i & 15)) {
+            for (Py_ssize_t j = i; j < i + 16 && j < n; j++) {
+                hashes[j - i] = text_hash(t->d + t->o[j], t->o[j + 1] - t->o[j]);
+#if defined(__GNUC__)
+                __builtin_prefetch(&t->table[hashes[j - i] & t->mask], 1);
+#endif
+            }
+        }
+        const char *p = t->d + t->o[i];
+        Py_ssize_t len = t->o[i + 1] - t->o[i];
+        uint64_t h = hashes[i & 15], tag = h >> 32 << 32, at = h & t->mask;
+        for (;;) {
+            uint64_t e = t->table[at];
+            if (!e) {
+                t->table[at] = tag | (uint64_t)(i + 1);
+                break;
+            }
+            if ((e & 0xFFFFFFFF00000000ull) == tag) {
+                Py_ssize_t slot = (Py_ssize_t)(e & 0xFFFFFFFFull) - 1;
+                if (t->o[slot + 1] - t->o[slot] == len && memcmp(t->d + t->o[slot], p, (size_t)len) == 0) {
+                    repeated = 1;
+                    break;
+                }
+            }
+            at = (at + 1) & t->mask;
+        }
+        if (repeated)
+            break;
+    }
+    if (ts)
+        PyEval_RestoreThread(ts);
+    if (repeated) {
+        Py_DECREF(t); /* a repeated key: the caller inserts key by key */
+        Py_RETURN_NONE;
+    }
+    return (PyObject *)t;
+fail:
+    Py_DECREF(t);
+    return NULL;
+}
+
 /* ------------------------------------------------------------------ the value handle */
 
 /* ValueHandle: the base of abs.state.handles.ColumnValueStateHandle, its value() and update() in C.
@@ -743,9 +975,9 @@ typedef struct {
     Py_ssize_t hit_slot;
 } ValueHandle;
 
-static PyTypeObject *vh_backend_type, *vh_column_type;
-static Py_ssize_t off_key = -1, off_kg, off_epoch, off_index, off_values, off_stamps, off_nulls;
-static PyObject *str_value_slow, *str_update_by_lookup;
+static PyTypeObject *vh_backend_type, *vh_column_type, *vh_restored_type;
+static Py_ssize_t off_key = -1, off_kg, off_epoch, off_index, off_values, off_stamps, off_nulls, off_image;
+static PyObject *str_value_slow, *str_update_by_lookup, *str_probe;
 
 #define SLOT(obj, off) (*(PyObject **)((char *)(obj) + (off)))
 
@@ -782,6 +1014,50 @@ static PyObject *vh_slow_value(ValueHandle *self) {
     return PyObject_CallMethodNoArgs((PyObject *)self, str_value_slow);
 }
 
+static PyObject *vh_value(ValueHandle *self, PyObject *unused);
+
+/* value() of a key group restored and not built yet (abs.state.restored.RestoredColumn): its
+ * text index answers (the first time, col._probe() makes it), values, stamps and nulls are its
+ * own; anything else goes the Python way (which builds the key group) */
+static PyObject *vh_restored_value(ValueHandle *self, PyObject *col, PyObject *key) {
+    PyObject *image = SLOT(col, off_image), *result = NULL;
+    if (!image || Py_TYPE(image) != &TextIndexType) {
+        /* held across the call: it runs Python (and the index's build lets other threads run) */
+        Py_INCREF(col);
+        PyObject *ok = PyObject_CallMethodNoArgs(col, str_probe);
+        int yes = ok == Py_True;
+        Py_XDECREF(ok);
+        image = SLOT(col, off_image);
+        int probed = ok && yes && Py_TYPE(col) == vh_restored_type && image && Py_TYPE(image) == &TextIndexType;
+        Py_DECREF(col);
+        if (!ok)
+            return NULL;
+        if (!probed)
+            return vh_slow_value(self);
+        /* the current key may have changed while other threads ran: start again */
+        return vh_value(self, NULL);
+    }
+    PyObject *values = SLOT(col, off_values), *nulls = SLOT(col, off_nulls);
+    if (!values || !nulls || !PySet_CheckExact(nulls) || PySet_GET_SIZE(nulls))
+        return vh_slow_value(self);
+    Py_ssize_t slot = ti_find((TextIndex *)image, key);
+    if (slot == -2)
+        return vh_slow_value(self);
+    if (slot == -1)
+        Py_RETURN_NONE;
+    result = PySequence_GetItem(values, slot);
+    if (!result) {
+        PyErr_Clear();
+        return vh_slow_value(self);
+    }
+    Py_INCREF(key);
+    Py_XSETREF(self->hit_key, key);
+    Py_INCREF(col);
+    Py_XSETREF(self->hit_col, col);
+    self->hit_slot = slot;
+    return result;
+}
+
 static PyObject *vh_value(ValueHandle *self, PyObject *unused) {
     PyObject *b = self->backend, *data = self->data;
     if (off_key < 0 || !b || Py_TYPE(b) != vh_backend_type || !data || !PyList_CheckExact(data))
@@ -795,6 +1071,8 @@ static PyObject *vh_value(ValueHandle *self, PyObject *unused) {
         return vh_slow_value(self);
     }
     PyObject *col = PyList_GET_ITEM(data, kg);
+    if (Py_TYPE(col) == vh_restored_type)
+        return vh_restored_value(self, col, key);
     if (Py_TYPE(col) != vh_column_type)
         return vh_slow_value(self);
     PyObject *index = SLOT(col, off_index), *nulls = SLOT(col, off_nulls);
@@ -845,7 +1123,8 @@ out:
 
 static PyObject *vh_update(ValueHandle *self, PyObject *value) {
     PyObject *b = self->backend, *col = self->hit_col;
-    if (off_key >= 0 && b && Py_TYPE(b) == vh_backend_type && col && Py_TYPE(col) == vh_column_type) {
+    if (off_key >= 0 && b && Py_TYPE(b) == vh_backend_type && col &&
+        (Py_TYPE(col) == vh_column_type || Py_TYPE(col) == vh_restored_type)) {
         PyObject *key = SLOT(b, off_key), *epoch = SLOT(b, off_epoch);
         PyObject *nulls = SLOT(col, off_nulls), *values = SLOT(col, off_values), *stamps = SLOT(col, off_stamps);
         if (key && key == self->hit_key && epoch && nulls && PySet_CheckExact(nulls) && !PySet_GET_SIZE(nulls) &&
@@ -928,14 +1207,22 @@ static Py_ssize_t slot_offset(PyObject *cls, const char *name) {
 }
 
 static PyObject *configure_value_handles(PyObject *self, PyObject *args) {
-    PyObject *bcls, *ccls;
-    if (!PyArg_ParseTuple(args, "O!O!", &PyType_Type, &bcls, &PyType_Type, &ccls))
+    PyObject *bcls, *ccls, *rcls;
+    if (!PyArg_ParseTuple(args, "O!O!O!", &PyType_Type, &bcls, &PyType_Type, &ccls, &PyType_Type, &rcls))
         return NULL;
+    if (!PyType_IsSubtype((PyTypeObject *)rcls, (PyTypeObject *)ccls) ||
+        ((PyTypeObject *)rcls)->tp_basicsize != ((PyTypeObject *)ccls)->tp_basicsize) {
+        PyErr_Format(PyExc_TypeError, "configure_value_handles: %R is not a subclass of %R with its slots alone", rcls, ccls);
+        return NULL;
+    }
     Py_ssize_t k = slot_offset(bcls, "current_key"), g = slot_offset(bcls, "current_kg"), e = slot_offset(bcls, "epoch"),
                ix = slot_offset(ccls, "index"), v = slot_offset(ccls, "values"), st = slot_offset(ccls, "stamps"),
-               nu = slot_offset(ccls, "nulls");
-    if (k < 0 || g < 0 || e < 0 || ix < 0 || v < 0 || st < 0 || nu < 0)
+               nu = slot_offset(ccls, "nulls"), im = slot_offset(ccls, "image");
+    if (k < 0 || g < 0 || e < 0 || ix < 0 || v < 0 || st < 0 || nu < 0 || im < 0)
         return NULL;
+    Py_INCREF(rcls);
+    Py_XSETREF(vh_restored_type, (PyTypeObject *)rcls);
+    off_image = im;
     Py_INCREF(bcls);
     Py_XSETREF(vh_backend_type, (PyTypeObject *)bcls);
     Py_INCREF(ccls);
@@ -960,11 +1247,13 @@ static PyMethodDef methods[] = {
     {"index_fill", index_fill, METH_VARARGS,
      "index_fill(table, homes, keys, first, rows, owners) -> duplicate rows, or -1: the table is too short"},
     {"configure_value_handles", configure_value_handles, METH_VARARGS,
-     "configure_value_handles(backend_class, column_class): the classes whose __slots__ ValueHandle reads"},
+     "configure_value_handles(backend_class, column_class, restored_column_class): the classes whose __slots__ ValueHandle reads"},
     {"byte_streams", byte_streams, METH_VARARGS,
      "byte_streams(src, out, width, split): fixed-width values to their byte planes (split) or back"},
     {"text_array", text_array, METH_VARARGS,
      "text_array(keys, offsets) -> (is_bytes, data), or None where abs.columns._text_array decides"},
+    {"text_index", text_index, METH_VARARGS,
+     "text_index(keys, offsets, data, start, n, is_bytes) -> TextIndex, or None when a key repeats"},
     {"partition", partition, METH_VARARGS,
      "partition(key_groups, routing, order, counts): rows grouped by channel routing[key group], stably"},
     {NULL, NULL, 0, NULL},
@@ -982,7 +1271,9 @@ PyMODINIT_FUNC PyInit__native(void) {
     init_crc_table();
     str_value_slow = PyUnicode_InternFromString("_value_slow");
     str_update_by_lookup = PyUnicode_InternFromString("_update_by_lookup");
-    if (!str_value_slow || !str_update_by_lookup || PyType_Ready(&ValueHandleType) < 0)
+    str_probe = PyUnicode_InternFromString("_probe");
+    if (!str_value_slow || !str_update_by_lookup || !str_probe || PyType_Ready(&ValueHandleType) < 0 ||
+        PyType_Ready(&TextIndexType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m)
@@ -993,9 +1284,16 @@ PyMODINIT_FUNC PyInit__native(void) {
         Py_DECREF(m);
         return NULL;
     }
+    Py_INCREF(&TextIndexType);
+    if (PyModule_AddObject(m, "TextIndex", (PyObject *)&TextIndexType) < 0) {
+        Py_DECREF(&TextIndexType);
+        Py_DECREF(m);
+        return NULL;
+    }
     /* what the functions' arguments mean (abscore.native.API): 2 = the index takes its number
-     * of home positions, not a shift */
-    if (PyModule_AddIntConstant(m, "API", 2) < 0) {
+     * of home positions, not a shift; 3 = configure_value_handles takes the restored column's
+     * class too (and the module has TextIndex) */
+    if (PyModule_AddIntConstant(m, "API", 3) < 0) {
         Py_DECREF(m);
         return NULL;
     }

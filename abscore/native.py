@@ -8,7 +8,10 @@ pass per byte position or probe step over a whole batch, C one pass in all. ``va
 per record, C reads the slots directly (``abs.state.handles``). A snapshot's list of ``str``
 keys as an Arrow array (``abs.columns``): pyarrow's converter costs ~0.2 us a key, C copies
 each key's UTF-8 bytes. A values image's byte-stream split (``storage.values_images``): numpy
-copies a strided view byte by byte, C transposes 16 values at a time in SSE2 registers. Both
+copies a strided view byte by byte, C transposes 16 values at a time in SSE2 registers. A
+restored key group of text keys (``abs.state.restored``): Python builds a ``str`` and a dict
+entry per key, C an index over the Arrow keys that the C handle probes (``TextIndex``; without
+the module, the key group is built as before). Both
 give the same results bit for bit (tests/test_native.py holds them side by side), so a
 snapshot, a routing decision or a key group never depends on which ran. ``NATIVE`` is the C module, or None where it was not
 built (``setup.py`` builds it when a C compiler and Python's headers are there, and goes on
@@ -22,14 +25,14 @@ from types import ModuleType
 __all__ = ["NATIVE"]
 
 
-API = 2
+API = 3
 """What the C functions' arguments mean, as the module built from ``abscore/_native.c`` says
 (its ``API``): a module built from an older source, whose functions have the same names but
 read their arguments otherwise (before 2 the index took a shift, not its number of home
-positions), is not used."""
+positions; before 3 ``configure_value_handles`` took two classes), is not used."""
 
 _NAMES = ("bytes_hashes", "key_codes", "index_lookup", "index_insert", "index_fill", "partition",
-          "ValueHandle", "configure_value_handles", "text_array", "byte_streams")
+          "ValueHandle", "configure_value_handles", "text_array", "byte_streams", "text_index", "TextIndex")
 
 
 def _load() -> ModuleType | None:

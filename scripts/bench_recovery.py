@@ -27,10 +27,14 @@ each configuration, the configurations interleaved:
 - *in-process*: a fresh process (spawned, transparent huge pages off as in a worker) restores
   every key group into the operator's backend as a worker does (``read_chain`` then
   ``restore``), MB/s against both pyarrow figures (target >= 0.5), then
-  uses every key group once, which builds the Python objects of its keys and its key index
-  (deferred to a key group's first use, :mod:`abs.state.restored`), or for ``aggregate``
-  indexes the keys its columnar store restored in bulk; "with index" counts both; the
-  restored sums are checked; ``--paths aggregate-int`` adds the aggregate over int keys;
+  uses every key group once as a record does (``process``: the handle's ``value()`` of one of
+  its keys, which probes its text keys, or builds the Python objects of its keys and its key
+  index where it cannot: deferred to a key group's first use, :mod:`abs.state.restored`), or
+  for ``aggregate`` indexes the keys its columnar store restored in bulk; "with index" counts
+  both; ``process`` then times a read-modify-write of every 5th key (us a record), and does
+  all of it again with every key group built before its first use ("built index": a restore
+  without the C module), in another fresh process; the restored sums are checked;
+  ``--paths aggregate-int`` adds the aggregate over int keys;
 - *job*: ``abs.run`` at parallelism 1 restoring the checkpoint with 10,000 more events: the
   worker's restore MB/s against pyarrow's, the time to the sources' start, and for ``process``
   the time from ``abs.run`` to the end of the first record's call (written by the function
@@ -196,10 +200,14 @@ def build_reference(path: str, keys: int, count: int) -> abs.Dataflow:
     return flow
 
 
-def restore_in_process(flow: abs.Dataflow, root: str, checkpoint_id: int, keys: int) -> tuple[float, float, int]:
+def restore_in_process(flow: abs.Dataflow, root: str, checkpoint_id: int, keys: int,
+                       built: bool = False) -> tuple[float, float, int, float]:
     """Restore every key group of ``checkpoint_id`` into the operator's backend in this process,
     as a worker of parallelism 1 does (reading ahead as it does): ``(restore seconds, seconds to make every key group
-    usable after it, bytes read)``; checks the keys and sums restored."""
+    usable after it, bytes read, seconds per read-modify-write of a restored key after that)``
+    (the last: ``process`` only, else NaN); checks the keys and sums restored. ``built``
+    (``process``): each key group builds its Python index before its first use instead of
+    being probed (what a restore without the C module does)."""
     store = SnapshotStore.open(root)
     manifest = store.read_manifest(checkpoint_id)
     node = next(n for n in flow.nodes if n.kind in ("process", "aggregate"))
@@ -220,26 +228,55 @@ def restore_in_process(flow: abs.Dataflow, root: str, checkpoint_id: int, keys: 
         target.finish_restore()
         t2 = time.perf_counter()
         rows = list(target.items("total"))
+        rmw = float("nan")
     else:
+        # a restored key group is made usable on its first use (abs.state.restored): here
+        # a record's read of one of its keys through the state's handle, as running_sum does
         data = backend._slot("total").data
-        for kg in backend.key_group_range:
-            data[kg].index  # noqa: B018 - a restored key group is built on its first use (abs.state.restored)
-        t2 = time.perf_counter()
+        firsts = {kg: data[kg].image[0][0].as_py() for kg in backend.key_group_range
+                  if isinstance(data[kg].image, tuple) and len(data[kg])}  # restored, waiting
+        handle = backend.state("total")
+        t1b = time.perf_counter()
+        for kg, key in firsts.items():
+            if built:
+                data[kg].build()
+            backend.current_key, backend.current_kg = key, kg
+            handle.value()
+        t2 = t1 + time.perf_counter() - t1b  # the first uses alone
+        rmw = read_modify_writes(backend, handle, keys, flow.max_parallelism)
         rows = list(backend.items("total"))
     found = len(rows)
     total = sum(v for _k, v in rows)
     expected = (keys // 100) * 4950 + sum(range(keys % 100))
+    if rmw == rmw:  # every 5th key got +1
+        expected += len(range(0, keys, 5))
     if found != keys or total != expected:
         raise RuntimeError(f"restored {found} keys summing to {total}; expected {keys} keys summing to {expected}")
-    return t1 - t0, t2 - t1, nbytes
+    return t1 - t0, t2 - t1, nbytes, rmw
 
 
-def restore_reference(path: str, keys: int, root: str, checkpoint_id: int) -> tuple[float, float, int]:
+def read_modify_writes(backend: KeyedStateBackend, handle, keys: int, max_parallelism: int) -> float:
+    """Seconds per read-modify-write (+1) of every 5th restored key through the state's handle,
+    in key order (key groups interleaved, as records come), the key groups computed before."""
+    from abs.keygroups import key_groups
+
+    names = [f"k{i}" for i in range(0, keys, 5)]
+    kgs = key_groups(pa.array(names), max_parallelism).tolist()
+    t0 = time.perf_counter()
+    for key, kg in zip(names, kgs):
+        backend.current_key = key
+        backend.current_kg = kg
+        handle.update(handle.value() + 1)
+    return (time.perf_counter() - t0) / len(names)
+
+
+def restore_reference(path: str, keys: int, root: str, checkpoint_id: int,
+                      built: bool = False) -> tuple[float, float, int, float]:
     # in a child of this process: memory as a worker has it (transparent huge pages off, which
     # a worker turns off for Arrow's allocator; with them on, the first fault of a few hundred
     # MB of index may wait 0.5 s for the kernel to find huge pages, or take a fifth of that)
     no_huge_pages()
-    return restore_in_process(build_reference(path, keys, keys), root, checkpoint_id, keys)
+    return restore_in_process(build_reference(path, keys, keys), root, checkpoint_id, keys, built)
 
 
 def reference_round(path: str, keys: int, root: str, checkpoint_id: int, scratch: str) -> dict:
@@ -252,11 +289,20 @@ def reference_round(path: str, keys: int, root: str, checkpoint_id: int, scratch
     # in a fresh process, as a worker restores: not a fork of this one, whose heap and Arrow
     # pool (the warm reads' buffers) a fork would inherit
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        secs, index_secs, nbytes = pool.submit(restore_reference, path, keys, root, checkpoint_id).result()
+        secs, index_secs, nbytes, rmw = pool.submit(restore_reference, path, keys, root, checkpoint_id).result()
     out["in-process restore MB/s"] = nbytes / secs / 1e6
     out["in-process / pyarrow"] = nbytes / secs / 1e6 / raw_mbs
     out["in-process with index / pyarrow"] = nbytes / (secs + index_secs) / 1e6 / raw_mbs
     out["in-process with index / pyarrow cold"] = nbytes / (secs + index_secs) / 1e6 / cold_mbs
+    if path == "process":
+        # the same with each key group's Python index built (no C module), in another fresh process
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            bsecs, bindex, bbytes, brmw = pool.submit(restore_reference, path, keys, root, checkpoint_id, True).result()
+        out["built index: with index / pyarrow cold"] = bbytes / (bsecs + bindex) / 1e6 / cold_mbs
+        out["first use of every key group (s)"] = index_secs
+        out["built index: first use (s)"] = bindex
+        out["read-modify-write of a restored key (us)"] = rmw * 1e6
+        out["built index: read-modify-write (us)"] = brmw * 1e6
     mark = os.path.join(scratch, "first-record")
     if os.path.exists(mark):
         os.remove(mark)

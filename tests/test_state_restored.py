@@ -15,7 +15,9 @@ from abs.keygroups import KeyGroupRange, key_group
 from abs.state import KeyedStateBackend, ValueState
 from abs.state.aggregate_backend import AggregateBackend
 from abs.state.handover import export_key_group
+from abs.state.handles import PyColumnValueStateHandle
 from abs.state.restored import RestoredColumn
+from abscore.native import NATIVE
 
 M = 16
 RANGE = KeyGroupRange(0, M - 1)
@@ -50,6 +52,11 @@ def contents(b):
     return sorted(((k, v) for k, v in b.items("v")), key=repr)
 
 
+def probed(col):
+    """Whether a restored key group answers from its text index (not built, not waiting)."""
+    return type(col) is RestoredColumn and NATIVE is not None and isinstance(col.image, NATIVE.TextIndex)
+
+
 def kinds(b):
     return {type(b._slot("v").data[kg]) for kg in RANGE}
 
@@ -78,8 +85,10 @@ def test_the_first_record_builds_only_its_own_key_group_and_later_deltas_are_exa
     assert h.value() == 5
     h.update(h.value() + 100)
     data = b._slot("v").data
-    assert type(data[kg]) is Column
+    # the C handle probes the key group's text keys instead of building it (see below)
+    assert probed(data[kg]) if NATIVE is not None else type(data[kg]) is Column
     assert {type(data[g]) for g in RANGE if g != kg} == {RestoredColumn}
+    assert not any(probed(data[g]) for g in RANGE if g != kg)
     delta = b.capture(2)["v"]
     assert list(delta) == [kg]
     assert delta[kg].column("key").to_pylist() == [key] and delta[kg].column("value").to_pylist() == [105]

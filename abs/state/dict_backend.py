@@ -584,5 +584,6 @@ class KeyedStateBackend:
 
 if NATIVE is not None:
     # the classes whose __slots__ the C value()/update() of ColumnValueStateHandle read directly
-    # (current_key, current_kg, epoch; a column's index, values, stamps, nulls)
-    NATIVE.configure_value_handles(KeyedStateBackend, Column)
+    # (current_key, current_kg, epoch; a column's index, values, stamps, nulls; a restored
+    # key group's image, its text index once probed: abs.state.restored)
+    NATIVE.configure_value_handles(KeyedStateBackend, Column, RestoredColumn)

@@ -1,0 +1,210 @@
+"""A restored key group of text keys answers a typed ValueState's C handle from an index over
+its Arrow keys (``abscore._native.TextIndex``, the *probed* state of
+``abs.state.restored.RestoredColumn``) instead of building a Python ``str`` and a dict entry
+per key: the same values, the same captures and the same checkpoints as a built key group,
+whatever the records do to it."""
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import abs
+from abs.columns import Column
+from abs.keygroups import KeyGroupRange, key_group
+from abs.state import KeyedStateBackend, ValueState
+from abs.state.restored import RestoredColumn
+from abscore.native import NATIVE
+from storage import SnapshotStore
+
+pytestmark = pytest.mark.skipif(NATIVE is None, reason="the text index is the C module's")
+
+M = 8
+RANGE = KeyGroupRange(0, M - 1)
+TEXT = st.text(alphabet=st.sampled_from("ab\u00e9\u4e2d\U0001f600 \x00"), max_size=6)
+
+
+def index_of(keys: pa.Array):
+    b = keys.buffers()
+    return NATIVE.text_index(keys, b[1], b[2], keys.offset, len(keys), pa.types.is_binary(keys.type))
+
+
+# ----------------------------------------------------------------------------- the index itself
+
+
+@given(st.lists(TEXT, unique=True, max_size=200), st.lists(TEXT, max_size=30), st.integers(0, 5))
+@settings(max_examples=150, deadline=None)
+def test_the_index_finds_each_key_at_its_row_and_nothing_else(keys, probes, cut):
+    arr = pa.array(["-"] * cut + keys, pa.string()).slice(cut)  # an array with an offset
+    index = index_of(arr)
+    assert len(index) == len(keys) and index.keys is arr
+    for i, k in enumerate(keys):
+        assert index.find(k) == i
+        assert index.find(k.encode()) == -1  # bytes never equal a str
+    for p in probes:
+        assert index.find(p) == (keys.index(p) if p in keys else -1)
+    assert index.find(7) == -2 and index.find(None) == -2  # not text: the caller asks the dict
+
+
+@given(st.lists(st.binary(max_size=9), unique=True, max_size=100))
+@settings(max_examples=60, deadline=None)
+def test_the_index_of_bytes_keys(keys):
+    index = index_of(pa.array(keys, pa.binary()))
+    assert [index.find(k) for k in keys] == list(range(len(keys)))
+    assert all(index.find(k.decode("latin-1")) == -1 for k in keys)
+
+
+def test_repeated_keys_give_no_index_and_a_large_one_is_built_without_the_gil():
+    assert index_of(pa.array(["a", "b", "a"])) is None
+    assert index_of(pa.array([""] * 2)) is None
+    keys = pa.array([f"key-{i}" for i in range(100_000)])  # over the size that releases the GIL
+    index = index_of(keys)
+    assert [index.find(f"key-{i}") for i in (0, 77_777, 99_999)] == [0, 77_777, 99_999]
+    assert index.find("key-100000") == -1
+    empty = index_of(pa.array([""]))  # no data buffer at all
+    assert empty.find("") == 0 and empty.find("x") == -1
+
+
+# ----------------------------------------------------------------------------- the key group
+
+
+def backend():
+    return KeyedStateBackend("op", [ValueState("v", pa.int64())], M, RANGE)
+
+
+def restored(keys, values):
+    """A backend holding ``keys`` -> ``values``, checkpointed and restored into a fresh one
+    (its key groups waiting as arrays)."""
+    src = backend()
+    for k, v in zip(keys, values):
+        src.put_many("v", key_group(k, M), [k], [v])
+    full = src.capture_full(1)["v"]
+    b = backend()
+    for kg, table in full.items():
+        b.restore("v", kg, table.drop_columns(["op"]))
+    return b
+
+
+def probed(col):
+    return type(col) is RestoredColumn and isinstance(col.image, NATIVE.TextIndex)
+
+
+def rows(tables):
+    return {kg: sorted(zip(*(t.column(c).to_pylist() for c in t.column_names))) for kg, t in tables.items()}
+
+
+def test_read_modify_writes_probe_the_key_group_and_a_new_key_builds_it():
+    keys = [f"k{i}" for i in range(300)]
+    b = restored(keys, range(300))
+    h, data = b.state("v"), b._slot("v").data
+    kg = key_group("k7", M)
+    b.current_key, b.current_kg = "k7", kg
+    h.update(h.value() + 1000)
+    assert probed(data[kg]) and h.value() == 1007
+    assert rows(b.capture(2)["v"]) == {kg: [("k7", 1007, 0)]}  # (key, value, op): one upsert
+    b.confirm(2)
+    b.current_key = "new"
+    b.current_kg = key_group("new", M)
+    assert h.value() is None and probed(data[b.current_kg])  # absent: still probed
+    h.update(5)  # an insert builds the key group, keeping what was written
+    assert type(data[b.current_kg]) is Column and dict(b.items("v", b.current_kg))["new"] == 5
+    assert dict(b.items("v"))["k7"] == 1007 and len(dict(b.items("v"))) == 301
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["rmw", "set", "clear", "get", "checkpoint"]), st.integers(0, 59),
+                         st.integers(-5, 5)), max_size=60)
+
+
+@given(OPS, st.integers(0, 3))
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_a_probed_key_group_behaves_as_a_built_one_under_any_records(ops, nulls_every):
+    """The same records through the C handle on a restored backend (probed) and on the same
+    state built at once: the same values read, the same captures, the same final state.
+    Keys 0-39 were restored (some with a null value), 40-59 are new; a checkpoint captures and
+    confirms; some writes store None."""
+    names = [f"n{i}\u00e9" if i % 3 else f"n{i}" for i in range(60)]
+    restored_keys = names[:40]
+    values = [None if nulls_every and i % (nulls_every + 3) == 0 else i for i in range(40)]
+    lazy, eager = restored(restored_keys, values), restored(restored_keys, values)
+    for col in eager._slot("v").data:
+        if type(col) is RestoredColumn:
+            col.build()
+    epoch = 2
+    for op, k, d in ops:
+        key = names[k]
+        outs = []
+        for b in (lazy, eager):
+            h = b.state("v")
+            b.current_key, b.current_kg = key, key_group(key, M)
+            if op == "rmw":
+                v = h.value()
+                h.update((v or 0) + d)
+                outs.append(v)
+            elif op == "set":
+                h.update(None if d == 0 else d)
+            elif op == "clear":
+                h.clear()
+            elif op == "get":
+                outs.append(h.value())
+            else:
+                outs.append(rows(b.capture(epoch)["v"]))
+                b.confirm(epoch)
+        if op == "checkpoint":
+            epoch += 1
+        assert outs[:1] == outs[1:], (op, key)
+    assert dict(lazy.items("v")) == dict(eager.items("v"))
+    assert rows(lazy.capture_full(epoch)["v"]) == rows(eager.capture_full(epoch)["v"])
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def _flow(names: pa.Array, rounds: int) -> abs.Dataflow:
+    """Round 1: every key once with its position; round 2: every 100th key 100 times, +1 each;
+    round 3: every key once more, +1 (a running sum in a ValueState)."""
+    n = len(names)
+
+    def batch(idx):
+        keys, vals = [], []
+        for i in idx:
+            r, j = divmod(i, n)
+            keys.append(j if r != 1 else j // 100 * 100)
+            vals.append(j if r == 0 else 1)
+        return pa.RecordBatch.from_arrays([names.take(pa.array(keys)), pa.array(vals, pa.int64())], names=["k", "v"])
+
+    def running_sum(ctx, event):
+        total = ctx.state.total
+        total.update((total.value() or 0) + event["v"])
+
+    flow = abs.Dataflow("probed", max_parallelism=16)
+    src = abs.GeneratorSource(n * rounds, num_keys=n, batch_size=1000, make_batch=batch)
+    flow.source("src", src).key_by("k").process("sum", running_sum, state=[abs.ValueState("total", pa.int64())])
+    return flow
+
+
+def _final_state(root: str) -> dict:
+    store = SnapshotStore.open(root)
+    manifest = store.read_manifest(store.list_checkpoints()[-1])
+    got: dict = {}
+    for kg in manifest.chains("sum", "total"):
+        t = store.read_key_group(manifest, "sum", "total", kg)
+        got.update(zip(t.column("key").to_pylist(), t.column("value").to_pylist()))
+    return got
+
+
+def test_checkpoints_of_probed_key_groups_restore_exactly(tmp_path):
+    """A restore whose records change 1 % of the keys (deltas of Arrow keys taken from the
+    probed key groups), restored again at another parallelism, whose records then change
+    every key (full images): each checkpoint holds exactly the sums."""
+    n = 6000
+    names = pa.array([f"user-{i:05d}" if i % 7 else f"us\u00e9r-{i}" for i in range(n)])
+    cfg = abs.CheckpointConfig(interval=None)
+    abs.run(_flow(names, 1), parallelism=1, storage=str(tmp_path), checkpoint=cfg)
+    first = {k: i for i, k in enumerate(names.to_pylist())}
+    assert _final_state(str(tmp_path)) == first
+    abs.run(_flow(names, 2), parallelism=1, storage=str(tmp_path), restore="latest", checkpoint=cfg)
+    second = {k: v + (100 if i % 100 == 0 else 0) for i, (k, v) in enumerate(first.items())}
+    assert _final_state(str(tmp_path)) == second
+    abs.run(_flow(names, 3), parallelism=2, storage=str(tmp_path), restore="latest", checkpoint=cfg)
+    assert _final_state(str(tmp_path)) == {k: v + 1 for k, v in second.items()}
