@@ -16,8 +16,8 @@
  *   probing without wrap-around, homes from a multiplicative hash scaled to the table);
  * - partition: a key_by writer's rows grouped by channel (abs.runtime.exchange);
  * - text_array: a list of str or bytes keys as Arrow string/binary buffers (abs.columns);
- * - TextIndex / text_index: the key index of a restored key group of text keys over its Arrow
- *   buffers (abs.state.restored), which ValueHandle probes;
+ * - RestoredIndex (text_index, int_index): the key index of a restored key group over its
+ *   Arrow text keys or int64 keys (abs.state.restored), which ValueHandle probes;
  * - byte_streams: a values image's numeric column byte-stream split and joined again
  *   (storage.values_images);
  * - ValueHandle: value() and update() of a typed ValueState's handle (abs.state.handles).
@@ -725,27 +725,31 @@ done:
     return result;
 }
 
-/* ------------------------------------------------------------------ the restored text index */
+/* ------------------------------------------------------------------ the restored key index */
 
-/* TextIndex: the key -> slot index of a restored key group of str (or bytes) keys, over the
- * Arrow buffers it was restored into (abs.state.restored): no Python object per key. Open
- * addressing with linear probing over a power-of-two table of uint64 entries, each
- * (32 bits of the key's hash) << 32 | (slot + 1), 0 empty; a hit compares the bytes. A probe
- * takes an exact str (its UTF-8 bytes) or bytes; find() answers -2 for any other key (the
- * caller builds the key group's Python index and asks it, which knows what such a key equals). */
+/* RestoredIndex: the key -> slot index of a restored key group (abs.state.restored) over the
+ * arrays it was restored into, without a Python object per key: the Arrow buffers of str (or
+ * bytes) keys, or the int64 numpy array of integer keys. Open addressing with linear probing
+ * over a power-of-two table of uint64 entries, each (32 bits of the key's hash) << 32 |
+ * (slot + 1), 0 empty; a hit compares the key itself. A probe takes an exact str (its UTF-8
+ * bytes), bytes or int, as the index's keys are; find() answers -2 for any other kind of key
+ * (a bool, a float, a subclass: the caller builds the key group's Python index and asks it,
+ * which knows what such a key equals). */
+
+enum { KEYS_STR, KEYS_BYTES, KEYS_INT };
 
 typedef struct {
     PyObject_HEAD
-    PyObject *keys;   /* the Arrow array the buffers belong to (kept alive, given back as .keys) */
+    PyObject *keys;   /* the array the buffers belong to (kept alive, given back as .keys) */
     Py_buffer off, data;
-    int has_data, is_bytes;
-    const int32_t *o; /* n + 1 offsets, from the array's own offset */
-    const char *d;
+    int has_off, has_data, kind;
+    const int32_t *o; /* text: n + 1 offsets, from the array's own offset */
+    const char *d;    /* text: the data; int: the int64 keys */
     Py_ssize_t n;
     uint64_t *table, mask;
-} TextIndex;
+} RestoredIndex;
 
-static PyTypeObject TextIndexType;
+static PyTypeObject RestoredIndexType;
 
 static inline uint64_t text_hash(const char *p, Py_ssize_t len) {
     uint64_t h = 0x9E3779B97F4A7C15ull ^ (uint64_t)len;
@@ -765,8 +769,27 @@ static inline uint64_t text_hash(const char *p, Py_ssize_t len) {
     return fmix64(h);
 }
 
+/* the hash of an int64 key in the index: not fmix64(k) itself, which is the key's key-group
+ * hash (abscore.hashing): every key of one key group shares bits of it, and would crowd into
+ * a few stretches of the table */
+static inline uint64_t int_hash(int64_t k) { return fmix64((uint64_t)k * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull); }
+
+/* slot of the int64 key k, or -1 */
+static inline Py_ssize_t ti_lookup_int(const RestoredIndex *t, int64_t k) {
+    const int64_t *keys = (const int64_t *)t->d;
+    uint64_t h = int_hash(k), tag = h >> 32 << 32, at = h & t->mask;
+    for (;;) {
+        uint64_t e = t->table[at];
+        if (!e)
+            return -1;
+        if ((e & 0xFFFFFFFF00000000ull) == tag && keys[(e & 0xFFFFFFFFull) - 1] == k)
+            return (Py_ssize_t)(e & 0xFFFFFFFFull) - 1;
+        at = (at + 1) & t->mask;
+    }
+}
+
 /* slot of the len bytes at p, or -1 */
-static inline Py_ssize_t ti_lookup(const TextIndex *t, const char *p, Py_ssize_t len) {
+static inline Py_ssize_t ti_lookup(const RestoredIndex *t, const char *p, Py_ssize_t len) {
     uint64_t h = text_hash(p, len), tag = h >> 32 << 32, at = h & t->mask;
     for (;;) {
         uint64_t e = t->table[at];
@@ -782,14 +805,13 @@ static inline Py_ssize_t ti_lookup(const TextIndex *t, const char *p, Py_ssize_t
     }
 }
 
-/* slot of key, -1 absent, -2 a key this index cannot answer for (not an exact str or bytes);
- * never raises */
-static Py_ssize_t ti_find(const TextIndex *t, PyObject *key) {
+/* slot of key, -1 absent, -2 a key this index cannot answer for; never raises */
+static Py_ssize_t ti_find(const RestoredIndex *t, PyObject *key) {
     const char *p;
     Py_ssize_t len;
     if (PyUnicode_CheckExact(key)) {
-        if (t->is_bytes)
-            return -1; /* a str never equals bytes */
+        if (t->kind != KEYS_STR)
+            return t->kind == KEYS_BYTES ? -1 : -2; /* a str never equals bytes; an int index: ask */
         if (PyUnicode_IS_COMPACT_ASCII(key)) {
             p = (const char *)PyUnicode_DATA(key);
             len = PyUnicode_GET_LENGTH(key);
@@ -801,58 +823,145 @@ static Py_ssize_t ti_find(const TextIndex *t, PyObject *key) {
             }
         }
     } else if (PyBytes_CheckExact(key)) {
-        if (!t->is_bytes)
-            return -1;
+        if (t->kind != KEYS_BYTES)
+            return t->kind == KEYS_STR ? -1 : -2;
         p = PyBytes_AS_STRING(key);
         len = PyBytes_GET_SIZE(key);
+    } else if (PyLong_CheckExact(key) && t->kind == KEYS_INT) {
+        int overflow = 0;
+        long long k = PyLong_AsLongLongAndOverflow(key, &overflow);
+        if (overflow)
+            return -1; /* outside int64: no int64 key equals it */
+        return ti_lookup_int(t, (int64_t)k);
     } else
         return -2;
     return ti_lookup(t, p, len);
 }
 
-static void ti_dealloc(TextIndex *t) {
+static void ti_dealloc(RestoredIndex *t) {
     PyObject_GC_UnTrack(t);
     Py_CLEAR(t->keys);
     if (t->has_data)
         PyBuffer_Release(&t->data);
-    if (t->o)
+    if (t->has_off)
         PyBuffer_Release(&t->off);
     PyMem_Free(t->table);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 
-static int ti_traverse(TextIndex *t, visitproc visit, void *arg) {
+static int ti_traverse(RestoredIndex *t, visitproc visit, void *arg) {
     Py_VISIT(t->keys);
     return 0;
 }
 
-static Py_ssize_t ti_len(TextIndex *t) { return t->n; }
+static Py_ssize_t ti_len(RestoredIndex *t) { return t->n; }
 
-static PyObject *ti_find_py(TextIndex *t, PyObject *key) { return PyLong_FromSsize_t(ti_find(t, key)); }
+static PyObject *ti_find_py(RestoredIndex *t, PyObject *key) { return PyLong_FromSsize_t(ti_find(t, key)); }
 
 static PyMethodDef ti_methods[] = {
-    {"find", (PyCFunction)ti_find_py, METH_O, "find(key) -> its slot, -1 when absent, -2 for a key that is neither str nor bytes"},
+    {"find", (PyCFunction)ti_find_py, METH_O, "find(key) -> its slot, -1 when absent, -2 for a key of another kind than the index's"},
     {NULL, NULL, 0, NULL},
 };
 
 static PyMemberDef ti_members[] = {
-    {"keys", T_OBJECT_EX, offsetof(TextIndex, keys), READONLY, "the Arrow array of the keys"},
+    {"keys", T_OBJECT_EX, offsetof(RestoredIndex, keys), READONLY, "the array of the keys (Arrow; int64 numpy)"},
     {NULL, 0, 0, 0, NULL},
 };
 
 static PySequenceMethods ti_as_sequence = {.sq_length = (lenfunc)ti_len};
 
-static PyTypeObject TextIndexType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "abscore._native.TextIndex",
-    .tp_basicsize = sizeof(TextIndex),
+static PyTypeObject RestoredIndexType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "abscore._native.RestoredIndex",
+    .tp_basicsize = sizeof(RestoredIndex),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "The key -> slot index of a restored key group of text keys (see abscore/_native.c); make one with text_index().",
+    .tp_doc = "The key -> slot index of a restored key group (see abscore/_native.c); make one with text_index() or int_index().",
     .tp_traverse = (traverseproc)ti_traverse,
     .tp_dealloc = (destructor)ti_dealloc,
     .tp_methods = ti_methods,
     .tp_members = ti_members,
     .tp_as_sequence = &ti_as_sequence,
 };
+
+static RestoredIndex *ti_new(PyObject *keys, Py_ssize_t n, int kind) {
+    RestoredIndex *t = PyObject_GC_New(RestoredIndex, &RestoredIndexType);
+    if (!t)
+        return NULL;
+    Py_INCREF(keys);
+    t->keys = keys;
+    t->o = NULL;
+    t->d = "";
+    t->has_off = t->has_data = 0;
+    t->table = NULL;
+    t->n = n;
+    t->kind = kind;
+    return t;
+}
+
+/* the table for n keys, all zero: a load of 3/8 to 3/4, linear probing stays short and the
+ * table small (8 bytes an entry) */
+static int ti_alloc_table(RestoredIndex *t) {
+    uint64_t cap = 8;
+    while (cap < (uint64_t)t->n + (uint64_t)t->n / 3)
+        cap <<= 1;
+    t->table = PyMem_Calloc((size_t)cap, sizeof(uint64_t));
+    if (!t->table) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    t->mask = cap - 1;
+    return 0;
+}
+
+/* insert row i of hash h; 1 when an equal key is there already */
+static inline int ti_insert(RestoredIndex *t, Py_ssize_t i, uint64_t h) {
+    uint64_t tag = h >> 32 << 32, at = h & t->mask;
+    for (;;) {
+        uint64_t e = t->table[at];
+        if (!e) {
+            t->table[at] = tag | (uint64_t)(i + 1);
+            return 0;
+        }
+        if ((e & 0xFFFFFFFF00000000ull) == tag) {
+            Py_ssize_t slot = (Py_ssize_t)(e & 0xFFFFFFFFull) - 1;
+            if (t->kind == KEYS_INT) {
+                if (((const int64_t *)t->d)[slot] == ((const int64_t *)t->d)[i])
+                    return 1;
+            } else if (t->o[slot + 1] - t->o[slot] == t->o[i + 1] - t->o[i] &&
+                       memcmp(t->d + t->o[slot], t->d + t->o[i], (size_t)(t->o[i + 1] - t->o[i])) == 0)
+                return 1;
+        }
+        at = (at + 1) & t->mask;
+    }
+}
+
+/* every row into the table, a batch's hashes first (their entries fetched while the next are
+ * hashed), without the GIL for a large one (nothing here touches a Python object); the
+ * index, or None when a key repeats (the caller inserts key by key) */
+static PyObject *ti_fill(RestoredIndex *t) {
+    int repeated = 0;
+    Py_ssize_t n = t->n;
+    PyThreadState *ts = release_for(n);
+    uint64_t hashes[16];
+    for (Py_ssize_t i = 0; i < n && !repeated; i++) {
+        if (!(i & 15)) {
+            for (Py_ssize_t j = i; j < i + 16 && j < n; j++) {
+                hashes[j - i] = t->kind == KEYS_INT ? int_hash(((const int64_t *)t->d)[j])
+                                                    : text_hash(t->d + t->o[j], t->o[j + 1] - t->o[j]);
+#if defined(__GNUC__)
+                __builtin_prefetch(&t->table[hashes[j - i] & t->mask], 1);
+#endif
+            }
+        }
+        repeated = ti_insert(t, i, hashes[i & 15]);
+    }
+    if (ts)
+        PyEval_RestoreThread(ts);
+    if (repeated) {
+        Py_DECREF(t);
+        Py_RETURN_NONE;
+    }
+    return (PyObject *)t;
+}
 
 /* text_index(keys, offsets, data, start, n, is_bytes): the index of the n keys of an Arrow
  * string (binary) array whose int32 offsets buffer is `offsets` (read from item `start`, the
@@ -867,19 +976,12 @@ static PyObject *text_index(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "text_index: %zd keys from item %zd (0 to 2**31 - 2 keys)", n, start);
         return NULL;
     }
-    TextIndex *t = PyObject_GC_New(TextIndex, &TextIndexType);
+    RestoredIndex *t = ti_new(keys, n, is_bytes ? KEYS_BYTES : KEYS_STR);
     if (!t)
         return NULL;
-    t->keys = NULL;
-    t->o = NULL;
-    t->has_data = 0;
-    t->table = NULL;
-    t->n = n;
-    t->is_bytes = is_bytes;
-    Py_INCREF(keys);
-    t->keys = keys;
     if (PyObject_GetBuffer(o_off, &t->off, PyBUF_C_CONTIGUOUS) < 0)
         goto fail;
+    t->has_off = 1;
     t->o = (const int32_t *)t->off.buf + start;
     if ((start + n + 1) * (Py_ssize_t)sizeof(int32_t) > t->off.len) {
         PyErr_Format(PyExc_ValueError, "text_index: offsets of %zd bytes hold no %zd items from item %zd", t->off.len,
@@ -893,66 +995,56 @@ static PyObject *text_index(PyObject *self, PyObject *args) {
         t->has_data = 1;
         t->d = (const char *)t->data.buf;
         dlen = t->data.len;
-    } else
-        t->d = "";
+    }
     for (Py_ssize_t i = 0; i < n; i++)
         if (t->o[i] < 0 || t->o[i] > t->o[i + 1] || t->o[i + 1] > dlen) {
             PyErr_Format(PyExc_ValueError, "text_index: offset %zd out of order or past the data's %zd bytes", i, dlen);
             goto fail;
         }
-    uint64_t cap = 8; /* a load of 3/8 to 3/4: linear probing stays short, the table small */
-    while (cap < (uint64_t)n + (uint64_t)n / 3)
-        cap <<= 1;
-    t->table = PyMem_Calloc((size_t)cap, sizeof(uint64_t));
-    if (!t->table) {
-        PyErr_NoMemory();
+    if (ti_alloc_table(t) < 0)
         goto fail;
-    }
-    t->mask = cap - 1;
     PyObject_GC_Track(t);
-    int repeated = 0;
-    PyThreadState *ts = release_for(n); /* nothing below touches a Python object */
-    uint64_t hashes[16]; /* a batch's hashes first, their entries fetched while the next are hashed */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (!(i & 15)) {
-            for (Py_ssize_t j = i; j < i + 16 && j < n; j++) {
-                hashes[j - i] = text_hash(t->d + t->o[j], t->o[j + 1] - t->o[j]);
-#if defined(__GNUC__)
-                __builtin_prefetch(&t->table[hashes[j - i] & t->mask], 1);
-#endif
-            }
-        }
-        const char *p = t->d + t->o[i];
-        Py_ssize_t len = t->o[i + 1] - t->o[i];
-        uint64_t h = hashes[i & 15], tag = h >> 32 << 32, at = h & t->mask;
-        for (;;) {
-            uint64_t e = t->table[at];
-            if (!e) {
-                t->table[at] = tag | (uint64_t)(i + 1);
-                break;
-            }
-            if ((e & 0xFFFFFFFF00000000ull) == tag) {
-                Py_ssize_t slot = (Py_ssize_t)(e & 0xFFFFFFFFull) - 1;
-                if (t->o[slot + 1] - t->o[slot] == len && memcmp(t->d + t->o[slot], p, (size_t)len) == 0) {
-                    repeated = 1;
-                    break;
-                }
-            }
-            at = (at + 1) & t->mask;
-        }
-        if (repeated)
-            break;
-    }
-    if (ts)
-        PyEval_RestoreThread(ts);
-    if (repeated) {
-        Py_DECREF(t); /* a repeated key: the caller inserts key by key */
-        Py_RETURN_NONE;
-    }
-    return (PyObject *)t;
+    return ti_fill(t);
 fail:
     Py_DECREF(t);
     return NULL;
+}
+
+/* int_index(keys): the index of a 1-d contiguous int64 array of keys (kept, given back as
+ * .keys), or None when a key repeats. */
+static PyObject *int_index(PyObject *self, PyObject *args) {
+    PyObject *keys;
+    if (!PyArg_ParseTuple(args, "O", &keys))
+        return NULL;
+    Buf b = {0};
+    if (get_buf(keys, &b, 0, SIZES_8, "keys") < 0)
+        return NULL;
+    if (b.view.format && strcmp(b.view.format, "q") && strcmp(b.view.format, "l") && strcmp(b.view.format, "<q") &&
+        strcmp(b.view.format, "<l")) {
+        PyErr_Format(PyExc_TypeError, "int_index: keys of format %s (int64 needed)", b.view.format);
+        release(&b);
+        return NULL;
+    }
+    Py_ssize_t n = items(&b);
+    if (n >= 0x7FFFFFFF) {
+        release(&b);
+        PyErr_Format(PyExc_ValueError, "int_index: %zd keys (at most 2**31 - 2)", n);
+        return NULL;
+    }
+    RestoredIndex *t = ti_new(keys, n, KEYS_INT);
+    if (!t) {
+        release(&b);
+        return NULL;
+    }
+    t->data = b.view; /* the view is the index's now: released with it */
+    t->has_data = 1;
+    t->d = (const char *)t->data.buf;
+    if (ti_alloc_table(t) < 0) {
+        Py_DECREF(t);
+        return NULL;
+    }
+    PyObject_GC_Track(t);
+    return ti_fill(t);
 }
 
 /* ------------------------------------------------------------------ the value handle */
@@ -1021,14 +1113,14 @@ static PyObject *vh_value(ValueHandle *self, PyObject *unused);
  * own; anything else goes the Python way (which builds the key group) */
 static PyObject *vh_restored_value(ValueHandle *self, PyObject *col, PyObject *key) {
     PyObject *image = SLOT(col, off_image), *result = NULL;
-    if (!image || Py_TYPE(image) != &TextIndexType) {
+    if (!image || Py_TYPE(image) != &RestoredIndexType) {
         /* held across the call: it runs Python (and the index's build lets other threads run) */
         Py_INCREF(col);
         PyObject *ok = PyObject_CallMethodNoArgs(col, str_probe);
         int yes = ok == Py_True;
         Py_XDECREF(ok);
         image = SLOT(col, off_image);
-        int probed = ok && yes && Py_TYPE(col) == vh_restored_type && image && Py_TYPE(image) == &TextIndexType;
+        int probed = ok && yes && Py_TYPE(col) == vh_restored_type && image && Py_TYPE(image) == &RestoredIndexType;
         Py_DECREF(col);
         if (!ok)
             return NULL;
@@ -1040,7 +1132,7 @@ static PyObject *vh_restored_value(ValueHandle *self, PyObject *col, PyObject *k
     PyObject *values = SLOT(col, off_values), *nulls = SLOT(col, off_nulls);
     if (!values || !nulls || !PySet_CheckExact(nulls) || PySet_GET_SIZE(nulls))
         return vh_slow_value(self);
-    Py_ssize_t slot = ti_find((TextIndex *)image, key);
+    Py_ssize_t slot = ti_find((RestoredIndex *)image, key);
     if (slot == -2)
         return vh_slow_value(self);
     if (slot == -1)
@@ -1253,7 +1345,8 @@ static PyMethodDef methods[] = {
     {"text_array", text_array, METH_VARARGS,
      "text_array(keys, offsets) -> (is_bytes, data), or None where abs.columns._text_array decides"},
     {"text_index", text_index, METH_VARARGS,
-     "text_index(keys, offsets, data, start, n, is_bytes) -> TextIndex, or None when a key repeats"},
+     "text_index(keys, offsets, data, start, n, is_bytes) -> RestoredIndex, or None when a key repeats"},
+    {"int_index", int_index, METH_VARARGS, "int_index(keys) -> RestoredIndex of int64 keys, or None when a key repeats"},
     {"partition", partition, METH_VARARGS,
      "partition(key_groups, routing, order, counts): rows grouped by channel routing[key group], stably"},
     {NULL, NULL, 0, NULL},
@@ -1273,7 +1366,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     str_update_by_lookup = PyUnicode_InternFromString("_update_by_lookup");
     str_probe = PyUnicode_InternFromString("_probe");
     if (!str_value_slow || !str_update_by_lookup || !str_probe || PyType_Ready(&ValueHandleType) < 0 ||
-        PyType_Ready(&TextIndexType) < 0)
+        PyType_Ready(&RestoredIndexType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m)
@@ -1284,15 +1377,15 @@ PyMODINIT_FUNC PyInit__native(void) {
         Py_DECREF(m);
         return NULL;
     }
-    Py_INCREF(&TextIndexType);
-    if (PyModule_AddObject(m, "TextIndex", (PyObject *)&TextIndexType) < 0) {
-        Py_DECREF(&TextIndexType);
+    Py_INCREF(&RestoredIndexType);
+    if (PyModule_AddObject(m, "RestoredIndex", (PyObject *)&RestoredIndexType) < 0) {
+        Py_DECREF(&RestoredIndexType);
         Py_DECREF(m);
         return NULL;
     }
     /* what the functions' arguments mean (abscore.native.API): 2 = the index takes its number
      * of home positions, not a shift; 3 = configure_value_handles takes the restored column's
-     * class too (and the module has TextIndex) */
+     * class too (and the module has RestoredIndex) */
     if (PyModule_AddIntConstant(m, "API", 3) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -9,9 +9,9 @@ per record, C reads the slots directly (``abs.state.handles``). A snapshot's lis
 keys as an Arrow array (``abs.columns``): pyarrow's converter costs ~0.2 us a key, C copies
 each key's UTF-8 bytes. A values image's byte-stream split (``storage.values_images``): numpy
 copies a strided view byte by byte, C transposes 16 values at a time in SSE2 registers. A
-restored key group of text keys (``abs.state.restored``): Python builds a ``str`` and a dict
-entry per key, C an index over the Arrow keys that the C handle probes (``TextIndex``; without
-the module, the key group is built as before). Both
+restored key group (``abs.state.restored``): Python builds a key object and a dict entry per
+key, C an index over the restored Arrow or int64 keys that the C handle probes
+(``RestoredIndex``; without the module, the key group is built as before). Both
 give the same results bit for bit (tests/test_native.py holds them side by side), so a
 snapshot, a routing decision or a key group never depends on which ran. ``NATIVE`` is the C module, or None where it was not
 built (``setup.py`` builds it when a C compiler and Python's headers are there, and goes on
@@ -32,7 +32,7 @@ read their arguments otherwise (before 2 the index took a shift, not its number 
 positions; before 3 ``configure_value_handles`` took two classes), is not used."""
 
 _NAMES = ("bytes_hashes", "key_codes", "index_lookup", "index_insert", "index_fill", "partition",
-          "ValueHandle", "configure_value_handles", "text_array", "byte_streams", "text_index", "TextIndex")
+          "ValueHandle", "configure_value_handles", "text_array", "byte_streams", "text_index", "int_index", "RestoredIndex")
 
 
 def _load() -> ModuleType | None:

@@ -34,7 +34,8 @@ each configuration, the configurations interleaved:
   both; ``process`` then times a read-modify-write of every 5th key (us a record), and does
   all of it again with every key group built before its first use ("built index": a restore
   without the C module), in another fresh process; the restored sums are checked;
-  ``--paths aggregate-int`` adds the aggregate over int keys;
+  ``--paths aggregate-int`` adds the aggregate over int keys, ``process-int`` the process
+  function over int keys;
 - *job*: ``abs.run`` at parallelism 1 restoring the checkpoint with 10,000 more events: the
   worker's restore MB/s against pyarrow's, the time to the sources' start, and for ``process``
   the time from ``abs.run`` to the end of the first record's call (written by the function
@@ -45,7 +46,7 @@ Printed: medians and ranges (min..max) over the rounds.
 
     .venv/bin/python scripts/bench_recovery.py [--keys N] [--state payload|sums]
     .venv/bin/python scripts/bench_recovery.py --reference [--reference-keys K [K ...]] [--rounds N]
-        [--paths process aggregate aggregate-int]
+        [--paths process aggregate aggregate-int process-int]
 """
 from __future__ import annotations
 
@@ -188,12 +189,12 @@ def pyarrow_cold_read_speed(root: str, checkpoint_id: int) -> float:
 
 def build_reference(path: str, keys: int, count: int) -> abs.Dataflow:
     """The reference workload's keyed running sum over ``count`` events of ``keys`` string keys
-    (``aggregate-int``: the aggregate over int keys)."""
+    (``aggregate-int``, ``process-int``: over int keys)."""
     flow = abs.Dataflow(f"bench-restore-{path}")
     src = abs.GeneratorSource(count, num_keys=keys, num_splits=8, batch_size=8192,
-                              make_batch=Sums(ints=path == "aggregate-int"))
+                              make_batch=Sums(ints=path.endswith("-int")))
     keyed = flow.source("events", src).key_by("key")
-    if path == "process":
+    if path.startswith("process"):
         keyed.process("sum", running_sum_marked, state=[abs.ValueState("total", pa.int64())])
     else:
         keyed.aggregate("sum", {"total": ("value", "sum")}, emit="none")
@@ -233,7 +234,8 @@ def restore_in_process(flow: abs.Dataflow, root: str, checkpoint_id: int, keys: 
         # a restored key group is made usable on its first use (abs.state.restored): here
         # a record's read of one of its keys through the state's handle, as running_sum does
         data = backend._slot("total").data
-        firsts = {kg: data[kg].image[0][0].as_py() for kg in backend.key_group_range
+        firsts = {kg: data[kg].image[0][0].item() if isinstance(data[kg].image[0], np.ndarray)
+                  else data[kg].image[0][0].as_py() for kg in backend.key_group_range
                   if isinstance(data[kg].image, tuple) and len(data[kg])}  # restored, waiting
         handle = backend.state("total")
         t1b = time.perf_counter()
@@ -243,7 +245,8 @@ def restore_in_process(flow: abs.Dataflow, root: str, checkpoint_id: int, keys: 
             backend.current_key, backend.current_kg = key, kg
             handle.value()
         t2 = t1 + time.perf_counter() - t1b  # the first uses alone
-        rmw = read_modify_writes(backend, handle, keys, flow.max_parallelism)
+        rmw = read_modify_writes(backend, handle, keys, flow.max_parallelism,
+                                 isinstance(next(iter(firsts.values())), int))
         rows = list(backend.items("total"))
     found = len(rows)
     total = sum(v for _k, v in rows)
@@ -255,12 +258,13 @@ def restore_in_process(flow: abs.Dataflow, root: str, checkpoint_id: int, keys: 
     return t1 - t0, t2 - t1, nbytes, rmw
 
 
-def read_modify_writes(backend: KeyedStateBackend, handle, keys: int, max_parallelism: int) -> float:
-    """Seconds per read-modify-write (+1) of every 5th restored key through the state's handle,
+def read_modify_writes(backend: KeyedStateBackend, handle, keys: int, max_parallelism: int, ints: bool) -> float:
+    """Seconds per read-modify-write (+1) of every 5th restored key (``ints``: int keys, else
+    ``"k<i>"``) through the state's handle,
     in key order (key groups interleaved, as records come), the key groups computed before."""
     from abs.keygroups import key_groups
 
-    names = [f"k{i}" for i in range(0, keys, 5)]
+    names = list(range(0, keys, 5)) if ints else [f"k{i}" for i in range(0, keys, 5)]
     kgs = key_groups(pa.array(names), max_parallelism).tolist()
     t0 = time.perf_counter()
     for key, kg in zip(names, kgs):
@@ -294,7 +298,7 @@ def reference_round(path: str, keys: int, root: str, checkpoint_id: int, scratch
     out["in-process / pyarrow"] = nbytes / secs / 1e6 / raw_mbs
     out["in-process with index / pyarrow"] = nbytes / (secs + index_secs) / 1e6 / raw_mbs
     out["in-process with index / pyarrow cold"] = nbytes / (secs + index_secs) / 1e6 / cold_mbs
-    if path == "process":
+    if path.startswith("process"):
         # the same with each key group's Python index built (no C module), in another fresh process
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
             bsecs, bindex, bbytes, brmw = pool.submit(restore_reference, path, keys, root, checkpoint_id, True).result()
@@ -314,7 +318,7 @@ def reference_round(path: str, keys: int, root: str, checkpoint_id: int, scratch
     out["job restore / pyarrow"] = per[0] / rsecs[0] / 1e6 / raw_mbs if rsecs and rsecs[0] > 0 else float("nan")
     out["job restore / pyarrow cold"] = per[0] / rsecs[0] / 1e6 / cold_mbs if rsecs and rsecs[0] > 0 else float("nan")
     out["job: sources start (s)"] = result.timings["startup_s"]
-    if path == "process":
+    if path.startswith("process"):
         with open(mark) as f:
             out["job: first record (s)"] = float(f.read()) - t0
     if os.path.exists(mark):
@@ -322,7 +326,7 @@ def reference_round(path: str, keys: int, root: str, checkpoint_id: int, scratch
     t0 = time.time()
     cold = abs.run(build_reference(path, keys, EXTRA_EVENTS), parallelism=1)
     out["no state: sources start (s)"] = cold.timings["startup_s"]
-    if path == "process":
+    if path.startswith("process"):
         with open(mark) as f:
             out["no state: first record (s)"] = float(f.read()) - t0
     return out
@@ -350,7 +354,7 @@ def reference(keys_list: list[int], rounds: int, paths: list[str]) -> None:
                     figures[c].setdefault(name, []).append(value)
             print(f"round {r + 1}/{rounds} done", flush=True)
         for (path, keys), by_name in figures.items():
-            kind = "int" if path == "aggregate-int" else "string"
+            kind = "int" if path.endswith("-int") else "string"
             print(f"{path}, {keys:,} {kind} keys (medians, range over {rounds} rounds):")
             for name, values in by_name.items():
                 target = ""
@@ -393,8 +397,8 @@ def main() -> int:
     ap.add_argument("--reference", action="store_true", help="issue 23 target 6 (see above)")
     ap.add_argument("--reference-keys", type=int, nargs="+", default=[1_000_000, 5_000_000])
     ap.add_argument("--rounds", type=int, default=3, help="--reference: rounds")
-    ap.add_argument("--paths", nargs="+", choices=["process", "aggregate", "aggregate-int"],
-                    default=["process", "aggregate"], help="--reference: the configurations (aggregate-int: int keys)")
+    ap.add_argument("--paths", nargs="+", choices=["process", "aggregate", "aggregate-int", "process-int"],
+                    default=["process", "aggregate"], help="--reference: the configurations (-int: int keys)")
     args = ap.parse_args()
     if args.reference:
         reference(args.reference_keys, args.rounds, args.paths)

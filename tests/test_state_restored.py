@@ -54,7 +54,7 @@ def contents(b):
 
 def probed(col):
     """Whether a restored key group answers from its text index (not built, not waiting)."""
-    return type(col) is RestoredColumn and NATIVE is not None and isinstance(col.image, NATIVE.TextIndex)
+    return type(col) is RestoredColumn and NATIVE is not None and isinstance(col.image, NATIVE.RestoredIndex)
 
 
 def kinds(b):
@@ -85,7 +85,7 @@ def test_the_first_record_builds_only_its_own_key_group_and_later_deltas_are_exa
     assert h.value() == 5
     h.update(h.value() + 100)
     data = b._slot("v").data
-    # the C handle probes the key group's text keys instead of building it (see below)
+    # the C handle probes the key group's keys instead of building it (tests/test_restored_index.py)
     assert probed(data[kg]) if NATIVE is not None else type(data[kg]) is Column
     assert {type(data[g]) for g in RANGE if g != kg} == {RestoredColumn}
     assert not any(probed(data[g]) for g in RANGE if g != kg)

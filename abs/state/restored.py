@@ -20,18 +20,19 @@ nobody used: ``None``). Everything else builds it first: the column's lazy slots
 :meth:`RestoredColumn.__getattr__` and writing one in :meth:`RestoredColumn.__setattr__`; a
 copy or a pickle is of the built column.
 
-**Probed key groups.** Text keys need not be built at all for what nearly every record does,
+**Probed key groups.** The keys need not be built at all for what nearly every record does,
 a read-modify-write of a key the key group holds. On its first ``value()`` through a typed
-ValueState's C handle (:mod:`abs.state.handles`), a key group of ``str`` or ``bytes`` keys is
-*probed* instead (:meth:`RestoredColumn._probe`): an index over its Arrow keys
-(``abscore._native.TextIndex``: a table of 32-bit hash tags and rows, the bytes compared on a
-hit, ~12 bytes a key) replaces the ``dict``, and the values, stamps and nulls become the
-column's own as a built key group has them. The handle then reads and writes the slot the
-index finds, stamping it as a built column does, so an incremental capture takes the changed
-rows, their keys cut from the Arrow array (no ``str`` made). A key the index does not hold (a
-new key), a delete, a bulk read or write, ``items``, a full capture, a handover, anything on
-the Python path (no C module, nulls in the column, a key that is not an exact ``str`` or
-``bytes``) builds the key group as above, keeping what was written. 5 M string keys
+ValueState's C handle (:mod:`abs.state.handles`), a key group is *probed* instead
+(:meth:`RestoredColumn._probe`): an index over its restored keys, the Arrow ``str``/``bytes``
+keys or the int64 array (``abscore._native.RestoredIndex``: a table of 32-bit hash tags and
+rows, the key compared on a hit, ~12 bytes a key) replaces the ``dict``, and the values,
+stamps and nulls become the column's own as a built key group has them. The handle then
+reads and writes the slot the index finds, stamping it as a built column does, so an
+incremental capture takes the changed rows, their keys cut from the restored array (no
+Python object made). A key the index does not hold (a new key), a delete, a bulk read or
+write, ``items``, a full capture, a handover, anything on the Python path (no C module, nulls
+in the column, a key not of the index's exact type, such as a ``bool`` or a ``float``) builds
+the key group as above, keeping what was written. 5 M string keys
 (``scripts/bench_recovery.py --reference``): the first use of every key group 0.2 s instead of
 0.9 s, a read-modify-write of a restored key 0.6 us instead of 1.1 us (a dict of 5 M strings
 misses the caches; the index is a few hundred KB a key group), and no ~100 bytes of Python
@@ -59,7 +60,7 @@ from .encoding import arrow_to_list
 __all__ = ["RestoredColumn"]
 
 _LAZY = frozenset(("index", "keys", "values", "stamps", "nulls"))
-_TEXT_INDEX = None if NATIVE is None else NATIVE.TextIndex
+_INDEX = None if NATIVE is None else NATIVE.RestoredIndex
 _BUILD = threading.Lock()  # a key group is built once, whichever thread uses it first
 
 
@@ -94,25 +95,30 @@ class RestoredColumn(Column):
 
     def _probe(self) -> bool:
         """Make the key group answer the C ``value()``/``update()`` of a typed ValueState's
-        handle (:mod:`abs.state.handles`) from an index over its Arrow text keys (the *probed*
-        state, see the module docstring): its values, stamps and nulls as a built column holds
-        them, no Python object per key. False where that cannot be (not text keys, an untyped
+        handle (:mod:`abs.state.handles`) from an index over its Arrow text keys or int64 keys
+        (the *probed* state, see the module docstring): its values, stamps and nulls as a built
+        column holds them, no Python object per key. False where that cannot be (an untyped
         state, repeated keys, no C module): the caller builds it instead."""
         with _BUILD:
             if type(self) is not RestoredColumn:
                 return False  # another thread built it
             image = self.image
-            if _TEXT_INDEX is not None and isinstance(image, _TEXT_INDEX):
+            if _INDEX is not None and isinstance(image, _INDEX):
                 return True
             keys, values, nulls, typecode = image
             if isinstance(keys, pa.ChunkedArray):  # a table's column: one chunk as a rule
                 keys = keys.chunk(0) if keys.num_chunks == 1 else keys.combine_chunks()
-            if _TEXT_INDEX is None or typecode is None or not isinstance(keys, pa.Array) \
-                    or not (pa.types.is_string(keys.type) or pa.types.is_binary(keys.type)) or keys.null_count:
+            if _INDEX is None or typecode is None:
                 return False
-            buffers = keys.buffers()
-            index = NATIVE.text_index(keys, buffers[1], buffers[2], keys.offset, len(keys),
-                                      pa.types.is_binary(keys.type))
+            if isinstance(keys, np.ndarray):
+                index = NATIVE.int_index(np.ascontiguousarray(keys, dtype=np.int64))
+            elif isinstance(keys, pa.Array) and (pa.types.is_string(keys.type) or pa.types.is_binary(keys.type)) \
+                    and not keys.null_count:
+                buffers = keys.buffers()
+                index = NATIVE.text_index(keys, buffers[1], buffers[2], keys.offset, len(keys),
+                                          pa.types.is_binary(keys.type))
+            else:
+                return False
             if index is None:
                 return False  # repeated keys: the build inserts key by key
             n = len(keys)
@@ -133,11 +139,15 @@ class RestoredColumn(Column):
             if type(self) is not RestoredColumn:
                 return  # another thread built it
             image = self.image
-            if _TEXT_INDEX is not None and isinstance(image, _TEXT_INDEX):
+            if _INDEX is not None and isinstance(image, _INDEX):
                 # probed: the values, stamps and nulls are the key group's (written since);
                 # the keys in the index's order, which is their slots'
-                keys = arrow_to_list(image.keys)
-                object.__setattr__(self, "keys", keys)
+                if isinstance(image.keys, np.ndarray):
+                    keys = image.keys.tolist()
+                    object.__setattr__(self, "keys", array("q", image.keys.tobytes()))
+                else:
+                    keys = arrow_to_list(image.keys)
+                    object.__setattr__(self, "keys", keys)
                 object.__setattr__(self, "index", dict(zip(keys, _slots(len(keys)))))
                 self.__class__ = Column
                 self.image = None
@@ -168,18 +178,20 @@ class RestoredColumn(Column):
 
     def __len__(self) -> int:
         image = self.image
-        return len(image) if _TEXT_INDEX is not None and isinstance(image, _TEXT_INDEX) else len(image[0])
+        return len(image) if _INDEX is not None and isinstance(image, _INDEX) else len(image[0])
 
     def capture(self, since: int, *, full: bool = False) -> Captured | None:
         if full:
             self.build()
             return Column.capture(self, since, full=full)
         index = self.image
-        if _TEXT_INDEX is None or not isinstance(index, _TEXT_INDEX):
+        if _INDEX is None or not isinstance(index, _INDEX):
             return None  # restored keys are not dirty, and an unused key group has no other
         # probed: the handle wrote values of restored keys in place (anything else built it);
-        # the changed rows with their keys taken from the Arrow array, as Column.capture
-        # copies them (no delete: a delete builds the key group)
+        # the changed rows, their keys taken from the restored array (Arrow text, int64
+        # numpy), as Column.capture copies them (no delete: a delete builds the key group)
+        keys = index.keys
+        ints = isinstance(keys, np.ndarray)
         n = len(index)
         changed = np.flatnonzero(np.frombuffer(self.stamps, dtype=np.int64) > since) if n else np.empty(0, np.int64)
         if not len(changed):
@@ -191,9 +203,9 @@ class RestoredColumn(Column):
             if self.nulls:
                 nulls = np.zeros(n, dtype=bool)
                 nulls[list(self.nulls)] = True
-            return Captured(keys=index.keys, values=values.copy(), nulls=nulls, changed=None, deleted=[],
-                            all_rows=True, complete=True)
+            return Captured(keys=keys.copy() if ints else keys, values=values.copy(), nulls=nulls, changed=None,
+                            deleted=[], all_rows=True, complete=True)
         if self.nulls:
             nulls = np.isin(changed, np.fromiter(self.nulls, dtype=np.int64, count=len(self.nulls)))
-        return Captured(keys=index.keys.take(pa.array(changed)), values=values[changed], nulls=nulls, changed=None,
-                        deleted=[], all_rows=False, complete=False)
+        return Captured(keys=keys[changed] if ints else keys.take(pa.array(changed)), values=values[changed],
+                        nulls=nulls, changed=None, deleted=[], all_rows=False, complete=False)

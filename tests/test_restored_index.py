@@ -1,10 +1,11 @@
-"""A restored key group of text keys answers a typed ValueState's C handle from an index over
-its Arrow keys (``abscore._native.TextIndex``, the *probed* state of
-``abs.state.restored.RestoredColumn``) instead of building a Python ``str`` and a dict entry
-per key: the same values, the same captures and the same checkpoints as a built key group,
+"""A restored key group answers a typed ValueState's C handle from an index over its restored
+keys, Arrow text or int64 (``abscore._native.RestoredIndex``, the *probed* state of
+``abs.state.restored.RestoredColumn``), instead of building a Python key and a dict entry per
+key: the same values, the same captures and the same checkpoints as a built key group,
 whatever the records do to it."""
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -18,7 +19,7 @@ from abs.state.restored import RestoredColumn
 from abscore.native import NATIVE
 from storage import SnapshotStore
 
-pytestmark = pytest.mark.skipif(NATIVE is None, reason="the text index is the C module's")
+pytestmark = pytest.mark.skipif(NATIVE is None, reason="the restored index is the C module's")
 
 M = 8
 RANGE = KeyGroupRange(0, M - 1)
@@ -55,6 +56,31 @@ def test_the_index_of_bytes_keys(keys):
     assert all(index.find(k.decode("latin-1")) == -1 for k in keys)
 
 
+I64 = st.integers(-(1 << 63), (1 << 63) - 1)
+
+
+@given(st.lists(I64, unique=True, max_size=200), st.lists(I64, max_size=30))
+@settings(max_examples=150, deadline=None)
+def test_the_index_of_int64_keys_finds_each_at_its_row_and_answers_only_for_exact_ints(keys, probes):
+    arr = np.array(keys, dtype=np.int64)
+    index = NATIVE.int_index(arr)
+    assert len(index) == len(keys) and index.keys is arr
+    assert [index.find(k) for k in keys] == list(range(len(keys)))
+    for p in probes:
+        assert index.find(p) == (keys.index(p) if p in keys else -1)
+    assert index.find(1 << 63) == -1 and index.find(-(1 << 64)) == -1  # no int64 equals them
+    assert index.find(True) == -2 and index.find(1.0) == -2 and index.find("1") == -2  # the dict knows
+
+
+def test_an_int_index_takes_int64_alone_and_refuses_repeats():
+    assert NATIVE.int_index(np.array([3, 1, 3], dtype=np.int64)) is None
+    with pytest.raises(TypeError, match="int64"):
+        NATIVE.int_index(np.array([1.0, 2.0]))
+    with pytest.raises(TypeError):
+        NATIVE.int_index(np.array([1, 2], dtype=np.int32))
+    assert len(NATIVE.int_index(np.empty(0, dtype=np.int64))) == 0
+
+
 def test_repeated_keys_give_no_index_and_a_large_one_is_built_without_the_gil():
     assert index_of(pa.array(["a", "b", "a"])) is None
     assert index_of(pa.array([""] * 2)) is None
@@ -87,7 +113,7 @@ def restored(keys, values):
 
 
 def probed(col):
-    return type(col) is RestoredColumn and isinstance(col.image, NATIVE.TextIndex)
+    return type(col) is RestoredColumn and isinstance(col.image, NATIVE.RestoredIndex)
 
 
 def rows(tables):
@@ -116,14 +142,20 @@ OPS = st.lists(st.tuples(st.sampled_from(["rmw", "set", "clear", "get", "checkpo
                          st.integers(-5, 5)), max_size=60)
 
 
-@given(OPS, st.integers(0, 3))
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def test_a_probed_key_group_behaves_as_a_built_one_under_any_records(ops, nulls_every):
+NAMES = {"str": [f"n{i}\u00e9" if i % 3 else f"n{i}" for i in range(60)],
+         "int": [(i - 30) * 1_000_003 ** 2 if i % 4 else i for i in range(60)],
+         "bytes": [f"b{i}".encode() for i in range(60)]}
+
+
+@pytest.mark.parametrize("kind", NAMES)
+@given(ops=OPS, nulls_every=st.integers(0, 3))
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_a_probed_key_group_behaves_as_a_built_one_under_any_records(kind, ops, nulls_every):
     """The same records through the C handle on a restored backend (probed) and on the same
     state built at once: the same values read, the same captures, the same final state.
     Keys 0-39 were restored (some with a null value), 40-59 are new; a checkpoint captures and
     confirms; some writes store None."""
-    names = [f"n{i}\u00e9" if i % 3 else f"n{i}" for i in range(60)]
+    names = NAMES[kind]
     restored_keys = names[:40]
     values = [None if nulls_every and i % (nulls_every + 3) == 0 else i for i in range(40)]
     lazy, eager = restored(restored_keys, values), restored(restored_keys, values)
@@ -193,12 +225,14 @@ def _final_state(root: str) -> dict:
     return got
 
 
-def test_checkpoints_of_probed_key_groups_restore_exactly(tmp_path):
-    """A restore whose records change 1 % of the keys (deltas of Arrow keys taken from the
-    probed key groups), restored again at another parallelism, whose records then change
+@pytest.mark.parametrize("kind", ["str", "int"])
+def test_checkpoints_of_probed_key_groups_restore_exactly(tmp_path, kind):
+    """A restore whose records change 1 % of the keys (deltas of keys taken from the probed
+    key groups' arrays), restored again at another parallelism, whose records then change
     every key (full images): each checkpoint holds exactly the sums."""
     n = 6000
-    names = pa.array([f"user-{i:05d}" if i % 7 else f"us\u00e9r-{i}" for i in range(n)])
+    names = pa.array([f"user-{i:05d}" if i % 7 else f"us\u00e9r-{i}" for i in range(n)]) if kind == "str" \
+        else pa.array([i * 7919 - 10**12 for i in range(n)], pa.int64())
     cfg = abs.CheckpointConfig(interval=None)
     abs.run(_flow(names, 1), parallelism=1, storage=str(tmp_path), checkpoint=cfg)
     first = {k: i for i, k in enumerate(names.to_pylist())}
