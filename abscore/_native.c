@@ -734,13 +734,15 @@ done:
  * (slot + 1), 0 empty; a hit compares the key itself. A probe takes an exact str (its UTF-8
  * bytes), bytes or int, as the index's keys are; find() answers -2 for any other kind of key
  * (a bool, a float, a subclass: the caller builds the key group's Python index and asks it,
- * which knows what such a key equals). */
+ * which knows what such a key equals). Keys appended since the restore (add()) are kept in a
+ * dict, looked up after the table. */
 
 enum { KEYS_STR, KEYS_BYTES, KEYS_INT };
 
 typedef struct {
     PyObject_HEAD
     PyObject *keys;   /* the array the buffers belong to (kept alive, given back as .keys) */
+    PyObject *extra, *extra_keys; /* keys added since the restore: key -> slot, and in slot order */
     Py_buffer off, data;
     int has_off, has_data, kind;
     const int32_t *o; /* text: n + 1 offsets, from the array's own offset */
@@ -805,42 +807,69 @@ static inline Py_ssize_t ti_lookup(const RestoredIndex *t, const char *p, Py_ssi
     }
 }
 
-/* slot of key, -1 absent, -2 a key this index cannot answer for; never raises */
-static Py_ssize_t ti_find(const RestoredIndex *t, PyObject *key) {
-    const char *p;
-    Py_ssize_t len;
+/* the bytes a probe of `key` compares (text kinds), or NULL with *kind_ok: 1 the key is of the
+ * index's kind but has no such bytes (lone surrogates), 0 it is of another kind (*other: -1 a
+ * kind never equal to the index's keys, -2 a kind only the dict can answer for) */
+static const char *ti_bytes(const RestoredIndex *t, PyObject *key, Py_ssize_t *len, int *other) {
     if (PyUnicode_CheckExact(key)) {
-        if (t->kind != KEYS_STR)
-            return t->kind == KEYS_BYTES ? -1 : -2; /* a str never equals bytes; an int index: ask */
-        if (PyUnicode_IS_COMPACT_ASCII(key)) {
-            p = (const char *)PyUnicode_DATA(key);
-            len = PyUnicode_GET_LENGTH(key);
-        } else {
-            p = PyUnicode_AsUTF8AndSize(key, &len);
-            if (!p) {
-                PyErr_Clear(); /* lone surrogates: no Arrow string holds them */
-                return -1;
-            }
+        if (t->kind != KEYS_STR) {
+            *other = t->kind == KEYS_BYTES ? -1 : -2; /* a str never equals bytes; an int index: ask */
+            return NULL;
         }
-    } else if (PyBytes_CheckExact(key)) {
-        if (t->kind != KEYS_BYTES)
-            return t->kind == KEYS_STR ? -1 : -2;
-        p = PyBytes_AS_STRING(key);
-        len = PyBytes_GET_SIZE(key);
-    } else if (PyLong_CheckExact(key) && t->kind == KEYS_INT) {
+        if (PyUnicode_IS_COMPACT_ASCII(key)) {
+            *len = PyUnicode_GET_LENGTH(key);
+            return (const char *)PyUnicode_DATA(key);
+        }
+        const char *p = PyUnicode_AsUTF8AndSize(key, len);
+        if (!p) {
+            PyErr_Clear(); /* lone surrogates: no Arrow string holds them */
+            *other = -1;
+        }
+        return p;
+    }
+    if (PyBytes_CheckExact(key) && t->kind == KEYS_BYTES) {
+        *len = PyBytes_GET_SIZE(key);
+        return PyBytes_AS_STRING(key);
+    }
+    *other = PyBytes_CheckExact(key) && t->kind == KEYS_STR ? -1 : -2;
+    return NULL;
+}
+
+/* slot of key, -1 absent, -2 a key this index cannot answer for; never raises. The keys
+ * added since the restore (add()) are looked up in `extra` after the table. */
+static Py_ssize_t ti_find(const RestoredIndex *t, PyObject *key) {
+    Py_ssize_t slot;
+    if (t->kind == KEYS_INT) {
+        if (!PyLong_CheckExact(key))
+            return -2;
         int overflow = 0;
         long long k = PyLong_AsLongLongAndOverflow(key, &overflow);
         if (overflow)
-            return -1; /* outside int64: no int64 key equals it */
-        return ti_lookup_int(t, (int64_t)k);
-    } else
-        return -2;
-    return ti_lookup(t, p, len);
+            return -1; /* outside int64: no key here equals it (add() takes none) */
+        slot = ti_lookup_int(t, (int64_t)k);
+    } else {
+        Py_ssize_t len;
+        int other = 0;
+        const char *p = ti_bytes(t, key, &len, &other);
+        if (!p)
+            return other;
+        slot = ti_lookup(t, p, len);
+    }
+    if (slot >= 0 || !t->extra)
+        return slot;
+    PyObject *at = PyDict_GetItemWithError(t->extra, key); /* borrowed; str, bytes and int: no error */
+    if (!at) {
+        PyErr_Clear();
+        return -1;
+    }
+    return PyLong_AsSsize_t(at);
 }
 
 static void ti_dealloc(RestoredIndex *t) {
     PyObject_GC_UnTrack(t);
     Py_CLEAR(t->keys);
+    Py_CLEAR(t->extra);
+    Py_CLEAR(t->extra_keys);
     if (t->has_data)
         PyBuffer_Release(&t->data);
     if (t->has_off)
@@ -851,21 +880,78 @@ static void ti_dealloc(RestoredIndex *t) {
 
 static int ti_traverse(RestoredIndex *t, visitproc visit, void *arg) {
     Py_VISIT(t->keys);
+    Py_VISIT(t->extra);
+    Py_VISIT(t->extra_keys);
     return 0;
 }
 
-static Py_ssize_t ti_len(RestoredIndex *t) { return t->n; }
+static Py_ssize_t ti_len(RestoredIndex *t) { return t->n + (t->extra_keys ? PyList_GET_SIZE(t->extra_keys) : 0); }
 
 static PyObject *ti_find_py(RestoredIndex *t, PyObject *key) { return PyLong_FromSsize_t(ti_find(t, key)); }
 
+/* add(key) -> True: key (absent, see find()) is the next slot, len(index) before the call;
+ * False: a key this index does not take (another kind, an int outside int64, a str without
+ * UTF-8), the caller builds the key group's dict */
+static PyObject *ti_add(RestoredIndex *t, PyObject *key) {
+    if (t->kind == KEYS_INT) {
+        if (!PyLong_CheckExact(key))
+            Py_RETURN_FALSE;
+        int overflow = 0;
+        PyLong_AsLongLongAndOverflow(key, &overflow);
+        if (overflow)
+            Py_RETURN_FALSE;
+    } else {
+        Py_ssize_t len;
+        int other = 0;
+        if (!ti_bytes(t, key, &len, &other))
+            Py_RETURN_FALSE;
+    }
+    if (ti_find(t, key) != -1) {
+        PyErr_Format(PyExc_KeyError, "RestoredIndex.add: %R is there already", key);
+        return NULL;
+    }
+    if (!t->extra) {
+        t->extra = PyDict_New();
+        t->extra_keys = PyList_New(0);
+        if (!t->extra || !t->extra_keys) {
+            Py_CLEAR(t->extra);
+            Py_CLEAR(t->extra_keys);
+            return NULL;
+        }
+    }
+    PyObject *slot = PyLong_FromSsize_t(ti_len(t));
+    if (!slot)
+        return NULL;
+    if (PyList_Append(t->extra_keys, key) < 0) {
+        Py_DECREF(slot);
+        return NULL;
+    }
+    int bad = PyDict_SetItem(t->extra, key, slot);
+    Py_DECREF(slot);
+    if (bad < 0) {
+        PyList_SetSlice(t->extra_keys, PyList_GET_SIZE(t->extra_keys) - 1, PyList_GET_SIZE(t->extra_keys), NULL);
+        return NULL;
+    }
+    Py_RETURN_TRUE;
+}
+
+static PyObject *ti_base(RestoredIndex *t, void *unused) { return PyLong_FromSsize_t(t->n); }
+
 static PyMethodDef ti_methods[] = {
     {"find", (PyCFunction)ti_find_py, METH_O, "find(key) -> its slot, -1 when absent, -2 for a key of another kind than the index's"},
+    {"add", (PyCFunction)ti_add, METH_O, "add(key) -> True: the absent key is slot len(index) now; False: a key this index does not take"},
     {NULL, NULL, 0, NULL},
 };
 
 static PyMemberDef ti_members[] = {
-    {"keys", T_OBJECT_EX, offsetof(RestoredIndex, keys), READONLY, "the array of the keys (Arrow; int64 numpy)"},
+    {"keys", T_OBJECT_EX, offsetof(RestoredIndex, keys), READONLY, "the array of the restored keys (Arrow; int64 numpy)"},
+    {"extra_keys", T_OBJECT, offsetof(RestoredIndex, extra_keys), READONLY, "the keys added since, in slot order (a list), or None"},
     {NULL, 0, 0, 0, NULL},
+};
+
+static PyGetSetDef ti_getset[] = {
+    {"base", (getter)ti_base, NULL, "the number of restored keys (slots 0 .. base - 1)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
 };
 
 static PySequenceMethods ti_as_sequence = {.sq_length = (lenfunc)ti_len};
@@ -879,6 +965,7 @@ static PyTypeObject RestoredIndexType = {
     .tp_dealloc = (destructor)ti_dealloc,
     .tp_methods = ti_methods,
     .tp_members = ti_members,
+    .tp_getset = ti_getset,
     .tp_as_sequence = &ti_as_sequence,
 };
 
@@ -888,6 +975,7 @@ static RestoredIndex *ti_new(PyObject *keys, Py_ssize_t n, int kind) {
         return NULL;
     Py_INCREF(keys);
     t->keys = keys;
+    t->extra = t->extra_keys = NULL;
     t->o = NULL;
     t->d = "";
     t->has_off = t->has_data = 0;

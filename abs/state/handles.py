@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable
 from abscore.native import NATIVE
 
 from .encoding import MISSING
+from .restored import RestoredColumn
 
 __all__ = [
     "ValueStateHandle",
@@ -129,6 +130,9 @@ class _ColumnValueMethods:
         key = b.current_key
         try:
             col = self._data[b.current_kg]
+            if type(col) is RestoredColumn:
+                col.set(key, value, b.epoch)  # probed, a new key appended (or built first)
+                return
             i = col.index.get(key)
             if i is None:
                 col.insert(key, value, b.epoch)

@@ -29,10 +29,12 @@ rows, the key compared on a hit, ~12 bytes a key) replaces the ``dict``, and the
 stamps and nulls become the column's own as a built key group has them. The handle then
 reads and writes the slot the index finds, stamping it as a built column does, so an
 incremental capture takes the changed rows, their keys cut from the restored array (no
-Python object made). A key the index does not hold (a new key), a delete, a bulk read or
-write, ``items``, a full capture, a handover, anything on the Python path (no C module, nulls
-in the column, a key not of the index's exact type, such as a ``bool`` or a ``float``) builds
-the key group as above, keeping what was written. 5 M string keys
+Python object made). A new key is appended as a built column appends it, the index keeping
+it beside the restored ones (``add``: a dict of the keys added since, looked up after the
+table; :meth:`RestoredColumn.set`), so a key group stays probed while its keys only grow. A
+delete, a bulk read or write, ``items``, a full capture, a handover, anything else on the
+Python path (no C module, nulls in the column, a key not of the index's exact type, such as
+a ``bool`` or a ``float``) builds the key group as above, keeping what was written. 5 M string keys
 (``scripts/bench_recovery.py --reference``): the first use of every key group 0.2 s instead of
 0.9 s, a read-modify-write of a restored key 0.6 us instead of 1.1 us (a dict of 5 M strings
 misses the caches; the index is a few hundred KB a key group), and no ~100 bytes of Python
@@ -142,11 +144,12 @@ class RestoredColumn(Column):
             if _INDEX is not None and isinstance(image, _INDEX):
                 # probed: the values, stamps and nulls are the key group's (written since);
                 # the keys in the index's order, which is their slots'
+                extra = image.extra_keys or []
                 if isinstance(image.keys, np.ndarray):
-                    keys = image.keys.tolist()
-                    object.__setattr__(self, "keys", array("q", image.keys.tobytes()))
+                    keys = image.keys.tolist() + extra
+                    object.__setattr__(self, "keys", array("q", keys))
                 else:
-                    keys = arrow_to_list(image.keys)
+                    keys = arrow_to_list(image.keys) + extra
                     object.__setattr__(self, "keys", keys)
                 object.__setattr__(self, "index", dict(zip(keys, _slots(len(keys)))))
                 self.__class__ = Column
@@ -166,6 +169,39 @@ class RestoredColumn(Column):
                 object.__setattr__(self, name, getattr(built, name))
             self.__class__ = Column
             self.image = None
+
+    def set(self, key: Any, value: Any, epoch: int) -> None:
+        """:meth:`Column.set`; a probed key group writes a key its index holds in place and
+        appends a new one (the index takes it), without being built."""
+        index = self.image
+        at = index.find(key) if _INDEX is not None and isinstance(index, _INDEX) else -2
+        if at == -2:
+            self.build()
+            Column.set(self, key, value, epoch)
+            return
+        values, nulls = self.values, self.nulls
+        if at >= 0:
+            values[at] = 0 if value is None else value  # TypeError, OverflowError: nothing changed
+            self.stamps[at] = epoch
+            if value is None:
+                nulls.add(at)
+            elif nulls:
+                nulls.discard(at)
+            return
+        values.append(0 if value is None else value)  # as above
+        try:
+            took = index.add(key)
+        except BaseException:
+            values.pop()
+            raise
+        if not took:  # a key the index does not take: the built dict does
+            values.pop()
+            self.build()
+            Column.set(self, key, value, epoch)
+            return
+        self.stamps.append(epoch)
+        if value is None:
+            nulls.add(len(values) - 1)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _LAZY:
@@ -190,8 +226,6 @@ class RestoredColumn(Column):
         # probed: the handle wrote values of restored keys in place (anything else built it);
         # the changed rows, their keys taken from the restored array (Arrow text, int64
         # numpy), as Column.capture copies them (no delete: a delete builds the key group)
-        keys = index.keys
-        ints = isinstance(keys, np.ndarray)
         n = len(index)
         changed = np.flatnonzero(np.frombuffer(self.stamps, dtype=np.int64) > since) if n else np.empty(0, np.int64)
         if not len(changed):
@@ -203,9 +237,27 @@ class RestoredColumn(Column):
             if self.nulls:
                 nulls = np.zeros(n, dtype=bool)
                 nulls[list(self.nulls)] = True
-            return Captured(keys=keys.copy() if ints else keys, values=values.copy(), nulls=nulls, changed=None,
+            return Captured(keys=_keys_of(index, None), values=values.copy(), nulls=nulls, changed=None,
                             deleted=[], all_rows=True, complete=True)
         if self.nulls:
             nulls = np.isin(changed, np.fromiter(self.nulls, dtype=np.int64, count=len(self.nulls)))
-        return Captured(keys=keys[changed] if ints else keys.take(pa.array(changed)), values=values[changed],
-                        nulls=nulls, changed=None, deleted=[], all_rows=False, complete=False)
+        return Captured(keys=_keys_of(index, changed), values=values[changed], nulls=nulls, changed=None,
+                        deleted=[], all_rows=False, complete=False)
+
+
+def _keys_of(index: Any, rows: np.ndarray | None) -> np.ndarray | pa.Array:
+    """The keys of a probed key group's slots ``rows`` (ascending; None: every slot): the
+    restored array's, then those added since (an int64 array, or an Arrow array of the
+    restored keys' type), as a capture copies them."""
+    keys, extra = index.keys, index.extra_keys or []
+    base = index.base
+    if rows is None:
+        cut, added = None, extra
+    else:
+        split = int(np.searchsorted(rows, base))
+        cut, added = rows[:split], [extra[i] for i in (rows[split:] - base).tolist()]
+    if isinstance(keys, np.ndarray):
+        head = keys.copy() if cut is None else keys[cut]
+        return np.concatenate([head, np.array(added, dtype=np.int64)]) if added else head
+    head = keys if cut is None else keys.take(pa.array(cut))
+    return pa.concat_arrays([head, pa.array(added, keys.type)]) if added else head
