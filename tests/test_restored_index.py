@@ -168,6 +168,38 @@ def test_captures_of_restored_and_added_keys_match_a_built_key_group(kind, share
     assert dict(lazy.items("v")) == dict(eager.items("v"))
 
 
+def test_full_images_of_a_probed_key_group_send_its_arrow_keys_once(tmp_path):
+    """Every restored key changed at each checkpoint: the first full image sends the probed key
+    group's Arrow keys, the next ones SameKeys (the very array again), and each writes what the
+    keys would (read back sorted and exact through the writer's path)."""
+    from abs.columns import KeyOrders, SameKeys
+    from abs.runtime.messages import WriteJob
+    from abs.runtime.writer import SentKeys, _write
+    from storage import CheckpointSession
+
+    keys = [f"key-{i}" for i in range(200)]
+    b = restored(keys, range(200))
+    store = SnapshotStore.open(str(tmp_path))
+    store.init_job({"job_name": "j", "max_parallelism": M})
+    sent, orders, session = SentKeys(), KeyOrders(), CheckpointSession()
+    h, values = b.state("v"), dict(zip(keys, range(200)))
+    for cid in (2, 3, 4):
+        for k in keys:
+            b.current_key, b.current_kg = k, key_group(k, M)
+            h.update(h.value() + cid)
+            values[k] += cid
+        assert all(probed(c) for c in b._slot("v").data)
+        jobs = sent.substitute([WriteJob("op", "v", kg, [], d, False) for kg, d in b.capture(cid, lazy=True)["v"].items()])
+        assert len(jobs) == M and all(isinstance(j.delta._rows().keys, SameKeys) == (cid > 2) for j in jobs)
+        got: dict = {}
+        for chain in _write(store, orders, cid, jobs, session).chains:
+            t = store.read_chain(chain)
+            assert t.column("key").to_pylist() == sorted(t.column("key").to_pylist())
+            got.update(zip(t.column("key").to_pylist(), t.column("value").to_pylist()))
+        b.confirm(cid)
+        assert got == values
+
+
 OPS = st.lists(st.tuples(st.sampled_from(["rmw", "set", "clear", "get", "checkpoint"]), st.integers(0, 59),
                          st.integers(-5, 5)), max_size=60)
 

@@ -409,7 +409,9 @@ class SentKeys:
     array and sorting them ~30 ms more, at every checkpoint of a state whose keys stay. Keys
     it has not sent go as the Arrow array the writer makes of them
     (:meth:`~abs.state.ColumnDelta.with_arrow_keys`: ~3 ms per 100 k string keys here instead
-    of ~2 ms of pickling), so that the writer never holds them as Python objects (reference
+    of ~2 ms of pickling), so that the writer never holds them as Python objects. A probed key
+    group (:mod:`abs.state.restored`) captures its restored Arrow keys themselves: the same
+    array object again goes as :class:`~abs.columns.SameKeys` too (reference
     job, 100 k string keys, p=1, 4 interleaved rounds: the writer's peak private memory
     24-31 -> 21-26 MB, the job's peak distinct pages 154-161 -> 148-155 MB).
 
@@ -429,7 +431,9 @@ class SentKeys:
             keys = delta.full_list_keys() if isinstance(delta, ColumnDelta) else None
             if keys is not None:
                 slot = (job.operator, job.state, job.key_group)
-                if self._sent.get(slot) == keys:
+                sent = self._sent.get(slot)
+                # a probed key group's Arrow keys: the very array again (it never changes)
+                if sent is keys or (type(keys) is list and type(sent) is list and sent == keys):
                     delta = delta.with_same_keys()
                 else:
                     self._sent[slot] = keys

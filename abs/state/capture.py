@@ -220,12 +220,13 @@ class ColumnDelta:
         """The schema metadata of the tables of this delta's values (:func:`values_table`)."""
         return values_metadata(self._kind)
 
-    def full_list_keys(self) -> list | None:
+    def full_list_keys(self) -> list | pa.Array | None:
         """The keys of the delta when it is a full image (no deletes) whose keys are a list
-        (not int64): those :class:`KeyOrders` sorts and remembers by key group
+        (not int64), or the Arrow text keys of a probed key group (:mod:`abs.state.restored`):
+        those :class:`KeyOrders` sorts and remembers by key group
         (:meth:`KeyOrders.sort_text`). Else ``None``."""
         c = self._rows()
-        if c.all_rows and c.changed is None and not c.deleted and isinstance(c.keys, list):
+        if c.all_rows and c.changed is None and not c.deleted and isinstance(c.keys, (list, pa.Array)):
             return c.keys
         return None
 
