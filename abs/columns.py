@@ -170,7 +170,8 @@ def _captured(keys: Any, values: Any, nulls: Any, changed: Any, deleted: list, a
 class Column:
     """One key group of a columnar value state (see the module docstring)."""
 
-    # image: a restored key group's arrays until it is first used (abs.state.restored)
+    # image: a restored key group's arrays until it is first used, then its index while it is
+    # probed (abs.state.restored)
     __slots__ = ("index", "keys", "values", "stamps", "nulls", "deleted", "dtype", "objects", "image")
 
     def __init__(self, typecode: str) -> None:

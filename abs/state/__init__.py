@@ -10,7 +10,7 @@ Modules (one concept each; import the public names from ``abs.state``):
 * :mod:`~abs.state.dict_backend`: :class:`KeyedStateBackend`, any keys and state kinds, with
   :mod:`~abs.state.slots` (the storage of one state), :mod:`~abs.state.handles` (what
   user code calls, per record) and :mod:`~abs.state.restored` (restored columnar key groups,
-  built on first use);
+  probed through an index over their arrays on first use, or built);
 * :mod:`~abs.state.columnar`: :class:`ColumnarKeyedState`, the aggregate's columnar store for
   int64, string or binary keys, with its key index :mod:`~abs.state.keyindex` and its string
   keys :mod:`~abs.state.varkeys`;

@@ -451,8 +451,8 @@ class KeyedStateBackend:
 
     # ------------------------------------------------------------------ restore
     def finish_restore(self) -> None:
-        """Nothing to do: each restored key group is complete as it comes (its Python objects
-        are built on its first use, :mod:`abs.state.restored`)."""
+        """Nothing to do: each restored key group is complete as it comes (its index is made
+        on its first use, :mod:`abs.state.restored`)."""
 
     def restore(self, state_name: str, kg: int, table: pa.Table, *, verify: bool = False) -> None:
         """Load a resolved table (``key``, ``value``; no ``op`` column or only upserts) of key
@@ -575,8 +575,8 @@ class KeyedStateBackend:
         keys, values, nulls, text = arrays
         col = slot.data[kg]
         if type(col) is Column and not len(col) and not col.deleted:
-            # the usual restore, into an empty key group: its Python objects are built when
-            # it is first used (abs.state.restored)
+            # the usual restore, into an empty key group: probed or built when it is first
+            # used (abs.state.restored)
             RestoredColumn.keep(col, keys, values, nulls)
             return True
         return col.load(arrow_to_list(keys) if text else keys, values, nulls)
