@@ -31,7 +31,8 @@ each configuration, the configurations interleaved:
   its keys, which probes its text keys, or builds the Python objects of its keys and its key
   index where it cannot: deferred to a key group's first use, :mod:`abs.state.restored`), or
   for ``aggregate`` indexes the keys its columnar store restored in bulk; "with index" counts
-  both; ``process`` then times a read-modify-write of every 5th key (us a record), and does
+  both, and the resident memory the restore and the first uses added (MB); ``process`` then
+  times a read-modify-write of every 5th key (us a record), and does
   all of it again with every key group built before its first use ("built index": a restore
   without the C module), in another fresh process; the restored sums are checked;
   ``--paths aggregate-int`` adds the aggregate over int keys, ``process-int`` the process
@@ -202,13 +203,15 @@ def build_reference(path: str, keys: int, count: int) -> abs.Dataflow:
 
 
 def restore_in_process(flow: abs.Dataflow, root: str, checkpoint_id: int, keys: int,
-                       built: bool = False) -> tuple[float, float, int, float]:
+                       built: bool = False) -> tuple[float, float, int, float, float]:
     """Restore every key group of ``checkpoint_id`` into the operator's backend in this process,
     as a worker of parallelism 1 does (reading ahead as it does): ``(restore seconds, seconds to make every key group
-    usable after it, bytes read, seconds per read-modify-write of a restored key after that)``
-    (the last: ``process`` only, else NaN); checks the keys and sums restored. ``built``
+    usable after it, bytes read, seconds per read-modify-write of a restored key after that,
+    MB of resident memory the restore and the first uses added)`` (the read-modify-write:
+    ``process`` only, else NaN); checks the keys and sums restored. ``built``
     (``process``): each key group builds its Python index before its first use instead of
     being probed (what a restore without the C module does)."""
+    rss0 = rss_mb()
     store = SnapshotStore.open(root)
     manifest = store.read_manifest(checkpoint_id)
     node = next(n for n in flow.nodes if n.kind in ("process", "aggregate"))
@@ -228,6 +231,7 @@ def restore_in_process(flow: abs.Dataflow, root: str, checkpoint_id: int, keys: 
         # last key group (a worker's restore does it too: its figure includes it)
         target.finish_restore()
         t2 = time.perf_counter()
+        grown = rss_mb() - rss0
         rows = list(target.items("total"))
         rmw = float("nan")
     else:
@@ -245,6 +249,7 @@ def restore_in_process(flow: abs.Dataflow, root: str, checkpoint_id: int, keys: 
             backend.current_key, backend.current_kg = key, kg
             handle.value()
         t2 = t1 + time.perf_counter() - t1b  # the first uses alone
+        grown = rss_mb() - rss0
         rmw = read_modify_writes(backend, handle, keys, flow.max_parallelism,
                                  isinstance(next(iter(firsts.values())), int))
         rows = list(backend.items("total"))
@@ -255,7 +260,16 @@ def restore_in_process(flow: abs.Dataflow, root: str, checkpoint_id: int, keys: 
         expected += len(range(0, keys, 5))
     if found != keys or total != expected:
         raise RuntimeError(f"restored {found} keys summing to {total}; expected {keys} keys summing to {expected}")
-    return t1 - t0, t2 - t1, nbytes, rmw
+    return t1 - t0, t2 - t1, nbytes, rmw, grown
+
+
+def rss_mb() -> float:
+    """This process's resident memory in MB (Linux; NaN elsewhere)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+    except (OSError, StopIteration, ValueError):
+        return float("nan")
 
 
 def read_modify_writes(backend: KeyedStateBackend, handle, keys: int, max_parallelism: int, ints: bool) -> float:
@@ -275,7 +289,7 @@ def read_modify_writes(backend: KeyedStateBackend, handle, keys: int, max_parall
 
 
 def restore_reference(path: str, keys: int, root: str, checkpoint_id: int,
-                      built: bool = False) -> tuple[float, float, int, float]:
+                      built: bool = False) -> tuple[float, float, int, float, float]:
     # in a child of this process: memory as a worker has it (transparent huge pages off, which
     # a worker turns off for Arrow's allocator; with them on, the first fault of a few hundred
     # MB of index may wait 0.5 s for the kernel to find huge pages, or take a fifth of that)
@@ -293,20 +307,23 @@ def reference_round(path: str, keys: int, root: str, checkpoint_id: int, scratch
     # in a fresh process, as a worker restores: not a fork of this one, whose heap and Arrow
     # pool (the warm reads' buffers) a fork would inherit
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        secs, index_secs, nbytes, rmw = pool.submit(restore_reference, path, keys, root, checkpoint_id).result()
+        secs, index_secs, nbytes, rmw, grown = pool.submit(restore_reference, path, keys, root, checkpoint_id).result()
     out["in-process restore MB/s"] = nbytes / secs / 1e6
     out["in-process / pyarrow"] = nbytes / secs / 1e6 / raw_mbs
     out["in-process with index / pyarrow"] = nbytes / (secs + index_secs) / 1e6 / raw_mbs
     out["in-process with index / pyarrow cold"] = nbytes / (secs + index_secs) / 1e6 / cold_mbs
+    out["memory after restore and first use (MB)"] = grown
     if path.startswith("process"):
         # the same with each key group's Python index built (no C module), in another fresh process
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            bsecs, bindex, bbytes, brmw = pool.submit(restore_reference, path, keys, root, checkpoint_id, True).result()
+            bsecs, bindex, bbytes, brmw, bgrown = pool.submit(restore_reference, path, keys, root, checkpoint_id,
+                                                              True).result()
         out["built index: with index / pyarrow cold"] = bbytes / (bsecs + bindex) / 1e6 / cold_mbs
         out["first use of every key group (s)"] = index_secs
         out["built index: first use (s)"] = bindex
         out["read-modify-write of a restored key (us)"] = rmw * 1e6
         out["built index: read-modify-write (us)"] = brmw * 1e6
+        out["built index: memory (MB)"] = bgrown
     mark = os.path.join(scratch, "first-record")
     if os.path.exists(mark):
         os.remove(mark)
