@@ -200,6 +200,28 @@ def test_full_images_of_a_probed_key_group_send_its_arrow_keys_once(tmp_path):
         assert got == values
 
 
+@pytest.mark.parametrize("kind", ["str", "int"])
+def test_a_full_capture_of_a_key_group_nobody_used_probes_it_and_repeats_build_it(kind):
+    """A savepoint's full image of a restored key group: from its index, without a Python
+    object per key; one whose restored rows repeat a key is built (the last value wins)."""
+    make = (lambda i: f"k{i}") if kind == "str" else (lambda i: i * 31)
+    keys = [make(i) for i in range(50)]
+    col = Column("q")
+    RestoredColumn.keep(col, pa.array(keys) if kind == "str" else np.array(keys, dtype=np.int64), np.arange(50),
+                        np.arange(50) % 9 == 0)
+    got = col.capture(1, full=True)
+    assert probed(col) and got.complete and got.all_rows and got.changed is None and not got.deleted
+    keys_got = got.keys.to_pylist() if isinstance(got.keys, pa.Array) else got.keys.tolist()
+    assert keys_got == keys and got.values.tolist() == list(range(50)) and got.nulls.tolist() == [i % 9 == 0 for i in range(50)]
+    twice = Column("q")
+    RestoredColumn.keep(twice, pa.array([make(1), make(2), make(1)]) if kind == "str"
+                        else np.array([make(1), make(2), make(1)], dtype=np.int64), np.array([1, 2, 3]), None)
+    got = twice.capture(1, full=True)
+    assert type(twice) is Column
+    keys_got = got.keys if isinstance(got.keys, list) else list(got.keys)
+    assert sorted(zip(keys_got, got.values.tolist())) == sorted([(make(1), 3), (make(2), 2)])
+
+
 OPS = st.lists(st.tuples(st.sampled_from(["rmw", "set", "clear", "get", "checkpoint"]), st.integers(0, 59),
                          st.integers(-5, 5)), max_size=60)
 

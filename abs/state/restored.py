@@ -32,9 +32,11 @@ incremental capture takes the changed rows, their keys cut from the restored arr
 Python object made). A new key is appended as a built column appends it, the index keeping
 it beside the restored ones (``add``: a dict of the keys added since, looked up after the
 table; :meth:`RestoredColumn.set`), so a key group stays probed while its keys only grow. A
-delete, a bulk read or write, ``items``, a full capture, a handover, anything else on the
-Python path (no C module, nulls in the column, a key not of the index's exact type, such as
-a ``bool`` or a ``float``) builds the key group as above, keeping what was written. 5 M string keys
+full capture (a savepoint, a handover) takes every row the same way, probing a key group
+nobody used first (its index also finds repeated keys, which build it instead). A delete, a
+bulk read or write, ``items``, anything else on the Python path (no C module, nulls in the
+column, a key not of the index's exact type, such as a ``bool`` or a ``float``) builds the
+key group as above, keeping what was written. 5 M string keys
 (``scripts/bench_recovery.py --reference``): the first use of every key group 0.2 s instead of
 0.9 s, a read-modify-write of a restored key 0.6 us instead of 1.1 us (a dict of 5 M strings
 misses the caches; the index is a few hundred KB a key group), and no ~100 bytes of Python
@@ -217,17 +219,25 @@ class RestoredColumn(Column):
         return len(image) if _INDEX is not None and isinstance(image, _INDEX) else len(image[0])
 
     def capture(self, since: int, *, full: bool = False) -> Captured | None:
-        if full:
-            self.build()
-            return Column.capture(self, since, full=full)
         index = self.image
-        if _INDEX is None or not isinstance(index, _INDEX):
+        probed = _INDEX is not None and isinstance(index, _INDEX)
+        if full and not probed:
+            # a savepoint's or a handover's full image of a key group nobody used: from its
+            # index (which finds repeated keys) rather than its Python objects
+            if not self._probe():
+                self.build()
+                return Column.capture(self, since, full=full)
+            index, probed = self.image, True
+        if not probed:
             return None  # restored keys are not dirty, and an unused key group has no other
         # probed: the handle wrote values of restored keys in place (anything else built it);
         # the changed rows, their keys taken from the restored array (Arrow text, int64
         # numpy), as Column.capture copies them (no delete: a delete builds the key group)
         n = len(index)
-        changed = np.flatnonzero(np.frombuffer(self.stamps, dtype=np.int64) > since) if n else np.empty(0, np.int64)
+        if full:
+            changed = np.arange(n, dtype=np.int64)
+        else:
+            changed = np.flatnonzero(np.frombuffer(self.stamps, dtype=np.int64) > since) if n else np.empty(0, np.int64)
         if not len(changed):
             return None
         values = np.frombuffer(self.values, dtype=self.dtype)
