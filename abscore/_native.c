@@ -1197,7 +1197,7 @@ static PyObject *vh_slow_value(ValueHandle *self) {
 static PyObject *vh_value(ValueHandle *self, PyObject *unused);
 
 /* value() of a key group restored and not built yet (abs.state.restored.RestoredColumn): its
- * text index answers (the first time, col._probe() makes it), values, stamps and nulls are its
+ * index answers (the first time, col._probe() makes it), values, stamps and nulls are its
  * own; anything else goes the Python way (which builds the key group) */
 static PyObject *vh_restored_value(ValueHandle *self, PyObject *col, PyObject *key) {
     PyObject *image = SLOT(col, off_image), *result = NULL;

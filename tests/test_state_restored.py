@@ -53,7 +53,7 @@ def contents(b):
 
 
 def probed(col):
-    """Whether a restored key group answers from its text index (not built, not waiting)."""
+    """Whether a restored key group answers from its index (not built, not waiting)."""
     return type(col) is RestoredColumn and NATIVE is not None and isinstance(col.image, NATIVE.RestoredIndex)
 
 

@@ -585,5 +585,5 @@ class KeyedStateBackend:
 if NATIVE is not None:
     # the classes whose __slots__ the C value()/update() of ColumnValueStateHandle read directly
     # (current_key, current_kg, epoch; a column's index, values, stamps, nulls; a restored
-    # key group's image, its text index once probed: abs.state.restored)
+    # key group's image, its index once probed: abs.state.restored)
     NATIVE.configure_value_handles(KeyedStateBackend, Column, RestoredColumn)
