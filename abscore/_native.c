@@ -753,6 +753,8 @@ typedef struct {
 
 static PyTypeObject RestoredIndexType;
 
+/* the hash of a text key in the index: not the bytes' key-group hash (abscore.hashing, the
+ * crc32 rule above), whose bits every key of one key group shares (see int_hash) */
 static inline uint64_t text_hash(const char *p, Py_ssize_t len) {
     uint64_t h = 0x9E3779B97F4A7C15ull ^ (uint64_t)len;
     while (len >= 8) {
@@ -1196,6 +1198,15 @@ static PyObject *vh_slow_value(ValueHandle *self) {
 
 static PyObject *vh_value(ValueHandle *self, PyObject *unused);
 
+/* where value() found the current key, for the update() of a read-modify-write */
+static inline void vh_remember(ValueHandle *self, PyObject *key, PyObject *col, Py_ssize_t slot) {
+    Py_INCREF(key);
+    Py_XSETREF(self->hit_key, key);
+    Py_INCREF(col);
+    Py_XSETREF(self->hit_col, col);
+    self->hit_slot = slot;
+}
+
 /* value() of a key group restored and not built yet (abs.state.restored.RestoredColumn): its
  * index answers (the first time, col._probe() makes it), values, stamps and nulls are its
  * own; anything else goes the Python way (which builds the key group) */
@@ -1230,11 +1241,7 @@ static PyObject *vh_restored_value(ValueHandle *self, PyObject *col, PyObject *k
         PyErr_Clear();
         return vh_slow_value(self);
     }
-    Py_INCREF(key);
-    Py_XSETREF(self->hit_key, key);
-    Py_INCREF(col);
-    Py_XSETREF(self->hit_col, col);
-    self->hit_slot = slot;
+    vh_remember(self, key, col, slot);
     return result;
 }
 
@@ -1289,11 +1296,7 @@ static PyObject *vh_value(ValueHandle *self, PyObject *unused) {
         result = vh_slow_value(self);
         goto out;
     }
-    Py_INCREF(key);
-    Py_XSETREF(self->hit_key, key);
-    Py_INCREF(col);
-    Py_XSETREF(self->hit_col, col);
-    self->hit_slot = slot;
+    vh_remember(self, key, col, slot);
 out:
     Py_DECREF(index);
     Py_DECREF(col);
