@@ -369,23 +369,31 @@ class Column:
         if all_rows:
             keys: np.ndarray | list = keys_view.copy() if keys_view is not None else list(self.keys)
             values = values_view.copy()
-            if self.nulls:
-                nulls = np.zeros(n, dtype=bool)
-                nulls[list(self.nulls)] = True
+            nulls = self.null_mask(None)
             if complete:
                 changed = None
         else:
             assert changed is not None
             keys = keys_view[changed] if keys_view is not None else [self.keys[i] for i in changed.tolist()]
             values = [values_view[i] for i in changed.tolist()] if self.objects else values_view[changed]
-            if self.nulls:
-                nulls = np.isin(changed, np.fromiter(self.nulls, dtype=np.int64, count=len(self.nulls)))
+            nulls = self.null_mask(changed)
             changed = None
         del keys_view, values_view  # release the buffers: the arrays may grow again
         # deletes stay in a complete delta too: harmless in a new base, and right should the
         # delta be appended to the chain by a writer that ignores ``complete``
         return Captured(keys=keys, values=values, nulls=nulls, changed=changed, deleted=deleted,
                         all_rows=all_rows, complete=complete)
+
+    def null_mask(self, rows: np.ndarray | None) -> np.ndarray | None:
+        """Which of the slots ``rows`` (None: every slot) hold ``None``, as a capture gives it:
+        a bool mask, or None when no slot does."""
+        if not self.nulls:
+            return None
+        if rows is None:
+            mask = np.zeros(len(self.stamps), dtype=bool)
+            mask[list(self.nulls)] = True
+            return mask
+        return np.isin(rows, np.fromiter(self.nulls, dtype=np.int64, count=len(self.nulls)))
 
     def forget_deletes(self, upto: int) -> None:
         """Drop the deletes of epochs ``<= upto`` (a confirmed capture holds them)."""

@@ -25,7 +25,7 @@ a read-modify-write of a key the key group holds. On its first ``value()`` throu
 ValueState's C handle (:mod:`abs.state.handles`), a key group is *probed* instead
 (:meth:`RestoredColumn._probe`): an index over its restored keys, the Arrow ``str``/``bytes``
 keys or the int64 array (``abscore._native.RestoredIndex``: a table of 32-bit hash tags and
-rows, the key compared on a hit, ~12 bytes a key) replaces the ``dict``, and the values,
+rows, the key compared on a hit, 11-21 bytes a key) replaces the ``dict``, and the values,
 stamps and nulls become the column's own as a built key group has them. The handle then
 reads and writes the slot the index finds, stamping it as a built column does, so an
 incremental capture takes the changed rows, their keys cut from the restored array (no
@@ -51,10 +51,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from array import array
+
 import numpy as np
 import pyarrow as pa
-
-from array import array
 
 from abs.columns import _IMAGE_SHARE, Captured, Column, _slots
 from abscore.native import NATIVE
@@ -235,24 +235,20 @@ class RestoredColumn(Column):
         # numpy), as Column.capture copies them (no delete: a delete builds the key group)
         n = len(index)
         if full:
-            changed = np.arange(n, dtype=np.int64)
+            if not n:
+                return None
+            complete = True
         else:
             changed = np.flatnonzero(np.frombuffer(self.stamps, dtype=np.int64) > since) if n else np.empty(0, np.int64)
-        if not len(changed):
-            return None
+            if not len(changed):
+                return None
+            complete = len(changed) >= _IMAGE_SHARE * n
         values = np.frombuffer(self.values, dtype=self.dtype)
-        complete = len(changed) >= _IMAGE_SHARE * n
-        nulls = None
         if complete:
-            if self.nulls:
-                nulls = np.zeros(n, dtype=bool)
-                nulls[list(self.nulls)] = True
-            return Captured(keys=_keys_of(index, None), values=values.copy(), nulls=nulls, changed=None,
-                            deleted=[], all_rows=True, complete=True)
-        if self.nulls:
-            nulls = np.isin(changed, np.fromiter(self.nulls, dtype=np.int64, count=len(self.nulls)))
-        return Captured(keys=_keys_of(index, changed), values=values[changed], nulls=nulls, changed=None,
-                        deleted=[], all_rows=False, complete=False)
+            return Captured(keys=_keys_of(index, None), values=values.copy(), nulls=self.null_mask(None),
+                            changed=None, deleted=[], all_rows=True, complete=True)
+        return Captured(keys=_keys_of(index, changed), values=values[changed], nulls=self.null_mask(changed),
+                        changed=None, deleted=[], all_rows=False, complete=False)
 
 
 def _keys_of(index: Any, rows: np.ndarray | None) -> np.ndarray | pa.Array:
