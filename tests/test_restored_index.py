@@ -81,10 +81,10 @@ def test_an_int_index_takes_int64_alone_and_refuses_repeats():
     assert len(NATIVE.int_index(np.empty(0, dtype=np.int64))) == 0
 
 
-def test_repeated_keys_give_no_index_and_a_large_one_is_built_without_the_gil():
+def test_repeated_keys_give_no_index_and_a_large_index_finds_its_keys():
     assert index_of(pa.array(["a", "b", "a"])) is None
     assert index_of(pa.array([""] * 2)) is None
-    keys = pa.array([f"key-{i}" for i in range(100_000)])  # over the size that releases the GIL
+    keys = pa.array([f"key-{i}" for i in range(100_000)])  # built with the GIL released (over 65,536 keys)
     index = index_of(keys)
     assert [index.find(f"key-{i}") for i in (0, 77_777, 99_999)] == [0, 77_777, 99_999]
     assert index.find("key-100000") == -1
