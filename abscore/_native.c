@@ -730,8 +730,11 @@ done:
 /* RestoredIndex: the key -> slot index of a restored key group (abs.state.restored) over the
  * arrays it was restored into, without a Python object per key: the Arrow buffers of str (or
  * bytes) keys, or the int64 numpy array of integer keys. Open addressing with linear probing
- * over a power-of-two table of uint64 entries, each (32 bits of the key's hash) << 32 |
- * (slot + 1), 0 empty; a hit compares the key itself. A probe takes an exact str (its UTF-8
+ * over a power-of-two table of entries, each (a tag: the top bits of the key's hash) << shift
+ * | (slot + 1), 0 empty; a hit compares the key itself. The entries are 32 bits wide when the
+ * slots need at most 24 of them (the tag keeps the other 8 or more: one false tag match in
+ * 256 or fewer at worst), else 64 (32 bits of tag): half the fresh memory a restored key
+ * group's first use takes in the usual case, and half the cache lines its lookups touch. A probe takes an exact str (its UTF-8
  * bytes), bytes or int, as the index's keys are; find() answers -2 for any other kind of key
  * (a bool, a float, a subclass: the caller builds the key group's Python index and asks it,
  * which knows what such a key equals). Keys appended since the restore (add()) are kept in a
@@ -748,8 +751,18 @@ typedef struct {
     const int32_t *o; /* text: n + 1 offsets, from the array's own offset */
     const char *d;    /* text: the data; int: the int64 keys */
     Py_ssize_t n;
-    uint64_t *table, mask;
+    void *table;      /* uint32_t entries, or uint64_t when wide */
+    uint64_t mask;    /* the table's size - 1 */
+    uint64_t slots;   /* the entry's low `shift` bits: slot + 1 */
+    int shift, tagshift, wide; /* an entry's tag is the hash >> tagshift, << shift */
 } RestoredIndex;
+
+static inline uint64_t ti_entry(const RestoredIndex *t, uint64_t at) {
+    return t->wide ? ((const uint64_t *)t->table)[at] : ((const uint32_t *)t->table)[at];
+}
+
+/* the tag of hash h, where an entry holds it */
+static inline uint64_t ti_tag(const RestoredIndex *t, uint64_t h) { return h >> t->tagshift << t->shift; }
 
 static PyTypeObject RestoredIndexType;
 
@@ -781,26 +794,26 @@ static inline uint64_t int_hash(int64_t k) { return fmix64((uint64_t)k * 0x9E377
 /* slot of the int64 key k, or -1 */
 static inline Py_ssize_t ti_lookup_int(const RestoredIndex *t, int64_t k) {
     const int64_t *keys = (const int64_t *)t->d;
-    uint64_t h = int_hash(k), tag = h >> 32 << 32, at = h & t->mask;
+    uint64_t h = int_hash(k), tag = ti_tag(t, h), at = h & t->mask;
     for (;;) {
-        uint64_t e = t->table[at];
+        uint64_t e = ti_entry(t, at);
         if (!e)
             return -1;
-        if ((e & 0xFFFFFFFF00000000ull) == tag && keys[(e & 0xFFFFFFFFull) - 1] == k)
-            return (Py_ssize_t)(e & 0xFFFFFFFFull) - 1;
+        if ((e & ~t->slots) == tag && keys[(e & t->slots) - 1] == k)
+            return (Py_ssize_t)(e & t->slots) - 1;
         at = (at + 1) & t->mask;
     }
 }
 
 /* slot of the len bytes at p, or -1 */
 static inline Py_ssize_t ti_lookup(const RestoredIndex *t, const char *p, Py_ssize_t len) {
-    uint64_t h = text_hash(p, len), tag = h >> 32 << 32, at = h & t->mask;
+    uint64_t h = text_hash(p, len), tag = ti_tag(t, h), at = h & t->mask;
     for (;;) {
-        uint64_t e = t->table[at];
+        uint64_t e = ti_entry(t, at);
         if (!e)
             return -1;
-        if ((e & 0xFFFFFFFF00000000ull) == tag) {
-            Py_ssize_t slot = (Py_ssize_t)(e & 0xFFFFFFFFull) - 1;
+        if ((e & ~t->slots) == tag) {
+            Py_ssize_t slot = (Py_ssize_t)(e & t->slots) - 1;
             int32_t a = t->o[slot], b = t->o[slot + 1];
             if (b - a == len && memcmp(t->d + a, p, (size_t)len) == 0)
                 return slot;
@@ -988,12 +1001,21 @@ static RestoredIndex *ti_new(PyObject *keys, Py_ssize_t n, int kind) {
 }
 
 /* the table for n keys, all zero: a load of 3/8 to 3/4, linear probing stays short and the
- * table small (8 bytes an entry) */
+ * table small (4 bytes an entry while n < 2**24, else 8; see RestoredIndex) */
+static int narrow_bits = 24, least_bits = 1; /* see index_layout() */
+
 static int ti_alloc_table(RestoredIndex *t) {
     uint64_t cap = 8;
     while (cap < (uint64_t)t->n + (uint64_t)t->n / 3)
         cap <<= 1;
-    t->table = PyMem_Calloc((size_t)cap, sizeof(uint64_t));
+    int bits = least_bits; /* the slot + 1 of n keys: 1 .. n */
+    while (((uint64_t)1 << bits) <= (uint64_t)t->n)
+        bits++;
+    t->wide = bits > narrow_bits;
+    t->shift = t->wide ? 32 : bits;
+    t->tagshift = t->wide ? 32 : 32 + bits; /* the tag: the hash's top 32 - bits bits (32 when wide) */
+    t->slots = ((uint64_t)1 << t->shift) - 1;
+    t->table = PyMem_Calloc((size_t)cap, t->wide ? sizeof(uint64_t) : sizeof(uint32_t));
     if (!t->table) {
         PyErr_NoMemory();
         return -1;
@@ -1004,15 +1026,18 @@ static int ti_alloc_table(RestoredIndex *t) {
 
 /* insert row i of hash h; 1 when an equal key is there already */
 static inline int ti_insert(RestoredIndex *t, Py_ssize_t i, uint64_t h) {
-    uint64_t tag = h >> 32 << 32, at = h & t->mask;
+    uint64_t tag = ti_tag(t, h), at = h & t->mask;
     for (;;) {
-        uint64_t e = t->table[at];
+        uint64_t e = ti_entry(t, at);
         if (!e) {
-            t->table[at] = tag | (uint64_t)(i + 1);
+            if (t->wide)
+                ((uint64_t *)t->table)[at] = tag | (uint64_t)(i + 1);
+            else
+                ((uint32_t *)t->table)[at] = (uint32_t)(tag | (uint64_t)(i + 1));
             return 0;
         }
-        if ((e & 0xFFFFFFFF00000000ull) == tag) {
-            Py_ssize_t slot = (Py_ssize_t)(e & 0xFFFFFFFFull) - 1;
+        if ((e & ~t->slots) == tag) {
+            Py_ssize_t slot = (Py_ssize_t)(e & t->slots) - 1;
             if (t->kind == KEYS_INT) {
                 if (((const int64_t *)t->d)[slot] == ((const int64_t *)t->d)[i])
                     return 1;
@@ -1038,7 +1063,8 @@ static PyObject *ti_fill(RestoredIndex *t) {
                 hashes[j - i] = t->kind == KEYS_INT ? int_hash(((const int64_t *)t->d)[j])
                                                     : text_hash(t->d + t->o[j], t->o[j + 1] - t->o[j]);
 #if defined(__GNUC__)
-                __builtin_prefetch(&t->table[hashes[j - i] & t->mask], 1);
+                __builtin_prefetch(t->wide ? (void *)&((uint64_t *)t->table)[hashes[j - i] & t->mask]
+                                           : (void *)&((uint32_t *)t->table)[hashes[j - i] & t->mask], 1);
 #endif
             }
         }
@@ -1098,6 +1124,27 @@ static PyObject *text_index(PyObject *self, PyObject *args) {
 fail:
     Py_DECREF(t);
     return NULL;
+}
+
+/* index_layout(narrow_bits, least_bits) -> the previous pair: the indexes made from now on
+ * take 32-bit entries while their slots need at most narrow_bits bits (24; 0: never; 31: a
+ * tag of 1 bit at least) and give the slots at least least_bits bits (1; 30 with narrow_bits
+ * 31: a tag of 2 bits, most probes a tag match).
+ * For tests, which reach the 64-bit entries and tag collisions with a few keys this way. */
+static PyObject *index_layout(PyObject *self, PyObject *args) {
+    int narrow, least;
+    if (!PyArg_ParseTuple(args, "ii", &narrow, &least))
+        return NULL;
+    if (narrow < 0 || narrow > 31 || least < 1 || least > 31) {
+        PyErr_Format(PyExc_ValueError, "index_layout(%d, %d): narrow_bits 0 .. 31, least_bits 1 .. 31", narrow, least);
+        return NULL;
+    }
+    PyObject *was = Py_BuildValue("ii", narrow_bits, least_bits);
+    if (was) {
+        narrow_bits = narrow;
+        least_bits = least;
+    }
+    return was;
 }
 
 /* int_index(keys): the index of a 1-d contiguous int64 array of keys (kept, given back as
@@ -1437,6 +1484,8 @@ static PyMethodDef methods[] = {
      "text_array(keys, offsets) -> (is_bytes, data), or None where abs.columns._text_array decides"},
     {"text_index", text_index, METH_VARARGS,
      "text_index(keys, offsets, data, start, n, is_bytes) -> RestoredIndex, or None when a key repeats"},
+    {"index_layout", index_layout, METH_VARARGS,
+     "index_layout(narrow_bits, least_bits) -> the previous pair (tests: 64-bit entries and short tags with few keys)"},
     {"int_index", int_index, METH_VARARGS, "int_index(keys) -> RestoredIndex of int64 keys, or None when a key repeats"},
     {"partition", partition, METH_VARARGS,
      "partition(key_groups, routing, order, counts): rows grouped by channel routing[key group], stably"},

@@ -5,6 +5,8 @@ key: the same values, the same captures and the same checkpoints as a built key 
 whatever the records do to it."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -26,6 +28,22 @@ RANGE = KeyGroupRange(0, M - 1)
 TEXT = st.text(alphabet=st.sampled_from("ab\u00e9\u4e2d\U0001f600 \x00"), max_size=6)
 
 
+LAYOUTS = [(24, 1), (31, 30), (0, 1), (7, 1)]
+"""``NATIVE.index_layout`` settings each index test runs under: the default (32-bit entries,
+a tag of 32 minus the slot bits), 32-bit entries whose slots take 30 bits (a tag of 2 bits:
+most probes match a tag, the key compare decides), 64-bit entries (as for key groups of
+2**24 keys or more), and the switch between them at 128 keys (127 keys narrow, 128 wide)."""
+
+
+@contextmanager
+def layout(narrow_bits: int, least_bits: int):
+    was = NATIVE.index_layout(narrow_bits, least_bits)
+    try:
+        yield
+    finally:
+        NATIVE.index_layout(*was)
+
+
 def index_of(keys: pa.Array):
     b = keys.buffers()
     return NATIVE.text_index(keys, b[1], b[2], keys.offset, len(keys), pa.types.is_binary(keys.type))
@@ -37,6 +55,12 @@ def index_of(keys: pa.Array):
 @given(st.lists(TEXT, unique=True, max_size=200), st.lists(TEXT, max_size=30), st.integers(0, 5))
 @settings(max_examples=150, deadline=None)
 def test_the_index_finds_each_key_at_its_row_and_nothing_else(keys, probes, cut):
+    for shape in LAYOUTS:
+        with layout(*shape):
+            _finds_each_text_key(keys, probes, cut)
+
+
+def _finds_each_text_key(keys, probes, cut):
     arr = pa.array(["-"] * cut + keys, pa.string()).slice(cut)  # an array with an offset
     index = index_of(arr)
     assert len(index) == len(keys) and index.keys is arr
@@ -51,9 +75,11 @@ def test_the_index_finds_each_key_at_its_row_and_nothing_else(keys, probes, cut)
 @given(st.lists(st.binary(max_size=9), unique=True, max_size=100))
 @settings(max_examples=60, deadline=None)
 def test_the_index_of_bytes_keys(keys):
-    index = index_of(pa.array(keys, pa.binary()))
-    assert [index.find(k) for k in keys] == list(range(len(keys)))
-    assert all(index.find(k.decode("latin-1")) == -1 for k in keys)
+    for shape in LAYOUTS:
+        with layout(*shape):
+            index = index_of(pa.array(keys, pa.binary()))
+        assert [index.find(k) for k in keys] == list(range(len(keys)))
+        assert all(index.find(k.decode("latin-1")) == -1 for k in keys)
 
 
 I64 = st.integers(-(1 << 63), (1 << 63) - 1)
@@ -62,6 +88,12 @@ I64 = st.integers(-(1 << 63), (1 << 63) - 1)
 @given(st.lists(I64, unique=True, max_size=200), st.lists(I64, max_size=30))
 @settings(max_examples=150, deadline=None)
 def test_the_index_of_int64_keys_finds_each_at_its_row_and_answers_only_for_exact_ints(keys, probes):
+    for shape in LAYOUTS:
+        with layout(*shape):
+            _finds_each_int_key(keys, probes)
+
+
+def _finds_each_int_key(keys, probes):
     arr = np.array(keys, dtype=np.int64)
     index = NATIVE.int_index(arr)
     assert len(index) == len(keys) and index.keys is arr
@@ -81,9 +113,29 @@ def test_an_int_index_takes_int64_alone_and_refuses_repeats():
     assert len(NATIVE.int_index(np.empty(0, dtype=np.int64))) == 0
 
 
-def test_repeated_keys_give_no_index_and_a_large_index_finds_its_keys():
+@pytest.mark.parametrize("shape", LAYOUTS)
+def test_repeated_keys_give_no_index_and_a_large_index_finds_its_keys(shape):
+    with layout(*shape):
+        _repeats_and_a_large_index()
+
+
+def test_an_index_layout_out_of_range_is_refused_and_changes_nothing():
+    was = NATIVE.index_layout(24, 1)
+    NATIVE.index_layout(*was)
+    for bad in ((32, 1), (-1, 1), (24, 0), (24, 32)):
+        with pytest.raises(ValueError, match=r"narrow_bits 0 \.\. 31, least_bits 1 \.\. 31"):
+            NATIVE.index_layout(*bad)
+    assert NATIVE.index_layout(*was) == was
+
+
+def _repeats_and_a_large_index():
     assert index_of(pa.array(["a", "b", "a"])) is None
     assert index_of(pa.array([""] * 2)) is None
+    assert NATIVE.int_index(np.array([5, -1, 5], dtype=np.int64)) is None
+    ints = np.arange(-300_000, 300_000, 7, dtype=np.int64)
+    index = NATIVE.int_index(ints)
+    assert [index.find(k) for k in (-300_000, 6, 299_998)] == [0, 42_858, len(ints) - 1]
+    assert index.find(7) == -1
     keys = pa.array([f"key-{i}" for i in range(100_000)])  # built with the GIL released (over 65,536 keys)
     index = index_of(keys)
     assert [index.find(f"key-{i}") for i in (0, 77_777, 99_999)] == [0, 77_777, 99_999]
@@ -232,13 +284,19 @@ NAMES = {"str": [f"n{i}\u00e9" if i % 3 else f"n{i}" for i in range(60)],
 
 
 @pytest.mark.parametrize("kind", NAMES)
-@given(ops=OPS, nulls_every=st.integers(0, 3))
+@given(ops=OPS, nulls_every=st.integers(0, 3), shape=st.sampled_from(LAYOUTS))
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def test_a_probed_key_group_behaves_as_a_built_one_under_any_records(kind, ops, nulls_every):
+def test_a_probed_key_group_behaves_as_a_built_one_under_any_records(kind, ops, nulls_every, shape):
     """The same records through the C handle on a restored backend (probed) and on the same
     state built at once: the same values read, the same captures, the same final state.
     Keys 0-39 were restored (some with a null value), 40-59 are new (the probed index takes
-    them); a checkpoint captures and confirms; some writes store None; a clear deletes."""
+    them); a checkpoint captures and confirms; some writes store None; a clear deletes.
+    Under each index layout (the probed key groups index their keys on first use)."""
+    with layout(*shape):
+        _probed_as_built(kind, ops, nulls_every)
+
+
+def _probed_as_built(kind, ops, nulls_every):
     names = NAMES[kind]
     restored_keys = names[:40]
     values = [None if nulls_every and i % (nulls_every + 3) == 0 else i for i in range(40)]
