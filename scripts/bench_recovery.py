@@ -32,7 +32,8 @@ each configuration, the configurations interleaved:
   index where it cannot: deferred to a key group's first use, :mod:`abs.state.restored`), or
   for ``aggregate`` indexes the keys its columnar store restored in bulk; "with index" counts
   both, and the resident memory the restore and the first uses added (MB); ``process`` then
-  times a read-modify-write of every 5th key (us a record), and does
+  times a read-modify-write of every 5th key (us a record; the first write to a probed key
+  group makes its stamps, counted here) and the memory after them, and does
   all of it again with every key group built before its first use ("built index": a restore
   without the C module), in another fresh process; the restored sums are checked;
   ``--paths aggregate-int`` adds the aggregate over int keys, ``process-int`` the process
@@ -203,12 +204,12 @@ def build_reference(path: str, keys: int, count: int) -> abs.Dataflow:
 
 
 def restore_in_process(flow: abs.Dataflow, root: str, checkpoint_id: int, keys: int,
-                       built: bool = False) -> tuple[float, float, int, float, float]:
+                       built: bool = False) -> tuple[float, float, int, float, float, float]:
     """Restore every key group of ``checkpoint_id`` into the operator's backend in this process,
     as a worker of parallelism 1 does (reading ahead as it does): ``(restore seconds, seconds to make every key group
     usable after it, bytes read, seconds per read-modify-write of a restored key after that,
-    MB of resident memory the restore and the first uses added)`` (the read-modify-write:
-    ``process`` only, else NaN); checks the keys and sums restored. ``built``
+    MB of resident memory the restore and the first uses added, the same after the
+    read-modify-writes)`` (the read-modify-writes: ``process`` only, else NaN); checks the keys and sums restored. ``built``
     (``process``): each key group builds its Python index before its first use instead of
     being probed (what a restore without the C module does)."""
     rss0 = rss_mb()
@@ -233,7 +234,7 @@ def restore_in_process(flow: abs.Dataflow, root: str, checkpoint_id: int, keys: 
         t2 = time.perf_counter()
         grown = rss_mb() - rss0
         rows = list(target.items("total"))
-        rmw = float("nan")
+        rmw = after = float("nan")
     else:
         # a restored key group is made usable on its first use (abs.state.restored): here
         # a record's read of one of its keys through the state's handle, as running_sum does
@@ -252,6 +253,7 @@ def restore_in_process(flow: abs.Dataflow, root: str, checkpoint_id: int, keys: 
         grown = rss_mb() - rss0
         rmw = read_modify_writes(backend, handle, keys, flow.max_parallelism,
                                  isinstance(next(iter(firsts.values())), int))
+        after = rss_mb() - rss0  # with what the first writes add (a probed key group's stamps)
         rows = list(backend.items("total"))
     found = len(rows)
     total = sum(v for _k, v in rows)
@@ -260,7 +262,7 @@ def restore_in_process(flow: abs.Dataflow, root: str, checkpoint_id: int, keys: 
         expected += len(range(0, keys, 5))
     if found != keys or total != expected:
         raise RuntimeError(f"restored {found} keys summing to {total}; expected {keys} keys summing to {expected}")
-    return t1 - t0, t2 - t1, nbytes, rmw, grown
+    return t1 - t0, t2 - t1, nbytes, rmw, grown, after
 
 
 def rss_mb() -> float:
@@ -289,7 +291,7 @@ def read_modify_writes(backend: KeyedStateBackend, handle, keys: int, max_parall
 
 
 def restore_reference(path: str, keys: int, root: str, checkpoint_id: int,
-                      built: bool = False) -> tuple[float, float, int, float, float]:
+                      built: bool = False) -> tuple[float, float, int, float, float, float]:
     # in a child of this process: memory as a worker has it (transparent huge pages off, which
     # a worker turns off for Arrow's allocator; with them on, the first fault of a few hundred
     # MB of index may wait 0.5 s for the kernel to find huge pages, or take a fifth of that)
@@ -307,7 +309,7 @@ def reference_round(path: str, keys: int, root: str, checkpoint_id: int, scratch
     # in a fresh process, as a worker restores: not a fork of this one, whose heap and Arrow
     # pool (the warm reads' buffers) a fork would inherit
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        secs, index_secs, nbytes, rmw, grown = pool.submit(restore_reference, path, keys, root, checkpoint_id).result()
+        secs, index_secs, nbytes, rmw, grown, after = pool.submit(restore_reference, path, keys, root, checkpoint_id).result()
     out["in-process restore MB/s"] = nbytes / secs / 1e6
     out["in-process / pyarrow"] = nbytes / secs / 1e6 / raw_mbs
     out["in-process with index / pyarrow"] = nbytes / (secs + index_secs) / 1e6 / raw_mbs
@@ -316,7 +318,7 @@ def reference_round(path: str, keys: int, root: str, checkpoint_id: int, scratch
     if path.startswith("process"):
         # the same with each key group's Python index built (no C module), in another fresh process
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            bsecs, bindex, bbytes, brmw, bgrown = pool.submit(restore_reference, path, keys, root, checkpoint_id,
+            bsecs, bindex, bbytes, brmw, bgrown, bafter = pool.submit(restore_reference, path, keys, root, checkpoint_id,
                                                               True).result()
         out["built index: with index / pyarrow cold"] = bbytes / (bsecs + bindex) / 1e6 / cold_mbs
         out["first use of every key group (s)"] = index_secs
@@ -324,6 +326,8 @@ def reference_round(path: str, keys: int, root: str, checkpoint_id: int, scratch
         out["read-modify-write of a restored key (us)"] = rmw * 1e6
         out["built index: read-modify-write (us)"] = brmw * 1e6
         out["built index: memory (MB)"] = bgrown
+        out["memory after the writes (MB)"] = after
+        out["built index: memory after the writes (MB)"] = bafter
     mark = os.path.join(scratch, "first-record")
     if os.path.exists(mark):
         os.remove(mark)

@@ -24,9 +24,10 @@ copy or a pickle is of the built column.
 a read-modify-write of a key the key group holds. On its first ``value()`` through a typed
 ValueState's C handle (:mod:`abs.state.handles`), a key group is *probed* instead
 (:meth:`RestoredColumn._probe`): an index over its restored keys, the Arrow ``str``/``bytes``
-keys or the int64 array (``abscore._native.RestoredIndex``: a table of 32-bit hash tags and
-rows, the key compared on a hit, 11-21 bytes a key) replaces the ``dict``, and the values,
-stamps and nulls become the column's own as a built key group has them. The handle then
+keys or the int64 array (``abscore._native.RestoredIndex``: a table of hash tags and rows,
+the key compared on a hit, 5-11 bytes a key) replaces the ``dict``, and the values and nulls
+become the column's own as a built key group has them, the stamps too on its first write
+(a key group only read never makes them). The handle then
 reads and writes the slot the index finds, stamping it as a built column does, so an
 incremental capture takes the changed rows, their keys cut from the restored array (no
 Python object made). A new key is appended as a built column appends it, the index keeping
@@ -91,11 +92,27 @@ class RestoredColumn(Column):
         col.image = (keys, values, nulls, typecode)
 
     def __getattr__(self, name: str) -> Any:
-        # only reached for an attribute normally absent: a lazy slot while the key group waits
+        # only reached for an attribute normally absent: a lazy slot while the key group waits,
+        # or the stamps of a probed key group nothing has written to yet
+        if name == "stamps":
+            with _BUILD:
+                if type(self) is RestoredColumn and _INDEX is not None and isinstance(self.image, _INDEX):
+                    return self._stamped()
         if name in _LAZY:
             self.build()
             return object.__getattribute__(self, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def _stamped(self) -> array:
+        """The stamps of a probed key group (``_BUILD`` held), made on the first write: a key
+        group only read never pays for them (8 bytes a key of fresh memory, as much time as
+        its index at 5 M keys), and until it is written nothing in it changed."""
+        try:
+            return object.__getattribute__(self, "stamps")
+        except AttributeError:
+            stamps = array("q", bytes(8 * len(self.values)))  # every slot's, added keys' too: 0
+            object.__setattr__(self, "stamps", stamps)
+            return stamps
 
     def _probe(self) -> bool:
         """Make the key group answer the C ``value()``/``update()`` of a typed ValueState's
@@ -127,11 +144,11 @@ class RestoredColumn(Column):
                 return False  # repeated keys: the build inserts key by key
             n = len(keys)
             # each part set whole, the index last (a thread sees the key group probed only
-            # once it has every part); this class's __setattr__ would build
+            # once it has every part); this class's __setattr__ would build. The stamps are
+            # made on the first write (_stamped).
             built = array(typecode)
             built.frombytes(memoryview(np.ascontiguousarray(values, dtype=self.dtype)).cast("B"))
             object.__setattr__(self, "values", built)
-            object.__setattr__(self, "stamps", array("q", bytes(8 * n)))
             object.__setattr__(self, "nulls", set(np.flatnonzero(nulls).tolist()) if nulls is not None else set())
             self.image = index
             return True
@@ -146,6 +163,7 @@ class RestoredColumn(Column):
             if _INDEX is not None and isinstance(image, _INDEX):
                 # probed: the values, stamps and nulls are the key group's (written since);
                 # the keys in the index's order, which is their slots'
+                self._stamped()
                 extra = image.extra_keys or []
                 if isinstance(image.keys, np.ndarray):
                     keys = image.keys.tolist() + extra
@@ -181,10 +199,10 @@ class RestoredColumn(Column):
             self.build()
             Column.set(self, key, value, epoch)
             return
-        values, nulls = self.values, self.nulls
+        values, nulls, stamps = self.values, self.nulls, self.stamps  # the stamps: as many as values
         if at >= 0:
             values[at] = 0 if value is None else value  # TypeError, OverflowError: nothing changed
-            self.stamps[at] = epoch
+            stamps[at] = epoch
             if value is None:
                 nulls.add(at)
             elif nulls:
@@ -201,7 +219,7 @@ class RestoredColumn(Column):
             self.build()
             Column.set(self, key, value, epoch)
             return
-        self.stamps.append(epoch)
+        stamps.append(epoch)
         if value is None:
             nulls.add(len(values) - 1)
 
@@ -239,7 +257,11 @@ class RestoredColumn(Column):
                 return None
             complete = True
         else:
-            changed = np.flatnonzero(np.frombuffer(self.stamps, dtype=np.int64) > since) if n else np.empty(0, np.int64)
+            try:
+                stamps = object.__getattribute__(self, "stamps")
+            except AttributeError:
+                return None  # no write since it was probed (a write makes the stamps first)
+            changed = np.flatnonzero(np.frombuffer(stamps, dtype=np.int64) > since) if n else np.empty(0, np.int64)
             if not len(changed):
                 return None
             complete = len(changed) >= _IMAGE_SHARE * n
