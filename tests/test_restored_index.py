@@ -198,6 +198,39 @@ def test_records_probe_the_key_group_new_keys_join_its_index_and_a_delete_builds
     assert len(dict(b.items("v"))) == 300 and dict(b.items("v"))[new] == 6
 
 
+def _has_stamps(col) -> bool:
+    try:
+        object.__getattribute__(col, "stamps")
+    except AttributeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("first_write", ["restored key", "new key"])
+def test_a_key_group_only_read_makes_no_stamps_and_its_first_write_makes_them_all(first_write):
+    """Reads probe a key group without making its stamps (8 bytes a key: as much fresh memory
+    as its index); its captures are empty until a write, which makes a stamp for every slot,
+    the new key's too, and the capture then holds that write alone."""
+    keys = [f"k{i}" for i in range(300)]
+    b = restored(keys, range(300))
+    h, data = b.state("v"), b._slot("v").data
+    kg = key_group("k7", M)
+    b.current_key, b.current_kg = "k7", kg
+    assert h.value() == 7 and probed(data[kg]) and not _has_stamps(data[kg])
+    assert b.capture(2)["v"] == {}  # nothing written since the restore
+    b.confirm(2)
+    if first_write == "new key":
+        b.current_key = next(f"new{i}" for i in range(100) if key_group(f"new{i}", M) == kg)
+    h.update(1000)
+    col = data[kg]
+    assert probed(col) and _has_stamps(col) and len(col.stamps) == len(col.values) == len(col)
+    assert rows(b.capture(3)["v"]) == {kg: [(b.current_key, 1000, 0)]}
+    b.confirm(3)
+    col.build()  # a built column keeps the stamps the probed one made
+    assert type(col) is Column and len(col.stamps) == len(col.keys)
+    assert b.capture(4)["v"] == {}
+
+
 @pytest.mark.parametrize("kind", ["str", "int", "bytes"])
 @pytest.mark.parametrize("share", [1.0, 0.3])
 def test_captures_of_restored_and_added_keys_match_a_built_key_group(kind, share):
