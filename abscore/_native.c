@@ -746,8 +746,10 @@ typedef struct {
     PyObject_HEAD
     PyObject *keys;   /* the array the buffers belong to (kept alive, given back as .keys) */
     PyObject *extra, *extra_keys; /* keys added since the restore: key -> slot, and in slot order */
-    Py_buffer off, data;
-    int has_off, has_data, kind;
+    PyObject *values; /* the restored values (numpy) until the key group copies them, or NULL */
+    Py_buffer off, data, vals;
+    int has_off, has_data, has_vals, kind;
+    char vcode;       /* the values' array typecode */
     const int32_t *o; /* text: n + 1 offsets, from the array's own offset */
     const char *d;    /* text: the data; int: the int64 keys */
     Py_ssize_t n;
@@ -880,8 +882,17 @@ static Py_ssize_t ti_find(const RestoredIndex *t, PyObject *key) {
     return PyLong_AsSsize_t(at);
 }
 
+static void ti_drop_vals(RestoredIndex *t) {
+    if (t->has_vals) {
+        t->has_vals = 0;
+        PyBuffer_Release(&t->vals);
+    }
+    Py_CLEAR(t->values);
+}
+
 static void ti_dealloc(RestoredIndex *t) {
     PyObject_GC_UnTrack(t);
+    ti_drop_vals(t);
     Py_CLEAR(t->keys);
     Py_CLEAR(t->extra);
     Py_CLEAR(t->extra_keys);
@@ -895,6 +906,7 @@ static void ti_dealloc(RestoredIndex *t) {
 
 static int ti_traverse(RestoredIndex *t, visitproc visit, void *arg) {
     Py_VISIT(t->keys);
+    Py_VISIT(t->values);
     Py_VISIT(t->extra);
     Py_VISIT(t->extra_keys);
     return 0;
@@ -952,15 +964,82 @@ static PyObject *ti_add(RestoredIndex *t, PyObject *key) {
 
 static PyObject *ti_base(RestoredIndex *t, void *unused) { return PyLong_FromSsize_t(t->n); }
 
+/* the item size of an array typecode the restored values may have, 0 for another */
+static int vcode_size(char c) {
+    switch (c) {
+    case 'b': case 'B': return 1;
+    case 'h': case 'H': return 2;
+    case 'i': case 'I': return 4;
+    case 'q': case 'Q': case 'd': return 8;
+    }
+    return 0;
+}
+
+/* keep_values(values, typecode): read value() of the restored slots from `values` (a
+ * C-contiguous buffer of at least len(keys) items of that array typecode, read-only will do)
+ * until drop_values(): the key group copies them into its own array on its first write */
+static PyObject *ti_keep_values(RestoredIndex *t, PyObject *args) {
+    PyObject *values;
+    const char *code;
+    if (!PyArg_ParseTuple(args, "Os", &values, &code))
+        return NULL;
+    int size = strlen(code) == 1 ? vcode_size(code[0]) : 0;
+    if (!size) {
+        PyErr_Format(PyExc_ValueError, "keep_values: typecode %s is none of bhiqBHIQd", code);
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(values, &view, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (view.len < (Py_ssize_t)size * t->n || (view.itemsize != size && view.itemsize != 1)) {
+        PyErr_Format(PyExc_ValueError, "keep_values: %zd bytes of items of %zd bytes hold no %zd values of typecode %s",
+                     view.len, view.itemsize, t->n, code);
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    ti_drop_vals(t);
+    t->vals = view;
+    t->has_vals = 1;
+    t->vcode = code[0];
+    Py_INCREF(values);
+    t->values = values;
+    Py_RETURN_NONE;
+}
+
+static PyObject *ti_drop_values(RestoredIndex *t, PyObject *unused) {
+    ti_drop_vals(t);
+    Py_RETURN_NONE;
+}
+
+/* the kept restored value of slot i (0 <= i < n), as the array of its typecode gives it */
+static PyObject *ti_kept_value(const RestoredIndex *t, Py_ssize_t i) {
+    const char *p = (const char *)t->vals.buf;
+    switch (t->vcode) {
+    case 'b': return PyLong_FromLong(((const int8_t *)p)[i]);
+    case 'B': return PyLong_FromLong(((const uint8_t *)p)[i]);
+    case 'h': return PyLong_FromLong(((const int16_t *)p)[i]);
+    case 'H': return PyLong_FromLong(((const uint16_t *)p)[i]);
+    case 'i': return PyLong_FromLong(((const int32_t *)p)[i]);
+    case 'I': return PyLong_FromUnsignedLong(((const uint32_t *)p)[i]);
+    case 'q': return PyLong_FromLongLong(((const int64_t *)p)[i]);
+    case 'Q': return PyLong_FromUnsignedLongLong(((const uint64_t *)p)[i]);
+    default: return PyFloat_FromDouble(((const double *)p)[i]);
+    }
+}
+
 static PyMethodDef ti_methods[] = {
     {"find", (PyCFunction)ti_find_py, METH_O, "find(key) -> its slot, -1 when absent, -2 for a key of another kind than the index's"},
     {"add", (PyCFunction)ti_add, METH_O, "add(key) -> True: the absent key is slot len(index) now; False: a key this index does not take"},
+    {"keep_values", (PyCFunction)ti_keep_values, METH_VARARGS,
+     "keep_values(values, typecode): value() reads the restored slots from these until drop_values()"},
+    {"drop_values", (PyCFunction)ti_drop_values, METH_NOARGS, "forget the kept values (the key group copied them)"},
     {NULL, NULL, 0, NULL},
 };
 
 static PyMemberDef ti_members[] = {
     {"keys", T_OBJECT_EX, offsetof(RestoredIndex, keys), READONLY, "the array of the restored keys (Arrow; int64 numpy)"},
     {"extra_keys", T_OBJECT, offsetof(RestoredIndex, extra_keys), READONLY, "the keys added since, in slot order (a list), or None"},
+    {"kept_values", T_OBJECT, offsetof(RestoredIndex, values), READONLY, "the restored values keep_values() took, or None"},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -993,7 +1072,9 @@ static RestoredIndex *ti_new(PyObject *keys, Py_ssize_t n, int kind) {
     t->extra = t->extra_keys = NULL;
     t->o = NULL;
     t->d = "";
-    t->has_off = t->has_data = 0;
+    t->has_off = t->has_data = t->has_vals = 0;
+    t->values = NULL;
+    t->vcode = 0;
     t->table = NULL;
     t->n = n;
     t->kind = kind;
@@ -1276,14 +1357,21 @@ static PyObject *vh_restored_value(ValueHandle *self, PyObject *col, PyObject *k
         return vh_value(self, NULL);
     }
     PyObject *values = SLOT(col, off_values), *nulls = SLOT(col, off_nulls);
-    if (!values || !nulls || !PySet_CheckExact(nulls) || PySet_GET_SIZE(nulls))
+    RestoredIndex *index = (RestoredIndex *)image;
+    /* no values of its own yet: the restored ones the index kept (copied on the first write) */
+    if ((!values && !index->has_vals) || !nulls || !PySet_CheckExact(nulls) || PySet_GET_SIZE(nulls))
         return vh_slow_value(self);
-    Py_ssize_t slot = ti_find((RestoredIndex *)image, key);
+    Py_ssize_t slot = ti_find(index, key);
     if (slot == -2)
         return vh_slow_value(self);
     if (slot == -1)
         Py_RETURN_NONE;
-    result = PySequence_GetItem(values, slot);
+    if (values)
+        result = PySequence_GetItem(values, slot);
+    else if (slot < index->n)
+        result = ti_kept_value(index, slot);
+    else
+        return vh_slow_value(self); /* an added key: its value is in the copy */
     if (!result) {
         PyErr_Clear();
         return vh_slow_value(self);

@@ -198,9 +198,9 @@ def test_records_probe_the_key_group_new_keys_join_its_index_and_a_delete_builds
     assert len(dict(b.items("v"))) == 300 and dict(b.items("v"))[new] == 6
 
 
-def _has_stamps(col) -> bool:
+def _has(col, name: str = "stamps") -> bool:
     try:
-        object.__getattribute__(col, "stamps")
+        object.__getattribute__(col, name)
     except AttributeError:
         return False
     return True
@@ -208,27 +208,78 @@ def _has_stamps(col) -> bool:
 
 @pytest.mark.parametrize("first_write", ["restored key", "new key"])
 def test_a_key_group_only_read_makes_no_stamps_and_its_first_write_makes_them_all(first_write):
-    """Reads probe a key group without making its stamps (8 bytes a key: as much fresh memory
-    as its index); its captures are empty until a write, which makes a stamp for every slot,
-    the new key's too, and the capture then holds that write alone."""
+    """Reads probe a key group without making its stamps or copying its values (8 + 8 bytes a
+    key: more fresh memory than its index; the values are read from the restored array the
+    index keeps); its captures are empty until a write, which copies the values and makes a
+    stamp for every slot, the new key's too, and the capture then holds that write alone."""
     keys = [f"k{i}" for i in range(300)]
     b = restored(keys, range(300))
     h, data = b.state("v"), b._slot("v").data
     kg = key_group("k7", M)
     b.current_key, b.current_kg = "k7", kg
-    assert h.value() == 7 and probed(data[kg]) and not _has_stamps(data[kg])
+    assert h.value() == 7 and probed(data[kg]) and not _has(data[kg]) and not _has(data[kg], "values")
+    assert data[kg].image.kept_values is not None
+    b.current_key = "k8" if key_group("k8", M) == kg else next(k for k in keys if key_group(k, M) == kg and k != "k7")
+    assert h.value() == int(b.current_key[1:]) and not _has(data[kg], "values")  # another read: still the kept ones
+    b.current_key = "k7"
     assert b.capture(2)["v"] == {}  # nothing written since the restore
     b.confirm(2)
     if first_write == "new key":
         b.current_key = next(f"new{i}" for i in range(100) if key_group(f"new{i}", M) == kg)
     h.update(1000)
     col = data[kg]
-    assert probed(col) and _has_stamps(col) and len(col.stamps) == len(col.values) == len(col)
+    assert probed(col) and _has(col) and _has(col, "values") and col.image.kept_values is None
+    assert len(col.stamps) == len(col.values) == len(col)
     assert rows(b.capture(3)["v"]) == {kg: [(b.current_key, 1000, 0)]}
     b.confirm(3)
     col.build()  # a built column keeps the stamps the probed one made
     assert type(col) is Column and len(col.stamps) == len(col.keys)
     assert b.capture(4)["v"] == {}
+
+
+VALUE_TYPES = {
+    pa.int8(): [-128, 127, 0, 5], pa.int16(): [-32768, 32767, 1, 2], pa.int32(): [-(2**31), 2**31 - 1, 3, 4],
+    pa.int64(): [-(2**63), 2**63 - 1, 5, 6], pa.uint8(): [0, 255, 7, 8], pa.uint16(): [0, 65535, 9, 10],
+    pa.uint32(): [0, 2**32 - 1, 11, 12], pa.uint64(): [0, 2**64 - 1, 2**63, 13],
+    pa.float64(): [-0.0, 1.5, float("inf"), 1e-300],
+}
+
+
+@pytest.mark.parametrize("value_type", VALUE_TYPES, ids=str)
+def test_reads_of_the_kept_restored_values_give_what_the_copy_gives_for_every_value_type(value_type):
+    """A probed key group's reads before any write come from the restored values its index
+    kept (C, by the column's typecode); after a write, from its own copy: the same Python
+    values of the same types, extremes included, as a built key group gives."""
+    values = VALUE_TYPES[value_type] * 25
+    keys = [f"v{i}" for i in range(len(values))]
+    src = KeyedStateBackend("op", [ValueState("v", value_type)], M, RANGE)
+    for k, v in zip(keys, values):
+        src.put_many("v", key_group(k, M), [k], [v])
+    full = src.capture_full(1)["v"]
+    lazy, eager = (KeyedStateBackend("op", [ValueState("v", value_type)], M, RANGE) for _ in range(2))
+    for b in (lazy, eager):
+        for kg, table in full.items():
+            b.restore("v", kg, table.drop_columns(["op"]))
+    for col in eager._slot("v").data:
+        if type(col) is RestoredColumn:
+            col.build()
+
+    def read_all(b):
+        h = b.state("v")
+        out = []
+        for k in keys:
+            b.current_key, b.current_kg = k, key_group(k, M)
+            v = h.value()
+            out.append((type(v), v))
+        return out
+
+    expected = [(type(v), v) for v in values]
+    assert read_all(lazy) == read_all(eager) == expected
+    assert all(probed(c) and not _has(c, "values") for c in lazy._slot("v").data if len(c))
+    h = lazy.state("v")
+    lazy.current_key, lazy.current_kg = keys[0], key_group(keys[0], M)
+    h.update(h.value())  # a write: this key group copies its values, the others keep reading the kept ones
+    assert read_all(lazy) == expected
 
 
 @pytest.mark.parametrize("kind", ["str", "int", "bytes"])

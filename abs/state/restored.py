@@ -25,9 +25,11 @@ a read-modify-write of a key the key group holds. On its first ``value()`` throu
 ValueState's C handle (:mod:`abs.state.handles`), a key group is *probed* instead
 (:meth:`RestoredColumn._probe`): an index over its restored keys, the Arrow ``str``/``bytes``
 keys or the int64 array (``abscore._native.RestoredIndex``: a table of hash tags and rows,
-the key compared on a hit, 5-11 bytes a key) replaces the ``dict``, and the values and nulls
-become the column's own as a built key group has them, the stamps too on its first write
-(a key group only read never makes them). The handle then
+the key compared on a hit, 5-11 bytes a key) replaces the ``dict``, and the nulls become the
+column's own as a built key group has them. Its values are read from the restored array
+(which the index keeps) until its first write, which copies them into the column's own array
+and makes its stamps: a key group only read makes neither (together 16 bytes a key of fresh
+memory, more than the index). The handle then
 reads and writes the slot the index finds, stamping it as a built column does, so an
 incremental capture takes the changed rows, their keys cut from the restored array (no
 Python object made). A new key is appended as a built column appends it, the index keeping
@@ -66,6 +68,7 @@ __all__ = ["RestoredColumn"]
 
 _LAZY = frozenset(("index", "keys", "values", "stamps", "nulls"))
 _INDEX = None if NATIVE is None else NATIVE.RestoredIndex
+_TYPECODES = {np.dtype(c): c for c in "bhiqBHIQd"}  # a typed column's dtype -> its array's typecode
 _BUILD = threading.Lock()  # a key group is built once, whichever thread uses it first
 
 
@@ -94,10 +97,10 @@ class RestoredColumn(Column):
     def __getattr__(self, name: str) -> Any:
         # only reached for an attribute normally absent: a lazy slot while the key group waits,
         # or the stamps of a probed key group nothing has written to yet
-        if name == "stamps":
+        if name in ("stamps", "values"):
             with _BUILD:
                 if type(self) is RestoredColumn and _INDEX is not None and isinstance(self.image, _INDEX):
-                    return self._stamped()
+                    return self._stamped() if name == "stamps" else self._copied()
         if name in _LAZY:
             self.build()
             return object.__getattribute__(self, name)
@@ -110,15 +113,37 @@ class RestoredColumn(Column):
         try:
             return object.__getattribute__(self, "stamps")
         except AttributeError:
-            stamps = array("q", bytes(8 * len(self.values)))  # every slot's, added keys' too: 0
+            stamps = array("q", bytes(8 * len(self.image)))  # every slot's, added keys' too: 0
             object.__setattr__(self, "stamps", stamps)
             return stamps
+
+    def _copied(self) -> array:
+        """The values array of a probed key group (``_BUILD`` held), copied from the restored
+        values its index kept (:meth:`_probe`) when first needed: a write, the Python path, a
+        build. Until then the C ``value()`` reads the restored values themselves."""
+        try:
+            return object.__getattribute__(self, "values")
+        except AttributeError:
+            index = self.image
+            built = array(_TYPECODES[self.dtype])
+            built.frombytes(memoryview(index.kept_values).cast("B"))
+            object.__setattr__(self, "values", built)  # first: a reader sees the copy, or the kept values
+            index.drop_values()
+            return built
+
+    def _values_np(self) -> np.ndarray:
+        """The key group's values as numpy, its own or the restored ones its index kept."""
+        try:
+            return np.frombuffer(object.__getattribute__(self, "values"), dtype=self.dtype)
+        except AttributeError:
+            return np.frombuffer(self.image.kept_values, dtype=self.dtype)
 
     def _probe(self) -> bool:
         """Make the key group answer the C ``value()``/``update()`` of a typed ValueState's
         handle (:mod:`abs.state.handles`) from an index over its Arrow text keys or int64 keys
-        (the *probed* state, see the module docstring): its values, stamps and nulls as a built
-        column holds them, no Python object per key. False where that cannot be (an untyped
+        (the *probed* state, see the module docstring): its nulls as a built column holds them,
+        its values read from the restored array until the first write, no Python object per
+        key. False where that cannot be (an untyped
         state, repeated keys, no C module): the caller builds it instead."""
         with _BUILD:
             if type(self) is not RestoredColumn:
@@ -142,13 +167,11 @@ class RestoredColumn(Column):
                 return False
             if index is None:
                 return False  # repeated keys: the build inserts key by key
-            n = len(keys)
             # each part set whole, the index last (a thread sees the key group probed only
-            # once it has every part); this class's __setattr__ would build. The stamps are
-            # made on the first write (_stamped).
-            built = array(typecode)
-            built.frombytes(memoryview(np.ascontiguousarray(values, dtype=self.dtype)).cast("B"))
-            object.__setattr__(self, "values", built)
+            # once it has every part); this class's __setattr__ would build. The values stay
+            # the restored ones, read through the index, until the first write copies them
+            # (_copied); the stamps are made then too (_stamped).
+            index.keep_values(np.ascontiguousarray(values, dtype=self.dtype), typecode)
             object.__setattr__(self, "nulls", set(np.flatnonzero(nulls).tolist()) if nulls is not None else set())
             self.image = index
             return True
@@ -163,6 +186,7 @@ class RestoredColumn(Column):
             if _INDEX is not None and isinstance(image, _INDEX):
                 # probed: the values, stamps and nulls are the key group's (written since);
                 # the keys in the index's order, which is their slots'
+                self._copied()
                 self._stamped()
                 extra = image.extra_keys or []
                 if isinstance(image.keys, np.ndarray):
@@ -265,7 +289,7 @@ class RestoredColumn(Column):
             if not len(changed):
                 return None
             complete = len(changed) >= _IMAGE_SHARE * n
-        values = np.frombuffer(self.values, dtype=self.dtype)
+        values = self._values_np()
         if complete:
             return Captured(keys=_keys_of(index, None), values=values.copy(), nulls=self.null_mask(None),
                             changed=None, deleted=[], all_rows=True, complete=True)
