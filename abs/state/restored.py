@@ -40,8 +40,8 @@ nobody used first (its index also finds repeated keys, which build it instead). 
 bulk read or write, ``items``, anything else on the Python path (no C module, nulls in the
 column, a key not of the index's exact type, such as a ``bool`` or a ``float``) builds the
 key group as above, keeping what was written. 5 M string keys
-(``scripts/bench_recovery.py --reference``): the first use of every key group 0.11 s instead of
-0.77 s, a read-modify-write of a restored key 0.5 us instead of 0.9 us (a dict of 5 M strings
+(``scripts/bench_recovery.py --reference``): the first use of every key group 0.085 s instead
+of 0.76 s, a read-modify-write of a restored key 0.5 us instead of 0.9 us (a dict of 5 M strings
 misses the caches; the index is a few hundred KB a key group, 4-byte entries), and no ~100 bytes of Python
 objects a key until a key group is built.
 
