@@ -96,7 +96,7 @@ class RestoredColumn(Column):
 
     def __getattr__(self, name: str) -> Any:
         # only reached for an attribute normally absent: a lazy slot while the key group waits,
-        # or the stamps of a probed key group nothing has written to yet
+        # or the stamps or values of a probed key group nothing has written to yet
         if name in ("stamps", "values"):
             with _BUILD:
                 if type(self) is RestoredColumn and _INDEX is not None and isinstance(self.image, _INDEX):
@@ -136,7 +136,8 @@ class RestoredColumn(Column):
         try:
             return np.frombuffer(object.__getattribute__(self, "values"), dtype=self.dtype)
         except AttributeError:
-            return np.frombuffer(self.image.kept_values, dtype=self.dtype)
+            index = self.image
+            return np.frombuffer(index.kept_values, dtype=self.dtype)[:len(index)]  # no write: no added key
 
     def _probe(self) -> bool:
         """Make the key group answer the C ``value()``/``update()`` of a typed ValueState's
