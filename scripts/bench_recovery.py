@@ -28,7 +28,7 @@ each configuration, the configurations interleaved:
   every key group into the operator's backend as a worker does (``read_chain`` then
   ``restore``), MB/s against both pyarrow figures (target >= 0.5), then
   uses every key group once as a record does (``process``: the handle's ``value()`` of one of
-  its keys, which probes its text keys, or builds the Python objects of its keys and its key
+  its keys, which probes its text or int keys, or builds the Python objects of its keys and its key
   index where it cannot: deferred to a key group's first use, :mod:`abs.state.restored`), or
   for ``aggregate`` indexes the keys its columnar store restored in bulk; "with index" counts
   both, and the resident memory the restore and the first uses added (MB); ``process`` then
