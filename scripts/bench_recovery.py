@@ -33,7 +33,7 @@ each configuration, the configurations interleaved:
   for ``aggregate`` indexes the keys its columnar store restored in bulk; "with index" counts
   both, and the resident memory the restore and the first uses added (MB); ``process`` then
   times a read-modify-write of every 5th key (us a record; the first write to a probed key
-  group makes its stamps, counted here) and the memory after them, and does
+  group copies its values and makes its stamps, counted here) and the memory after them, and does
   all of it again with every key group built before its first use ("built index": a restore
   without the C module), in another fresh process; the restored sums are checked;
   ``--paths aggregate-int`` adds the aggregate over int keys, ``process-int`` the process
@@ -253,7 +253,7 @@ def restore_in_process(flow: abs.Dataflow, root: str, checkpoint_id: int, keys: 
         grown = rss_mb() - rss0
         rmw = read_modify_writes(backend, handle, keys, flow.max_parallelism,
                                  isinstance(next(iter(firsts.values())), int))
-        after = rss_mb() - rss0  # with what the first writes add (a probed key group's stamps)
+        after = rss_mb() - rss0  # with what the first writes add (a probed key group's values and stamps)
         rows = list(backend.items("total"))
     found = len(rows)
     total = sum(v for _k, v in rows)
