@@ -1040,6 +1040,7 @@ static PyMemberDef ti_members[] = {
     {"keys", T_OBJECT_EX, offsetof(RestoredIndex, keys), READONLY, "the array of the restored keys (Arrow; int64 numpy)"},
     {"extra_keys", T_OBJECT, offsetof(RestoredIndex, extra_keys), READONLY, "the keys added since, in slot order (a list), or None"},
     {"kept_values", T_OBJECT, offsetof(RestoredIndex, values), READONLY, "the restored values keep_values() took, or None"},
+    {"kept_typecode", T_CHAR, offsetof(RestoredIndex, vcode), READONLY, "their array typecode (as keep_values() took it)"},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -1336,8 +1337,9 @@ static inline void vh_remember(ValueHandle *self, PyObject *key, PyObject *col, 
 }
 
 /* value() of a key group restored and not built yet (abs.state.restored.RestoredColumn): its
- * index answers (the first time, col._probe() makes it), values, stamps and nulls are its
- * own; anything else goes the Python way (which builds the key group) */
+ * index answers (the first time, col._probe() makes it), the nulls are its own, the values its
+ * own once a write copied them (before: the restored ones the index kept), the stamps made by
+ * that write; anything else goes the Python way (which builds the key group) */
 static PyObject *vh_restored_value(ValueHandle *self, PyObject *col, PyObject *key) {
     PyObject *image = SLOT(col, off_image), *result = NULL;
     if (!image || Py_TYPE(image) != &RestoredIndexType) {

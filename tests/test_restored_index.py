@@ -128,6 +128,18 @@ def test_an_index_layout_out_of_range_is_refused_and_changes_nothing():
     assert NATIVE.index_layout(*was) == was
 
 
+def test_kept_values_of_an_unknown_typecode_or_too_few_are_refused_and_change_nothing():
+    index = NATIVE.int_index(np.array([4, 9, 2], dtype=np.int64))
+    index.keep_values(np.array([40, 90, 20], dtype=np.int64), "q")
+    with pytest.raises(ValueError, match="typecode f is none of bhiqBHIQd"):
+        index.keep_values(np.zeros(3, dtype=np.float32), "f")
+    with pytest.raises(ValueError, match="hold no 3 values of typecode q"):
+        index.keep_values(np.zeros(2, dtype=np.int64), "q")
+    assert index.kept_values.tolist() == [40, 90, 20] and index.kept_typecode == "q"  # those kept before
+    index.drop_values()
+    assert index.kept_values is None
+
+
 def _repeats_and_a_large_index():
     assert index_of(pa.array(["a", "b", "a"])) is None
     assert index_of(pa.array([""] * 2)) is None
