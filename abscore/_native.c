@@ -738,7 +738,14 @@ done:
  * bytes), bytes or int, as the index's keys are; find() answers -2 for any other kind of key
  * (a bool, a float, a subclass: the caller builds the key group's Python index and asks it,
  * which knows what such a key equals). Keys appended since the restore (add()) are kept in a
- * dict, looked up after the table. */
+ * dict, looked up after the table.
+ *
+ * A delete marks its key's slot dead (kill()) instead of building the key group: a bit per
+ * slot, restored or added, in a bitmap made on the first kill (none before: a key group nobody
+ * deletes from pays one pointer test on a found key, nothing else). find() answers -1 for a
+ * dead slot's key and add() takes it again as a new slot; the slots never move, len() counts
+ * the dead ones too (`killed` of them), and a capture or a build leaves them out
+ * (dead_bits()). */
 
 enum { KEYS_STR, KEYS_BYTES, KEYS_INT };
 
@@ -757,6 +764,8 @@ typedef struct {
     uint64_t mask;    /* the table's size - 1 */
     uint64_t slots;   /* the entry's low `shift` bits: slot + 1 */
     int shift, tagshift, wide; /* an entry's tag is the hash >> tagshift, << shift */
+    uint8_t *dead;    /* bit s & 7 of byte s >> 3: slot s was deleted (kill()); NULL until the first */
+    Py_ssize_t dead_cap, killed; /* the slots the bitmap covers (those past it are live); how many are dead */
 } RestoredIndex;
 
 static inline uint64_t ti_entry(const RestoredIndex *t, uint64_t at) {
@@ -767,6 +776,11 @@ static inline uint64_t ti_entry(const RestoredIndex *t, uint64_t at) {
 static inline uint64_t ti_tag(const RestoredIndex *t, uint64_t h) { return h >> t->tagshift << t->shift; }
 
 static PyTypeObject RestoredIndexType;
+
+/* slot s (>= 0) was deleted; call only where t->dead is set */
+static inline int ti_is_dead(const RestoredIndex *t, Py_ssize_t s) {
+    return s < t->dead_cap && (t->dead[s >> 3] >> (s & 7) & 1);
+}
 
 /* the hash of a text key in the index: not the bytes' key-group hash (abscore.hashing, the
  * crc32 rule above), whose bits every key of one key group shares (see int_hash) */
@@ -852,8 +866,9 @@ static const char *ti_bytes(const RestoredIndex *t, PyObject *key, Py_ssize_t *l
     return NULL;
 }
 
-/* slot of key, -1 absent, -2 a key this index cannot answer for; never raises. The keys
- * added since the restore (add()) are looked up in `extra` after the table. */
+/* slot of key, -1 absent (or its slot dead), -2 a key this index cannot answer for; never
+ * raises. The keys added since the restore (add()) are looked up in `extra` after the table,
+ * and after a dead restored slot too: a key deleted and written again is an added key. */
 static Py_ssize_t ti_find(const RestoredIndex *t, PyObject *key) {
     Py_ssize_t slot;
     if (t->kind == KEYS_INT) {
@@ -872,14 +887,17 @@ static Py_ssize_t ti_find(const RestoredIndex *t, PyObject *key) {
             return other;
         slot = ti_lookup(t, p, len);
     }
-    if (slot >= 0 || !t->extra)
+    if (slot >= 0 && !(t->dead && ti_is_dead(t, slot)))
         return slot;
+    if (!t->extra)
+        return -1;
     PyObject *at = PyDict_GetItemWithError(t->extra, key); /* borrowed; str, bytes and int: no error */
     if (!at) {
         PyErr_Clear();
         return -1;
     }
-    return PyLong_AsSsize_t(at);
+    slot = PyLong_AsSsize_t(at); /* the key's last slot: any before it is dead */
+    return t->dead && ti_is_dead(t, slot) ? -1 : slot;
 }
 
 static void ti_drop_vals(RestoredIndex *t) {
@@ -901,6 +919,7 @@ static void ti_dealloc(RestoredIndex *t) {
     if (t->has_off)
         PyBuffer_Release(&t->off);
     PyMem_Free(t->table);
+    PyMem_Free(t->dead);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 
@@ -912,13 +931,14 @@ static int ti_traverse(RestoredIndex *t, visitproc visit, void *arg) {
     return 0;
 }
 
+/* the slots: the restored keys' and the added keys', dead ones included */
 static Py_ssize_t ti_len(RestoredIndex *t) { return t->n + (t->extra_keys ? PyList_GET_SIZE(t->extra_keys) : 0); }
 
 static PyObject *ti_find_py(RestoredIndex *t, PyObject *key) { return PyLong_FromSsize_t(ti_find(t, key)); }
 
-/* add(key) -> True: key (absent, see find()) is the next slot, len(index) before the call;
- * False: a key this index does not take (another kind, an int outside int64, a str without
- * UTF-8), the caller builds the key group's dict */
+/* add(key) -> True: key (absent, see find(): a key whose slot is dead too) is the next slot,
+ * len(index) before the call; False: a key this index does not take (another kind, an int
+ * outside int64, a str without UTF-8), the caller builds the key group's dict */
 static PyObject *ti_add(RestoredIndex *t, PyObject *key) {
     if (t->kind == KEYS_INT) {
         if (!PyLong_CheckExact(key))
@@ -946,7 +966,10 @@ static PyObject *ti_add(RestoredIndex *t, PyObject *key) {
             return NULL;
         }
     }
-    PyObject *slot = PyLong_FromSsize_t(ti_len(t));
+    Py_ssize_t at = ti_len(t);
+    if (t->dead && at < t->dead_cap)
+        t->dead[at >> 3] &= (uint8_t)~(1u << (at & 7)); /* a new slot is live */
+    PyObject *slot = PyLong_FromSsize_t(at);
     if (!slot)
         return NULL;
     if (PyList_Append(t->extra_keys, key) < 0) {
@@ -963,6 +986,51 @@ static PyObject *ti_add(RestoredIndex *t, PyObject *key) {
 }
 
 static PyObject *ti_base(RestoredIndex *t, void *unused) { return PyLong_FromSsize_t(t->n); }
+
+/* kill(slot) -> True: slot (0 <= slot < len(index)) is dead now, find() no longer answers it;
+ * False: it was dead already. The bitmap is made on the first kill, over every slot there is
+ * then, and grows (at least doubling) for an added slot past it. */
+static PyObject *ti_kill(RestoredIndex *t, PyObject *arg) {
+    Py_ssize_t s = PyLong_AsSsize_t(arg);
+    if (s == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t len = ti_len(t);
+    if (s < 0 || s >= len) {
+        PyErr_Format(PyExc_IndexError, "RestoredIndex.kill: slot %zd of %zd", s, len);
+        return NULL;
+    }
+    if (s >= t->dead_cap) {
+        Py_ssize_t cap = len > 2 * t->dead_cap ? len : 2 * t->dead_cap, was = (t->dead_cap + 7) >> 3;
+        size_t bytes = (size_t)((cap + 7) >> 3);
+        uint8_t *dead = PyMem_Realloc(t->dead, bytes ? bytes : 1);
+        if (!dead)
+            return PyErr_NoMemory();
+        memset(dead + was, 0, bytes - (size_t)was);
+        t->dead = dead;
+        t->dead_cap = (Py_ssize_t)bytes * 8;
+    }
+    if (ti_is_dead(t, s))
+        Py_RETURN_FALSE;
+    t->dead[s >> 3] |= (uint8_t)(1u << (s & 7));
+    t->killed++;
+    Py_RETURN_TRUE;
+}
+
+/* dead_bits() -> the dead slots as bytes, bit s & 7 of byte s >> 3 for slot s (numpy's
+ * unpackbits(..., bitorder="little")), (len(index) + 7) // 8 of them; None while none is dead */
+static PyObject *ti_dead_bits(RestoredIndex *t, PyObject *unused) {
+    if (!t->killed)
+        Py_RETURN_NONE;
+    Py_ssize_t bytes = (ti_len(t) + 7) >> 3, have = t->dead_cap >> 3;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, bytes);
+    if (!out)
+        return NULL;
+    char *p = PyBytes_AS_STRING(out);
+    Py_ssize_t copy = have < bytes ? have : bytes;
+    memcpy(p, t->dead, (size_t)copy);
+    memset(p + copy, 0, (size_t)(bytes - copy));
+    return out;
+}
 
 /* the item size of an array typecode the restored values may have, 0 for another */
 static int vcode_size(char c) {
@@ -1028,11 +1096,14 @@ static PyObject *ti_kept_value(const RestoredIndex *t, Py_ssize_t i) {
 }
 
 static PyMethodDef ti_methods[] = {
-    {"find", (PyCFunction)ti_find_py, METH_O, "find(key) -> its slot, -1 when absent, -2 for a key of another kind than the index's"},
+    {"find", (PyCFunction)ti_find_py, METH_O, "find(key) -> its slot, -1 when absent (or deleted), -2 for a key of another kind than the index's"},
     {"add", (PyCFunction)ti_add, METH_O, "add(key) -> True: the absent key is slot len(index) now; False: a key this index does not take"},
     {"keep_values", (PyCFunction)ti_keep_values, METH_VARARGS,
      "keep_values(values, typecode): value() reads the restored slots from these until drop_values()"},
     {"drop_values", (PyCFunction)ti_drop_values, METH_NOARGS, "forget the kept values (the key group copied them)"},
+    {"kill", (PyCFunction)ti_kill, METH_O, "kill(slot) -> True: the slot is dead now (its key deleted); False: it was"},
+    {"dead_bits", (PyCFunction)ti_dead_bits, METH_NOARGS,
+     "dead_bits() -> bytes, bit s & 7 of byte s >> 3 set for a dead slot s; None while no slot is dead"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1041,6 +1112,7 @@ static PyMemberDef ti_members[] = {
     {"extra_keys", T_OBJECT, offsetof(RestoredIndex, extra_keys), READONLY, "the keys added since, in slot order (a list), or None"},
     {"kept_values", T_OBJECT, offsetof(RestoredIndex, values), READONLY, "the restored values keep_values() took, or None"},
     {"kept_typecode", T_CHAR, offsetof(RestoredIndex, vcode), READONLY, "their array typecode (as keep_values() took it)"},
+    {"killed", T_PYSSIZET, offsetof(RestoredIndex, killed), READONLY, "how many of the len(index) slots are dead (kill())"},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -1077,6 +1149,8 @@ static RestoredIndex *ti_new(PyObject *keys, Py_ssize_t n, int kind) {
     t->values = NULL;
     t->vcode = 0;
     t->table = NULL;
+    t->dead = NULL;
+    t->dead_cap = t->killed = 0;
     t->n = n;
     t->kind = kind;
     return t;
@@ -1284,6 +1358,7 @@ typedef struct {
     PyObject *backend, *data, *dirty, *deleted, *name;
     PyObject *hit_key, *hit_col;
     Py_ssize_t hit_slot;
+    int hit_probed; /* hit_col was a probed key group: its slot holds only while it stays one */
 } ValueHandle;
 
 static PyTypeObject *vh_backend_type, *vh_column_type, *vh_restored_type;
@@ -1322,18 +1397,25 @@ static void vh_dealloc(ValueHandle *self) {
 }
 
 static PyObject *vh_slow_value(ValueHandle *self) {
+    if (self->hit_probed) { /* the Python path may build that key group; what it remembers is in a built one */
+        Py_CLEAR(self->hit_col);
+        self->hit_probed = 0;
+    }
     return PyObject_CallMethodNoArgs((PyObject *)self, str_value_slow);
 }
 
 static PyObject *vh_value(ValueHandle *self, PyObject *unused);
 
-/* where value() found the current key, for the update() of a read-modify-write */
-static inline void vh_remember(ValueHandle *self, PyObject *key, PyObject *col, Py_ssize_t slot) {
+/* where value() found the current key, for the update() of a read-modify-write; probed: in a
+ * probed key group, whose build renumbers the slots when it had deletes (the handle is not
+ * told, so update() writes there only while the column is still of the class it was) */
+static inline void vh_remember(ValueHandle *self, PyObject *key, PyObject *col, Py_ssize_t slot, int probed) {
     Py_INCREF(key);
     Py_XSETREF(self->hit_key, key);
     Py_INCREF(col);
     Py_XSETREF(self->hit_col, col);
     self->hit_slot = slot;
+    self->hit_probed = probed;
 }
 
 /* value() of a key group restored and not built yet (abs.state.restored.RestoredColumn): its
@@ -1378,7 +1460,7 @@ static PyObject *vh_restored_value(ValueHandle *self, PyObject *col, PyObject *k
         PyErr_Clear();
         return vh_slow_value(self);
     }
-    vh_remember(self, key, col, slot);
+    vh_remember(self, key, col, slot, 1);
     return result;
 }
 
@@ -1433,7 +1515,7 @@ static PyObject *vh_value(ValueHandle *self, PyObject *unused) {
         result = vh_slow_value(self);
         goto out;
     }
-    vh_remember(self, key, col, slot);
+    vh_remember(self, key, col, slot, 0);
 out:
     Py_DECREF(index);
     Py_DECREF(col);
@@ -1444,7 +1526,7 @@ out:
 static PyObject *vh_update(ValueHandle *self, PyObject *value) {
     PyObject *b = self->backend, *col = self->hit_col;
     if (off_key >= 0 && b && Py_TYPE(b) == vh_backend_type && col &&
-        (Py_TYPE(col) == vh_column_type || Py_TYPE(col) == vh_restored_type)) {
+        Py_TYPE(col) == (self->hit_probed ? vh_restored_type : vh_column_type)) {
         PyObject *key = SLOT(b, off_key), *epoch = SLOT(b, off_epoch);
         PyObject *nulls = SLOT(col, off_nulls), *values = SLOT(col, off_values), *stamps = SLOT(col, off_stamps);
         if (key && key == self->hit_key && epoch && nulls && PySet_CheckExact(nulls) && !PySet_GET_SIZE(nulls) &&
