@@ -184,7 +184,7 @@ def rows(tables):
     return {kg: sorted(zip(*(t.column(c).to_pylist() for c in t.column_names))) for kg, t in tables.items()}
 
 
-def test_records_probe_the_key_group_new_keys_join_its_index_and_a_delete_builds_it():
+def test_records_probe_the_key_group_new_keys_join_its_index_and_a_delete_keeps_it_probed():
     keys = [f"k{i}" for i in range(300)]
     b = restored(keys, range(300))
     h, data = b.state("v"), b._slot("v").data
@@ -204,9 +204,12 @@ def test_records_probe_the_key_group_new_keys_join_its_index_and_a_delete_builds
     h.update(h.value() + 1)
     assert rows(b.capture(3)["v"]) == {kg: sorted([("k7", 1008, 0), (new, 6, 0)])}
     b.confirm(3)
-    h.clear()  # a delete builds the key group, keeping what was written
-    assert type(data[kg]) is Column and dict(b.items("v", kg))[new] == 6 and "k7" not in dict(b.items("v", kg))
+    size = len(data[kg])
+    h.clear()  # a delete marks the key's slot dead: still probed
+    assert probed(data[kg]) and len(data[kg]) == size - 1 and h.value() is None
     assert rows(b.capture(4)["v"]) == {kg: [("k7", None, 1)]}
+    assert dict(b.items("v", kg))[new] == 6 and "k7" not in dict(b.items("v", kg))  # items builds it
+    assert type(data[kg]) is Column and len(data[kg]) == size - 1
     assert len(dict(b.items("v"))) == 300 and dict(b.items("v"))[new] == 6
 
 

@@ -185,17 +185,21 @@ class RestoredColumn(Column):
             image = self.image
             if _INDEX is not None and isinstance(image, _INDEX):
                 # probed: the values, stamps and nulls are the key group's (written since);
-                # the keys in the index's order, which is their slots'
+                # the keys in the index's order, which is their slots', but for those deleted
+                # (their slots dead: the live ones renumbered, _compact)
                 self._copied()
                 self._stamped()
                 extra = image.extra_keys or []
-                if isinstance(image.keys, np.ndarray):
-                    keys = image.keys.tolist() + extra
-                    object.__setattr__(self, "keys", array("q", keys))
+                if image.killed:
+                    self._compact(image)
                 else:
-                    keys = arrow_to_list(image.keys) + extra
-                    object.__setattr__(self, "keys", keys)
-                object.__setattr__(self, "index", dict(zip(keys, _slots(len(keys)))))
+                    if isinstance(image.keys, np.ndarray):
+                        keys = image.keys.tolist() + extra
+                        object.__setattr__(self, "keys", array("q", keys))
+                    else:
+                        keys = arrow_to_list(image.keys) + extra
+                        object.__setattr__(self, "keys", keys)
+                    object.__setattr__(self, "index", dict(zip(keys, _slots(len(keys)))))
                 self.__class__ = Column
                 self.image = None
                 return
@@ -214,9 +218,60 @@ class RestoredColumn(Column):
             self.__class__ = Column
             self.image = None
 
+    def _compact(self, index: Any) -> None:
+        """The built parts of a probed key group with deletes (``_BUILD`` held, values and
+        stamps its own): its live slots alone, renumbered in order, as a built column holds
+        them; ``deleted`` stays. The keys, values, stamps and nulls set whole, the ``dict``
+        last, as :meth:`build` does."""
+        live = np.flatnonzero(~_dead_mask(index))
+        kept = _keys_of(index, live)
+        keys: Any
+        if isinstance(kept, np.ndarray):
+            listed = kept.tolist()
+            keys = array("q", kept.tobytes())
+        else:
+            listed = keys = arrow_to_list(kept)
+        values = object.__getattribute__(self, "values")
+        built = array(values.typecode)
+        built.frombytes(np.frombuffer(values, dtype=self.dtype)[live].tobytes())
+        stamps = array("q", np.frombuffer(object.__getattribute__(self, "stamps"), dtype=np.int64)[live].tobytes())
+        nulls = object.__getattribute__(self, "nulls")
+        if nulls:  # no dead slot among them (a delete drops its slot's)
+            nulls = set(np.searchsorted(live, np.fromiter(nulls, dtype=np.int64, count=len(nulls))).tolist())
+        for name, part in (("keys", keys), ("values", built), ("stamps", stamps), ("nulls", set(nulls))):
+            object.__setattr__(self, name, part)
+        object.__setattr__(self, "index", dict(zip(listed, _slots(len(listed)))))
+
+    def items(self) -> Any:
+        """:meth:`Column.items` of the built key group: built before it takes the values and
+        nulls (a build with deletes renumbers the slots: see :meth:`_compact`)."""
+        self.build()
+        return Column.items(self)
+
+    def delete(self, key: Any, epoch: int) -> bool:
+        """:meth:`Column.delete`: remove ``key``, False when it was absent. A probed key group
+        (one nobody used is probed first) marks the key's slot dead in its index instead of
+        being built; its slots do not move. A key the index cannot answer for builds it."""
+        index = self.image
+        probed = _INDEX is not None and isinstance(index, _INDEX)
+        if not probed and self._probe():
+            index, probed = self.image, True
+        at = index.find(key) if probed else -2
+        if at == -2:
+            self.build()
+            return Column.delete(self, key, epoch)
+        if at == -1:
+            return False
+        index.kill(at)
+        nulls = self.nulls
+        if nulls:
+            nulls.discard(at)
+        self.deleted[key] = epoch
+        return True
+
     def set(self, key: Any, value: Any, epoch: int) -> None:
         """:meth:`Column.set`; a probed key group writes a key its index holds in place and
-        appends a new one (the index takes it), without being built."""
+        appends a new one (the index takes it, a deleted key too), without being built."""
         index = self.image
         at = index.find(key) if _INDEX is not None and isinstance(index, _INDEX) else -2
         if at == -2:
@@ -244,6 +299,8 @@ class RestoredColumn(Column):
             Column.set(self, key, value, epoch)
             return
         stamps.append(epoch)
+        if self.deleted:
+            self.deleted.pop(key, None)  # deleted, then written again: as Column.insert does
         if value is None:
             nulls.add(len(values) - 1)
 
@@ -258,7 +315,7 @@ class RestoredColumn(Column):
 
     def __len__(self) -> int:
         image = self.image
-        return len(image) if _INDEX is not None and isinstance(image, _INDEX) else len(image[0])
+        return len(image) - image.killed if _INDEX is not None and isinstance(image, _INDEX) else len(image[0])
 
     def capture(self, since: int, *, full: bool = False) -> Captured | None:
         index = self.image
@@ -272,29 +329,51 @@ class RestoredColumn(Column):
             index, probed = self.image, True
         if not probed:
             return None  # restored keys are not dirty, and an unused key group has no other
-        # probed: the handle wrote values of restored keys in place (anything else built it);
-        # the changed rows, their keys taken from the restored array (Arrow text, int64
-        # numpy), as Column.capture copies them (no delete: a delete builds the key group)
-        n = len(index)
+        # probed: the handle wrote values of restored keys in place (anything else built it),
+        # a delete marked its slot dead; the changed live rows, their keys taken from the
+        # restored array (Arrow text, int64 numpy), and the deletes, as Column.capture gives them
+        n = len(index)  # slots, dead ones too
+        live = n - index.killed
+        dead = _dead_mask(index) if index.killed else None
+        deleted = [k for k, e in self.deleted.items() if e > since] if self.deleted else []
         if full:
-            if not n:
+            if not live:
                 return None
             complete = True
         else:
             try:
                 stamps = object.__getattribute__(self, "stamps")
             except AttributeError:
-                return None  # no write since it was probed (a write makes the stamps first)
-            changed = np.flatnonzero(np.frombuffer(stamps, dtype=np.int64) > since) if n else np.empty(0, np.int64)
-            if not len(changed):
+                stamps = None  # no write since it was probed (a write makes the stamps first)
+            if stamps is None or not n:
+                changed = np.empty(0, np.int64)
+            else:
+                changed = np.flatnonzero(np.frombuffer(stamps, dtype=np.int64) > since)
+                if dead is not None and len(changed):
+                    changed = changed[~dead[changed]]
+            if not len(changed) and not deleted:
                 return None
-            complete = len(changed) >= _IMAGE_SHARE * n
+            complete = live > 0 and len(changed) >= _IMAGE_SHARE * live
         values = self._values_np()
         if complete:
-            return Captured(keys=_keys_of(index, None), values=values.copy(), nulls=self.null_mask(None),
-                            changed=None, deleted=[], all_rows=True, complete=True)
+            if dead is None:
+                return Captured(keys=_keys_of(index, None), values=values.copy(), nulls=self.null_mask(None),
+                                changed=None, deleted=deleted, all_rows=True, complete=True)
+            rows = np.flatnonzero(~dead)
+            return Captured(keys=_keys_of(index, rows), values=values[rows], nulls=self.null_mask(rows),
+                            changed=None, deleted=deleted, all_rows=True, complete=True)
         return Captured(keys=_keys_of(index, changed), values=values[changed], nulls=self.null_mask(changed),
-                        changed=None, deleted=[], all_rows=False, complete=False)
+                        changed=None, deleted=deleted, all_rows=False, complete=False)
+
+
+def _dead_mask(index: Any) -> np.ndarray:
+    """A probed key group's dead slots (deleted keys) as a bool mask over its ``len(index)``
+    slots, from the index's bitmap."""
+    n = len(index)
+    bits = index.dead_bits()
+    if bits is None:
+        return np.zeros(n, dtype=bool)
+    return np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=n, bitorder="little").view(bool)
 
 
 def _keys_of(index: Any, rows: np.ndarray | None) -> np.ndarray | pa.Array:
