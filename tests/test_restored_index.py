@@ -156,6 +156,56 @@ def _repeats_and_a_large_index():
     assert empty.find("") == 0 and empty.find("x") == -1
 
 
+KILLS = st.lists(st.tuples(st.sampled_from(["kill", "add", "find"]), st.integers(0, 39)), max_size=80)
+
+
+@pytest.mark.parametrize("kind", ["str", "int"])
+@given(ops=KILLS)
+@settings(max_examples=60, deadline=None)
+def test_killed_slots_are_found_no_more_and_their_keys_are_added_again(kind, ops):
+    """kill() marks a slot dead: find() answers -1 for its key (the added keys looked up
+    then), add() takes the key again as a new slot, killed and dead_bits() say which slots
+    are dead, restored or added alike. Keys 0-19 restored, 20-39 never; under each layout."""
+    make = (lambda i: f"k{i}\u00e9") if kind == "str" else (lambda i: (i - 20) * 1_000_003)
+    keys = [make(i) for i in range(40)]
+    for shape in LAYOUTS:
+        with layout(*shape):
+            index = index_of(pa.array(keys[:20])) if kind == "str" else NATIVE.int_index(np.array(keys[:20], np.int64))
+            _kills_as_a_model_says(index, keys, ops)
+
+
+def _kills_as_a_model_says(index, keys, ops):
+    slots = list(keys[:20])  # the key of each slot
+    where = {k: i for i, k in enumerate(slots)}  # live keys -> slot
+    dead: set = set()
+    assert index.dead_bits() is None and index.killed == 0
+    for op, i in ops:
+        key = keys[i]
+        if op == "kill" and key in where:
+            at = where.pop(key)
+            assert index.kill(at) is True and index.kill(at) is False  # a second kill: dead already
+            dead.add(at)
+        elif op == "add" and key not in where:
+            assert index.add(key) is True
+            where[key] = len(slots)
+            slots.append(key)
+        elif op == "add":
+            with pytest.raises(KeyError, match="there already"):
+                index.add(key)
+        assert index.find(key) == where.get(key, -1)
+    assert len(index) == len(slots) and index.killed == len(dead) and index.base == 20
+    assert [index.find(k) for k in keys] == [where.get(k, -1) for k in keys]
+    bits = index.dead_bits()
+    assert (bits is None) == (not dead)
+    if bits is not None:  # a bit a slot, every slot's, the first of a byte its lowest bit
+        assert len(bits) == -(-len(slots) // 8)
+        mask = np.unpackbits(np.frombuffer(bits, np.uint8), bitorder="little")
+        assert set(np.flatnonzero(mask).tolist()) == dead
+    for bad in (-1, len(slots)):
+        with pytest.raises(IndexError, match="RestoredIndex.kill"):
+            index.kill(bad)
+
+
 # ----------------------------------------------------------------------------- the key group
 
 
@@ -373,7 +423,145 @@ def test_a_full_capture_of_a_key_group_nobody_used_probes_it_and_repeats_build_i
     assert sorted(zip(keys_got, got.values.tolist())) == sorted([(make(1), 3), (make(2), 2)])
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["rmw", "set", "clear", "get", "checkpoint"]), st.integers(0, 59),
+def captured_rows(c):
+    """What a Captured holds, whatever its shape: its changed rows (key, value or None) and
+    its deletes, sorted, and whether it is the full image."""
+    if c is None:
+        return None
+    keys, values, nulls = c.delta_rows()
+    keys = keys.to_pylist() if isinstance(keys, pa.Array) else list(keys.tolist() if isinstance(keys, np.ndarray) else keys)
+    values = values.tolist()
+    if nulls is not None:
+        values = [None if n else v for v, n in zip(values, nulls.tolist())]
+    return sorted(zip(keys, values), key=repr), sorted(c.deleted, key=repr), c.complete
+
+
+KEY_KINDS = {"str": lambda i: f"s{i}\u00e9", "int": lambda i: i * 1_000_003 - 7, "bytes": lambda i: f"b{i}".encode()}
+
+
+def twins(kind, n=30, nulls_at=(4,)):
+    """A probed restored key group of ``n`` keys (value i, None at ``nulls_at``) and the same
+    built at once."""
+    keys = [KEY_KINDS[kind](i) for i in range(n)]
+    arr = np.array(keys, np.int64) if kind == "int" else pa.array(keys, pa.binary() if kind == "bytes" else pa.string())
+    mask = np.isin(np.arange(n), list(nulls_at)) if nulls_at else None
+    lazy, eager = Column("q"), Column("q")
+    for col in (lazy, eager):
+        RestoredColumn.keep(col, arr, np.arange(n, dtype=np.int64), mask)
+    assert lazy._probe() and probed(lazy)
+    eager.build()
+    return keys, lazy, eager
+
+
+@pytest.mark.parametrize("shape", LAYOUTS)
+@pytest.mark.parametrize("kind", KEY_KINDS)
+def test_deletes_keep_a_key_group_probed_and_it_captures_and_builds_as_a_built_one(kind, shape):
+    """Deletes of restored keys, of added keys, of absent ones, a delete then a write again,
+    through confirmed and unconfirmed captures: a probed key group marks the slots dead and
+    answers the same (the delete's return, len, every capture with its deletes) as the same
+    operations on a built one; built at last, it holds the same keys, values, nulls, stamps
+    and deletes, its slots dense again."""
+    with layout(*shape):
+        keys, lazy, eager = twins(kind)
+        new = [KEY_KINDS[kind](100 + i) for i in range(4)]
+
+        def both(f):
+            got, want = f(lazy), f(eager)
+            assert got == want
+            assert probed(lazy)
+            return got
+
+        def capture(since, full=False):
+            return both(lambda c: (captured_rows(c.capture(since, full=full)), len(c)))
+
+        assert both(lambda c: c.delete(keys[3], 2)) is True
+        assert both(lambda c: c.delete(keys[3], 2)) is False  # deleted already
+        assert both(lambda c: c.delete(new[0], 2)) is False  # never there
+        assert both(lambda c: c.delete(keys[4], 2)) is True  # a null
+        assert lazy.nulls == set() and len(lazy) == 28
+        for i, k in enumerate(new):
+            both(lambda c: c.set(k, 1000 + i, 2))
+        assert both(lambda c: c.delete(new[1], 2)) is True  # an added key
+        both(lambda c: c.set(keys[7], 77, 2))
+        assert capture(1)[0][1] == sorted([keys[3], keys[4], new[1]], key=repr)
+        capture(1, full=True)
+        for c in (lazy, eager):
+            c.forget_deletes(2)  # the capture of epoch 2 confirmed
+        assert capture(2) == (None, 31)
+        both(lambda c: c.set(keys[3], -3, 3))  # deleted, then written again: no delete any more
+        both(lambda c: c.set(new[1], None, 3))
+        assert both(lambda c: c.delete(keys[9], 3)) is True
+        assert both(lambda c: c.delete(new[2], 4)) is True
+        assert lazy.deleted == eager.deleted == {keys[9]: 3, new[2]: 4}
+        capture(2)
+        capture(3)
+        capture(4)
+        capture(2, full=True)
+        for k in keys:  # every live key written: a complete image, its deletes kept
+            both(lambda c: c.delete(k, 5) if k == keys[0] else c.set(k, 5, 5) if k in eager.index else None)
+        assert capture(4)[0][2] is True
+        assert lazy.image.killed == 6  # restored keys 0, 3, 4, 9 and added ones 1, 2 (3 and new 1 again since)
+        capture(4, full=True)
+        lazy.build()
+        assert type(lazy) is Column and lazy.image is None
+        assert built_state(lazy) == built_state(eager) and lazy.deleted == eager.deleted
+        assert captured_rows(lazy.capture(4)) == captured_rows(eager.capture(4))
+
+
+@pytest.mark.parametrize("shape", LAYOUTS)
+def test_the_c_handle_reads_a_deleted_key_as_absent_and_writes_it_again(shape):
+    """Through the typed ValueState's C handle: a cleared key reads None and a write makes it
+    a new (added) key of the still probed key group, restored or added alike; a slot value()
+    found before the key group is built with deletes (its slots renumbered) is not written
+    by the update() of the same key object after the build."""
+    with layout(*shape):
+        keys = [f"k{i}" for i in range(200)]
+        b = restored(keys, range(200))
+        h, data = b.state("v"), b._slot("v").data
+        kg = key_group("k7", M)
+        mine = [k for k in keys if key_group(k, M) == kg]
+        want = {k: int(k[1:]) for k in mine}
+        b.current_kg = kg
+
+        def at(key):
+            b.current_key = key
+            return h
+
+        assert at(mine[0]).value() == want[mine[0]] and probed(data[kg])
+        at(mine[0]).clear()
+        del want[mine[0]]
+        assert at(mine[0]).value() is None and probed(data[kg]) and len(data[kg]) == len(want)
+        assert at(mine[1]).value() == want[mine[1]]  # its neighbour still there
+        at(mine[0]).update(-1)  # written again: an added key
+        want[mine[0]] = -1
+        assert at(mine[0]).value() == -1 and data[kg].image.find(mine[0]) >= data[kg].image.base
+        new = next(f"new{i}" for i in range(200) if key_group(f"new{i}", M) == kg)
+        at(new).update(5)
+        at(new).clear()
+        assert at(new).value() is None and probed(data[kg])
+        at(new).update(at(new).value() or 6)
+        want[new] = 6
+        assert at(new).value() == 6 and probed(data[kg]) and data[kg].image.killed == 2
+        last = mine[-1]  # after the dead slots: renumbered by a build
+        assert at(last).value() == want[last]
+        data[kg].build()  # not through the handle: it is not told
+        assert type(data[kg]) is Column
+        at(last).update(999)  # the same key object as value() found
+        want[last] = 999
+        assert dict(b.items("v", kg)) == want
+
+
+def built_state(col):
+    """A built column's keys with their values (None for a null) and stamps, checking its
+    parts agree: one slot a key, dense."""
+    n = len(col.index)
+    assert len(col.keys) == len(col.values) == len(col.stamps) == n
+    assert all(col.index[k] == i for i, k in enumerate(col.keys)) and all(0 <= i < n for i in col.nulls)
+    return sorted(((k, None if i in col.nulls else col.values[i], col.stamps[i]) for k, i in col.index.items()),
+                  key=repr)
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["rmw", "set", "clear", "drop", "get", "checkpoint", "full", "build"]), st.integers(0, 59),
                          st.integers(-5, 5)), max_size=60)
 
 
@@ -389,8 +577,12 @@ def test_a_probed_key_group_behaves_as_a_built_one_under_any_records(kind, ops, 
     """The same records through the C handle on a restored backend (probed) and on the same
     state built at once: the same values read, the same captures, the same final state.
     Keys 0-39 were restored (some with a null value), 40-59 are new (the probed index takes
-    them); a checkpoint captures and confirms; some writes store None; a clear deletes.
-    Under each index layout (the probed key groups index their keys on first use)."""
+    them); a checkpoint captures and confirms, a full capture does not confirm; some
+    writes store None; a clear (the
+    handle's) or a drop (the backend's delete_many) deletes, and leaves a restored key group
+    probed; a build builds the restored one (its slots renumbered if it had deletes). The
+    same length of each key group after each record. Under each index layout (the probed
+    key groups index their keys on first use)."""
     with layout(*shape):
         _probed_as_built(kind, ops, nulls_every)
 
@@ -406,7 +598,9 @@ def _probed_as_built(kind, ops, nulls_every):
     epoch = 2
     for op, k, d in ops:
         key = names[k]
+        kg = key_group(key, M)
         outs = []
+        was = type(lazy._slot("v").data[kg])
         for b in (lazy, eager):
             h = b.state("v")
             b.current_key, b.current_kg = key, key_group(key, M)
@@ -418,16 +612,28 @@ def _probed_as_built(kind, ops, nulls_every):
                 h.update(None if d == 0 else d)
             elif op == "clear":
                 h.clear()
+            elif op == "drop":
+                b.delete_many("v", kg, [key])
+            elif op == "build":
+                col = b._slot("v").data[kg]
+                if type(col) is RestoredColumn:
+                    col.build()
             elif op == "get":
                 outs.append(h.value())
+            elif op == "full":
+                outs.append(rows(b.capture_full(epoch)["v"]))
             else:
                 outs.append(rows(b.capture(epoch)["v"]))
                 b.confirm(epoch)
-        if op == "checkpoint":
+        if op in ("checkpoint", "full"):
             epoch += 1
         assert outs[:1] == outs[1:], (op, key)
-    assert dict(lazy.items("v")) == dict(eager.items("v"))
+        col = lazy._slot("v").data[kg]
+        if op in ("clear", "drop") and was is RestoredColumn:
+            assert probed(col), (op, key)  # a delete does not build a restored key group
+        assert len(col) == len(eager._slot("v").data[kg]), (op, key)
     assert rows(lazy.capture_full(epoch)["v"]) == rows(eager.capture_full(epoch)["v"])
+    assert dict(lazy.items("v")) == dict(eager.items("v"))  # builds every key group
 
 
 # ----------------------------------------------------------------------------- end to end
