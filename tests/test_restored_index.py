@@ -492,6 +492,8 @@ def test_deletes_keep_a_key_group_probed_and_it_captures_and_builds_as_a_built_o
         both(lambda c: c.set(new[1], None, 3))
         assert both(lambda c: c.delete(keys[9], 3)) is True
         assert both(lambda c: c.delete(new[2], 4)) is True
+        assert both(lambda c: c.delete(keys[11], 4)) is True
+        both(lambda c: c.set(keys[11], 11, 4))  # deleted and written again before a capture
         assert lazy.deleted == eager.deleted == {keys[9]: 3, new[2]: 4}
         capture(2)
         capture(3)
@@ -500,7 +502,7 @@ def test_deletes_keep_a_key_group_probed_and_it_captures_and_builds_as_a_built_o
         for k in keys:  # every live key written: a complete image, its deletes kept
             both(lambda c: c.delete(k, 5) if k == keys[0] else c.set(k, 5, 5) if k in eager.index else None)
         assert capture(4)[0][2] is True
-        assert lazy.image.killed == 6  # restored keys 0, 3, 4, 9 and added ones 1, 2 (3 and new 1 again since)
+        assert lazy.image.killed == 7  # restored keys 0, 3, 4, 9, 11 and added 1, 2 (3, 11, new 1 added since)
         capture(4, full=True)
         lazy.build()
         assert type(lazy) is Column and lazy.image is None
