@@ -207,7 +207,10 @@ if NATIVE is not None:
         slot), so the :meth:`update` of a read-modify-write, which nearly every process function
         does, writes there without a second lookup when the current key is the same object.
         Only a delete moves a slot (the last one into the hole), so :meth:`clear` and the
-        backend's bulk deletes and restores forget the remembered slot (:meth:`_forget`).
+        backend's bulk deletes and restores forget the remembered slot (:meth:`_forget`); and
+        the build of a probed restored key group with deletes, which renumbers its slots
+        (:mod:`abs.state.restored`), so a slot found in a probed key group is written only
+        while it stays probed.
 
         ``value`` and ``update`` are C (``abscore._native.ValueHandle``: two method calls of a
         read-modify-write cost ~1/3 of their Python twins, :class:`PyColumnValueStateHandle`);

@@ -15,7 +15,8 @@ for its own key group, and key groups no record touches cost no Python objects a
 
 Until it is built, a restored key group answers without building: its length, and an
 incremental capture (restored keys are not dirty, and nothing can have changed a key group
-nobody used: ``None``). Everything else builds it first: the column's lazy slots (``index``,
+nobody used: ``None``); a record's read, a delete and a full capture probe it (below).
+Everything else builds it first: the column's lazy slots (``index``,
 ``keys``, ``values``, ``stamps``, ``nulls``) are unset while it waits, reading one ends in
 :meth:`RestoredColumn.__getattr__` and writing one in :meth:`RestoredColumn.__setattr__`; a
 copy or a pickle is of the built column.
@@ -36,8 +37,18 @@ Python object made). A new key is appended as a built column appends it, the ind
 it beside the restored ones (``add``: a dict of the keys added since, looked up after the
 table; :meth:`RestoredColumn.set`), so a key group stays probed while its keys only grow. A
 full capture (a savepoint, a handover) takes every row the same way, probing a key group
-nobody used first (its index also finds repeated keys, which build it instead). A delete, a
-bulk read or write, ``items``, anything else on the Python path (no C module, nulls in the
+nobody used first (its index also finds repeated keys, which build it instead). A delete
+(:meth:`RestoredColumn.delete`, probing a key group nobody used first) marks the key's slot
+dead in the index (``kill``: a bit a slot, restored or added, in a bitmap made on the first
+delete) and notes the key in ``deleted`` as a built column does; no slot moves. The index
+then finds the key no more (a read gives ``None``) and takes it again as an added key when
+it is written again (which drops it from ``deleted``); the length and the captures leave
+the dead slots out, a capture giving the deletes as :meth:`Column.capture` does, and a build
+keeps the live slots alone, renumbered (so the C handle writes a slot its ``value()`` found
+in a probed key group only while that stays probed). A probed key group of 1 M string keys,
+10,000 of them deleted: 9 ms and 0.3 MB (the bitmap, ``deleted``) instead of the build's
+0.45 s and 160 MB. A bulk
+read or write, ``items``, anything else on the Python path (no C module, nulls in the
 column, a key not of the index's exact type, such as a ``bool`` or a ``float``) builds the
 key group as above, keeping what was written. 5 M string keys
 (``scripts/bench_recovery.py --reference``): the first use of every key group 0.085 s instead
