@@ -33,8 +33,10 @@ each configuration, the configurations interleaved:
   for ``aggregate`` indexes the keys its columnar store restored in bulk; "with index" counts
   both, and the resident memory the restore and the first uses added (MB); ``process`` then
   times a read-modify-write of every 5th key (us a record; the first write to a probed key
-  group copies its values and makes its stamps, counted here) and the memory after them, and does
-  all of it again with every key group built before its first use ("built index": a restore
+  group copies its values and makes its stamps, counted here) and the memory after them, then
+  the deletes of every 100th key (1 %, ``clear()`` as a record does: a probed key group marks
+  their slots dead and stays probed; the seconds for all of them, the memory they added, and
+  how many key groups were probed before and after), and does all of it again with every key group built before its first use ("built index": a restore
   without the C module), in another fresh process; the restored sums are checked;
   ``--paths aggregate-int`` adds the aggregate over int keys, ``process-int`` the process
   function over int keys;
@@ -204,12 +206,14 @@ def build_reference(path: str, keys: int, count: int) -> abs.Dataflow:
 
 
 def restore_in_process(flow: abs.Dataflow, root: str, checkpoint_id: int, keys: int,
-                       built: bool = False) -> tuple[float, float, int, float, float, float]:
+                       built: bool = False) -> tuple:
     """Restore every key group of ``checkpoint_id`` into the operator's backend in this process,
     as a worker of parallelism 1 does (reading ahead as it does): ``(restore seconds, seconds to make every key group
     usable after it, bytes read, seconds per read-modify-write of a restored key after that,
     MB of resident memory the restore and the first uses added, the same after the
-    read-modify-writes)`` (the read-modify-writes: ``process`` only, else NaN); checks the keys and sums restored. ``built``
+    read-modify-writes, seconds to delete 1 % of the keys after that, MB they added, (key
+    groups probed before the deletes, after them))`` (the read-modify-writes and deletes:
+    ``process`` only, else NaN); checks the keys and sums restored. ``built``
     (``process``): each key group builds its Python index before its first use instead of
     being probed (what a restore without the C module does)."""
     rss0 = rss_mb()
@@ -234,7 +238,8 @@ def restore_in_process(flow: abs.Dataflow, root: str, checkpoint_id: int, keys: 
         t2 = time.perf_counter()
         grown = rss_mb() - rss0
         rows = list(target.items("total"))
-        rmw = after = float("nan")
+        rmw = after = dels = deleted = float("nan")
+        probed = still = 0
     else:
         # a restored key group is made usable on its first use (abs.state.restored): here
         # a record's read of one of its keys through the state's handle, as running_sum does
@@ -251,18 +256,39 @@ def restore_in_process(flow: abs.Dataflow, root: str, checkpoint_id: int, keys: 
             handle.value()
         t2 = t1 + time.perf_counter() - t1b  # the first uses alone
         grown = rss_mb() - rss0
-        rmw = read_modify_writes(backend, handle, keys, flow.max_parallelism,
-                                 isinstance(next(iter(firsts.values())), int))
+        ints = isinstance(next(iter(firsts.values())), int)
+        rmw = read_modify_writes(backend, handle, keys, flow.max_parallelism, ints)
         after = rss_mb() - rss0  # with what the first writes add (a probed key group's values and stamps)
+        probed = sum(type(data[kg]).__name__ == "RestoredColumn" for kg in firsts)
+        dels = deletes(backend, handle, keys, flow.max_parallelism, ints)
+        deleted = rss_mb() - rss0 - after
+        still = sum(type(data[kg]).__name__ == "RestoredColumn" for kg in firsts)
         rows = list(backend.items("total"))
     found = len(rows)
     total = sum(v for _k, v in rows)
     expected = (keys // 100) * 4950 + sum(range(keys % 100))
-    if rmw == rmw:  # every 5th key got +1
-        expected += len(range(0, keys, 5))
-    if found != keys or total != expected:
-        raise RuntimeError(f"restored {found} keys summing to {total}; expected {keys} keys summing to {expected}")
-    return t1 - t0, t2 - t1, nbytes, rmw, grown, after
+    want = keys
+    if rmw == rmw:  # every 5th key got +1, then every 100th key (0 + 1 each) was deleted
+        expected += len(range(0, keys, 5)) - len(range(0, keys, 100))
+        want -= len(range(0, keys, 100))
+    if found != want or total != expected:
+        raise RuntimeError(f"restored {found} keys summing to {total}; expected {want} keys summing to {expected}")
+    return t1 - t0, t2 - t1, nbytes, rmw, grown, after, dels, deleted, (probed, still)
+
+
+def deletes(backend: KeyedStateBackend, handle, keys: int, max_parallelism: int, ints: bool) -> float:
+    """Seconds to delete every 100th restored key (1 % of them, ``handle.clear()``, as a
+    record does) in key order, the key groups computed before."""
+    from abs.keygroups import key_groups
+
+    names = list(range(0, keys, 100)) if ints else [f"k{i}" for i in range(0, keys, 100)]
+    kgs = key_groups(pa.array(names), max_parallelism).tolist()
+    t0 = time.perf_counter()
+    for key, kg in zip(names, kgs):
+        backend.current_key = key
+        backend.current_kg = kg
+        handle.clear()
+    return time.perf_counter() - t0
 
 
 def rss_mb() -> float:
@@ -291,7 +317,7 @@ def read_modify_writes(backend: KeyedStateBackend, handle, keys: int, max_parall
 
 
 def restore_reference(path: str, keys: int, root: str, checkpoint_id: int,
-                      built: bool = False) -> tuple[float, float, int, float, float, float]:
+                      built: bool = False) -> tuple:
     # in a child of this process: memory as a worker has it (transparent huge pages off, which
     # a worker turns off for Arrow's allocator; with them on, the first fault of a few hundred
     # MB of index may wait 0.5 s for the kernel to find huge pages, or take a fifth of that)
@@ -309,7 +335,8 @@ def reference_round(path: str, keys: int, root: str, checkpoint_id: int, scratch
     # in a fresh process, as a worker restores: not a fork of this one, whose heap and Arrow
     # pool (the warm reads' buffers) a fork would inherit
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        secs, index_secs, nbytes, rmw, grown, after = pool.submit(restore_reference, path, keys, root, checkpoint_id).result()
+        secs, index_secs, nbytes, rmw, grown, after, dels, deleted, (probed, still) = pool.submit(
+            restore_reference, path, keys, root, checkpoint_id).result()
     out["in-process restore MB/s"] = nbytes / secs / 1e6
     out["in-process / pyarrow"] = nbytes / secs / 1e6 / raw_mbs
     out["in-process with index / pyarrow"] = nbytes / (secs + index_secs) / 1e6 / raw_mbs
@@ -318,8 +345,8 @@ def reference_round(path: str, keys: int, root: str, checkpoint_id: int, scratch
     if path.startswith("process"):
         # the same with each key group's Python index built (no C module), in another fresh process
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            bsecs, bindex, bbytes, brmw, bgrown, bafter = pool.submit(restore_reference, path, keys, root, checkpoint_id,
-                                                              True).result()
+            bsecs, bindex, bbytes, brmw, bgrown, bafter, bdels, _bdeleted, _ = pool.submit(
+                restore_reference, path, keys, root, checkpoint_id, True).result()
         out["built index: with index / pyarrow cold"] = bbytes / (bsecs + bindex) / 1e6 / cold_mbs
         out["first use of every key group (s)"] = index_secs
         out["built index: first use (s)"] = bindex
@@ -328,6 +355,11 @@ def reference_round(path: str, keys: int, root: str, checkpoint_id: int, scratch
         out["built index: memory (MB)"] = bgrown
         out["memory after the writes (MB)"] = after
         out["built index: memory after the writes (MB)"] = bafter
+        out["delete 1 % of the keys (s)"] = dels
+        out["built index: delete 1 % (s)"] = bdels
+        out["memory the deletes added (MB)"] = deleted
+        out["key groups probed before the deletes"] = probed
+        out["key groups probed after the deletes"] = still
     mark = os.path.join(scratch, "first-record")
     if os.path.exists(mark):
         os.remove(mark)
