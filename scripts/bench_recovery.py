@@ -279,16 +279,22 @@ def restore_in_process(flow: abs.Dataflow, root: str, checkpoint_id: int, keys: 
 def deletes(backend: KeyedStateBackend, handle, keys: int, max_parallelism: int, ints: bool) -> float:
     """Seconds to delete every 100th restored key (1 % of them, ``handle.clear()``, as a
     record does) in key order, the key groups computed before."""
-    from abs.keygroups import key_groups
-
-    names = list(range(0, keys, 100)) if ints else [f"k{i}" for i in range(0, keys, 100)]
-    kgs = key_groups(pa.array(names), max_parallelism).tolist()
+    names, kgs = every_nth_key(keys, 100, max_parallelism, ints)
     t0 = time.perf_counter()
     for key, kg in zip(names, kgs):
         backend.current_key = key
         backend.current_kg = kg
         handle.clear()
     return time.perf_counter() - t0
+
+
+def every_nth_key(keys: int, step: int, max_parallelism: int, ints: bool) -> tuple[list, list]:
+    """Every ``step``-th of the reference state's keys (``ints``: int keys, else ``"k<i>"``)
+    in key order, and their key groups."""
+    from abs.keygroups import key_groups
+
+    names = list(range(0, keys, step)) if ints else [f"k{i}" for i in range(0, keys, step)]
+    return names, key_groups(pa.array(names), max_parallelism).tolist()
 
 
 def rss_mb() -> float:
@@ -304,10 +310,7 @@ def read_modify_writes(backend: KeyedStateBackend, handle, keys: int, max_parall
     """Seconds per read-modify-write (+1) of every 5th restored key (``ints``: int keys, else
     ``"k<i>"``) through the state's handle,
     in key order (key groups interleaved, as records come), the key groups computed before."""
-    from abs.keygroups import key_groups
-
-    names = list(range(0, keys, 5)) if ints else [f"k{i}" for i in range(0, keys, 5)]
-    kgs = key_groups(pa.array(names), max_parallelism).tolist()
+    names, kgs = every_nth_key(keys, 5, max_parallelism, ints)
     t0 = time.perf_counter()
     for key, kg in zip(names, kgs):
         backend.current_key = key
