@@ -45,9 +45,10 @@ then finds the key no more (a read gives ``None``) and takes it again as an adde
 it is written again (which drops it from ``deleted``); the length and the captures leave
 the dead slots out, a capture giving the deletes as :meth:`Column.capture` does, and a build
 keeps the live slots alone, renumbered (so the C handle writes a slot its ``value()`` found
-in a probed key group only while that stays probed). A probed key group of 1 M string keys,
-10,000 of them deleted: 9 ms and 0.3 MB (the bitmap, ``deleted``) instead of the build's
-0.45 s and 160 MB. A bulk
+in a probed key group only while that stays probed). Deleting 1 % of 5 M restored string
+keys (``scripts/bench_recovery.py --reference``, every key group touched): 0.06 s and 1.7 MB
+(the bitmaps, ``deleted``), every key group still probed, where building them took 0.76 s
+and ~500 MB. A bulk
 read or write, ``items``, anything else on the Python path (no C module, nulls in the
 column, a key not of the index's exact type, such as a ``bool`` or a ``float``) builds the
 key group as above, keeping what was written. 5 M string keys
