@@ -36,8 +36,9 @@ each configuration, the configurations interleaved:
   group copies its values and makes its stamps, counted here) and the memory after them, then
   the deletes of every 100th key (1 %, ``clear()`` as a record does: a probed key group marks
   their slots dead and stays probed; the seconds for all of them, the memory they added, and
-  how many key groups were probed before and after), and does all of it again with every key group built before its first use ("built index": a restore
-  without the C module), in another fresh process; the restored sums are checked;
+  how many key groups were probed before and after), and does all of it again with every key
+  group built before its first use ("built index": a restore without the C module), in
+  another fresh process; the restored sums are checked;
   ``--paths aggregate-int`` adds the aggregate over int keys, ``process-int`` the process
   function over int keys;
 - *job*: ``abs.run`` at parallelism 1 restoring the checkpoint with 10,000 more events: the
@@ -62,6 +63,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -73,6 +75,7 @@ from abs.runtime.worker import RESTORE_READERS
 from abs.runtime.worker_main import no_huge_pages
 from abs.state.aggregate_backend import AggregateBackend
 from abs.state.dict_backend import KeyedStateBackend
+from abs.state.restored import RestoredColumn
 from storage import SnapshotStore
 
 
@@ -205,15 +208,29 @@ def build_reference(path: str, keys: int, count: int) -> abs.Dataflow:
     return flow
 
 
+@dataclass
+class InProcess:
+    """What :func:`restore_in_process` measured (the read-modify-writes and the deletes:
+    ``process`` only, else NaN and 0)."""
+
+    restore_s: float  # reading and restoring every key group
+    first_use_s: float  # making every key group usable after that (aggregate: its index)
+    nbytes: int  # bytes read
+    grown_mb: float  # resident memory the restore and the first uses added
+    rmw_s: float  # per read-modify-write of a restored key, after the first uses
+    after_writes_mb: float  # resident memory added by then
+    deletes_s: float  # deleting 1 % of the keys, after the read-modify-writes
+    deletes_mb: float  # resident memory the deletes added
+    probed_before: int  # key groups probed (not built) before the deletes
+    probed_after: int  # and after them
+
+
 def restore_in_process(flow: abs.Dataflow, root: str, checkpoint_id: int, keys: int,
-                       built: bool = False) -> tuple:
+                       built: bool = False) -> InProcess:
     """Restore every key group of ``checkpoint_id`` into the operator's backend in this process,
-    as a worker of parallelism 1 does (reading ahead as it does): ``(restore seconds, seconds to make every key group
-    usable after it, bytes read, seconds per read-modify-write of a restored key after that,
-    MB of resident memory the restore and the first uses added, the same after the
-    read-modify-writes, seconds to delete 1 % of the keys after that, MB they added, (key
-    groups probed before the deletes, after them))`` (the read-modify-writes and deletes:
-    ``process`` only, else NaN); checks the keys and sums restored. ``built``
+    as a worker of parallelism 1 does (reading ahead as it does), make every key group usable,
+    then (``process``) read-modify-write every 5th key and delete every 100th; checks the keys
+    and sums restored. ``built``
     (``process``): each key group builds its Python index before its first use instead of
     being probed (what a restore without the C module does)."""
     rss0 = rss_mb()
@@ -259,10 +276,10 @@ def restore_in_process(flow: abs.Dataflow, root: str, checkpoint_id: int, keys: 
         ints = isinstance(next(iter(firsts.values())), int)
         rmw = read_modify_writes(backend, handle, keys, flow.max_parallelism, ints)
         after = rss_mb() - rss0  # with what the first writes add (a probed key group's values and stamps)
-        probed = sum(type(data[kg]).__name__ == "RestoredColumn" for kg in firsts)
+        probed = sum(type(data[kg]) is RestoredColumn for kg in firsts)
         dels = deletes(backend, handle, keys, flow.max_parallelism, ints)
         deleted = rss_mb() - rss0 - after
-        still = sum(type(data[kg]).__name__ == "RestoredColumn" for kg in firsts)
+        still = sum(type(data[kg]) is RestoredColumn for kg in firsts)
         rows = list(backend.items("total"))
     found = len(rows)
     total = sum(v for _k, v in rows)
@@ -273,7 +290,9 @@ def restore_in_process(flow: abs.Dataflow, root: str, checkpoint_id: int, keys: 
         want -= len(range(0, keys, 100))
     if found != want or total != expected:
         raise RuntimeError(f"restored {found} keys summing to {total}; expected {want} keys summing to {expected}")
-    return t1 - t0, t2 - t1, nbytes, rmw, grown, after, dels, deleted, (probed, still)
+    return InProcess(restore_s=t1 - t0, first_use_s=t2 - t1, nbytes=nbytes, grown_mb=grown, rmw_s=rmw,
+                     after_writes_mb=after, deletes_s=dels, deletes_mb=deleted, probed_before=probed,
+                     probed_after=still)
 
 
 def deletes(backend: KeyedStateBackend, handle, keys: int, max_parallelism: int, ints: bool) -> float:
@@ -320,7 +339,7 @@ def read_modify_writes(backend: KeyedStateBackend, handle, keys: int, max_parall
 
 
 def restore_reference(path: str, keys: int, root: str, checkpoint_id: int,
-                      built: bool = False) -> tuple:
+                      built: bool = False) -> InProcess:
     # in a child of this process: memory as a worker has it (transparent huge pages off, which
     # a worker turns off for Arrow's allocator; with them on, the first fault of a few hundred
     # MB of index may wait 0.5 s for the kernel to find huge pages, or take a fifth of that)
@@ -338,31 +357,30 @@ def reference_round(path: str, keys: int, root: str, checkpoint_id: int, scratch
     # in a fresh process, as a worker restores: not a fork of this one, whose heap and Arrow
     # pool (the warm reads' buffers) a fork would inherit
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        secs, index_secs, nbytes, rmw, grown, after, dels, deleted, (probed, still) = pool.submit(
-            restore_reference, path, keys, root, checkpoint_id).result()
-    out["in-process restore MB/s"] = nbytes / secs / 1e6
-    out["in-process / pyarrow"] = nbytes / secs / 1e6 / raw_mbs
-    out["in-process with index / pyarrow"] = nbytes / (secs + index_secs) / 1e6 / raw_mbs
-    out["in-process with index / pyarrow cold"] = nbytes / (secs + index_secs) / 1e6 / cold_mbs
-    out["memory after restore and first use (MB)"] = grown
+        got = pool.submit(restore_reference, path, keys, root, checkpoint_id).result()
+    secs, total_s = got.restore_s, got.restore_s + got.first_use_s
+    out["in-process restore MB/s"] = got.nbytes / secs / 1e6
+    out["in-process / pyarrow"] = got.nbytes / secs / 1e6 / raw_mbs
+    out["in-process with index / pyarrow"] = got.nbytes / total_s / 1e6 / raw_mbs
+    out["in-process with index / pyarrow cold"] = got.nbytes / total_s / 1e6 / cold_mbs
+    out["memory after restore and first use (MB)"] = got.grown_mb
     if path.startswith("process"):
         # the same with each key group's Python index built (no C module), in another fresh process
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            bsecs, bindex, bbytes, brmw, bgrown, bafter, bdels, _bdeleted, _ = pool.submit(
-                restore_reference, path, keys, root, checkpoint_id, True).result()
-        out["built index: with index / pyarrow cold"] = bbytes / (bsecs + bindex) / 1e6 / cold_mbs
-        out["first use of every key group (s)"] = index_secs
-        out["built index: first use (s)"] = bindex
-        out["read-modify-write of a restored key (us)"] = rmw * 1e6
-        out["built index: read-modify-write (us)"] = brmw * 1e6
-        out["built index: memory (MB)"] = bgrown
-        out["memory after the writes (MB)"] = after
-        out["built index: memory after the writes (MB)"] = bafter
-        out["delete 1 % of the keys (s)"] = dels
-        out["built index: delete 1 % (s)"] = bdels
-        out["memory the deletes added (MB)"] = deleted
-        out["key groups probed before the deletes"] = probed
-        out["key groups probed after the deletes"] = still
+            b = pool.submit(restore_reference, path, keys, root, checkpoint_id, True).result()
+        out["built index: with index / pyarrow cold"] = b.nbytes / (b.restore_s + b.first_use_s) / 1e6 / cold_mbs
+        out["first use of every key group (s)"] = got.first_use_s
+        out["built index: first use (s)"] = b.first_use_s
+        out["read-modify-write of a restored key (us)"] = got.rmw_s * 1e6
+        out["built index: read-modify-write (us)"] = b.rmw_s * 1e6
+        out["built index: memory (MB)"] = b.grown_mb
+        out["memory after the writes (MB)"] = got.after_writes_mb
+        out["built index: memory after the writes (MB)"] = b.after_writes_mb
+        out["delete 1 % of the keys (s)"] = got.deletes_s
+        out["built index: delete 1 % (s)"] = b.deletes_s
+        out["memory the deletes added (MB)"] = got.deletes_mb
+        out["key groups probed before the deletes"] = got.probed_before
+        out["key groups probed after the deletes"] = got.probed_after
     mark = os.path.join(scratch, "first-record")
     if os.path.exists(mark):
         os.remove(mark)
