@@ -7,7 +7,8 @@ store held before; it answers lookups and captures like it; a key restored twice
 
 Every test runs twice: string/binary keys indexed after the last key group, and indexed by a
 thread of their own as the key groups come (``BackgroundFill``, which a restore of 128 k keys
-and more uses), a run of keys at a time."""
+and more uses), a run of keys at a time. The thread of string/binary keys fills its index in C
+(``HashFill``): without ``abscore._native`` the tests of that thread skip, the others run."""
 from __future__ import annotations
 
 import gc
@@ -29,7 +30,7 @@ from abs.runtime.operators import build_operator
 from abs.state import columnar as columnar_module
 from abs.state.columnar import ColumnarKeyedState
 from abs.state import keyindex as keyindex_module
-from abs.state.keyindex import IntKeyIndex, SlotMap
+from abs.state.keyindex import HashFill, IntKeyIndex, SlotMap
 from storage import SnapshotStore
 from test_aggregate import SETTINGS, as_table
 from test_aggregate_strings import colliding_codes
@@ -260,6 +261,14 @@ def test_index_fill_places_keys_where_lookups_find_them_and_names_the_repeated_o
     assert index.size == len(keys)
 
 
+def _needs_string_thread(index_fill: str) -> None:
+    """Skip a test of the thread that indexes string/binary keys as they come where that thread
+    cannot run: it fills its index in C (``HashFill`` needs ``abscore._native``); without the
+    module those keys are indexed after the last key group (the other tests cover that)."""
+    if index_fill == "by a thread as they come" and not HashFill.available():
+        pytest.skip("the index thread of string/binary keys needs the C module abscore._native (HashFill)")
+
+
 def _fill_threads(s: ColumnarKeyedState) -> list:
     """The store's index thread, if it has one (a thread of that name running)."""
     if s._fill is None:
@@ -278,6 +287,7 @@ def _ended(threads: list) -> bool:
 @pytest.mark.parametrize("run", [1, 700])
 def test_a_thread_indexes_the_bulk_as_it_comes_and_ends_with_the_restore(index_fill, run):
     """Runs of one key group, or of ~3 (700 keys: the last run is handed over by finish_restore)."""
+    _needs_string_thread(index_fill)
     keys = [f"customer-{i:05d}" for i in range(2000)]
     s = store()
     with mock.patch.object(columnar_module, "_FILL_RUN", run):
@@ -296,6 +306,7 @@ def test_keys_past_what_the_first_key_group_promised_are_indexed_anew(index_fill
     """The thread's index is sized from the first key group (room for as many in each key
     group at load 1/2: 2,048 positions for 100 keys); 1,500 keys in all would fill it to 0.73:
     the store indexes every key after the last key group instead."""
+    _needs_string_thread(index_fill)
     pool = pa.array([f"k{i}" for i in range(20000)])
     kgs = key_groups(pool, M)
     first = pool.filter(pa.array(kgs == 0)).slice(0, 100)
@@ -319,6 +330,7 @@ def test_keys_past_what_the_first_key_group_promised_are_indexed_anew(index_fill
 def test_a_restore_that_never_finishes_leaves_no_thread_behind(index_fill):
     if index_fill != "by a thread as they come":
         pytest.skip("no thread without the background fill")
+    _needs_string_thread(index_fill)
     s = store()
     s.restore("a", 1, pa.table({"key": pa.array(["a-long-key-1", "b"]), "value": pa.array([1, 2])}))
     threads = _fill_threads(s)
@@ -331,6 +343,7 @@ def test_a_restore_that_never_finishes_leaves_no_thread_behind(index_fill):
 def test_an_error_of_the_index_thread_is_raised_by_finish_restore(index_fill):
     if index_fill != "by a thread as they come":
         pytest.skip("no thread without the background fill")
+    _needs_string_thread(index_fill)
     with mock.patch.object(IntKeyIndex, "fill_more", side_effect=MemoryError("no room for the index")):
         s = store()
         s.restore("a", 1, pa.table({"key": pa.array(["p", "q"]), "value": pa.array([1, 2])}))
