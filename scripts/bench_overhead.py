@@ -34,11 +34,14 @@ cost from ``/proc`` (Linux): the CPU per event of the worker processes in quiet 
 windows (what checkpoints add to the workers' own threads, and how much slower their processing
 runs beside the writers), the writers' CPU per event, and the share of the cores the workers
 got; and it prints the checkpoints' duration (a writer starved of CPU would show there).
+``--workload reference`` runs it on issue 23's reference workload instead (100 k string keys,
+the batches of ``bench_reference.py``): target 1's "ABS cost still <= 5 %" on its own job.
 
     .venv/bin/python scripts/bench_overhead.py [--quick] [--only paper|windows|reference] [--rounds N]
                                                [--paper-parallelism P [P ...]] [--path process|aggregate]
                                                [--state int64|string|untyped] [--no-stop-the-world]
-                                               [--pin-cpus] [--windows N] [--window SECONDS] [--root DIR]
+                                               [--pin-cpus] [--windows N] [--window SECONDS] [--workload paper|reference]
+                                               [--root DIR]
                                                [--dashboard poll|browser]
 """
 from __future__ import annotations
@@ -91,9 +94,15 @@ STATES = {
 }
 
 
-def build(events: int, keys: int, path: str, batch_size: int, state: str = "int64") -> abs.Dataflow:
+def build(events: int, keys: int, path: str, batch_size: int, state: str = "int64", key_type: str = "int") -> abs.Dataflow:
     flow = abs.Dataflow(f"bench-{path}")
-    src = abs.GeneratorSource(events, num_keys=keys, num_splits=8, batch_size=batch_size, make_batch=KeyValueBatches(keys))
+    if key_type == "string":  # issue 23's reference workload: key "k{i % keys}", value i % 100
+        from bench_reference import Events
+
+        make_batch = Events(keys, "string")
+    else:
+        make_batch = KeyValueBatches(keys)
+    src = abs.GeneratorSource(events, num_keys=keys, num_splits=8, batch_size=batch_size, make_batch=make_batch)
     keyed = flow.source("events", src).key_by("key")
     if path == "process":
         arrow_type, fn = STATES[state]
@@ -304,17 +313,20 @@ class _PageOpen:
 
 
 def windows(args: argparse.Namespace) -> None:
-    keys, width = 1_000_000, args.window
+    reference = args.workload == "reference"
+    keys, width = (100_000 if reference else 1_000_000), args.window
+    key_type = "string" if reference else "int"
     count = args.windows or (4 if args.quick else 10)
     for p in args.paper_parallelism:
-        print(f"\n== 1b. ABS vs no checkpoints in alternating {width:.0f}-s windows of one job: {keys:,} keys in state, "
-              f"parallelism {p}, path={args.path}" + (f", state={args.state}" if args.path == "process" else "")
+        print(f"\n== 1b. ABS vs no checkpoints in alternating {width:.0f}-s windows of one job: {keys:,} {key_type} keys in "
+              f"state" + (" (issue 23's reference workload)" if reference else " (the paper's workload)")
+              + f", parallelism {p}, path={args.path}" + (f", state={args.state}" if args.path == "process" else "")
               + (", workers pinned to CPUs" if args.pin_cpus else "")
               + (f", dashboard open ({args.dashboard})" if args.dashboard else "")
               + (f", {args.mode} checkpoints" if args.mode != "aligned" else "")
               + f"; {count} ABS windows; storage under {args.root or tempfile.gettempdir()}", flush=True)
         root = tempfile.mkdtemp(prefix="abs-bench-", dir=args.root)
-        handle = abs.submit(build(1 << 50, keys, args.path, args.batch_size, args.state), parallelism=p,
+        handle = abs.submit(build(1 << 50, keys, args.path, args.batch_size, args.state, key_type), parallelism=p,
                             checkpoint=abs.CheckpointConfig(interval=None, retained=2, mode=args.mode), storage=root,
                             executor=abs.LocalExecutor(pin_cpus=args.pin_cpus), dashboard=bool(args.dashboard))
         counts = _RecordsIn(handle, "sum")
@@ -451,6 +463,9 @@ def main() -> int:
                     help="experiment 1b: ABS windows (default 10, 4 with --quick)")
     ap.add_argument("--window", type=float, default=4.0, metavar="SECONDS",
                     help="experiment 1b: length of each window, whole seconds (default 4)")
+    ap.add_argument("--workload", choices=("paper", "reference"), default="paper",
+                    help="experiment 1b: the paper's 1 M int keys (default), or issue 23's reference workload "
+                         "(100 k string keys \"k{i %% 100000}\", values i %% 100)")
     ap.add_argument("--mode", choices=("aligned", "unaligned"), default="aligned",
                     help="experiment 1b: the checkpoints' mode (default aligned: ABS)")
     ap.add_argument("--dashboard", choices=("poll", "browser"), default=None,
