@@ -12,7 +12,7 @@
  * - key_codes: the int64 code of each string key of the columnar store's index
  *   (abs.state.varkeys.key_codes);
  * - index_lookup / index_insert / index_fill: the open-addressing table of
- *   abs.state.keyindex.IntKeyIndex (rows of (key, slot), slot -1 empty, linear
+ *   abs.state.keyindex.IntKeyIndex (packed 12-byte rows of (key, int32 slot), slot -1 empty, linear
  *   probing without wrap-around, homes from a multiplicative hash scaled to the table);
  * - partition: a key_by writer's rows grouped by channel (abs.runtime.exchange);
  * - text_array: a list of str or bytes keys as Arrow string/binary buffers (abs.columns);
@@ -297,17 +297,40 @@ static inline int64_t home_of(int64_t key, uint64_t homes) {
     return (int64_t)(((x >> 32) * homes) >> 32);
 }
 
+/* A row: the key (8 bytes) and its slot (int32, -1: empty), packed in 12 bytes, read and
+ * written with memcpy (a row is 4-byte aligned at best). */
+#define ROW 12
+#define MAX_SLOT 0x7FFFFFFFll
+
 typedef struct {
-    int64_t *t; /* rows of (key, slot) */
+    char *t; /* rows of (key, slot) */
     int64_t rows;
     uint64_t homes;
 } Table;
 
+static inline int32_t row_slot(const char *t, int64_t pos) {
+    int32_t s;
+    memcpy(&s, t + ROW * pos + 8, 4);
+    return s;
+}
+
+static inline int64_t row_key(const char *t, int64_t pos) {
+    int64_t k;
+    memcpy(&k, t + ROW * pos, 8);
+    return k;
+}
+
+static inline void row_set(char *t, int64_t pos, int64_t key, int64_t slot) {
+    int32_t s = (int32_t)slot;
+    memcpy(t + ROW * pos, &key, 8);
+    memcpy(t + ROW * pos + 8, &s, 4);
+}
+
 static int get_table(PyObject *o_t, long long homes, Buf *b, Table *tab) {
-    if (get_buf(o_t, b, 1, SIZES_8, "table") < 0)
+    if (get_buf(o_t, b, 1, SIZES_BYTE, "table") < 0)
         return -1;
-    if (items(b) % 2) {
-        PyErr_SetString(PyExc_ValueError, "table: an odd number of words (rows are (key, slot) pairs)");
+    if (b->view.len % ROW) {
+        PyErr_SetString(PyExc_ValueError, "table: not a whole number of 12-byte rows (an 8-byte key and a 4-byte slot)");
         release(b);
         return -1;
     }
@@ -317,7 +340,7 @@ static int get_table(PyObject *o_t, long long homes, Buf *b, Table *tab) {
         return -1;
     }
     tab->t = b->view.buf;
-    tab->rows = items(b) / 2;
+    tab->rows = b->view.len / ROW;
     tab->homes = (uint64_t)homes;
     if ((int64_t)tab->homes > tab->rows) {
         PyErr_SetString(PyExc_ValueError, "table: fewer rows than home positions");
@@ -365,27 +388,27 @@ static PyObject *index_lookup(PyObject *self, PyObject *args) {
         return NULL;
     const int64_t *k = b[1].view.buf;
     int64_t *s = b[2].view.buf, *e = b[3].view.buf;
-    const int64_t *t = tab.t;
+    const char *t = tab.t;
     int64_t rows = tab.rows;
     PyThreadState *ts = release_for(n);
     int64_t homes[AHEAD];
     for (Py_ssize_t i = 0; i < n && i < AHEAD; i++) {
         homes[i] = home_of(k[i], tab.homes);
-        __builtin_prefetch(t + 2 * homes[i]);
+        __builtin_prefetch(t + ROW * homes[i]);
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t pos = homes[i % AHEAD];
         if (i + AHEAD < n) {
             int64_t h = home_of(k[i + AHEAD], tab.homes);
             homes[i % AHEAD] = h;
-            __builtin_prefetch(t + 2 * h);
+            __builtin_prefetch(t + ROW * h);
         }
         int64_t key = k[i], slot = -1;
         for (; pos < rows; pos++) {
-            int64_t v = t[2 * pos + 1];
+            int32_t v = row_slot(t, pos);
             if (v < 0)
                 break;
-            if (t[2 * pos] == key) {
+            if (row_key(t, pos) == key) {
                 slot = v;
                 break;
             }
@@ -418,20 +441,24 @@ static PyObject *index_insert(PyObject *self, PyObject *args) {
     if (need(&slots, n, "slots") < 0 || (have_start && need(&start, n, "start") < 0))
         goto done;
     const int64_t *k = keys.view.buf, *sl = slots.view.buf, *st = have_start ? start.view.buf : NULL;
-    int64_t *t = tab.t;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (sl[i] < 0 || sl[i] > MAX_SLOT) {
+            PyErr_Format(PyExc_ValueError, "slots: %lld is not a slot a key index holds (0..2**31 - 1)", (long long)sl[i]);
+            goto done;
+        }
+    char *t = tab.t;
     int64_t rows = tab.rows;
     int ok = 1;
     PyThreadState *ts = release_for(n);
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t pos = (st && st[i] >= 0) ? st[i] : home_of(k[i], tab.homes);
-        while (pos < rows && t[2 * pos + 1] >= 0)
+        while (pos < rows && row_slot(t, pos) >= 0)
             pos++;
         if (pos >= rows) {
             ok = 0;
             break;
         }
-        t[2 * pos] = k[i];
-        t[2 * pos + 1] = sl[i];
+        row_set(t, pos, k[i], sl[i]);
     }
     restore_after(ts);
     result = PyBool_FromLong(ok);
@@ -457,32 +484,38 @@ static PyObject *index_fill(PyObject *self, PyObject *args) {
     if (index_open(o_t, n_homes, o_keys, o_rows, "rows", o_owners, "owners", b, &tab, &n) < 0)
         return NULL;
     const int64_t *k = b[1].view.buf;
-    int64_t *t = tab.t, *ro = b[2].view.buf, *ow = b[3].view.buf;
+    int64_t *ro = b[2].view.buf, *ow = b[3].view.buf;
+    char *t = tab.t;
     int64_t rows = tab.rows;
+    if (first < 0 || first + (int64_t)n - 1 > MAX_SLOT) {
+        PyErr_Format(PyExc_ValueError, "first: slots %lld.. of %zd keys are not slots a key index holds (0..2**31 - 1)",
+                     first, n);
+        release_all(&b[0], &b[1], &b[2], &b[3]);
+        return NULL;
+    }
     Py_ssize_t dups = 0;
     int ok = 1;
     PyThreadState *ts = release_for(n);
     int64_t homes[AHEAD];
     for (Py_ssize_t i = 0; i < n && i < AHEAD; i++) {
         homes[i] = home_of(k[i], tab.homes);
-        __builtin_prefetch(t + 2 * homes[i], 1);
+        __builtin_prefetch(t + ROW * homes[i], 1);
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t pos = homes[i % AHEAD];
         if (i + AHEAD < n) {
             int64_t h = home_of(k[i + AHEAD], tab.homes);
             homes[i % AHEAD] = h;
-            __builtin_prefetch(t + 2 * h, 1);
+            __builtin_prefetch(t + ROW * h, 1);
         }
         int64_t key = k[i];
         for (; pos < rows; pos++) {
-            int64_t v = t[2 * pos + 1];
+            int32_t v = row_slot(t, pos);
             if (v < 0) {
-                t[2 * pos] = key;
-                t[2 * pos + 1] = first + i;
+                row_set(t, pos, key, first + i);
                 break;
             }
-            if (t[2 * pos] == key) {
+            if (row_key(t, pos) == key) {
                 ro[dups] = i;
                 ow[dups] = v - first;
                 dups++;
@@ -1697,8 +1730,9 @@ PyMODINIT_FUNC PyInit__native(void) {
     }
     /* what the functions' arguments mean (abscore.native.API): 2 = the index takes its number
      * of home positions, not a shift; 3 = configure_value_handles takes the restored column's
-     * class too (and the module has RestoredIndex) */
-    if (PyModule_AddIntConstant(m, "API", 3) < 0) {
+     * class too (and the module has RestoredIndex); 4 = the index's rows are 12 bytes, (key, int32 slot),
+     * and its table is given as bytes */
+    if (PyModule_AddIntConstant(m, "API", 4) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -25,11 +25,12 @@ from types import ModuleType
 __all__ = ["NATIVE"]
 
 
-API = 3
+API = 4
 """What the C functions' arguments mean, as the module built from ``abscore/_native.c`` says
 (its ``API``): a module built from an older source, whose functions have the same names but
 read their arguments otherwise (before 2 the index took a shift, not its number of home
-positions; before 3 ``configure_value_handles`` took two classes), is not used."""
+positions; before 3 ``configure_value_handles`` took two classes; before 4 the index's rows
+were 16 bytes), is not used."""
 
 _NAMES = ("bytes_hashes", "key_codes", "index_lookup", "index_insert", "index_fill", "partition",
           "ValueHandle", "configure_value_handles", "text_array", "byte_streams", "text_index", "int_index", "RestoredIndex")

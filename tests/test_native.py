@@ -190,6 +190,25 @@ def test_index_fill_reports_the_same_duplicates(keys, first):
 
 
 @needs_native
+@pytest.mark.parametrize("native", [True, False], ids=["C", "numpy"])
+def test_the_index_holds_slots_up_to_2_31_and_refuses_more(native):
+    """A row keeps its slot in 32 bits: the largest slot round-trips, a larger one (or a
+    negative one) is refused by name, in both implementations, before anything is written."""
+    top = 2**31 - 1
+    with implementation(native):
+        index = keyindex.IntKeyIndex(16)
+        index.build(np.array([7, -3], np.int64), np.array([top, 0], np.int64))
+        assert index.lookup(np.array([7, -3, 8], np.int64))[0].tolist() == [top, 0, -1]
+        for bad in (2**31, -1):
+            fresh = keyindex.IntKeyIndex(16)
+            with pytest.raises(ValueError, match=r"is not a slot a key index holds \(0..2\*\*31 - 1\)"):
+                fresh.build(np.array([5], np.int64), np.array([bad], np.int64))
+            assert (fresh.t["s"] == -1).all()
+        with pytest.raises(ValueError, match="not slots a key index holds|is not a slot a key index holds"):
+            keyindex.IntKeyIndex(16).fill(np.array([1, 2], np.int64), top)
+
+
+@needs_native
 def test_a_full_table_is_grown_not_overrun():
     """Keys whose homes all fall in the last rows: the C fill runs past the end, and the index
     grows its table and places them all (no write past the buffer)."""
@@ -240,16 +259,21 @@ def test_bad_buffers_are_named():
         n.bytes_hashes(np.array([0, 1, 2, 3], np.int32), b"abc", out)
     with pytest.raises(TypeError, match="writable"):
         n.bytes_hashes(np.array([0, 1], np.int32), b"a", b"12345678")
-    t = np.zeros((8, 2), np.int64)
+    t = np.zeros(8 * 12, np.uint8)  # 8 rows of 12 bytes
     with pytest.raises(ValueError, match="fewer rows than home positions"):
         n.index_lookup(t, 16, np.zeros(1, np.int64), np.empty(1, np.int64), np.empty(1, np.int64))
     for homes in (0, 2**32 + 1):
         with pytest.raises(ValueError, match=r"homes: must be 1..2\*\*32"):
             n.index_lookup(t, homes, np.zeros(1, np.int64), np.empty(1, np.int64), np.empty(1, np.int64))
-    with pytest.raises(ValueError, match="odd number"):
-        n.index_lookup(np.zeros(5, np.int64), 4, np.zeros(1, np.int64), np.empty(1, np.int64), np.empty(1, np.int64))
+    with pytest.raises(ValueError, match="not a whole number of 12-byte rows"):
+        n.index_lookup(np.zeros(50, np.uint8), 4, np.zeros(1, np.int64), np.empty(1, np.int64), np.empty(1, np.int64))
     with pytest.raises(ValueError, match="shorter than the keys"):
         n.index_lookup(t, 4, np.zeros(3, np.int64), np.empty(1, np.int64), np.empty(3, np.int64))
+    for slot in (-1, 2**31):
+        with pytest.raises(ValueError, match=r"slots: .* is not a slot a key index holds"):
+            n.index_insert(t, 4, np.zeros(1, np.int64), np.array([slot], np.int64), None)
+    with pytest.raises(ValueError, match=r"first: .* not slots a key index holds"):
+        n.index_fill(t, 4, np.zeros(2, np.int64), 2**31 - 1, np.empty(2, np.int64), np.empty(2, np.int64))
     with pytest.raises(ValueError, match="whole number of 8-byte values"):
         n.byte_streams(np.zeros(12, np.uint8), np.empty(12, np.uint8), 8, True)
     with pytest.raises(ValueError, match="same whole number"):

@@ -27,29 +27,37 @@ _H2 = np.uint64(0xBF58476D1CE4E5B9)
 _S31 = np.uint64(31)
 _S32 = np.uint64(32)
 _MAX_HOMES = 1 << 32  # home positions of an index at most (homes scale the hash's top 32 bits)
+_ROW = np.dtype([("k", "<i8"), ("s", "<i4")])  # a position: the key and its slot (-1: empty), packed in 12 bytes
+_MAX_SLOT = (1 << 31) - 1
 
 
 class IntKeyIndex:
     """Vectorized open-addressing hash index int64 key -> slot (linear probing, no deletes).
 
-    One int64 row ``(key, slot)`` per position, so a probe costs one cache miss; an empty
-    position has slot -1 (its key is irrelevant). Home positions come from the high bits of a
-    multiplicative hash (keys of one subtask share low bits of their key-group hash, and
-    sequential keys must not cluster), scaled to the ``cap`` home positions (the top 32 bits
-    times ``cap``, shifted right by 32: any number of positions, not only powers of two, so a
-    table holds what it is sized for instead of up to twice that). Probing does not wrap
-    around: the table has spare rows after the home positions; an insert that would run past
-    the end makes the caller rebuild. Lookups step all unresolved keys one position at a time while many remain, then
-    scan windows of ``_WINDOW`` positions for the few long probe sequences left.
+    One packed 12-byte row ``(key, int32 slot)`` per position, so a probe costs one cache
+    miss (a row runs into the next line a quarter of the time, a line the hardware fetches
+    beside it); an empty position has slot -1 (its key is irrelevant); slots are ``0..2**31 -
+    1``. Home positions come from the high bits of a multiplicative hash (keys of one subtask
+    share low bits of their key-group hash, and sequential keys must not cluster), scaled to
+    the ``cap`` home positions (the top 32 bits times ``cap``, shifted right by 32: any number
+    of positions, not only powers of two, so a table holds what it is sized for instead of up
+    to twice that). Probing does not wrap around: the table has spare rows after the home
+    positions; an insert that would run past the end makes the caller rebuild. Lookups step
+    all unresolved keys one position at a time while many remain, then scan windows of
+    ``_WINDOW`` positions for the few long probe sequences left.
 
-    Why 16-byte rows (measured at 5 M string keys, in C): 8-byte entries (a 32-bit tag of the
-    hash and the slot, the key confirmed in the store's keys by slot) halve the table (203 ->
-    102 MB) and cut a restore's wall time by ~8 %, but a found key then costs a second cache
-    miss, and a lookup is memory-bound: 19 -> 38 ns a key (``slots_for_var`` 90 -> 108 ns; the
-    aggregate's fold of 8,192 random keys 113 -> 127 ns an event, and 17 -> 18 ns at 100 k
-    keys), a prefetch of the slot's key one stage ahead did not win it back. Five keys and their five
-    slots in each 64-byte line (12.8 bytes a position; a model in C) built no faster and found
-    keys 15-50 % slower (the higher loads that would save memory probe more lines)."""
+    Why 12-byte rows (5 M string keys, fresh processes, interleaved): against 16-byte
+    ``(int64, int64)`` rows, a quarter less table (203 -> 152 MB at a restore's load of 0.4:
+    the restore's peak memory 447 -> 397 MB, its CPU 0.46-0.54 -> 0.42-0.45 s), and lookups
+    no slower (a found key 19-24 -> 17-20 ns; the aggregate's fold of 8,192 random keys 110
+    ns an event both, 17 -> 16 ns at 100 k keys). Tried and not taken: 8-byte entries (a
+    32-bit tag of the hash and the slot, the key confirmed in the store's keys by slot) halve
+    the table and cut a restore's wall time by ~8 %, but a found key then costs a second
+    cache miss, and a lookup is memory-bound: 19 -> 38 ns a key (the aggregate's fold 113 ->
+    127 ns an event at 5 M random keys, 17 -> 18 ns at 100 k), and a prefetch of the slot's
+    key one stage ahead did not win it back. Five keys and their five slots in each 64-byte
+    line (12.8 bytes a position; a model in C) built no faster and found keys 15-50 % slower
+    (the higher loads that would save memory probe more lines)."""
 
     __slots__ = ("t", "cap", "size")
 
@@ -62,11 +70,11 @@ class IntKeyIndex:
 
     @staticmethod
     def _alloc(rows: int) -> np.ndarray:
-        t = np.zeros((rows, 2), np.int64)
+        t = np.zeros(rows, _ROW)
         # also touches every page now, in order: left to a restore's fill thread to fault in at
         # random while the other threads fault in theirs, the restore's CPU went 0.43 -> 0.7 s
         # (5 M string keys, measured with 8-byte entries on calloc'd memory)
-        t[:, 1] = -1
+        t["s"] = -1
         return t
 
     def _homes(self, keys: np.ndarray) -> np.ndarray:
@@ -85,14 +93,14 @@ class IntKeyIndex:
         if NATIVE is not None:  # one C loop (abscore.native), same results
             keys = np.ascontiguousarray(keys, np.int64)
             out, pos = np.empty(len(keys), np.int64), np.empty(len(keys), np.int64)
-            NATIVE.index_lookup(self.t, self.cap, keys, out, pos)
+            NATIVE.index_lookup(self.t.view(np.uint8), self.cap, keys, out, pos)
             return out, pos
         t = self.t
         rows = len(t)
         pos = self._homes(keys)
-        r = np.take(t, pos, axis=0)
-        s = r[:, 1]
-        hit = r[:, 0] == keys
+        r = np.take(t, pos)
+        s = r["s"].astype(np.int64)
+        hit = r["k"] == keys
         out = np.where(hit, s, -1)  # an empty position holding the key gives -1 as well
         idx = np.flatnonzero(~hit & (s >= 0))
         while idx.size:
@@ -103,19 +111,19 @@ class IntKeyIndex:
                     pos[idx[off]] = rows
                     idx, p = idx[~off], p[~off]
                 pos[idx] = p
-                r = np.take(t, p, axis=0)
-                s = r[:, 1]
-                hit = r[:, 0] == keys[idx]
+                r = np.take(t, p)
+                s = r["s"].astype(np.int64)
+                hit = r["k"] == keys[idx]
                 if hit.any():
                     out[idx[hit]] = s[hit]
                 idx = idx[~hit & (s >= 0)]
             else:
                 base = pos[idx] + 1
                 win = np.minimum(base[:, None] + _WIN, rows - 1)
-                rr = np.take(t, win, axis=0)
-                ss = rr[:, :, 1]
+                rr = np.take(t, win)
+                ss = rr["s"].astype(np.int64)
                 empty = ss < 0
-                match = (rr[:, :, 0] == keys[idx][:, None]) & ~empty
+                match = (rr["k"] == keys[idx][:, None]) & ~empty
                 found = match.any(1)
                 if found.any():
                     out[idx[found]] = ss[found, match[found].argmax(1)]
@@ -137,13 +145,14 @@ class IntKeyIndex:
         left). False when a key would land past the table end (the table is then partly
         filled: rebuild it)."""
         if NATIVE is not None:
-            if not NATIVE.index_insert(self.t, self.cap, np.ascontiguousarray(keys, np.int64),
+            if not NATIVE.index_insert(self.t.view(np.uint8), self.cap, np.ascontiguousarray(keys, np.int64),
                                        np.ascontiguousarray(slots, np.int64), np.ascontiguousarray(start, np.int64)):
                 return False
             self.size += len(keys)
             return True
+        _check_slots(slots)
         t = self.t
-        col = t[:, 1]
+        col = t["s"]
         rows = len(t)
         pos = start.copy()
         idx = np.arange(len(keys))
@@ -167,7 +176,7 @@ class IntKeyIndex:
                 pos[moving] += _WINDOW
             col[at] = slots[cand]
             won = col[at] == slots[cand]
-            t[at[won], 0] = keys[cand[won]]
+            t["k"][at[won]] = keys[cand[won]]
             lost = cand[~won]
             pos[lost] = at[~won] + 1
             idx = np.concatenate((moving, lost))
@@ -180,7 +189,7 @@ class IntKeyIndex:
         where linear probing puts it)."""
         if NATIVE is not None:  # keys in order, each at the first free position from its home
             keys, slots = np.ascontiguousarray(keys, np.int64), np.ascontiguousarray(slots, np.int64)
-            while not NATIVE.index_insert(self.t, self.cap, keys, slots, None):
+            while not NATIVE.index_insert(self.t.view(np.uint8), self.cap, keys, slots, None):
                 self.t = self._alloc(len(self.t) + self.cap // 8)  # rare: a run past the end
             self.size = len(keys)
             return
@@ -190,8 +199,9 @@ class IntKeyIndex:
         pos = i + np.maximum.accumulate(home[order] - i)
         if len(pos) and pos[-1] + 1 + _WINDOW > len(self.t):
             self.t = self._alloc(int(pos[-1]) + 1 + _WINDOW + self.cap // 64)
-        self.t[pos, 0] = keys[order]
-        self.t[pos, 1] = slots[order]
+        _check_slots(slots)
+        self.t["k"][pos] = keys[order]
+        self.t["s"][pos] = slots[order]
         self.size = len(keys)
 
     def fill(self, keys: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray]:
@@ -236,8 +246,10 @@ class IntKeyIndex:
         if n and pos[-1] + 1 + _WINDOW > len(self.t):
             self.t = self._alloc(int(pos[-1]) + 1 + _WINDOW + self.cap // 64)
         sorted_keys = np.take(keys, rows, out=i)
-        self.t[:, 0][pos] = sorted_keys
-        self.t[:, 1][pos] = rows + first if first else rows
+        if n:
+            _check_slots(np.array([first, first + n - 1]))
+        self.t["k"][pos] = sorted_keys
+        self.t["s"][pos] = rows + first if first else rows
         self.size = n
         # equal keys have equal prefixes, and rows of one prefix are adjacent: check those alone
         near = np.flatnonzero(prefix[1:] == prefix[:-1])
@@ -262,11 +274,17 @@ class IntKeyIndex:
         n = len(keys)
         keys = np.ascontiguousarray(keys, np.int64)
         rows, owners = np.empty(n, np.int64), np.empty(n, np.int64)
-        dups = NATIVE.index_fill(self.t, self.cap, keys, first, rows, owners)
+        dups = NATIVE.index_fill(self.t.view(np.uint8), self.cap, keys, first, rows, owners)
         if dups < 0:
             return None
         self.size += n  # the keys given, as fill counts them
         return rows[:dups].copy(), owners[:dups].copy()
+
+
+def _check_slots(slots: np.ndarray) -> None:
+    if len(slots) and (int(slots.min()) < 0 or int(slots.max()) > _MAX_SLOT):
+        bad = int(slots[(slots < 0) | (slots > _MAX_SLOT)][0])
+        raise ValueError(f"slots: {bad} is not a slot a key index holds (0..2**31 - 1)")
 
 
 _PACK_BITS = 32  # IntKeyIndex.fill packs a row into the low bits of a hash while its top 32 bits (the home) stay
