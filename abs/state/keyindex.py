@@ -50,7 +50,10 @@ class IntKeyIndex:
     ``(int64, int64)`` rows, a quarter less table (203 -> 152 MB at a restore's load of 0.4:
     the restore's peak memory 447 -> 397 MB, its CPU 0.46-0.54 -> 0.42-0.45 s), and lookups
     no slower (a found key 19-24 -> 17-20 ns; the aggregate's fold of 8,192 random keys 110
-    ns an event both, 17 -> 16 ns at 100 k keys). Tried and not taken: 8-byte entries (a
+    ns an event both, 17 -> 16 ns at 100 k keys). Without the C module the numpy twin pays for
+    it: numpy gathers 12-byte records at ~4.8 ns a key against ~2.1 for int64 pairs (field
+    views by fancy indexing ~7.9, the rows as uint32 words ~8.9), the fold 65-70 -> 82 ns an
+    event at 1 M keys. Tried and not taken: 8-byte entries (a
     32-bit tag of the hash and the slot, the key confirmed in the store's keys by slot) halve
     the table and cut a restore's wall time by ~8 %, but a found key then costs a second
     cache miss, and a lookup is memory-bound: 19 -> 38 ns a key (the aggregate's fold 113 ->
