@@ -443,7 +443,8 @@ static PyObject *index_insert(PyObject *self, PyObject *args) {
     const int64_t *k = keys.view.buf, *sl = slots.view.buf, *st = have_start ? start.view.buf : NULL;
     for (Py_ssize_t i = 0; i < n; i++)
         if (sl[i] < 0 || sl[i] > MAX_SLOT) {
-            PyErr_Format(PyExc_ValueError, "slots: %lld is not a slot a key index holds (0..2**31 - 1)", (long long)sl[i]);
+            PyErr_Format(PyExc_ValueError, "slots: %lld is not a slot a key index holds (0..2**31 - 1; a subtask's key index holds at most 2**31 keys: run "
+                         "the job at a higher parallelism)", (long long)sl[i]);
             goto done;
         }
     char *t = tab.t;
@@ -488,7 +489,8 @@ static PyObject *index_fill(PyObject *self, PyObject *args) {
     char *t = tab.t;
     int64_t rows = tab.rows;
     if (first < 0 || first + (int64_t)n - 1 > MAX_SLOT) {
-        PyErr_Format(PyExc_ValueError, "first: slots %lld.. of %zd keys are not slots a key index holds (0..2**31 - 1)",
+        PyErr_Format(PyExc_ValueError, "first: slots %lld.. of %zd keys are not slots a key index holds (0..2**31 - 1; a subtask's key index "
+                     "holds at most 2**31 keys: run the job at a higher parallelism)",
                      first, n);
         release_all(&b[0], &b[1], &b[2], &b[3]);
         return NULL;

@@ -29,6 +29,7 @@ _S32 = np.uint64(32)
 _MAX_HOMES = 1 << 32  # home positions of an index at most (homes scale the hash's top 32 bits)
 _ROW = np.dtype([("k", "<i8"), ("s", "<i4")])  # a position: the key and its slot (-1: empty), packed in 12 bytes
 _MAX_SLOT = (1 << 31) - 1
+_SLOTS_HINT = "; a subtask's key index holds at most 2**31 keys: run the job at a higher parallelism"
 
 
 class IntKeyIndex:
@@ -287,7 +288,7 @@ class IntKeyIndex:
 def _check_slots(slots: np.ndarray) -> None:
     if len(slots) and (int(slots.min()) < 0 or int(slots.max()) > _MAX_SLOT):
         bad = int(slots[(slots < 0) | (slots > _MAX_SLOT)][0])
-        raise ValueError(f"slots: {bad} is not a slot a key index holds (0..2**31 - 1)")
+        raise ValueError(f"slots: {bad} is not a slot a key index holds (0..2**31 - 1{_SLOTS_HINT})")
 
 
 _PACK_BITS = 32  # IntKeyIndex.fill packs a row into the low bits of a hash while its top 32 bits (the home) stay
