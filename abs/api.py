@@ -243,9 +243,23 @@ class JobHandle:
             raise ConfigError(f"savepoint(path={path!r}): the path must be a non-empty str (a directory path or "
                               "fsspec URL), or None for <storage>/savepoints/sp-<id>")
         _check_timeout(timeout, "savepoint")
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise ConfigError(f"savepoint(storage_options=...): must be a mapping (a dict of the file system's options) "
+                              f"or None, got {_spelled(storage_options)}; pass e.g. storage_options={{'endpoint_url': ...}}")
         if d.storage_url is None:
             raise ConfigError(f"job {d.flow.name!r} runs without storage; pass storage=... to take savepoints")
         store = d.store or SnapshotStore.open(d.storage_url, d.storage_options)
+        if path is not None:
+            from storage.store import _comparable
+
+            if _comparable(path) == _comparable(store.url):
+                # the savepoint would take the next checkpoint id of the root, the one the running
+                # job's own next checkpoint takes: that checkpoint's commit then fails
+                raise ConfigError(
+                    f"savepoint(path={path!r}): that is the storage root of the running job {d.flow.name!r}; a "
+                    "savepoint there takes the id of the job's next checkpoint, which then cannot commit; pass "
+                    "another directory, or None for <storage>/savepoints/sp-<id> (to copy a checkpoint into its "
+                    "own root, stop the job first: abs-snapshot savepoint ROOT ID ROOT)")
         sources = d._sources()
         releases = []
         try:

@@ -383,6 +383,31 @@ def test_a_savepoint_path_or_timeout_of_the_wrong_kind_is_refused_before_anythin
         job.cancel()
 
 
+def test_a_savepoint_into_the_running_jobs_own_root_is_refused_before_anything_is_taken(tmp_path, monkeypatch):
+    """savepoint(<the job's own storage root>) wrote the savepoint under the root's next
+    checkpoint id; the job's next checkpoint then failed its commit (CheckpointExistsError),
+    which failed the job at tolerable_failures=0. storage_options that are no mapping failed
+    with a bare ValueError from dict() after a checkpoint had been taken."""
+    root = tmp_path / "root"
+    job = abs.submit(counting_flow(held(abs.GeneratorSource(12_000, num_keys=NUM_KEYS, num_splits=6, batch_size=200),
+                                        1_000, 1_000, tmp_path)), parallelism=2, storage=str(root),
+                     checkpoint=abs.CheckpointConfig(tolerable_failures=0))
+    try:
+        monkeypatch.chdir(tmp_path)
+        for path in (str(root), f"{root}/", f"file://{root}", "root"):
+            with pytest.raises(abs.ConfigError, match=r"savepoint\(path=.*\): that is the storage root of the running "
+                                                      r"job 'counts'.*pass another directory, or None"):
+                job.savepoint(path)
+        with pytest.raises(abs.ConfigError, match=r"savepoint\(storage_options=\.\.\.\): must be a mapping .* got str 'x'"):
+            job.savepoint(str(tmp_path / "sp"), storage_options="x")
+        assert job.metrics()["completed_checkpoints"] == 0
+        written = job.savepoint()  # the default, <storage>/savepoints/sp-<id>, is a root of its own
+        assert SnapshotStore.open(written).read_manifest(SnapshotStore.open(written).latest_checkpoint()).kind == "savepoint"
+        assert job.trigger_checkpoint(timeout=120) > 0 and job.status == "RUNNING"
+    finally:
+        job.cancel()
+
+
 def test_savepoint_copied_elsewhere_restores_into_another_parallelism(tmp_path):
     import shutil
 
