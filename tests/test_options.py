@@ -143,6 +143,24 @@ def test_run_and_submit_take_a_typed_restore(tmp_path, capfd):
     assert f"restoring checkpoint {by_id.last_checkpoint} of {root}" in capfd.readouterr().err
 
 
+@pytest.mark.integration
+@pytest.mark.s3
+def test_a_savepoint_on_s3_restores_with_the_jobs_storage_options(s3_server, s3_root):
+    """restore=<an s3:// savepoint> opened the savepoint without storage options: with the
+    endpoint and credentials given as storage_options (as the README's cluster example does),
+    the restore failed with NoCredentialsError, and no option reached the savepoint."""
+    from storage import SnapshotStore
+
+    options = s3_server.storage_options
+    first = abs.run(small_flow(), parallelism=2, storage=f"{s3_root}/a", storage_options=options)
+    savepoint = f"{s3_root}/sp"
+    SnapshotStore.open(f"{s3_root}/a", options).savepoint(first.last_checkpoint, savepoint)
+    second = abs.run(small_flow(), parallelism=3, storage=f"{s3_root}/b", storage_options=options, restore=savepoint)
+    assert second.status == "FINISHED" and second.restored_from is not None
+    assert second.collected("mem").num_rows == 0  # restored at the end of the input: nothing left to do
+    assert SnapshotStore.open(f"{s3_root}/b", options).verify().ok
+
+
 # ----------------------------------------------------------------------------- RuntimeOptions
 
 import inspect  # noqa: E402

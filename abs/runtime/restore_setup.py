@@ -200,8 +200,15 @@ class RestoreSetup:
             return choice, store, url, opts, ""
         if isinstance(r, int):
             choice = choose_restore(store, r)
-        else:  # a savepoint (or any root) elsewhere: its latest checkpoint
-            store, url, opts = SnapshotStore.open(r, None), r, None
+        else:  # a savepoint (or any root) elsewhere: its latest checkpoint. One on the job root's
+            # kind of file system (an s3:// savepoint of an s3:// job) is read with the job's
+            # storage_options, as SnapshotStore.savepoint writes it with them
+            import fsspec.core
+            from storage.backend import protocols_of
+
+            same = store is not None and (fsspec.core.split_protocol(r)[0] or "file") in protocols_of(store.fs)
+            opts = self.storage_options if same else None
+            store, url = SnapshotStore.open(r, opts), r
             choice = choose_restore(store, "latest")
         rs.origin, rs.origin_id, rs.origin_url, rs.origin_options = "exact", choice.checkpoint_id, url, opts
         return choice, store, url, opts, ""
