@@ -216,6 +216,9 @@ class Stream:
     def union(self, *others: "Stream", uid: str | None = None) -> "Stream":
         """Merge this stream with others (same columns)."""
         for o in others:
+            if not isinstance(o, Stream):
+                raise GraphError(f"union: expected streams of this dataflow, got {type(o).__name__} {o!r}; pass the "
+                                 "streams returned by source(), map(), ... e.g. a.union(b, c)")
             if o.flow is not self.flow:
                 raise GraphError("union: streams belong to different dataflows")
         edges = (self._edge(),) + tuple(o._edge() for o in others)
@@ -340,6 +343,9 @@ class KeyedStream(Stream):
             raise GraphError(f"aggregate {uid!r}: value_type must be an Arrow integer or floating type, got {value_type!r}")
         if not isinstance(self._key, str):
             raise GraphError(f"aggregate {uid!r}: key_by a single column name (vectorized), got {self._key!r}")
+        if not isinstance(aggregations, Mapping):
+            raise GraphError(f"aggregate {uid!r}: aggregations must be a dict {{output column: (input column, function)}}, "
+                             f"got {type(aggregations).__name__}; pass e.g. {{'total': ('value', 'sum')}}")
         if not aggregations:
             raise GraphError(f"aggregate {uid!r}: give at least one aggregation")
         if emit not in ("updates", "none"):
@@ -372,6 +378,9 @@ def _callable(fn: Any, what: str) -> Any:
 
 
 def _states(uid: str, states: Sequence[StateDescriptor]) -> tuple:
+    if isinstance(states, (ValueState, ListState, MapState, ReducingState, str)) or not isinstance(states, Iterable):
+        raise GraphError(f"operator {uid!r}: state must be a list of ValueState/ListState/MapState/ReducingState, got "
+                         f"{states!r}; pass state=[...] (a list, even of one)")
     seen = set()
     for s in states:
         if not isinstance(s, (ValueState, ListState, MapState, ReducingState)):

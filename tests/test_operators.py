@@ -135,3 +135,28 @@ def test_a_max_parallelism_that_is_not_an_int_is_refused_when_the_dataflow_is_ma
 
     with pytest.raises(GraphError, match=r"Dataflow 'x': max_parallelism must be an int in 1\.\.32768, got"):
         abs.Dataflow("x", max_parallelism=mp)
+
+
+def test_builder_arguments_of_the_wrong_shape_are_refused_naming_the_argument():
+    """state=ValueState(...) (not in a list) raised a bare TypeError ("'ValueState' object is
+    not iterable"), aggregate(uid, [...]) an AttributeError ("'list' object has no attribute
+    'items'"), union("x") an AttributeError ("'str' object has no attribute 'flow'")."""
+    import abs
+
+    def keyed() -> abs.KeyedStream:
+        return abs.Dataflow("x").source("src", abs.GeneratorSource(10)).key_by("key")
+
+    for state in (abs.ValueState("n", pa.int64()), "n", 3):
+        with pytest.raises(GraphError, match=r"operator 'p': state must be a list of ValueState/ListState/MapState/"
+                                             r"ReducingState, got .*; pass state=\[\.\.\.\]"):
+            keyed().process("p", lambda ctx, row: None, state=state)
+    with pytest.raises(GraphError, match=r"aggregate 'a': aggregations must be a dict \{output column: \(input column, "
+                                         r"function\)\}, got list; pass e\.g\. \{'total': \('value', 'sum'\)\}"):
+        keyed().aggregate("a", [("total", ("value", "sum"))])
+    stream = abs.Dataflow("y").source("src", abs.GeneratorSource(10))
+    with pytest.raises(GraphError, match=r"union: expected streams of this dataflow, got str 'x'"):
+        stream.union("x")
+    # the right shapes still build
+    keyed().process("p", lambda ctx, row: None, state=[abs.ValueState("n", pa.int64())])
+    keyed().process("p", lambda ctx, row: None, state=(abs.ValueState("n"),))
+    keyed().aggregate("a", {"total": ("value", "sum")})
