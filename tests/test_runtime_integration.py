@@ -383,6 +383,19 @@ def test_a_savepoint_path_or_timeout_of_the_wrong_kind_is_refused_before_anythin
         job.cancel()
 
 
+def test_collected_of_a_uid_that_is_no_collect_sink_is_refused_naming_the_collect_sinks(tmp_path):
+    """A misspelt uid (or a FileSink's) returned an empty table, as if the sink had received
+    nothing."""
+    flow = counting_flow(abs.GeneratorSource(500, num_keys=NUM_KEYS))
+    flow.source("more", abs.GeneratorSource(10)).sink("files", abs.FileSink(str(tmp_path / "files")))
+    result = abs.run(flow, parallelism=1)
+    assert result.collected("out").num_rows == 500
+    for uid in ("ouT", "files", "count"):
+        with pytest.raises(abs.ConfigError, match=rf"JobResult\.collected\('{uid}'\): job 'counts' has no CollectSink "
+                                                  rf"'{uid}'; its CollectSinks: \['out'\]; pass one of those uids"):
+            result.collected(uid)
+
+
 def test_a_savepoint_into_the_running_jobs_own_root_is_refused_before_anything_is_taken(tmp_path, monkeypatch):
     """savepoint(<the job's own storage root>) wrote the savepoint under the root's next
     checkpoint id; the job's next checkpoint then failed its commit (CheckpointExistsError),

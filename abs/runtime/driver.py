@@ -267,6 +267,7 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
             rolled_back={uid: sorted(ids) for uid, ids in self._restore_state.rolled_back.items()},
             repeated_output={uid: sorted(ids) for uid, ids in self._restore_state.repeated.items()},
             autoscale_decisions=self.autoscale_report(),
+            collect_sinks=tuple(self._collect_sinks),
             _collected=self._collected,
         )
         self._done.set()

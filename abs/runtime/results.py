@@ -57,12 +57,20 @@ class JobResult:
     repeated_output: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     # automatic scaling (abs.Autoscale): each decision, its reason and outcome, seconds from the start
     autoscale_decisions: list[dict] = dataclasses.field(default_factory=list)
+    # the uids of the job's CollectSinks (None: not known, e.g. a JobResult made by hand)
+    collect_sinks: tuple[str, ...] | None = dataclasses.field(default=None, repr=False)
     _collected: dict[str, list[bytes]] = dataclasses.field(default_factory=dict, repr=False)
 
     def collected(self, uid: str) -> pa.Table:
         """Every record a :class:`abs.connectors.sinks.CollectSink` with this uid received."""
         from .channels import decode
 
+        if self.collect_sinks is not None and uid not in self.collect_sinks:
+            # a misspelt uid, or a sink of another kind, read as an empty table: as if no record came
+            from ..errors import ConfigError
+
+            raise ConfigError(f"JobResult.collected({uid!r}): job {self.job_name!r} has no CollectSink {uid!r}; "
+                              f"its CollectSinks: {list(self.collect_sinks)}; pass one of those uids")
         batches = [decode(b) for b in self._collected.get(uid, [])]
         if not batches:
             return pa.table({})
