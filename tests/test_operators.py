@@ -160,3 +160,22 @@ def test_builder_arguments_of_the_wrong_shape_are_refused_naming_the_argument():
     keyed().process("p", lambda ctx, row: None, state=[abs.ValueState("n", pa.int64())])
     keyed().process("p", lambda ctx, row: None, state=(abs.ValueState("n"),))
     keyed().aggregate("a", {"total": ("value", "sum")})
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"count": -1}, r"count must be an int >= 0 or None, got -1"),
+    ({"count": "10"}, r"count must be an int >= 0 or None, got '10'"),  # was a bare TypeError from '<'
+    ({"count": 10, "rate": float("nan")}, r"rate must be a finite number > 0 .* got nan"),  # failed in the workers
+    ({"count": 10, "rate": 0}, r"rate must be a finite number > 0"),
+    ({"count": 10, "num_keys": 0}, r"num_splits, batch_size and num_keys must be ints >= 1, got num_keys=0"),
+    ({"count": 10, "batch_size": "4"}, r"num_splits, batch_size and num_keys must be ints >= 1, got batch_size='4'"),
+    ({"count": 10, "make_batch": 3}, r"make_batch must be a function"),
+])
+def test_generator_source_options_are_refused_as_config_errors_naming_the_option(kwargs, message):
+    import numpy as np
+
+    import abs
+
+    with pytest.raises(abs.ConfigError, match=rf"^GeneratorSource: {message}"):
+        abs.GeneratorSource(**kwargs)
+    assert abs.GeneratorSource(np.int64(10), num_keys=np.int32(3), rate=np.float32(5.0)).count == 10  # numpy numbers fit

@@ -17,11 +17,15 @@ Offsets are JSON values (numbers, strings, lists, dicts of those).
 from __future__ import annotations
 
 import abc
+import math
+import numbers
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import pyarrow as pa
+
+from ..errors import ConfigError  # a ValueError too
 
 __all__ = [
     "Source",
@@ -188,12 +192,23 @@ class GeneratorSource(Source):
         rate: float | None = None,
         make_batch: Callable[[Any], pa.RecordBatch] | None = None,
     ) -> None:
-        if count is not None and count < 0:
-            raise ValueError(f"GeneratorSource: count must be >= 0 or None, got {count}")
-        if num_splits < 1 or batch_size < 1 or num_keys < 1:
-            raise ValueError("GeneratorSource: num_splits, batch_size and num_keys must be >= 1")
-        if rate is not None and rate <= 0:
-            raise ValueError(f"GeneratorSource: rate must be > 0 or None, got {rate}")
+        def is_int(v: Any) -> bool:
+            return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+        if count is not None and not (is_int(count) and count >= 0):
+            raise ConfigError(f"GeneratorSource: count must be an int >= 0 or None, got {count!r}")
+        for name, v in (("num_splits", num_splits), ("batch_size", batch_size), ("num_keys", num_keys)):
+            if not (is_int(v) and v >= 1):
+                raise ConfigError(f"GeneratorSource: num_splits, batch_size and num_keys must be ints >= 1, got "
+                                  f"{name}={v!r}")
+        # NaN passed 'rate <= 0' and failed in the workers ("cannot convert float NaN to integer")
+        if rate is not None and not (isinstance(rate, numbers.Real) and not isinstance(rate, bool)
+                                     and math.isfinite(rate) and rate > 0):
+            raise ConfigError(f"GeneratorSource: rate must be a finite number > 0 (records per second per split) or "
+                              f"None, got {rate!r}")
+        if make_batch is not None and not callable(make_batch):
+            raise ConfigError(f"GeneratorSource: make_batch must be a function (indices) -> pyarrow.RecordBatch or None, "
+                              f"got {type(make_batch).__name__}")
         self.count = count
         self.num_keys = num_keys
         self.num_splits = num_splits
