@@ -74,6 +74,10 @@ def _driver(flow: Dataflow, o: _JobOptions) -> JobDriver:
         executor = LocalExecutor()
     elif isinstance(executor, str):
         raise ConfigError(f"executor must be 'local' or an executor object (e.g. abs.SparkExecutor), got {executor!r}")
+    elif isinstance(executor, type) or not callable(getattr(executor, "launch", None)):
+        # anything else failed the job once it started ("'object' object has no attribute 'launch'")
+        raise ConfigError(f"executor must be 'local' or an executor object (abs.LocalExecutor(...), "
+                          f"abs.SparkExecutor(spark, num_workers=...)), got {_spelled(executor)}")
     if parallelism is None:  # the executor's size (SparkExecutor(num_workers=...)), else 1
         parallelism = getattr(executor, "num_workers", None) or 1
     if checkpoint is not None and not isinstance(checkpoint, CheckpointConfig):

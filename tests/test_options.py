@@ -270,3 +270,17 @@ def test_storage_options_must_be_a_mapping(fn, storage_options, got, tmp_path):
                                               rf"options\) or None, got {got}; pass e\.g\. storage_options="):
         fn(small_flow(), parallelism=1, storage=str(tmp_path / "snap"), storage_options=storage_options)
     assert not (tmp_path / "snap").exists()  # refused before the root was opened
+
+
+@pytest.mark.parametrize("fn", [abs.run, abs.submit], ids=["run", "submit"])
+@pytest.mark.parametrize("executor, got", [
+    (object(), r"object <object object at 0x[0-9a-f]+>"),
+    (abs.LocalExecutor, r"the class abs\.runtime\.executors\.LocalExecutor itself"),
+    (4, r"int 4"),
+])
+def test_an_executor_that_is_no_executor_is_refused_before_the_job_starts(fn, executor, got):
+    """Such an executor failed the job once it had started, with "'object' object has no
+    attribute 'launch'" (or a TypeError of the unbound method, for the class itself)."""
+    with pytest.raises(abs.ConfigError, match=rf"executor must be 'local' or an executor object \(abs\.LocalExecutor"
+                                              rf"\(\.\.\.\), abs\.SparkExecutor\(spark, num_workers=\.\.\.\)\), got {got}"):
+        fn(small_flow(), parallelism=1, executor=executor)
