@@ -14,6 +14,7 @@ import abs
 from abs.faults import Fault
 from abs.connectors.file_sink import FileSink, read_output
 from pacing import PacedSource
+from recovery import NoUsableCheckpointError
 from storage import JobMismatchError, SnapshotStore, StorageUnavailableError
 from storage.testing import Fault as StorageFault
 
@@ -127,6 +128,39 @@ def test_without_restarts_the_failure_names_the_worker_and_advises_the_restore(t
     with pytest.raises(abs.WorkerLostError, match=r"worker 1 .*signal 9.*gave up after 0 restart.*restore='latest'"):
         abs.run(flow(str(tmp_path / "out")), parallelism=2, checkpoint=abs.CheckpointConfig(interval=0.25),
                 storage=str(tmp_path / "snap"), runtime=abs.RuntimeOptions(faults=[Fault("records", "task1#1", nth=500)]))
+
+
+def fails_at_once(ctx, row):
+    raise ValueError("bad record")
+
+
+def test_a_job_that_gave_up_before_any_checkpoint_does_not_advise_restore_latest(tmp_path):
+    """Without a checkpoint in the root, the advice 'run it again with restore=latest to
+    continue from its latest complete checkpoint' led to a refused restore ('holds no
+    checkpoint'), and for a run that started from a savepoint it left the savepoint behind."""
+    def failing() -> abs.Dataflow:
+        f = abs.Dataflow("crash")
+        # more records per split than flow()'s: a restore of its savepoint still has records to fail on
+        f.source("src", abs.GeneratorSource(2 * TOTAL, num_keys=KEYS, num_splits=4, batch_size=200)).key_by("key").process(
+            "count", fails_at_once, state=[abs.ValueState("n", pa.int64())]).sink("out", abs.CollectSink())
+        return f
+
+    root = str(tmp_path / "snap")
+    with pytest.raises(abs.OperatorError) as err:
+        abs.run(failing(), parallelism=2, storage=root)
+    assert "bad record" in str(err.value) and "gave up after 0 restart" in str(err.value)
+    assert "continue from its latest complete checkpoint" not in str(err.value), str(err.value)
+    assert "holds no complete checkpoint yet, so restore='latest' would find nothing: run it again as before" in str(err.value)
+    with pytest.raises(NoUsableCheckpointError, match="holds no checkpoint"):
+        abs.run(failing(), parallelism=2, storage=root, restore="latest")  # what the old advice led to
+
+    # a run that started from a savepoint elsewhere: run it again from the savepoint
+    first = abs.run(flow(str(tmp_path / "out"), paced=False), parallelism=2, storage=str(tmp_path / "a"))
+    savepoint = str(tmp_path / "sp")
+    SnapshotStore.open(str(tmp_path / "a")).savepoint(first.last_checkpoint, savepoint)
+    with pytest.raises(abs.OperatorError) as err:
+        abs.run(failing(), parallelism=2, storage=str(tmp_path / "b"), restore=savepoint, allow_non_restored_state=True)
+    assert f"no checkpoint of this run completed; run it again with restore={savepoint!r} as before" in str(err.value)
 
 
 def test_storage_write_failures_fail_only_that_checkpoint_and_the_job_goes_on(tmp_path):

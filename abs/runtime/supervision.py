@@ -17,6 +17,7 @@ from multiprocessing.connection import Listener, wait
 from typing import Any, Callable
 
 from ..errors import JobFailedError, StartupError, WorkerLostError
+from ..options import RESTORE_KEYWORDS
 from storage.errors import StorageError
 
 from . import messages as m
@@ -322,6 +323,29 @@ class Supervision:
             used = len(self.restarts)
             sep = "\n" if "\n" in str(exc) else "; "
             exc.args = (f"{exc}{sep}the job gave up after {used} restart(s) (RestartStrategy.max_restarts="
-                        f"{self.restart.max_restarts}); run it again with restore='latest' to continue from its "
-                        "latest complete checkpoint",) + exc.args[1:]
+                        f"{self.restart.max_restarts}); {self._rerun_advice()}",) + exc.args[1:]
         return exc
+
+    def _rerun_advice(self) -> str:
+        """How to run a job that gave up again: restore='latest' only where its root holds a
+        checkpoint to continue from (else that restore is refused, or a savepoint the run
+        started from would be left behind)."""
+        rs = self._restore_state
+        latest = "run it again with restore='latest' to continue from its latest complete checkpoint"
+        if self.completed or rs.origin == "latest" or (rs.origin == "exact" and rs.origin_url == self.storage_url):
+            return latest
+        if isinstance(self.restore, str) and self.restore not in RESTORE_KEYWORDS:
+            # a savepoint elsewhere, and no checkpoint of this run completed
+            return (f"no checkpoint of this run completed; run it again with restore={self.restore!r} as before to "
+                    "start from that savepoint")
+        try:
+            holds = None if self.store is None else bool(self.store.list_checkpoints())
+        except Exception:  # noqa: BLE001 - the root may be what failed; then it cannot be told
+            holds = None
+        if holds:
+            return latest
+        if holds is False:
+            return ("its storage root holds no complete checkpoint yet, so restore='latest' would find nothing: run "
+                    "it again as before (restore='latest-if-any' continues from a checkpoint when there is one)")
+        return ("once the storage root is reachable, run it again with restore='latest-if-any' (it continues from the "
+                "latest complete checkpoint when there is one, else starts fresh)")
