@@ -293,3 +293,44 @@ def test_busy_and_backpressured_time_per_subtask(tmp_path):
             assert six == ["busy mean 50%, max 90% (#5)", "backpressured mean 25%, max 50% (#5)"]
     finally:
         job.cancel()
+
+
+def test_a_restart_shows_at_once_not_only_after_its_back_off(tmp_path, caplog):
+    """A worker died and the restart strategy waits 3 s: the driver recorded the restart and
+    the status RESTARTING only after that wait, so for as long the page and /metrics said
+    RUNNING (abs_job_up 1), listed no restart and kept the dead workers' busy shares."""
+    import logging
+    import threading
+
+    from abs.faults import Fault
+
+    announced = threading.Event()
+
+    class Announced(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "restart 1 of 1 in" in record.getMessage():
+                announced.set()
+
+    handler = Announced()
+    with caplog.at_level("INFO", logger="abs"):
+        logging.getLogger("abs").addHandler(handler)
+        job = abs.submit(held_flow(str(tmp_path / "never-opened")), parallelism=2, storage=str(tmp_path / "root"),
+                         checkpoint=abs.CheckpointConfig(interval=0.3), dashboard=True,
+                         restart=abs.RestartStrategy(max_restarts=1, delay=3.0),
+                         runtime=abs.RuntimeOptions(faults=[Fault("records", "task1#0", nth=1_000)]))
+        server = job.dashboard
+        try:
+            assert announced.wait(180), "the fault did not kill worker 0"
+            # the driver is in the restart strategy's delay now
+            snap = json.loads(get(f"{server.base_url}/api/job?token={server.token}")[1])
+            assert snap["status"] == "RESTARTING", snap["status"]
+            assert [r["attempt"] for r in snap["restarts"]] == [1] and "worker 0" in snap["restarts"][0]["error"]
+            assert snap["load"] == {} and snap["records_in"] == {}
+            metrics = {(s.name, s.labels.get("status")): s.value
+                       for fam in text_string_to_metric_families(get(f"{server.base_url}/metrics?token={server.token}")[1].decode())
+                       for s in fam.samples}
+            assert metrics[("abs_job_up", "RESTARTING")] == 0 and metrics[("abs_job_restarts_total", None)] == 1
+            assert not any(name == "abs_task_busy_ratio" for name, _ in metrics)
+        finally:
+            logging.getLogger("abs").removeHandler(handler)
+            job.cancel()

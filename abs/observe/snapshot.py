@@ -117,16 +117,18 @@ def job_snapshot(driver: Any, *, clock: Callable[[], float] = time.monotonic,
         completed = completed[-limit:] if limit > 0 else []
         failed = failed[-limit:] if limit > 0 else []
     details = _copied(lambda: dict(getattr(driver, "checkpoint_tasks", {})))
+    status = driver.status
+    running = status == "RUNNING"
     coord = getattr(driver, "coord", None)
     if pending is None:
         try:
-            pending = coord.pending_ids() if coord is not None and driver.status == "RUNNING" else ()
+            pending = coord.pending_ids() if coord is not None and running else ()
         except RuntimeError:
             pending = ()
     started = getattr(driver, "t_start", None)
     return {
         "job": driver.flow.name,
-        "status": driver.status,
+        "status": status,
         "parallelism": driver.P,
         "max_parallelism": driver.flow.max_parallelism,
         "checkpointing": bool(driver.checkpointing),
@@ -134,7 +136,9 @@ def job_snapshot(driver: Any, *, clock: Callable[[], float] = time.monotonic,
         "uptime_s": 0.0 if started is None else clock() - started,
         "time": wall(),
         "graph": _graph(driver),
-        "load": task_load(_copied(lambda: dict(getattr(driver, "task_load", {})))),
+        # shares of the last half second: only of a running job's workers (none while it
+        # restarts or once it ended, rather than the last figures of workers that are gone)
+        "load": task_load(_copied(lambda: dict(getattr(driver, "task_load", {})))) if running else {},
         "records_in": _records(driver),
         "checkpoints": {
             "completed": [_checkpoint(s, details.get(s.checkpoint_id)) for s in completed],

@@ -281,9 +281,8 @@ class Supervision:
         from (or starts over), rolling the sinks back to it (see ``_resolve_restore``)."""
         self._gc.drain()  # the restore reads the root as the last GC left it
         first_line = self._summary(exc)
-        log.info(f"[abs] job {self.flow.name!r}: {first_line}; restart {attempt} of "
-                 f"{self.restart.max_restarts} in {delay:.1f} s from the latest complete checkpoint")
-        time.sleep(delay)  # the restart strategy's back-off (lifecycle.failover decided it)
+        # the job is restarting from here on, through the back-off too: its dashboard and
+        # metrics say so at once and show none of the stopped workers' figures as live ones
         self.restarts.append({
             "attempt": attempt,
             "error": first_line,
@@ -294,10 +293,14 @@ class Supervision:
         self._records = {}
         self._retired_records = {}
         self._worker_metrics = {}
+        self.task_load = {}
         self._manifests = {}
         self._bases = {}
         self._last_completed_id = 0
         self.status = "RESTARTING"
+        log.info(f"[abs] job {self.flow.name!r}: {first_line}; restart {attempt} of "
+                 f"{self.restart.max_restarts} in {delay:.1f} s from the latest complete checkpoint")
+        time.sleep(delay)  # the restart strategy's back-off (lifecycle.failover decided it)
 
     def _summary(self, exc: BaseException) -> str:
         """One line for the restart log and ``JobResult.restarts``: the first line of the error
