@@ -334,3 +334,33 @@ def test_a_restart_shows_at_once_not_only_after_its_back_off(tmp_path, caplog):
         finally:
             logging.getLogger("abs").removeHandler(handler)
             job.cancel()
+
+
+def test_records_in_do_not_drop_when_a_live_rescale_retires_a_worker(tmp_path):
+    """The records a leaving worker counted were dropped from the dashboard's records_in (and
+    from abs_operator_records_in_total, a counter that then went down) by a scale-in."""
+    flow = abs.Dataflow("scale-in-counts")
+    flow.source("src", abs.GeneratorSource(None, num_keys=64, num_splits=4, batch_size=100, rate=500)).key_by("key") \
+        .process("count", count_fn, state=[abs.ValueState("n", pa.int64())]).sink("out", abs.CollectSink())
+    job = abs.submit(flow, parallelism=2, storage=str(tmp_path / "root"), checkpoint=abs.CheckpointConfig(interval=0.5),
+                     dashboard=True)
+    server, driver = job.dashboard, job._driver
+    try:
+        assert job.rescale(3).status == "COMPLETED"
+        deadline = time.monotonic() + 120  # bounds a hang only: worker 2 counts within a second or two
+        while driver._records.get(2, {}).get("count", 0) == 0:  # the joined worker took records
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert job.rescale(2).status == "COMPLETED"
+        assert driver._retired_records["count"] > 0  # what worker 2 counted before it left
+        # counts only grow: the job's figures lie between two readings of the driver's totals
+        low, shown, high = driver._records_total(), server.job()["records_in"], driver._records_total()
+        low_m = driver._records_total()
+        scraped = {s.labels["operator"]: s.value for fam in text_string_to_metric_families(server.metrics()[0].decode())
+                   for s in fam.samples if s.name == "abs_operator_records_in_total"}
+        high_m = driver._records_total()
+        for uid in ("src", "count", "out"):
+            assert low[uid] <= shown[uid] <= high[uid], (uid, low, shown, high)
+            assert low_m[uid] <= scraped[uid] <= high_m[uid], (uid, low_m, scraped, high_m)
+    finally:
+        job.cancel()

@@ -91,7 +91,11 @@ def task_load(samples: Mapping[str, tuple]) -> dict[str, dict[str, float]]:
 
 
 def _records(driver: Any) -> dict[str, int]:
+    """Records per operator in this attempt: the workers' newest counts, plus what workers
+    that left in a live rescale counted (else the total drops when a worker leaves)."""
     total: dict[str, int] = {}
+    for uid, n in _copied(lambda: list(dict(getattr(driver, "_retired_records", {})).items())):
+        total[uid] = total.get(uid, 0) + int(n)
     for per_worker in _copied(lambda: list(dict(driver._records).values())):
         for uid, n in _copied(lambda: list(dict(per_worker).items())):
             total[uid] = total.get(uid, 0) + int(n)
