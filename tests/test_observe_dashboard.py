@@ -364,3 +364,48 @@ def test_records_in_do_not_drop_when_a_live_rescale_retires_a_worker(tmp_path):
             assert low_m[uid] <= scraped[uid] <= high_m[uid], (uid, low_m, scraped, high_m)
     finally:
         job.cancel()
+
+
+def test_when_the_job_ends_the_page_says_so_and_stops_asking(tmp_path):
+    """The page kept asking every second after the job ended, over a keep-alive connection
+    that the stopped server went on answering (its uptime still counting); a console error
+    came with every page load (the browser's /favicon.ico, asked for without the token: 403)."""
+    import http.client
+
+    gate = tmp_path / "gate"
+    flow = abs.Dataflow("ending")
+    flow.source("src", PacedSource(abs.GeneratorSource(4_000, num_keys=64, num_splits=2, batch_size=100), 700,
+                                   hold=1_000, gate=str(gate))).key_by("key") \
+        .process("count", count_fn, state=[abs.ValueState("n", pa.int64())]).sink("out", abs.CollectSink())
+    job = abs.submit(flow, parallelism=2, storage=str(tmp_path / "root"), checkpoint=abs.CheckpointConfig(interval=0.3),
+                     dashboard=True)
+    server = job.dashboard
+    host, port = server.address
+    conn = http.client.HTTPConnection(host, port, timeout=60)  # a client that keeps its connection
+    try:
+        conn.request("GET", f"/api/job?token={server.token}")
+        first = conn.getresponse()
+        assert first.status == 200 and first.getheader("Connection") != "close"
+        first.read()
+        errors: list[str] = []
+        with browser_page(tmp_path) as page:
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.goto(server.url)
+            page.wait_for_function("document.getElementById('status').textContent === 'RUNNING'")
+            gate.touch()  # the readers go on to the end of their input
+            result = job.wait(300)
+            assert result.status == "FINISHED"
+            page.wait_for_function("/the job ended \\(FINISHED\\)/.test(document.getElementById('updated').textContent)")
+            assert page.text_content("#status") == "FINISHED"
+            assert page.is_disabled("#trigger-checkpoint") and page.is_disabled("#trigger-savepoint")
+        assert errors == []
+        # the connection opened while the job ran gets one last answer, the ended job, and is closed
+        conn.request("GET", f"/api/job?token={server.token}")
+        last = conn.getresponse()
+        ended = json.loads(last.read())
+        assert last.status == 200 and last.getheader("Connection") == "close"
+        assert ended["status"] == "FINISHED" and ended["load"] == {}
+        assert ended["uptime_s"] == result.duration  # the uptime stopped with the job
+    finally:
+        conn.close()
+        job.cancel()

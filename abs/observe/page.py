@@ -16,6 +16,7 @@ _PAGE = r"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>abs job</title>
+<link rel="icon" href="data:,">
 <style>
 body{font:14px/1.4 system-ui,-apple-system,"Segoe UI",sans-serif;margin:0;color:#1d232a;background:#f5f6f8}
 header{background:#1f3a5f;color:#fff;padding:10px 18px;display:flex;gap:24px;align-items:baseline;flex-wrap:wrap}
@@ -196,14 +197,23 @@ function draw(job) {
     if (!b.dataset.busy) b.disabled = job.status !== "RUNNING";
   }
 }
+const ENDED = ["FINISHED", "FAILED", "CANCELED"];
 async function refresh() {
+  let ended = false;
   try {
     const r = await fetch(q("api/job?limit=" + HISTORY), {cache: "no-store"});
     if (!r.ok) throw new Error(r.status + " " + (await r.text()));
-    draw(await r.json());
+    const job = await r.json();
+    draw(job);
+    if (ENDED.includes(job.status)) {  // its figures are final, and the dashboard stops with the job
+      ended = true;
+      document.getElementById("updated").textContent = "the job ended (" + job.status + "), its dashboard stopped: " +
+        "final figures as of " + new Date(job.time * 1000).toLocaleTimeString();
+    }
   } catch (e) {
-    document.getElementById("updated").textContent = "no answer from the job (" + e.message + ")";
-  } finally { setTimeout(refresh, REFRESH); }
+    document.getElementById("updated").textContent = "no answer from the job (" + e.message + "); " +
+      "its dashboard stops when the job ends";
+  } finally { if (!ended) setTimeout(refresh, REFRESH); }
 }
 async function act(name, button) {
   const out = document.getElementById("action-result");

@@ -117,6 +117,9 @@ class DashboardServer:
         self._registry: Any = None  # the job's prometheus_client registry, made on the first scrape
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        # set by stop(): a browser's keep-alive connection outlives the listening socket, and
+        # its thread would go on answering; it gets one last answer (the ended job), then closes
+        self.stopped = threading.Event()
 
     # ------------------------------------------------------------------ life
     def start(self) -> str:
@@ -137,6 +140,7 @@ class DashboardServer:
         return self.url
 
     def stop(self) -> None:
+        self.stopped.set()
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()
@@ -193,6 +197,7 @@ def _handler(server: DashboardServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "abs-dashboard"
         protocol_version = "HTTP/1.1"
+        timeout = 60  # an idle keep-alive connection is closed (the page asks every second)
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
             log.debug("dashboard: " + format, *args)
@@ -204,6 +209,8 @@ def _handler(server: DashboardServer) -> type[BaseHTTPRequestHandler]:
             self.send_header("Cache-Control", "no-store")
             self.send_header("X-Content-Type-Options", "nosniff")
             self.send_header("Referrer-Policy", "no-referrer")
+            if server.stopped.is_set():  # the job ended: no keep-alive connection stays open
+                self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(body)
 

@@ -130,6 +130,7 @@ def job_snapshot(driver: Any, *, clock: Callable[[], float] = time.monotonic,
         except RuntimeError:
             pending = ()
     started = getattr(driver, "t_start", None)
+    result = getattr(driver, "result", None)  # set when the job has ended: its uptime stops there
     return {
         "job": driver.flow.name,
         "status": status,
@@ -137,7 +138,7 @@ def job_snapshot(driver: Any, *, clock: Callable[[], float] = time.monotonic,
         "max_parallelism": driver.flow.max_parallelism,
         "checkpointing": bool(driver.checkpointing),
         "storage": driver.storage_url,
-        "uptime_s": 0.0 if started is None else clock() - started,
+        "uptime_s": 0.0 if started is None else result.duration if result is not None else clock() - started,
         "time": wall(),
         "graph": _graph(driver),
         # shares of the last half second: only of a running job's workers (none while it
