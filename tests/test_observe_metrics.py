@@ -89,3 +89,35 @@ def test_the_first_scrape_has_the_rate_the_mean_since_the_job_started_then_betwe
 
     fresh = DashboardServer(lambda limit: dict(snapshot(), uptime_s=0.0), clock=lambda: now[0])
     assert samples(fresh.metrics()[0].decode())[rate] == 0.0
+
+
+def test_counters_of_reconfigurations_and_autoscale_decisions_never_go_down_when_one_ends():
+    """A running reconfiguration (or autoscaling decision) is a gauge; the counters count the
+    ended ones: counted under a RUNNING label, it went 1 -> 0 when it ended, which Prometheus'
+    rate() reads as a counter reset."""
+    def snap(status: str) -> dict:
+        s = snapshot()
+        s["reconfigurations"] = [{"status": "COMPLETED", "steps": [1], "bytes_moved": 10},
+                                 {"status": status, "steps": [1, 2], "bytes_moved": 20}]
+        s["autoscale"] = {"config": {"min_workers": 1}, "decisions": [
+            {"kind": "scale_out", "outcome": "COMPLETED"}, {"kind": "scale_out", "outcome": status}]}
+        return s
+
+    job = (("job", "wc"),)
+    running = samples(exposition(job_registry(lambda: snap("RUNNING")))[0].decode())
+    ended = samples(exposition(job_registry(lambda: snap("COMPLETED")))[0].decode())
+    counters = {k for k in running if k[0].endswith("_total")}
+    assert counters <= set(ended)
+    assert all(ended[k] >= running[k] for k in counters), {k: (running[k], ended[k]) for k in counters}
+    assert not [k for k in running if k[0].endswith("_total") and ("status", "RUNNING") in k[1]]
+    assert not [k for k in running if k[0].endswith("_total") and ("outcome", "RUNNING") in k[1]]
+    assert running[("abs_job_reconfigurations_in_progress", job)] == 1
+    assert ended[("abs_job_reconfigurations_in_progress", job)] == 0
+    assert (running[("abs_job_reconfigurations_total", job + (("status", "COMPLETED"),))],
+            ended[("abs_job_reconfigurations_total", job + (("status", "COMPLETED"),))]) == (1, 2)
+    scale_out = (("job", "wc"), ("kind", "scale_out"))
+    assert (running[("abs_job_autoscale_decisions_in_progress", scale_out)],
+            ended[("abs_job_autoscale_decisions_in_progress", scale_out)]) == (1, 0)
+    completed = (("job", "wc"), ("kind", "scale_out"), ("outcome", "COMPLETED"))
+    assert (running[("abs_job_autoscale_decisions_total", completed)],
+            ended[("abs_job_autoscale_decisions_total", completed)]) == (1, 2)

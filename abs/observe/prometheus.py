@@ -33,12 +33,14 @@ METRICS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     ("abs_job_last_checkpoint_size_bytes", "gauge", (), "full size of the newest completed checkpoint"),
     ("abs_job_last_checkpoint_written_bytes", "gauge", (), "bytes the newest completed checkpoint wrote (its increment)"),
     ("abs_job_reconfigurations_total", "counter", ("status",),
-     "live reconfigurations (JobHandle.move / rebalance) by status: COMPLETED, FAILED, RUNNING"),
+     "live reconfigurations (JobHandle.move / rebalance) that ended, by status: COMPLETED, FAILED"),
+    ("abs_job_reconfigurations_in_progress", "gauge", (), "live reconfigurations running (0 or 1)"),
     ("abs_job_reconfiguration_steps_total", "counter", (), "steps of live reconfigurations started"),
     ("abs_job_reconfiguration_moved_bytes_total", "counter", (), "bytes handed over by live reconfigurations"),
     ("abs_job_autoscale_decisions_total", "counter", ("kind", "outcome"),
-     "autoscaling decisions (abs.Autoscale) by kind (scale_out, scale_in, rebalance) and outcome (COMPLETED, FAILED, "
-     "RUNNING)"),
+     "autoscaling decisions (abs.Autoscale) carried out, by kind (scale_out, scale_in, rebalance) and outcome "
+     "(COMPLETED, FAILED)"),
+    ("abs_job_autoscale_decisions_in_progress", "gauge", ("kind",), "autoscaling decisions being carried out, by kind"),
     ("abs_operator_records_in_total", "counter", ("operator",), "records an operator received (all its subtasks)"),
     ("abs_operator_records_in_per_second", "gauge", ("operator",),
      "records per second an operator received, between the last two dashboard refreshes or scrapes (at least 1 s "
@@ -117,16 +119,23 @@ class JobCollector(Collector):
             put("abs_job_last_checkpoint_size_bytes", last["full_size"])
             put("abs_job_last_checkpoint_written_bytes", last["bytes_written"])
         recs = snap.get("reconfigurations", ())
-        for status in ("COMPLETED", "FAILED", "RUNNING"):
+        # a counter never goes down: it counts the reconfigurations that ended, a gauge the one
+        # running (counted as RUNNING, it went 1 -> 0 when it ended: a reset to Prometheus' rate)
+        for status in ("COMPLETED", "FAILED"):
             put("abs_job_reconfigurations_total", sum(r["status"] == status for r in recs), status)
+        put("abs_job_reconfigurations_in_progress", sum(r["status"] == "RUNNING" for r in recs))
         put("abs_job_reconfiguration_steps_total", sum(len(r["steps"]) for r in recs))
         put("abs_job_reconfiguration_moved_bytes_total", sum(r["bytes_moved"] for r in recs))
         decisions = (snap.get("autoscale") or {}).get("decisions", ())
+        autoscaling = bool((snap.get("autoscale") or {}).get("config"))
         for kind in ("scale_out", "scale_in", "rebalance"):
             for outcome in ("COMPLETED", "FAILED", "RUNNING"):
                 n = sum(d["kind"] == kind and d["outcome"].split(":")[0] == outcome for d in decisions)
-                if n or (snap.get("autoscale") or {}).get("config"):
-                    put("abs_job_autoscale_decisions_total", n, kind, outcome)
+                if n or autoscaling:
+                    if outcome == "RUNNING":  # the same as above: a gauge, not a counter's label
+                        put("abs_job_autoscale_decisions_in_progress", n, kind)
+                    else:
+                        put("abs_job_autoscale_decisions_total", n, kind, outcome)
         for uid, n in sorted(snap.get("records_in", {}).items()):
             put("abs_operator_records_in_total", n, uid)
         for uid, rate in sorted(snap.get("throughput", {}).items()):
