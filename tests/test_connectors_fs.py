@@ -140,3 +140,21 @@ def test_a_restarted_sink_writer_removes_the_temporary_pending_files_of_its_subt
     sink.create_writer(1, 2, restored_transactions=[handle])
     assert os.listdir(pending) == []
     assert read_output(str(out), "jsonl").column("v").to_pylist() == [1, 2]
+
+
+@pytest.mark.integration
+def test_a_sink_that_cannot_write_fails_the_job_naming_the_sink_and_its_destination(s3_server, tmp_path):
+    """A FileSink into a bucket that does not exist, chained behind its source: the error names
+    the sink's uid and destination (it named the source at the head of the task, and ended in
+    the file system's traceback alone)."""
+    import abs
+
+    flow = abs.Dataflow("sink-error")
+    flow.source("src", abs.GeneratorSource(1_000, num_keys=10)).sink(
+        "out", FileSink(f"s3://missing-{uuid.uuid4().hex[:12]}/out", storage_options=s3_server.storage_options))
+    with pytest.raises(abs.OperatorError) as err:
+        abs.run(flow, parallelism=1, storage=str(tmp_path / "root"))
+    text = str(err.value)
+    assert "operator 'out' failed" in text and "operator 'src'" not in text, text
+    assert "the sink writer of FileSink('s3://missing-" in text and "pre_commit of checkpoint" in text, text
+    assert "bucket does not exist" in text, text

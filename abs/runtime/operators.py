@@ -462,8 +462,18 @@ class SinkOp(OperatorRuntime):
         except Exception as exc:
             raise UserFunctionError(self.uid, "the sink writer", exc) from exc
 
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """The writer's ``fn(*args)``; what it raises names this sink's uid and the sink (its
+        destination), not the operator at the head of the task the sink is chained into."""
+        try:
+            return fn(*args)
+        except UserFunctionError:
+            raise
+        except Exception as exc:
+            raise UserFunctionError(self.uid, f"the sink writer of {self.node.spec['sink']!r} ({what})", exc) from exc
+
     def snapshot(self, checkpoint_id: int, full: bool = False) -> OpSnapshot:
-        txn = self.writer.pre_commit(checkpoint_id)
+        txn = self._call(f"pre_commit of checkpoint {checkpoint_id}", self.writer.pre_commit, checkpoint_id)
         if txn is not None:
             self.pending[checkpoint_id] = txn
         # the checkpoint keeps every transaction not yet committed: a restore re-commits them
@@ -473,20 +483,21 @@ class SinkOp(OperatorRuntime):
         ready = sorted(c for c in self.pending if c <= checkpoint_id)
         if ready:
             self.ctx.fault("sink_commit", self.task_key)
-            self.writer.commit(checkpoint_id, [self.pending[c] for c in ready])
+            self._call(f"commit of checkpoint {checkpoint_id}", self.writer.commit, checkpoint_id,
+                       [self.pending[c] for c in ready])
             for c in ready:
                 del self.pending[c]
 
     def commit_all(self) -> None:
         """End of input with checkpointing off: publish everything now."""
-        txn = self.writer.pre_commit(0)
+        txn = self._call("pre_commit at the end of input", self.writer.pre_commit, 0)
         txns = [self.pending[c] for c in sorted(self.pending)] + ([txn] if txn is not None else [])
         if txns:
-            self.writer.commit(0, txns)
+            self._call("commit at the end of input", self.writer.commit, 0, txns)
         self.pending.clear()
 
     def close(self) -> None:
-        self.writer.close()
+        self._call("close", self.writer.close)
 
 
 class _CollectWriter(SinkWriter):
