@@ -100,6 +100,9 @@ def _driver(flow: Dataflow, o: _JobOptions) -> JobDriver:
         # the driver reads its fields (min_workers, max_restarts): anything else fails deep inside it
         raise ConfigError(f"restart must be an abs.RestartStrategy instance or None, got {_spelled(o.restart)}; "
                           "pass restart=abs.RestartStrategy(max_restarts=...)")
+    for name in ("allow_non_restored_state", "allow_repeated_output"):
+        if not isinstance(getattr(o, name), bool):  # "no" or "false" read as true
+            raise ConfigError(f"{name} must be True or False, got {_spelled(getattr(o, name))}")
     if o.autoscale is not None and not isinstance(o.autoscale, Autoscale):
         raise ConfigError(f"autoscale must be an abs.Autoscale, got {type(o.autoscale).__name__}; pass "
                           "autoscale=abs.Autoscale(min_workers=..., max_workers=...)")

@@ -284,3 +284,13 @@ def test_an_executor_that_is_no_executor_is_refused_before_the_job_starts(fn, ex
     with pytest.raises(abs.ConfigError, match=rf"executor must be 'local' or an executor object \(abs\.LocalExecutor"
                                               rf"\(\.\.\.\), abs\.SparkExecutor\(spark, num_workers=\.\.\.\)\), got {got}"):
         fn(small_flow(), parallelism=1, executor=executor)
+
+
+@pytest.mark.parametrize("fn", [abs.run, abs.submit], ids=["run", "submit"])
+@pytest.mark.parametrize("name", ["allow_non_restored_state", "allow_repeated_output"])
+@pytest.mark.parametrize("value, got", [("no", r"str 'no'"), (0, r"int 0"), (None, r"None")])
+def test_the_allow_options_take_true_or_false_alone(fn, name, value, got, tmp_path):
+    """allow_non_restored_state="no" read as true: a restore then dropped state silently."""
+    with pytest.raises(abs.ConfigError, match=rf"{name} must be True or False, got {got}"):
+        fn(small_flow(), parallelism=1, storage=str(tmp_path / "snap"), **{name: value})
+    assert not (tmp_path / "snap").exists()

@@ -429,9 +429,7 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
                     self._record_assignment(a.checkpoint_id)
                     self._broadcast(run, m.TriggerCheckpoint(a.checkpoint_id, base))
                 case FailJob():
-                    raise CheckpointFailedError(
-                        f"job {self.flow.name!r}: {a.reason}; raise CheckpointConfig.tolerable_failures or fix the cause"
-                    )
+                    raise CheckpointFailedError(f"job {self.flow.name!r}: {a.reason}")  # the reason says what to do
                 case Abort():
                     self.failed.append((a.checkpoint_id, a.reason))
                     self._broadcast(run, m.CheckpointAborted(a.checkpoint_id, a.reason))
