@@ -254,8 +254,12 @@ def _verify(args: argparse.Namespace) -> int:
         job_problem = f"problem: {exc}"
     with _progress(args) as progress:
         report = store.verify(cid, progress=progress)
+    if cid is not None and cid in report.removed:
+        raise CheckpointNotFoundError(
+            f"{args.root}: checkpoint {cid} was removed while verifying it (deleted by a GC meanwhile, e.g. the "
+            "retention of a job writing this root); verify a newer one ('abs-snapshot ls ROOT' lists them)")
     _out(([job_problem] if job_problem else []) + report.lines())
-    return 0 if report.ok and job_problem is None else 1
+    return 0 if not report.damaged and job_problem is None else 1
 
 
 def _gc(args: argparse.Namespace) -> int:
@@ -282,31 +286,60 @@ def _intact_retention(store: SnapshotStore, retain: int) -> tuple[int, list[str]
     ``retain`` newest checkpoints verifies (checked newest first, stopping at the first intact
     one), else enough to keep the newest intact checkpoint below them. A GC that kept only
     damaged checkpoints would delete the last one a restore could fall back to. Raises when no
-    checkpoint verifies (nothing is deleted then)."""
-    try:
-        ids = sorted((cid for cid in store.list_checkpoints() if store.read_manifest(cid).kind == "checkpoint"),
-                     reverse=True)
-    except UnsupportedFormatError:
-        return retain, []  # the GC itself refuses such a root, naming the manifest
-    damaged: list[int] = []
-    for at, cid in enumerate(ids):
-        if store.verify(cid).ok:
-            if at < retain:
-                notes = [f"checkpoint(s) {sorted(damaged)} among the {retain} kept are damaged (abs-snapshot verify "
-                         f"{store.url} names the problems); checkpoint {cid} is intact"] if damaged else []
-                return retain, notes
-            return at + 1, [
-                f"checkpoint(s) {sorted(damaged)} are damaged (abs-snapshot verify {store.url} names the problems); "
-                f"keeping every checkpoint down to {cid}, the newest intact one, which a restore falls back to "
-                f"(retain {at + 1} instead of {retain})"]
-        damaged.append(cid)
-    if not ids:
-        return retain, []
+    checkpoint verifies (nothing is deleted then). A checkpoint removed while it is verified
+    (a job writing the root dropped it by retention) is not damaged: the checkpoints are
+    listed again."""
+    for _ in range(_RELISTS):
+        try:
+            ids = _checkpoint_ids(store)
+        except UnsupportedFormatError:
+            return retain, []  # the GC itself refuses such a root, naming the manifest
+        damaged: list[int] = []
+        for at, cid in enumerate(ids):
+            try:
+                report = store.verify(cid)
+            except CheckpointNotFoundError:
+                break  # removed since the listing: list again
+            if cid in report.removed:
+                break  # list again
+            if report.ok:
+                if at < retain:
+                    notes = [f"checkpoint(s) {sorted(damaged)} among the {retain} kept are damaged (abs-snapshot "
+                             f"verify {store.url} names the problems); checkpoint {cid} is intact"] if damaged else []
+                    return retain, notes
+                return at + 1, [
+                    f"checkpoint(s) {sorted(damaged)} are damaged (abs-snapshot verify {store.url} names the problems); "
+                    f"keeping every checkpoint down to {cid}, the newest intact one, which a restore falls back to "
+                    f"(retain {at + 1} instead of {retain})"]
+            damaged.append(cid)
+        else:
+            if not ids:
+                return retain, []
+            raise StorageError(
+                f"{store.url}: no checkpoint is intact (checked {sorted(damaged)}; abs-snapshot verify {store.url} names "
+                "the problems); GC refused so that nothing a repair may need is deleted, nothing was deleted; pass "
+                "--no-verify to collect garbage anyway"
+            )
     raise StorageError(
-        f"{store.url}: no checkpoint is intact (checked {sorted(damaged)}; abs-snapshot verify {store.url} names the "
-        "problems); GC refused so that nothing a repair may need is deleted, nothing was deleted; pass --no-verify "
-        "to collect garbage anyway"
-    )
+        f"{store.url}: the checkpoints GC verified were removed meanwhile, {_RELISTS} times over (a job writing the root "
+        "drops them by its retention faster than they verify); nothing was deleted; run GC while the job is stopped, or "
+        "pass --no-verify")
+
+
+_RELISTS = 5
+
+
+def _checkpoint_ids(store: SnapshotStore) -> list[int]:
+    """The root's checkpoints of kind ``checkpoint``, newest first (a manifest deleted since
+    the listing is left out)."""
+    ids = []
+    for cid in store.list_checkpoints():
+        try:
+            if store.read_manifest(cid).kind == "checkpoint":
+                ids.append(cid)
+        except CheckpointNotFoundError:
+            continue
+    return sorted(ids, reverse=True)
 
 
 def _read_job_file(path: str | None) -> dict | None:

@@ -362,7 +362,15 @@ def check(
     if verify_files:
         verified = store.verify(cid)
         files_checked = verified.files_checked
-        if not verified.ok:
+        if cid in verified.removed:  # not damaged: a job writing the root dropped it meanwhile
+            problems.append(Problem(
+                "manifest", f"checkpoint {cid}",
+                f"checkpoint {cid} was removed while verifying it (deleted by a GC meanwhile, e.g. the retention of a "
+                "job writing this root); it cannot be restored any more; check again (without an ID, check takes the "
+                "root's newest checkpoint)",
+                True,
+            ))
+        elif not verified.ok:
             fallback = latest_intact_before(store, cid)
             action = (f"restore from checkpoint {fallback} instead" if fallback is not None
                       else "no older checkpoint verifies; restore from a savepoint")

@@ -42,7 +42,7 @@ from .store_read import ChainReader, SharedRangeCache, key_group_chain
 from .store_root import check_probe, delete_probe, open_root, write_probe
 from .store_write import (PACK_LIMIT, SHARE_BELOW, KeyGroupWrite, KeyGroupWriter, put_file, write_channel_log, write_operator_state,
                           write_table)
-from .verify import VerifyReport, check_files, lineage_problems, structural_problems
+from .verify import VerifyReport, check_files, lineage_problems, removed_meanwhile, structural_problems
 
 if TYPE_CHECKING:  # a local root needs no fsspec (see storage.backend): imported where a URL needs it
     from fsspec import AbstractFileSystem
@@ -406,6 +406,8 @@ class SnapshotStore:
         file_problems, files, nbytes = check_files(manifests, listing, self._io.get, progress=progress,
                                                   limits=self.decode_limits)
         problems.extend(file_problems)
+        if problems:  # a GC running meanwhile (a job's retention) deletes files of checkpoints it drops
+            problems = removed_meanwhile(problems, manifests.keys() | unreadable.keys(), self._catalog.paths())
         return VerifyReport(
             checkpoints=tuple(CheckpointId(c) for c in sorted(paths)),
             files_checked=files,

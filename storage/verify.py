@@ -12,7 +12,7 @@ from __future__ import annotations
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Literal, Mapping
+from typing import Callable, Iterable, Literal, Mapping
 
 import pyarrow as pa
 
@@ -27,10 +27,10 @@ from .ids import CheckpointId
 from .manifest import FileRef, Manifest, manifest_problems
 
 __all__ = ["Problem", "ProblemKind", "VerifyReport", "structural_problems", "lineage_problems", "check_files",
-           "count_rows"]
+           "count_rows", "removed_meanwhile"]
 
 ProblemKind = Literal["manifest", "chain", "missing", "size", "checksum", "unreadable", "rows", "decoded_size",
-                      "lineage"]
+                      "lineage", "removed"]
 _FILE_MAGIC = b"ARROW1"
 
 
@@ -63,6 +63,17 @@ class VerifyReport:
         return not self.problems
 
     @property
+    def removed(self) -> tuple[CheckpointId, ...]:
+        """Checkpoints whose manifest was deleted while they were verified (by a GC: the
+        retention of a job writing the root): gone, not damaged (see :func:`removed_meanwhile`)."""
+        return tuple(sorted({c for p in self.problems if p.kind == "removed" for c in p.checkpoints}))
+
+    @property
+    def damaged(self) -> bool:
+        """Whether a problem is in the data (any problem but a checkpoint removed meanwhile)."""
+        return any(p.kind != "removed" for p in self.problems)
+
+    @property
     def broken(self) -> tuple[CheckpointId, ...]:
         """Checkpoints affected by at least one problem."""
         return tuple(sorted({c for p in self.problems for c in p.checkpoints}))
@@ -75,14 +86,20 @@ class VerifyReport:
         return max(intact) if intact else None
 
     def lines(self) -> list[str]:
-        out = [str(p) for p in self.problems]
-        verdict = "OK" if self.ok else f"{len(self.problems)} problem(s) in checkpoints {list(self.broken)}"
+        out = [str(p) for p in self.problems if p.kind != "removed"]
+        problems = [p for p in self.problems if p.kind != "removed"]
+        broken = sorted({c for p in problems for c in p.checkpoints})
+        verdict = "OK" if not problems else f"{len(problems)} problem(s) in checkpoints {broken}"
         action = ""
-        if not self.ok:
+        if problems:
             action = (f"; restore from checkpoint {self.latest_intact}" if self.latest_intact is not None
                       else "; no checked checkpoint is intact")
+        removed = self.removed
+        if removed:
+            out.append(f"checkpoint(s) {list(removed)} removed while verifying (deleted by a GC meanwhile, e.g. the "
+                       "retention of a job writing this root): gone, not damaged; not counted")
         out.append(
-            f"verified {len(self.checkpoints)} checkpoint(s), {self.files_checked} file(s), "
+            f"verified {len(self.checkpoints) - len(removed)} checkpoint(s), {self.files_checked} file(s), "
             f"{human_bytes(self.bytes_checked)}: {verdict}{action}"
         )
         return out
@@ -120,6 +137,28 @@ def lineage_problems(checked: Mapping[int, Manifest], present: Mapping[int, Mani
             f"{lineage.previous_id} was replaced); do not restore from it",
         ))
     return problems
+
+
+def removed_meanwhile(problems: list[Problem], checked: Iterable[int], present: Iterable[int]) -> list[Problem]:
+    """``problems`` found in the ``checked`` checkpoints, given the manifests ``present`` after
+    the check: a checked checkpoint whose manifest is gone was deleted while it was verified (a
+    GC: the retention of a job writing the root deletes a dropped checkpoint's files first, its
+    manifest last), so the files it missed are no fault of the data. Its problems are replaced
+    by one of kind ``"removed"``; a problem shared with checkpoints still present names those
+    only (pure)."""
+    gone = sorted(set(checked) - set(present))
+    if not gone:
+        return problems
+    out = []
+    for p in problems:
+        left = tuple(c for c in p.checkpoints if c not in gone)
+        if left:
+            out.append(p if left == p.checkpoints else Problem(p.kind, left, p.path, p.message))
+    out.extend(Problem("removed", (CheckpointId(cid),), None,
+                       "removed while verifying (its manifest was deleted by a GC meanwhile, e.g. the retention of a "
+                       "job writing this root); it is no checkpoint any more")
+               for cid in gone)
+    return out
 
 
 def count_rows(data: bytes | memoryview) -> int:

@@ -477,3 +477,85 @@ def test_a_savepoint_packs_its_key_groups_and_every_command_reads_it(capsys, tmp
         assert code == 0, (argv, out, err)
     code, out, err = run(capsys, "gc", dest, "--retain", "1")
     assert code == 0 and set(sp.list_files()) >= set(state_files) and sp.verify().ok
+
+
+# -------------------------------------------------- a root that a running job's retention changes
+def _commit_full(store: SnapshotStore, cid: int) -> None:
+    """Checkpoint ``cid`` writing both key groups anew (every key changed), so that dropping it
+    deletes its files, as a job's retention does."""
+    chains = {kg: store.write_key_group(cid, "sum", "n", kg, [], pa.table({"key": [kg], "value": [cid]}))
+              for kg in range(2)}
+    store.commit(Manifest(checkpoint_id=cid, job_name="live", max_parallelism=2, keyed={"sum": {"n": chains}}))
+
+
+@pytest.fixture
+def live_root(tmp_path) -> str:
+    url = str(tmp_path / "live")
+    store = SnapshotStore.open(url, fsync=False)
+    store.init_job({"job_name": "live", "max_parallelism": 2})
+    for cid in (1, 2, 3):
+        _commit_full(store, cid)
+    return url
+
+
+def _job_retention_on_first_read(monkeypatch, url: str, of: set[int], step) -> list[str]:
+    """The first time anything reads a data file of a checkpoint in ``of``, run ``step(store)``
+    first, on a store of its own: what a job writing ``url`` does meanwhile (commit a newer
+    checkpoint, drop older ones by retention). Returns the path whose read set it off."""
+    from storage.backend import RootIO
+    from storage.paths import StoragePaths
+
+    real = RootIO.get
+    fired: list[str] = []
+
+    def get(self, rel):
+        parsed = StoragePaths.parse(rel)
+        if (not fired and parsed is not None and parsed.category in ("base", "delta", "packed")
+                and parsed.checkpoint_id in of):
+            fired.append(rel)
+            step(SnapshotStore.open(url, fsync=False))
+        return real(self, rel)
+
+    monkeypatch.setattr(RootIO, "get", get)
+    return fired
+
+
+def test_verify_does_not_report_checkpoints_a_running_jobs_retention_dropped_meanwhile(capsys, monkeypatch,
+                                                                                        live_root):
+    """A job with CheckpointConfig(retained=1) drops checkpoints 1 and 2 while verify reads
+    them: they are gone, not damaged (verify said 'file ... vanished while verifying' and
+    exited 1, 'no checked checkpoint is intact' when it checked one)."""
+    fired = _job_retention_on_first_read(monkeypatch, live_root, {1, 2}, lambda s: s.gc(1))
+    code, out, err = run(capsys, "verify", live_root)
+    assert fired, "verify read no file of checkpoints 1-2"
+    assert code == 0, out + err
+    assert "vanished" not in out and "missing" not in out
+    assert "checkpoint(s) [1, 2] removed while verifying" in out
+    assert out.splitlines()[-1].startswith("verified 1 checkpoint(s)") and ": OK" in out.splitlines()[-1]
+    assert SnapshotStore.open(live_root).list_checkpoints() == [3]
+
+
+def test_check_and_gc_of_a_checkpoint_a_running_job_dropped_meanwhile(capsys, monkeypatch, live_root):
+    """check (of the latest) and gc (verifying the newest first) while the job commits
+    checkpoint 4 and drops 3: check says the checkpoint was removed and to check again (not
+    'cannot be restored ... restore from a savepoint'); gc verifies the newest checkpoint
+    there now and collects (it refused: 'no checkpoint is intact')."""
+    def commit_4_and_drop(store):
+        _commit_full(store, 4)
+        store.gc(1)
+
+    _job_retention_on_first_read(monkeypatch, live_root, {3}, commit_4_and_drop)
+    code, out, err = run(capsys, "check", live_root)
+    assert code == 1 and "Traceback" not in err
+    assert "checkpoint 3 was removed while verifying" in out and "check again" in out
+    assert "restore from a savepoint" not in out and "vanished" not in out
+
+    def commit_5_and_drop(store):
+        _commit_full(store, 5)
+        store.gc(1)
+
+    fired = _job_retention_on_first_read(monkeypatch, live_root, {4}, commit_5_and_drop)
+    code, out, err = run(capsys, "gc", live_root, "--retain", "1")
+    assert fired and code == 0, out + err
+    assert "damaged" not in out and "no checkpoint is intact" not in err
+    assert SnapshotStore.open(live_root).list_checkpoints() == [5]
