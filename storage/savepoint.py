@@ -30,7 +30,8 @@ import pyarrow as pa
 from abscore.progress import ProgressCallback, Tracker
 
 from .backend import RootIO
-from .errors import CheckpointNotFoundError, MissingFileError, StorageError, StorageUnavailableError
+from .errors import (CheckpointExistsError, CheckpointNotFoundError, MissingFileError, StorageError,
+                     StorageUnavailableError)
 from .ids import CheckpointId
 from .manifest import FileRef, Manifest
 from .paths import FileKind, StoragePaths
@@ -178,7 +179,16 @@ def _copy(source: SavepointStore, manifest: Manifest, dest: SavepointStore, leas
                 stats={"savepoint_of": {"root": source.url, "checkpoint_id": checkpoint_id, "stats": manifest.stats}},
                 lineage=None,  # a savepoint follows no checkpoint of its root
             )
-            stored = dest.commit(savepoint)
+            try:
+                stored = dest.commit(savepoint)
+            except CheckpointExistsError as exc:
+                raise CheckpointExistsError(
+                    f"{dest.url}: savepoint {sp_id} of checkpoint {checkpoint_id} was not written: checkpoint {sp_id} "
+                    "already has a manifest: a job writing this root committed it while the savepoint copied (a "
+                    "savepoint takes the root's next free id, which the job's next checkpoint takes too); nothing of "
+                    "the savepoint was left; take the savepoint into a directory of its own (e.g. ROOT/savepoints/"
+                    "NAME), or take it again"
+                ) from exc
         except BaseException:
             # files whose names the failed step did not return are found by their id, unless
             # another savepoint committed that id meanwhile (one copy at a time into a root)

@@ -146,7 +146,8 @@ class ManifestCatalog:
             self._io.put_new(path, text.encode(), StoragePaths.manifest_temp(cid))
         except FileExistsError:
             raise CheckpointExistsError(
-                f"{self._io.url}: checkpoint {cid} already has a manifest ({path}); ids are never reused; "
+                f"{self._io.url}: checkpoint {cid} already has a manifest ({path}); another writer committed this id "
+                "(a savepoint copied into this root meanwhile, or a second job writing it); ids are never reused; "
                 "take the next id from next_checkpoint_id()"
             ) from None
         with self._lock:

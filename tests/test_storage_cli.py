@@ -559,3 +559,22 @@ def test_check_and_gc_of_a_checkpoint_a_running_job_dropped_meanwhile(capsys, mo
     assert fired and code == 0, out + err
     assert "damaged" not in out and "no checkpoint is intact" not in err
     assert SnapshotStore.open(live_root).list_checkpoints() == [5]
+
+
+def test_savepoint_into_a_root_whose_job_commits_the_same_id_meanwhile(capsys, monkeypatch, live_root):
+    """`abs-snapshot savepoint ROOT 2 ROOT` takes the next free id (4); the job writing the root
+    commits its own checkpoint 4 while the copy runs. The savepoint fails, leaves nothing, and
+    says why and what to do (it said 'take the next id from next_checkpoint_id()', an API
+    hint no CLI user can follow)."""
+    fired = _job_retention_on_first_read(monkeypatch, live_root, {2}, lambda store: _commit_full(store, 4))
+    code, out, err = run(capsys, "savepoint", live_root, "2", live_root)
+    assert fired and code == 1 and "Traceback" not in err
+    assert "checkpoint 4 already has a manifest" in err
+    assert "next_checkpoint_id()" not in err
+    assert "a job writing this root committed it while the savepoint copied" in err
+    assert "take the savepoint into a directory of its own" in err
+    store = SnapshotStore.open(live_root)
+    assert store.list_checkpoints() == [1, 2, 3, 4] and store.read_manifest(4).kind == "checkpoint"
+    assert not [p for p in store.list_files() if ".sp-" in p]  # no marker left
+    code, out, _ = run(capsys, "verify", live_root)
+    assert code == 0, out
