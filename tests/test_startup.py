@@ -197,3 +197,32 @@ def test_a_workers_freed_heap_serves_the_next_checkpoints_copies_without_page_fa
         faults[mode] = int(out.stdout)
     assert faults["default"] > 5 * 1000  # 16 MB a cycle, 5 cycles: ~4 k pages each when handed back
     assert faults["keep"] < faults["default"] / 20, faults
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("driver", ["refuses", "hangs_up"])
+def test_a_worker_whose_driver_is_gone_says_so_in_one_line(driver):
+    """A driver killed (kill -9) while its workers start: a worker that finds no driver to
+    connect to, or one that hangs up before it sends the job, exits 1 with one line naming the
+    driver's address (it printed a Python traceback of multiprocessing.connection)."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    if driver == "refuses":
+        listener.close()  # nothing listens there any more
+    else:
+        def hang_up() -> None:
+            conn, _ = listener.accept()
+            conn.close()
+            listener.close()
+
+        threading.Thread(target=hang_up, daemon=True).start()
+    boot = {"secret": os.urandom(16).hex(), "index": 3, "driver": ["127.0.0.1", port]}
+    proc = subprocess.run([sys.executable, "-c", "from abs.runtime.worker_main import main; main()"],
+                          input=json.dumps(boot) + "\n", capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "worker 3" in lines[0] and f"127.0.0.1:{port}" in lines[0], proc.stderr
+    assert "is gone" in lines[0]

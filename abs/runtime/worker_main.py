@@ -38,10 +38,13 @@ def main(boot: dict | None = None) -> None:
         os.sched_setaffinity(0, {boot["cpu"]})
     secret = bytes.fromhex(boot["secret"])
     index = boot["index"]
-    conn = Client(tuple(boot["driver"]), authkey=secret)
-    no_delay(conn)  # the hello goes out at once (see no_delay)
-    conn.send(m.Hello(index, os.getpid()))
-    job = conn.recv()
+    try:
+        conn = Client(tuple(boot["driver"]), authkey=secret)
+        no_delay(conn)  # the hello goes out at once (see no_delay)
+        conn.send(m.Hello(index, os.getpid()))
+        job = conn.recv()
+    except (OSError, EOFError) as exc:  # e.g. the driver was killed while its workers started
+        _driver_gone(index, boot["driver"], exc)
     import cloudpickle
 
     # while it starts (loading the job, restoring state: minutes for a large state), a
@@ -88,13 +91,25 @@ def main(boot: dict | None = None) -> None:
         except (OSError, EOFError):
             pass  # the driver is gone or gave up on this attempt
         sys.exit(1)
-    start = conn.recv()
+    try:
+        start = conn.recv()
+    except (OSError, EOFError) as exc:
+        _driver_gone(index, boot["driver"], exc)
     starting.set()  # from here on the worker's metrics are its heartbeat
     if not isinstance(start, m.Start):
         sys.exit(0)
     worker.run()
     conn.close()
     os._exit(0)
+
+
+def _driver_gone(index: int, driver: Any, exc: BaseException) -> None:
+    """Exit 1 with one line: the driver this worker starts for is gone (killed, or it gave up
+    on this attempt) before the worker runs; nothing of the job ran here."""
+    host, port = driver[0], driver[1]
+    print(f"[abs] worker {index} (pid {os.getpid()}): the driver at {host}:{port} is gone or ended this attempt "
+          f"({type(exc).__name__}: {exc or 'connection closed'}); exiting", file=sys.stderr, flush=True)
+    sys.exit(1)
 
 
 def no_huge_pages() -> None:
