@@ -109,9 +109,14 @@ def open_root(url: str, storage_options: Mapping[str, Any] | None, *, fs: Abstra
             raise problem
         try:
             io.list(StoragePaths.CHECKPOINTS_DIR)
-        except TypeError as exc:  # some clients validate options lazily, on first use
+        except (TypeError, ValueError, AttributeError) as exc:
+            # some clients validate options lazily, on first use: s3fs/botocore raise ValueError
+            # for an endpoint_url without its scheme and AttributeError for a config_kwargs or
+            # client_kwargs that is not a mapping (e.g. JSON that did not parse, kept as a string)
             raise StorageConfigError(
-                f"{url}: the storage options were rejected ({exc}); fix them (e.g. --storage-option key=value)"
+                f"{url}: the storage options were rejected ({type(exc).__name__}: {exc}); fix them (e.g. "
+                "--storage-option key=value; for s3://, an endpoint_url with its scheme, http://host:port, and "
+                "config_kwargs and client_kwargs as JSON objects)"
             ) from exc
     return io
 

@@ -35,6 +35,27 @@ def test_an_unknown_storage_option_is_a_configuration_error(s3_server):
         SnapshotStore.open("s3://bucket/job", {**s3_server.storage_options, "no_such_option": 1})
 
 
+@pytest.mark.s3
+@pytest.mark.parametrize("bad", [{"endpoint_url": "127.0.0.1:9000"}, {"config_kwargs": '{"retries":'},
+                                 {"client_kwargs": "region_name=x"}])
+def test_a_malformed_s3_option_is_a_configuration_error_naming_the_root(s3_server, s3_bucket, bad, capsys):
+    """An endpoint_url without its scheme (botocore: ValueError) or a config_kwargs/client_kwargs
+    that is not a mapping (s3fs: AttributeError, e.g. -o JSON that did not parse and stayed a
+    string) is a StorageConfigError naming the root, as the other rejected options are: the CLI
+    called it a bug (exit 3) or a data problem (exit 1, no root), abs.run retried it as transient."""
+    from abs.cli import main
+
+    url = f"s3://{s3_bucket}/job"
+    with pytest.raises(StorageConfigError, match=rf"^{url}: the storage options were rejected .*fix them"):
+        SnapshotStore.open(url, {**s3_server.storage_options, **bad})
+    ((name, value),) = bad.items()
+    opts = ["-o", f"key={s3_server.storage_options['key']}", "-o", f"secret={s3_server.storage_options['secret']}",
+            "-o", f"endpoint_url={s3_server.endpoint_url}", "-o", f"{name}={value}"]
+    assert main(["ls", url, *opts]) == 2
+    err = capsys.readouterr().err
+    assert f"{url}: the storage options were rejected" in err and "bug" not in err
+
+
 @pytest.mark.parametrize("url", ["{tmp}/root", "file://{tmp}/root"])
 def test_storage_options_on_a_local_root_are_refused_naming_them_not_ignored(url, tmp_path):
     """A local root takes no storage options (plain file calls): anon=true meant for S3, or a
