@@ -142,11 +142,22 @@ def corrupt_state_file(root: str, cid: int) -> str:
     return own[0].path
 
 
-@pytest.mark.parametrize("how", ["missing", "unparsable", "truncated", "bit-flipped", "state-file"])
+def delete_state_file(root: str, cid: int) -> str:
+    store = SnapshotStore.open(root)
+    own = [ref for ref in store.read_manifest(cid).files().values() if ref.checkpoint_id == cid]
+    assert own, f"checkpoint {cid} wrote no state file"
+    os.remove(os.path.join(root, own[0].path))
+    return own[0].path
+
+
+@pytest.mark.parametrize("how", ["missing", "unparsable", "truncated", "bit-flipped", "state-file",
+                                 "state-file-missing"])
 def test_fallback_past_a_broken_newest_checkpoint_rolls_the_file_sink_back_to_exact_output(tmp_path, capfd, how):
     root, out, newest = finished_run(tmp_path)
     if how == "state-file":
         corrupt_state_file(root, newest)
+    elif how == "state-file-missing":
+        path = delete_state_file(root, newest)
     else:
         damage_manifest(root, newest, how)
     capfd.readouterr()
@@ -158,6 +169,8 @@ def test_fallback_past_a_broken_newest_checkpoint_rolls_the_file_sink_back_to_ex
     assert result.rolled_back == {"out": [newest]}
     assert f"checkpoint {newest} skipped" in err  # every skip is logged with its reason ...
     assert f"restoring checkpoint {newest - 1} of {root} (skipped {newest}: " in err
+    if how == "state-file-missing":  # the short reason says what is wrong (it was cut at '(': "file X: file")
+        assert f"(skipped {newest}: file {path}: file is missing)" in err
     assert "sink 'out': rolled back" in err and f"committed by checkpoint(s) {newest}, restoring checkpoint" in err
     assert_exactly_once(read_output(out, "parquet"))  # ... and the output equals a fault-free run's
     # ids are never reused, not even the one of a deleted manifest

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import dataclasses
+import re
 from typing import Any
 
 from ..errors import ConfigError
@@ -24,6 +25,19 @@ __all__ = ["RESTORE_WORDS", "RestoreSetup", "RestoreState", "collect_key_id"]
 
 RESTORE_WORDS = ("latest", "latest-if-any", "fresh")
 """restore= values that are words, not savepoint paths"""
+
+
+def short_reason(reason: str) -> str:
+    """A skipped checkpoint's reason without its parenthesised details, for the one-line
+    restore message ("manifest truncated (...)" -> "manifest truncated"; "file X: file (written
+    by checkpoint 11) is missing" -> "file X: file is missing", not cut at the parenthesis)."""
+    short = reason
+    while True:
+        shorter = re.sub(r"\s*\([^()]*\)", "", short)
+        if shorter == short:
+            break
+        short = shorter
+    return " ".join(short.split()) or reason.strip()
 
 
 class RestoreSetup:
@@ -106,7 +120,7 @@ class RestoreSetup:
             log.info(f"{job}: starting fresh ({fresh_why}); first checkpoint id {first_id}")
         else:
             # the short reasons here; the warnings above carry the details
-            why = (f" (skipped {'; '.join(f'{sk.checkpoint_id}: {sk.reason.split(chr(40))[0].strip()}' for sk in skipped)})"
+            why = (f" (skipped {'; '.join(f'{sk.checkpoint_id}: {short_reason(sk.reason)}' for sk in skipped)})"
                    if skipped else "")
             copy = f" (a savepoint of checkpoint {origin})" if origin is not None and origin != cid else ""
             log.info(f"{job}: restoring checkpoint {cid}{copy} of {url}{why}")
