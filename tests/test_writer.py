@@ -9,6 +9,7 @@ import pickle
 import signal
 import threading
 import time
+import uuid
 
 import fsspec
 import numpy as np
@@ -460,6 +461,26 @@ def test_on_an_object_store_the_writer_writes_key_groups_at_once_and_answers_in_
     with pytest.raises(RuntimeError, match="key group 99 is outside"):
         writer.write(2, bad)
     assert writer.alive and len(writer.write(3, jobs[:5])) == 5
+
+
+@pytest.mark.s3
+def test_a_writer_whose_root_does_not_open_declines_naming_why_and_opens_it_later(s3_server, writer, capfd):
+    """The object store unreachable (here: the bucket missing) when the writer process opens
+    the root: the write is declined naming the storage error, with no traceback on stderr, and
+    the writer lives and opens the root at the next write once it is there. The writer
+    process died with a raw botocore traceback instead."""
+    bucket = f"late-{uuid.uuid4().hex[:12]}"
+    url = f"s3://{bucket}/job"
+    writer.open(url, s3_server.storage_options)
+    (kg, delta), *_ = column_deltas({1: 1}).items()
+    with pytest.raises(RuntimeError, match=r"could not open the storage root: StorageUnavailableError: "
+                                           rf"{url}: the bucket does not exist"):
+        writer.write(1, [WriteJob("op", "v", kg, [], delta, False)])
+    assert writer.alive
+    assert "Traceback" not in capfd.readouterr().err
+    s3_server.filesystem().mkdir(bucket)
+    SnapshotStore.open(url, s3_server.storage_options).init_job({"job_name": "j", "max_parallelism": M})
+    assert writer.write(2, [WriteJob("op", "v", kg, [], delta, False)])[0][0].kind == "base"
 
 
 def test_a_killed_writer_is_reported(tmp_path, writer):

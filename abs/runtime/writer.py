@@ -472,6 +472,8 @@ def _main(conn: Any, workers_end: Any) -> None:
     from abs.columns import KeyOrders
 
     store = None
+    opening: Any = None  # the WriterOpen received, while its root did not open
+    open_error = None
     orders = KeyOrders()  # the sort order of each key group's keys, from its last full image
     session = None  # what this writer remembers from one write to the next (see write_jobs)
     reader = FrameReader()
@@ -487,18 +489,26 @@ def _main(conn: Any, workers_end: Any) -> None:
             except (EOFError, OSError):
                 return
             if isinstance(msg, m.WriterOpen):
-                from storage import CheckpointSession, SnapshotStore
+                from storage import CheckpointSession
 
-                store = SnapshotStore.open(msg.storage_url, msg.storage_options)
+                opening = msg
+                store, open_error = _open_store(opening)
                 session = CheckpointSession()
                 continue
+            if store is None and opening is not None:
+                # the root did not open (e.g. the object store was unreachable while the worker
+                # started): try again, and decline the write naming why, rather than dying with a
+                # traceback on stderr
+                store, open_error = _open_store(opening)
             if not isinstance(msg, m.WriteSnapshot):
                 reply: Any = m.WriteFailed(str(m.unexpected(msg, "snapshot writer process", "its worker",
                                                                "WriterOpen or WriteSnapshot")))
             else:
                 checkpoint_id, jobs = msg.checkpoint_id, msg.jobs
                 del msg  # the jobs' arrays are views of the reader's block: none may outlive the write
-                reply = _write(store, orders, checkpoint_id, jobs, session)
+                reply = (_write(store, orders, checkpoint_id, jobs, session) if open_error is None
+                         else m.WriteFailed(f"the snapshot writer process could not open the storage root: "
+                                            f"{open_error}"))
                 del jobs
                 # Arrow's allocator keeps what a write freed for the next one, seconds away: handed
                 # back now (~0.2 ms), the writer holds ~12 MB less between checkpoints (100 k string keys)
@@ -509,6 +519,16 @@ def _main(conn: Any, workers_end: Any) -> None:
                 conn.send(reply)
             except (EOFError, OSError):
                 return
+
+
+def _open_store(msg: Any) -> tuple[Any, str | None]:
+    """The store of a :class:`WriterOpen`, or ``None`` and why it did not open."""
+    from storage import SnapshotStore
+
+    try:
+        return SnapshotStore.open(msg.storage_url, msg.storage_options), None
+    except Exception as exc:  # noqa: BLE001 - reported with each write, which the worker declines
+        return None, f"{type(exc).__name__}: {exc}"
 
 
 def _write(store: Any, orders: Any, checkpoint_id: int, jobs: list, session: Any = None) -> Any:
