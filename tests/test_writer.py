@@ -22,7 +22,8 @@ import abs
 from abs.keygroups import KeyGroupRange, key_group
 from abs.runtime.messages import WriteJob
 from abs.runtime import writer as writer_module
-from abs.runtime.writer import FrameReader, InThreadWriter, SnapshotWriter, recv_frame, send_frame, writes_in_process
+from abs.runtime.writer import (FrameReader, InThreadWriter, SnapshotWriter, WriteFailedError, recv_frame, send_frame,
+                               writes_in_process)
 from abs.state import ColumnDelta, KeyedStateBackend, ListState, PickledDelta, ValueState
 from pacing import PacedSource
 from test_state import replay_rounds
@@ -473,7 +474,7 @@ def test_a_writer_whose_root_does_not_open_declines_naming_why_and_opens_it_late
     url = f"s3://{bucket}/job"
     writer.open(url, s3_server.storage_options)
     (kg, delta), *_ = column_deltas({1: 1}).items()
-    with pytest.raises(RuntimeError, match=r"could not open the storage root: StorageUnavailableError: "
+    with pytest.raises(WriteFailedError, match=r"could not open the storage root: StorageUnavailableError: "
                                            rf"{url}: the bucket does not exist"):
         writer.write(1, [WriteJob("op", "v", kg, [], delta, False)])
     assert writer.alive

@@ -37,7 +37,7 @@ from .exchange import ExchangeWriter
 from .task import Task
 from .connections import WorkerChannels
 from .loops import FeedbackLogs, replay_batches, write_log
-from .writer import InThreadWriter, SnapshotWriter, WriterHungError, writes_in_process
+from .writer import InThreadWriter, SnapshotWriter, WriteFailedError, WriterHungError, writes_in_process
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +186,9 @@ class Worker(WorkerChannels):
                       "own thread from now on")
             log.warning(f"{reason}")
             self.decline(task, checkpoint_id, reason)
+            return
+        except WriteFailedError as exc:  # the writer process's reason names its error already
+            self.decline(task, checkpoint_id, f"upload failed: {exc}")
             return
         except Exception as exc:  # noqa: BLE001 - a failed upload declines the checkpoint
             self.decline(task, checkpoint_id, f"upload failed: {type(exc).__name__}: {exc}")

@@ -228,6 +228,11 @@ class WriterHungError(RuntimeError):
     raise ``CheckpointConfig.timeout`` when a healthy write takes that long."""
 
 
+class WriteFailedError(RuntimeError):
+    """The snapshot writer process could not write a snapshot; the message is its reason,
+    which names the error it met (e.g. ``StorageUnavailableError: ...``)."""
+
+
 def writes_in_process(storage_url: str | None) -> bool:
     """Whether a worker hands its uploads to a writer process: not for ``memory://`` (a
     process of its own has a memory file system of its own)."""
@@ -334,7 +339,7 @@ class SnapshotWriter:
                 return chains, cpu
             case m.WriteFailed(message=message):
                 self._sent.forget()  # what the writer holds is unknown: the next write sends every key
-                raise RuntimeError(message)
+                raise WriteFailedError(message)
             case _:
                 raise m.unexpected(reply, "snapshot writer client", "its writer process", "WriteDone or WriteFailed")
 
