@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import collections
 import os
+import subprocess
+import threading
 
 import numpy as np
 import pyarrow as pa
@@ -212,6 +214,46 @@ def test_a_worker_killed_while_the_workers_connect_fails_only_the_attempt(tmp_pa
     log = capfd.readouterr().err
     assert "[abs] job 'crash': worker" in log and "job 'crash': job 'crash'" not in log
     assert "restore='latest'" not in log  # the job restores itself: no advice to do it by hand
+
+
+class _DiesBeforeItConnects(abs.LocalExecutor):
+    """Worker 1 of the first ``times`` attempts is a process killed (SIGKILL) before it could
+    connect to the driver; the other workers are real."""
+
+    def __init__(self, times: int) -> None:
+        super().__init__()
+        self.times = times
+
+    def launch(self, index, boot):
+        if index == 1 and self.times > 0:
+            self.times -= 1
+            proc = subprocess.Popen(["sleep", "60"])
+            proc.kill()
+            proc.wait()
+            return proc
+        return super().launch(index, boot)
+
+
+def test_a_worker_lost_before_it_connects_leaves_no_thread_and_no_traceback(tmp_path, monkeypatch):
+    """The driver accepted the workers' connections in a thread; when the start-up failed
+    first (a worker died before it connected), that thread stayed blocked in accept() on the
+    closed listener for the process's life, or died with "OSError: listener is closed" printed
+    on stderr when a worker connected as the listener closed (seen with kill -9 of a worker
+    while a restart started). The job restarts and is exact; nothing of the failed starts
+    is left."""
+    raised: list = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(args.exc_value))
+    before = set(threading.enumerate())
+    out = str(tmp_path / "out")
+    result = abs.run(flow(out), parallelism=3, executor=_DiesBeforeItConnects(times=3),
+                     checkpoint=abs.CheckpointConfig(interval=0.25, retained=2), storage=str(tmp_path / "snap"),
+                     restart=abs.RestartStrategy(max_restarts=3, delay=0.1))
+    assert result.status == "FINISHED" and len(result.restarts) == 3
+    assert all("worker 1" in r["error"] and "signal 9" in r["error"] for r in result.restarts), result.restarts
+    assert_exactly_once(out)
+    assert not raised, raised
+    left = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+    assert not left, left
 
 
 class FaultsInAttempts:

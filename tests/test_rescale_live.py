@@ -11,6 +11,8 @@ from __future__ import annotations
 import collections
 import os
 import signal
+import subprocess
+import threading
 import time
 
 import pyarrow as pa
@@ -248,6 +250,39 @@ def test_a_join_that_did_not_start_keeps_the_counts_of_relayed_splits(tmp_path):
     finally:
         open(gate, "w").close()
     _ends_exact(job, 2)
+
+class _JoiningWorkerDiesBeforeItConnects(abs.LocalExecutor):
+    """Worker 2 is a process killed (SIGKILL) before it could connect to the driver."""
+
+    def launch(self, index, boot):
+        if index == 2:
+            proc = subprocess.Popen(["sleep", "60"])
+            proc.kill()
+            proc.wait()
+            return proc
+        return super().launch(index, boot)
+
+
+def test_a_joining_worker_lost_before_it_connects_leaves_no_thread_behind(tmp_path, monkeypatch):
+    """The join accepted the new workers' connections in a thread that stayed blocked in
+    accept() on the closed listener for the process's life when a new worker died before it
+    connected (one thread and one listening port per failed join). The join is refused, the
+    job runs on exactly, and nothing of the join is left."""
+    raised: list = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(args.exc_value))
+    gate = str(tmp_path / "gate")
+    job = abs.submit(counting_flow(gate), parallelism=2, executor=_JoiningWorkerDiesBeforeItConnects())
+    before = set(threading.enumerate())
+    try:
+        with pytest.raises(abs.ReconfigurationError, match=r"did not start .*worker 2 .*signal 9.*nothing was changed"):
+            job.rescale(3)
+        left = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+        assert not left, left
+    finally:
+        open(gate, "w").close()
+    _ends_exact(job, 2)
+    assert not raised, raised
+
 
 class _KillsWorkerZeroAtTheJoin(abs.LocalExecutor):
     """Before it starts worker 2 it kills worker 0 of the running job (SIGKILL) and waits until

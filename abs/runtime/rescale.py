@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from multiprocessing.connection import Listener, wait
 from typing import Any
@@ -38,6 +37,7 @@ from ..errors import WorkerLostError
 from ..reconfig.plan import DRAIN, ReconfigurationError, spread_splits
 from . import messages as m
 from .plan import task_key
+from .supervision import Acceptor
 
 log = logging.getLogger(__name__)
 
@@ -103,16 +103,16 @@ class Rescaling:
         procs: list = []
         conns: dict[int, Any] = {}
         told = False  # the running workers heard of the new ones: a failure from here fails the attempt
+        acceptor: Acceptor | None = None
         try:
             for i in new:
                 procs.append(self.executor.launch(i, {"driver": address, "secret": self._secret.hex(), "index": i}))
             view = list(run.procs) + procs  # index = worker index, for the start-up checks
             accepted: list = []
-            acceptor = threading.Thread(target=lambda: [accepted.append(listener.accept()) for _ in new], daemon=True)
-            acceptor.start()
+            acceptor = Acceptor(listener, len(new), accepted)
             deadline = time.monotonic() + self.startup_timeout
-            while acceptor.is_alive() and time.monotonic() < deadline:
-                acceptor.join(0.1)
+            while acceptor.thread.is_alive() and time.monotonic() < deadline:
+                acceptor.thread.join(0.1)
                 self._check_procs(view, run.conns)
                 self._watch_running(run)
             if len(accepted) < len(new):
@@ -148,7 +148,10 @@ class Rescaling:
             raise ReconfigurationError(f"rescale({workers}): the new workers did not start ({type(exc).__name__}: "
                                        f"{exc}); nothing was changed") from exc
         finally:
-            listener.close()
+            if acceptor is not None:
+                acceptor.close()
+            else:
+                listener.close()
         self._addresses = tuple(known)
         self._joining = _Joining(workers, procs, conns, set(run.conns))
 

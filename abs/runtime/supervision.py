@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import socket
 import subprocess
 import threading
 import time
@@ -26,7 +27,45 @@ from .worker import WorkerSpec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Supervision", "wait_for_exits"]
+__all__ = ["Supervision", "wait_for_exits", "Acceptor"]
+
+
+class Acceptor:
+    """Accepts ``n`` connections on ``listener`` in a daemon thread, into ``accepted``.
+
+    A start-up (or a join) that fails before every worker connected (a worker died, a
+    deadline passed) closes the listener with :meth:`close`: that wakes an ``accept`` still
+    waiting (a plain close leaves it blocked, and the port listening, for the process's
+    life) and the thread ends quietly. It used to die with a traceback on stderr
+    ("OSError: listener is closed") when a worker connected as the listener closed."""
+
+    def __init__(self, listener: Listener, n: int, accepted: list) -> None:
+        self.listener = listener
+        self._closed = False
+        self.thread = threading.Thread(target=self._run, args=(n, accepted), daemon=True, name="abs-acceptor")
+        self.thread.start()
+
+    def _run(self, n: int, accepted: list) -> None:
+        from multiprocessing import AuthenticationError
+
+        try:
+            for _ in range(n):
+                accepted.append(self.listener.accept())
+        except (OSError, EOFError, AuthenticationError):
+            if not self._closed:
+                raise
+
+    def close(self) -> None:
+        self._closed = True
+        if self.thread.is_alive():
+            sock = getattr(getattr(self.listener, "_listener", None), "_socket", None)
+            try:
+                if sock is not None:
+                    sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept (EINVAL)
+            except OSError:
+                pass
+        self.listener.close()
+        self.thread.join(5.0)
 
 
 def wait_for_exits(procs: list, seconds: float, check: Callable[[], None], clock: Callable[[], float] = time.monotonic) -> None:
@@ -65,6 +104,7 @@ class Supervision:
         # with the default backlog of 1, the kernel dropped the others' connection requests
         # while the driver authenticated one, and they retried a second later
         listener = Listener((bind, 0), authkey=secret, backlog=max(128, self.P))
+        acceptor: Acceptor | None = None
         try:
             address = [host, listener.address[1]]  # where workers reach it (bind may be 0.0.0.0 or a NAT'd address)
             boots = [{"driver": address, "secret": secret.hex(), "index": i} for i in range(self.P)]
@@ -74,11 +114,10 @@ class Supervision:
                 for i, boot in enumerate(boots):
                     procs.append(self.executor.launch(i, boot))
             accepted: list = []
-            acceptor = threading.Thread(target=lambda: [accepted.append(listener.accept()) for _ in range(self.P)], daemon=True)
-            acceptor.start()
+            acceptor = Acceptor(listener, self.P, accepted)
             deadline = time.monotonic() + self.startup_timeout
-            while acceptor.is_alive() and time.monotonic() < deadline:
-                acceptor.join(0.1)
+            while acceptor.thread.is_alive() and time.monotonic() < deadline:
+                acceptor.thread.join(0.1)
                 self._check_procs(procs, conns)
             if len(accepted) < self.P:
                 raise WorkerLostError(f"only {len(accepted)} of {self.P} workers connected within {self.startup_timeout:.0f} s")
@@ -106,7 +145,10 @@ class Supervision:
             for c in conns.values():
                 c.send(m.Start())
         finally:
-            listener.close()
+            if acceptor is not None:
+                acceptor.close()
+            else:
+                listener.close()
             self._drop_probe()
             if self._restore_tracker is not None:
                 self._restore_tracker.close()
