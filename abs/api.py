@@ -372,9 +372,31 @@ class JobHandle:
         return list(self._driver.reconfigurations)
 
     def _reconfigure(self, kind: str, args: tuple, strategy: str, batch: Any, timeout: float) -> Any:
+        from .errors import ReconfigurationError
         from .runtime.messages import ReconfigRequest
 
-        return self._ask(ReconfigRequest(kind, args, strategy, batch, queue.Queue()), timeout, "reconfiguration")
+        _check_timeout(timeout, "reconfiguration")
+        if not self._thread.is_alive():
+            raise ReconfigurationError(f"{kind}: job {self._driver.flow.name!r} is not running ({self.status}); "
+                                       f"{self._after_the_end()}")
+        try:
+            return self._ask(ReconfigRequest(kind, args, strategy, batch, queue.Queue()), timeout, "reconfiguration")
+        except JobFailedError:
+            if self._thread.is_alive():
+                raise  # the reconfiguration timed out: the job runs on
+            # the job ended before the driver served the request (a finished or failed job is
+            # a request that cannot be carried out, as README says: ReconfigurationError)
+            raise ReconfigurationError(f"{kind}: job {self._driver.flow.name!r} ended ({self.status}) before the "
+                                       f"reconfiguration was done; nothing was changed; {self._after_the_end()}") from None
+
+    def _after_the_end(self) -> str:
+        """What to do instead of reconfiguring a job that is no longer running."""
+        if self.status == "FINISHED":
+            return "its input has ended: nothing is left to move key groups or workers for"
+        if self._driver.storage_url is None:
+            return "it ran without storage: there is no checkpoint to continue it from at another parallelism"
+        return ("to continue it at another parallelism, run it again with restore='latest' and the number of "
+                "workers you want (parallelism=N)")
 
     def cancel(self) -> JobResult:
         """Stop the job (no final checkpoint) and return its result."""

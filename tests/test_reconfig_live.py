@@ -149,6 +149,27 @@ def test_bad_requests_are_refused_and_change_nothing(tmp_path):
     check_counts(job.wait(timeout=300).collected("out"))
 
 
+def test_reconfiguring_a_job_that_ended_is_refused_as_such(tmp_path):
+    """A finished or canceled job is a request that cannot be carried out: README promises a
+    ReconfigurationError for it (as for a job whose input has ended while it runs). It was a
+    JobFailedError ("job ... is not running (FINISHED)") that named no way on, and one a
+    caller catching ReconfigurationError around its rescales did not catch."""
+    gate = str(tmp_path / "gate")
+    open(gate, "w").close()
+    job = abs.submit(counting_flow(gate), parallelism=2)
+    assert job.wait(timeout=300).status == "FINISHED"
+    for call in (lambda: job.move([1], to=0), lambda: job.rebalance({1: 0}), lambda: job.rescale(3)):
+        with pytest.raises(abs.ReconfigurationError, match=r"is not running \(FINISHED\); its input has ended"):
+            call()
+    held = abs.submit(counting_flow(str(tmp_path / "never")), parallelism=2, storage=str(tmp_path / "root"),
+                      checkpoint=abs.CheckpointConfig(interval=0.05))
+    held.trigger_checkpoint()
+    assert held.cancel().status == "CANCELED"
+    with pytest.raises(abs.ReconfigurationError, match=r"not running \(CANCELED\); .*restore='latest'"):
+        held.rescale(3)
+    assert held.reconfigurations() == []
+
+
 def recount_fn(ctx, row):
     seen = ctx.state.seen
     n = (seen.value() or 0) + 1
