@@ -331,14 +331,16 @@ class JobHandle:
         (n key groups per step) or ``"fluid"`` (one key group per step). Raises
         :class:`abs.ReconfigurationError` for a request that cannot be carried out (nothing
         is changed then)."""
-        if isinstance(key_groups, int):
-            key_groups = [key_groups]
+        from .errors import ReconfigurationError
+
+        if isinstance(key_groups, int) or (hasattr(type(key_groups), "__index__") and not hasattr(key_groups, "__len__")):
+            key_groups = [key_groups]  # one id (a numpy integer too; checked with the others by the driver)
         else:
             try:
+                if isinstance(key_groups, (str, bytes)):  # list("12") would ask for key groups '1' and '2'
+                    raise TypeError
                 key_groups = list(key_groups)
             except TypeError:
-                from .errors import ReconfigurationError
-
                 raise ReconfigurationError(
                     f"move(key_groups={key_groups!r}): key_groups must be a key group id or an iterable of them, "
                     "e.g. move([0, 1], to=1)") from None

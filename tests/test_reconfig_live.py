@@ -143,6 +143,9 @@ def test_bad_requests_are_refused_and_change_nothing(tmp_path):
         # once a bare TypeError ("'NoneType' object is not iterable") from list(None)
         with pytest.raises(abs.ReconfigurationError, match=r"key_groups must be a key group id or an iterable"):
             job.move(None, to=1)
+        # a str is an iterable of characters: it asked for key groups '1' and '2'
+        with pytest.raises(abs.ReconfigurationError, match=r"key_groups must be a key group id or an iterable"):
+            job.move("12", to=1)
         assert job.assignment() == before and job.reconfigurations() == []
     finally:
         open(gate, "w").close()

@@ -64,6 +64,24 @@ def test_requests_are_checked_against_the_assignment():
     assert a.describe() == "w0: 0-7; w1: 8-15"
 
 
+def test_numpy_integers_name_key_groups_and_workers_and_other_values_are_named_as_not_ids():
+    """Key groups picked from an array (np.argsort of their load, np.flatnonzero, ...) are
+    numpy integers: they were refused as "key group np.int64(3) does not exist" (and a worker
+    np.int64(1) as "not a worker"), which it does, and is."""
+    a = Assignment.initial(M, 2)
+    assert move_target(a, np.array([0, 3]), np.int64(1)).owners[:4] == (1, 0, 0, 1)
+    assert move_target(a, [np.int32(9)], 0).owners[9] == 0
+    assert rebalance_target(a, {np.int64(3): np.int64(1)}).owners[3] == 1
+    assert all(type(w) is int for w in move_target(a, np.array([0, 3]), np.int64(1)).owners)
+    for bad in (True, 1.0, "1", None):
+        with pytest.raises(ReconfigurationError, match=r"is not a key group id: key groups are ints 0 \.\. 15"):
+            move_target(a, [bad], 1)
+    with pytest.raises(ReconfigurationError, match="key group np.int64\\(16\\) does not exist"):
+        move_target(a, [np.int64(16)], 1)
+    with pytest.raises(ReconfigurationError, match="to=True is not a worker"):
+        move_target(a, [1], True)
+
+
 # ----------------------------------------------------------------------------- alignment
 def test_a_step_aligns_when_every_live_channel_delivered_it():
     al = StepAligner(3)

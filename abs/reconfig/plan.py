@@ -21,6 +21,7 @@ that commits what their sinks wrote) ends their channels; then they stop.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
@@ -122,21 +123,39 @@ def check_strategy(strategy: object, batch: object) -> int:
     return 1 if strategy == "fluid" else 0
 
 
+def _integer(value: object) -> int | None:
+    """``value`` as an int when it is an integer (a numpy integer too: key groups and workers
+    picked from arrays), not a bool; else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
 def _check_worker(worker: object, workers: int, what: str) -> int:
-    if type(worker) is not int or not 0 <= worker < workers:
+    index = _integer(worker)
+    if index is None or not 0 <= index < workers:
         raise ReconfigurationError(
             f"{what}={worker!r} is not a worker of this job; use a worker index in [0, {workers - 1}]"
         )
-    return worker
+    return index
 
 
 def _check_key_group(kg: object, max_parallelism: int) -> int:
-    if type(kg) is not int or not 0 <= kg < max_parallelism:
+    index = _integer(kg)
+    if index is None:
+        raise ReconfigurationError(
+            f"key group {kg!r} is not a key group id: key groups are ints 0 .. {max_parallelism - 1} "
+            f"(max_parallelism={max_parallelism})"
+        )
+    if not 0 <= index < max_parallelism:
         raise ReconfigurationError(
             f"key group {kg!r} does not exist; this job has key groups 0 .. {max_parallelism - 1} "
             f"(max_parallelism={max_parallelism})"
         )
-    return kg
+    return index
 
 
 def move_target(current: Assignment, key_groups: Iterable[int], to: int) -> Assignment:
