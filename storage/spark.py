@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import pyarrow as pa
 
+from .backend import absolute_url
 from .errors import StorageConfigError, StorageError
 from .extras import require
 from .file_ref import FileRef
@@ -127,6 +128,9 @@ def load(spark: "SparkSession", root: str, **options: Any) -> "Any":
     errors: :func:`cause` finds them there.
     """
     register(spark)
+    # a relative path is the caller's: Spark plans and reads in its own Python workers, whose
+    # working directory is where the session started (on a cluster, each executor's own)
+    root = absolute_url(root) if isinstance(root, str) else root
     try:
         return spark.read.format(SOURCE_NAME).options(**{k: str(v) for k, v in options.items()}).load(root)
     except Exception as exc:

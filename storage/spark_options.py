@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from .backend import absolute_url
 from .errors import StorageConfigError
 from .inspect import parse_storage_options
 
@@ -84,7 +85,9 @@ def _parse_options(raw: Mapping[str, Any]) -> _Options:
 
     operator = opts.get("operator")
     state = opts.get("state")
-    return _Options(root=str(root), table=table, checkpoint=checkpoint,
+    # a relative path (given to spark.read...load() itself) is resolved where Spark plans the
+    # read, so that the executors, in their own working directories, read the same root
+    return _Options(root=absolute_url(str(root)), table=table, checkpoint=checkpoint,
                     operator=None if operator is None else str(operator),
                     state=None if state is None else str(state),
                     key_groups_per_partition=per_partition, key_groups=key_groups,

@@ -12,7 +12,9 @@ import contextlib
 import io
 import json
 import math
+import os
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -312,6 +314,26 @@ def test_load_raises_the_data_sources_own_error_first(snapshot, spark, tmp_path:
     df = storage.spark.load(spark, root, operator="count", state="n", checkpoint=4)
     assert df.count() == len(snapshot["models"][4][("count", "n")])
     assert storage.spark.cause(ValueError("no storage error here")) is None
+
+
+def test_a_relative_root_is_the_callers_not_sparks_working_directory(snapshot, reader, spark, monkeypatch):
+    """A relative root names a directory below the caller's working directory, as in
+    ``abs-snapshot`` and ``abs.run(storage=...)``: Spark plans and reads a Python data source
+    in its own Python workers, whose working directory is the one the session started in (on a
+    cluster: each executor's work directory), so the path is made absolute before it goes to
+    Spark (load) or where Spark plans it (spark.read.format: the executors then get the
+    planned absolute path)."""
+    import storage.spark
+
+    root = Path(snapshot["root"])
+    monkeypatch.chdir(root.parent.parent)  # not where this session's JVM and workers started
+    relative = os.path.join(root.parent.name, root.name)
+    df = storage.spark.load(spark, relative, operator="count", state="n", checkpoint=4)
+    assert df.count() == len(snapshot["models"][4][("count", "n")])
+    # a relative path given to Spark itself is planned against Spark's directory: the error
+    # names the absolute path it was resolved to, not just the relative one
+    msg = _error(lambda: reader("no/such/root", operator="count", state="n").schema)
+    assert "holds no snapshots" in msg and re.search(r"/no/such/root: holds no snapshots", msg), msg
 
 
 # ----------------------------------------------------------------------------- without Spark's JVM
