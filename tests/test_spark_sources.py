@@ -495,6 +495,22 @@ def test_bad_input_gives_clear_errors(spark, tmp_path, memory_root):
         abs.run(counting_flow(SparkStreamSource(CountingSource, bounded=True), abs.CollectSink()), parallelism=1)
 
 
+def test_micro_batch_source_on_the_spark_launcher_needs_a_slot_for_its_query(spark, tmp_path):
+    """A SparkMicroBatchSource's streaming query runs its tasks in the job's own Spark
+    application: a barrier stage of workers on every slot left it none, and the job ran for
+    ever without reading a row (checkpoints of nothing, no error). Refused at once, naming the
+    source and the numbers."""
+    write_json_files(tmp_path / "in", files=1, rows=10)
+    df = spark.readStream.schema("id long, key long, name string").json(str(tmp_path / "in"))
+    slots = spark.sparkContext.defaultParallelism  # local[4]
+    with pytest.raises(ConfigError, match=rf"{slots} workers take all {slots} task slot.*source 'src' "
+                                          r"\(SparkMicroBatchSource\).*use at most " + str(slots - 1)):
+        job = abs.submit(counting_flow(SparkMicroBatchSource(df, trigger={"availableNow": True}), abs.CollectSink()),
+                         executor=abs.SparkExecutor(spark, num_workers=slots),
+                         checkpoint=abs.CheckpointConfig(interval=0.2), storage=str(tmp_path / "snap"))
+        job.cancel()  # reached only without the check: the job would never end by itself
+    assert not spark.streams.active, "refused before the query started"
+
 def test_ddl_schema_without_a_spark_session_is_a_clear_error(tmp_path):
     code = (
         "from pyspark.sql.datasource import DataSource\n"

@@ -100,6 +100,9 @@ class SparkMicroBatchSource(Source):
     """
 
     unit_key = "part"
+    # the streaming query's tasks run on the job's own Spark application: a SparkExecutor must
+    # leave them a task slot beside its barrier stage, or no micro-batch is ever staged
+    spark_query_slots = 1
 
     def __init__(
         self,

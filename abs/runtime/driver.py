@@ -131,7 +131,13 @@ class JobDriver(RestoreSetup, Supervision, CheckpointCompletion, LiveReconfigura
         self.restore = restore
         self.executor = executor or LocalExecutor()
         if hasattr(self.executor, "check"):
-            self.executor.check(parallelism, storage)
+            # sources whose own Spark query needs task slots of the executor's application
+            queries = [(n.uid, n.spec["source"]) for n in flow.nodes
+                       if n.kind == "source" and getattr(n.spec["source"], "spark_query_slots", 0)]
+            if queries:
+                self.executor.check(parallelism, storage, queries=queries)
+            else:
+                self.executor.check(parallelism, storage)
         self.faults = normalize_faults(faults)
         self._attempt = 0
         self._driver_hits: dict = {}

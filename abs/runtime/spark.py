@@ -378,9 +378,12 @@ class SparkExecutor:
             total, free = free_task_slots(self.sc)
         return total, free
 
-    def check(self, parallelism: int, storage_url: str | None, *, wait: bool = True) -> None:
+    def check(self, parallelism: int, storage_url: str | None, *, wait: bool = True,
+              queries: list[tuple[str, Any]] = ()) -> None:
         """Refuse what cannot work before anything is submitted. On a cluster, wait up to
-        ``slot_wait`` s for executors to register."""
+        ``slot_wait`` s for executors to register. ``queries``: ``(uid, source)`` of the job's
+        sources that run a Spark query of their own (``SparkMicroBatchSource``) in this
+        application: its tasks need slots the barrier stage leaves free."""
         if self.num_workers is not None and self.num_workers != parallelism:
             raise ConfigError(
                 f"SparkExecutor(num_workers={self.num_workers}) but parallelism={parallelism}; pass one of them, "
@@ -395,6 +398,29 @@ class SparkExecutor:
         if problem is not None:
             raise ConfigError(f"SparkExecutor: {problem}")
         self._check_slots(parallelism, wait)
+        self._check_query_slots(parallelism, queries)
+
+    def _check_query_slots(self, parallelism: int, queries: list[tuple[str, Any]]) -> None:
+        """Refuse a barrier stage that takes every slot the application can have while a source's
+        Spark query needs one too: its micro-batches would wait for a slot for ever, and the job
+        would run without reading a row (on a cluster whose slots nothing caps, more executors
+        may come: not refused)."""
+        if not queries:
+            return
+        needed = max(int(getattr(src, "spark_query_slots", 1)) for _, src in queries)
+        total, _ = free_task_slots(self.sc)
+        cap = total if self.local_master else _max_slots(self.sc)
+        if cap is None or parallelism + needed <= cap:
+            return
+        names = ", ".join(f"{uid!r} ({type(src).__name__})" for uid, src in queries)
+        hint = (f"master local[N] with N >= {parallelism + needed}" if self.local_master
+                else f"spark.cores.max >= {parallelism + needed}")
+        raise ConfigError(
+            f"SparkExecutor: the job's {parallelism} workers take all {cap} task slot(s) of the Spark application "
+            f"({self.sc.master}), but source {names} runs a Spark streaming query in the same application whose "
+            f"tasks need {needed} slot(s) beside them: no micro-batch would ever be staged and the job would read "
+            f"nothing; use at most {cap - needed} workers, or give Spark more cores ({hint})"
+        )
 
     def _check_slots(self, parallelism: int, wait: bool) -> None:
         """Refuse a stage of ``parallelism`` tasks the cluster has no free slots for, naming
