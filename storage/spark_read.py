@@ -2,6 +2,7 @@
 yield Arrow record batches with exactly the columns and types of the DataFrame's schema."""
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
@@ -9,10 +10,11 @@ import pyarrow as pa
 
 from abscore.schema import OP_COLUMN
 
-from .errors import StorageError
+from .errors import CheckpointNotFoundError, MissingFileError, StorageError
 from .file_ref import FileRef
 from .spark_plan import KEY_GROUP_COLUMN, _StatePlan
 from .spark_stores import _open_store
+from .store import SnapshotStore
 from .spark_types import _encoding
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -68,13 +70,34 @@ def _conform(plan: _StatePlan, kg: int, table: pa.Table, target: pa.Schema) -> p
     return pa.Table.from_arrays(arrays, schema=target)
 
 
+def _removed_meanwhile(store: SnapshotStore, checkpoint_id: int) -> bool:
+    """Whether checkpoint ``checkpoint_id``, a file of which is missing, was dropped since it
+    was planned: a GC deletes a dropped checkpoint's data files first and its manifest last, so
+    the manifest is looked for a few times over ~1 s before the file counts as lost."""
+    for pause in (0.0, 0.1, 0.3, 0.6):
+        time.sleep(pause)
+        if checkpoint_id not in store._catalog.paths():
+            return True
+    return False
+
+
 def _read_state(plan: _StatePlan, group: Sequence[tuple[int, list[FileRef]]], spark_schema: "StructType",
                 ) -> Iterator[pa.RecordBatch]:
     """Resolve the chains of ``group`` and yield record batches matching ``spark_schema``."""
     target = _target_schema(spark_schema)
     store = _open_store(plan.root, plan.storage_options, cached=True)
     for kg, chain in group:
-        table = store.read_chain(chain, checkpoint_id=plan.checkpoint_id)
+        try:
+            table = store.read_chain(chain, checkpoint_id=plan.checkpoint_id)
+        except MissingFileError:
+            if not _removed_meanwhile(store, plan.checkpoint_id):
+                raise
+            raise CheckpointNotFoundError(
+                f"{plan.root}: checkpoint {plan.checkpoint_id} was removed while Spark read it (its manifest was "
+                "deleted by a GC meanwhile, e.g. the retention of a job writing this root): gone, not damaged; "
+                "read again (the latest checkpoint then), or read a savepoint (kept until deleted), or keep more "
+                "checkpoints (CheckpointConfig.retained)"
+            ) from None
         if table.num_rows == 0:
             continue
         yield from _conform(plan, kg, table, target).to_batches(max_chunksize=_BATCH_ROWS)

@@ -336,6 +336,36 @@ def test_a_relative_root_is_the_callers_not_sparks_working_directory(snapshot, r
     assert "holds no snapshots" in msg and re.search(r"/no/such/root: holds no snapshots", msg), msg
 
 
+def test_a_checkpoint_a_running_jobs_retention_drops_while_spark_reads_it_is_removed_not_damaged(spark, tmp_path):
+    """The DataFrame of a root a job is writing is planned at one checkpoint; the job's
+    retention (CheckpointConfig.retained) may drop that checkpoint before Spark's tasks read its
+    files. They are gone, not damaged: the error says so and to read again (it said 'file ...
+    is missing; the checkpoint cannot be restored; restore from an earlier checkpoint')."""
+    import storage.spark
+    from storage import CheckpointNotFoundError
+
+    root = str(tmp_path / "live")
+    store = SnapshotStore.open(root, fsync=False)
+    store.init_job({"job_name": "live", "max_parallelism": 2})
+
+    def commit_full(cid: int) -> None:  # every key group anew: dropping the checkpoint deletes its files
+        chains = {kg: store.write_key_group(cid, "sum", "n", kg, [], pa.table({"key": [kg], "value": [cid]}))
+                  for kg in range(2)}
+        store.commit(Manifest(checkpoint_id=cid, job_name="live", max_parallelism=2, keyed={"sum": {"n": chains}}))
+
+    commit_full(1)
+    df = storage.spark.load(spark, root, operator="sum", state="n")  # planned at checkpoint 1
+    commit_full(2)
+    store.gc(1)  # what the job's retention does: checkpoint 1 dropped, data files first, manifest last
+    with pytest.raises(Exception) as info:
+        df.collect()
+    found = storage.spark.cause(info.value)
+    assert isinstance(found, CheckpointNotFoundError), info.value
+    assert "checkpoint 1 was removed while Spark read it" in str(found) and "not damaged" in str(found)
+    assert "read again" in str(found) and "cannot be restored" not in str(found)
+    assert [r.value for r in storage.spark.load(spark, root, operator="sum", state="n").collect()] == [2, 2]
+
+
 # ----------------------------------------------------------------------------- without Spark's JVM
 def test_load_registers_the_data_source_once_per_session():
     """Spark warns when a data source replaces one registered before: load (and register)
