@@ -4,6 +4,8 @@ fails the stage, and the driver restores and resubmits with exact output."""
 from __future__ import annotations
 
 import collections
+import os
+import signal
 
 import numpy as np
 import pyarrow as pa
@@ -13,6 +15,7 @@ import abs
 from abs.faults import Fault
 from abs.connectors.file_sink import FileSink, read_output
 from pacing import PacedSource
+from processes import abs_workers, wait_while_running
 from storage import SnapshotStore
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
@@ -130,3 +133,54 @@ def test_bad_spark_configurations_are_refused(spark):
     with pytest.raises(abs.ConfigError, match="process-local memory"):
         abs.run(counting_flow(abs.CollectSink()), executor=abs.SparkExecutor(spark, num_workers=2),
                 storage="memory://abs-spark-test", checkpoint=abs.CheckpointConfig(interval=1.0))
+
+
+
+def test_a_killed_spark_python_worker_names_the_worker_of_its_task_and_sparks_reason(spark, monkeypatch, tmp_path):
+    """SIGKILL of the Spark Python worker that runs a task (its abs worker dies with it) fails
+    the barrier stage with Spark's reason and no abs worker exit status. The driver took that
+    for a failure of every worker and named worker 0, whichever task it was, as having 'exited
+    with code 1'; it names the worker of the failed task and Spark's reason (or, when the
+    dropped connection is seen first, that worker's lost connection), and the restart is exact."""
+    from abs.runtime.spark import _SparkWorker, _stage_failure
+
+    def kill_own_python_worker_in_partition_1(rows):  # nested: pickled by value (tests/ is not on Spark's path)
+        import os as os_
+        import signal as signal_
+
+        from pyspark import BarrierTaskContext
+
+        if BarrierTaskContext.get().partitionId() == 1:
+            os_.kill(os_.getpid(), signal_.SIGKILL)
+        yield from rows
+
+    # the stage's error as Spark words it when a task's Python worker is killed
+    with pytest.raises(Exception) as info:
+        spark.sparkContext.parallelize(range(4), 2).barrier().mapPartitions(kill_own_python_worker_in_partition_1).collect()
+    index, code, reason = _stage_failure(str(info.value), [5, 7])
+    assert (index, code) == (7, None) and reason.startswith("Python worker exited unexpectedly"), str(info.value)
+
+    pids: dict[int, int] = {}
+    bind = _SparkWorker.bind_pid
+    monkeypatch.setattr(_SparkWorker, "bind_pid", lambda self, pid: (pids.__setitem__(self.index, pid), bind(self, pid)))
+    job = abs.submit(
+        counting_flow(abs.CollectSink(), per_checkpoint=2_000),
+        executor=abs.SparkExecutor(spark, num_workers=2),
+        checkpoint=abs.CheckpointConfig(interval=0.2),
+        storage=str(tmp_path / "snap"),
+        restart=abs.RestartStrategy(max_restarts=1, delay=0.1),
+    )
+    wait_while_running("two workers and a complete checkpoint",
+                       lambda: len(pids) == 2 and job.metrics()["completed_checkpoints"] >= 1, job)
+    victim = pids[1]  # (a restart binds the pids of its own workers)
+    with open(f"/proc/{victim}/stat", "rb") as f:
+        spark_python_worker = int(f.read().rsplit(b")", 1)[1].split()[1])
+    os.kill(spark_python_worker, signal.SIGKILL)
+    result = job.wait()
+    assert result.status == "FINISHED"
+    assert len(result.restarts) == 1, result.restarts
+    error = result.restarts[0]["error"]
+    assert error == "lost the connection to worker 1" or (
+        f"worker 1 (pid {victim}) ended with its Spark task, which failed: Python worker exited unexpectedly"
+        in error), error
+    assert per_key_counts(result.collected("out")) == EXPECTED

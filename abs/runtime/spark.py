@@ -69,6 +69,10 @@ __all__ = ["SparkExecutor", "driver_address_problem", "free_task_slots"]
 _SLOT_WAIT_S = 20.0  # how long a (re)launch waits for busy slots to free up
 _OWN_TASKS_WAIT_S = 60.0  # how long a (re)launch waits for the tasks of its own failed stage to end
 _FAIL_RE = re.compile(r"abs worker (\d+) (?:exited with code|was killed by signal) (-?\d+)")
+# a barrier task that failed before its abs worker ended (its Spark Python worker killed or
+# crashed: the worker dies with it): Spark names the task's partition and its own reason
+_TASK_FAIL_RE = re.compile(r"barrier task ResultTask\(\d+, (\d+)\) finished unsuccessfully\.\s*\n"
+                           r"(?:[\w.$]+(?:Exception|Error): )?([^\n]*)")
 
 
 def _master_slots(master: str) -> int | None:
@@ -197,6 +201,21 @@ def _task_body(boots: list[dict], remote_hosts: bool) -> Callable[[Iterator[int]
     return run
 
 
+def _stage_failure(text: str, indexes: list[int]) -> tuple[int | None, int | None, str | None]:
+    """``(worker index, exit code, reason)`` of the failure of a stage whose tasks ran the
+    workers ``indexes`` (by partition), from the text of Spark's error: a worker's exit status
+    (code set), else the task Spark names as failed and Spark's reason (e.g. its Python worker
+    was killed: the abs worker died with it); ``(None, None, None)`` when neither is there."""
+    m = _FAIL_RE.search(text)
+    if m:
+        return int(m.group(1)), int(m.group(2)), None
+    task = _TASK_FAIL_RE.search(text)
+    if task and int(task.group(1)) < len(indexes):
+        reason = task.group(2).split(". Consider setting")[0].strip() or "no reason given"
+        return indexes[int(task.group(1))], None, reason
+    return None, None, None
+
+
 class _StageRun:
     """One barrier stage running the workers of one attempt, in a thread of the driver."""
 
@@ -207,6 +226,8 @@ class _StageRun:
         self.error: BaseException | None = None
         self.failed_index: int | None = None
         self.failed_code: int | None = None
+        self.failed_reason: str | None = None  # Spark's reason, when the task failed without a worker exit status
+        self._indexes = [b["index"] for b in boots]
         self._body = _task_body(boots, remote_hosts)
         self._n = len(boots)
         self._description = description
@@ -220,9 +241,7 @@ class _StageRun:
             rdd.barrier().mapPartitions(self._body).collect()
         except BaseException as exc:  # noqa: BLE001 - reported through poll()
             self.error = exc
-            m = _FAIL_RE.search(str(exc))
-            if m:
-                self.failed_index, self.failed_code = int(m.group(1)), int(m.group(2))
+            self.failed_index, self.failed_code, self.failed_reason = _stage_failure(str(exc), self._indexes)
         finally:
             self.done.set()
 
@@ -243,6 +262,7 @@ class _SparkWorker:
         self.local = local
         self.pid: int | None = None  # the worker child's pid, from its hello
         self.returncode: int | None = None
+        self.exit_detail: str | None = None  # how it ended, when not by its own exit status
 
     def bind_pid(self, pid: int | None) -> None:
         self.pid = pid
@@ -256,8 +276,12 @@ class _SparkWorker:
         elif st.failed_index is None:
             self.returncode = 1  # the stage failed without naming a worker (e.g. canceled)
         elif st.failed_index == self.index:
-            code = st.failed_code or 1
-            self.returncode = -code if "signal" in str(st.error) else code
+            if st.failed_code is None:  # its Spark task failed first (its Python worker killed, say)
+                self.returncode = 1
+                self.exit_detail = f"ended with its Spark task, which failed: {st.failed_reason}"
+            else:
+                code = st.failed_code
+                self.returncode = -code if "signal" in str(st.error) else code
         else:
             return None  # stopped because another worker failed: that one is reported
         return self.returncode

@@ -259,7 +259,8 @@ class Supervision:
         for i, p in enumerate(procs):
             code = p.poll()
             if code is not None and code != 0:
-                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                how = (getattr(p, "exit_detail", None)
+                       or (f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"))
                 raise WorkerLostError(
                     f"job {self.flow.name!r}: worker {i} (pid {p.pid}) {how}; no checkpoint after the last "
                     "complete one is used"
