@@ -6,6 +6,8 @@ from __future__ import annotations
 import collections
 import os
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -184,3 +186,54 @@ def test_a_killed_spark_python_worker_names_the_worker_of_its_task_and_sparks_re
         f"worker 1 (pid {victim}) ended with its Spark task, which failed: Python worker exited unexpectedly"
         in error), error
     assert per_key_counts(result.collected("out")) == EXPECTED
+
+
+KILL_THE_JVM = '''
+import os, signal, sys, time
+import pyarrow as pa
+from pyspark.sql import SparkSession
+import abs
+from test_spark_executor import count_fn
+
+os.environ["PYSPARK_PYTHON"] = sys.executable
+spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false").getOrCreate())
+flow = abs.Dataflow("jvm-lost")
+flow.source("src", abs.GeneratorSource(None, num_keys=50, num_splits=2, batch_size=100, rate=2000)).key_by(
+    "key").process("count", count_fn, state=[abs.ValueState("n", pa.int64())]).sink("out", abs.CollectSink())
+job = abs.submit(flow, executor=abs.SparkExecutor(spark, num_workers=2), checkpoint=abs.CheckpointConfig(interval=0.2),
+                 storage=sys.argv[1], restart=abs.RestartStrategy(max_restarts=3, delay=0.1))
+while job.metrics()["completed_checkpoints"] < 1:
+    assert job.metrics()["status"] in ("CREATED", "RUNNING"), job.metrics()["status"]
+    time.sleep(0.05)
+for pid in os.listdir("/proc"):  # the JVM this process started (pyspark's gateway)
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            parent = int(f.read().rsplit(b")", 1)[1].split()[1])
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            java = b"java" in f.read().split(b"\\0")[0]
+    except OSError:
+        continue
+    if parent == os.getpid() and java:
+        os.kill(int(pid), signal.SIGKILL)
+try:
+    job.wait()
+except Exception as e:
+    print("ERROR", type(e).__name__, e)
+    print("RESTARTS", len(job.metrics()["restarts"]))
+os._exit(0)
+'''
+
+
+def test_a_killed_spark_jvm_fails_the_job_at_once_saying_so(tmp_path):
+    """SIGKILL of the Spark driver JVM behind the session (local mode: the executor too) while a
+    job runs on it: every restart failed at once on the dead Py4J gateway, and the job ended
+    with "job 'x' failed: [Errno 111] Connection refused". It fails at its first restart, naming
+    the lost JVM and what to do, and uses up no further restart. (Its own Python process:
+    the test session's Spark is not to be killed.)"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), SPARK_LOCAL_IP="127.0.0.1")
+    proc = subprocess.run([sys.executable, "-c", KILL_THE_JVM, str(tmp_path / "snap")], capture_output=True,
+                          text=True, env=env, timeout=300, cwd=os.path.dirname(__file__))
+    assert "ERROR ConfigError SparkExecutor: the Spark driver JVM of this SparkSession is gone" in proc.stdout, \
+        proc.stdout + proc.stderr[-3000:]
+    assert "restore='latest'" in proc.stdout
+    assert "RESTARTS 1" in proc.stdout, proc.stdout

@@ -275,6 +275,9 @@ class _SparkWorker:
             self.returncode = 0
         elif st.failed_index is None:
             self.returncode = 1  # the stage failed without naming a worker (e.g. canceled)
+            lines = [line.strip() for line in str(st.error).splitlines() if line.strip()]
+            self.exit_detail = (f"ended with its Spark stage, which failed ({type(st.error).__name__}"
+                                f"{': ' + lines[0][:300] if lines else ''})")
         elif st.failed_index == self.index:
             if st.failed_code is None:  # its Spark task failed first (its Python worker killed, say)
                 self.returncode = 1
@@ -351,6 +354,19 @@ class SparkExecutor:
         sc = self.spark.sparkContext
         if getattr(sc, "_jsc", None) is None:
             raise ConfigError("SparkExecutor: the SparkSession has been stopped; create a new one")
+        try:
+            stopped = bool(sc._jsc.sc().isStopped())
+        except Exception as exc:  # noqa: BLE001 - py4j: the JVM behind the session does not answer
+            raise ConfigError(
+                f"SparkExecutor: the Spark driver JVM of this SparkSession is gone ({type(exc).__name__}: {exc}; it was "
+                "killed, crashed or ran out of memory), so no Spark stage can run on this session; start a new "
+                "SparkSession (a new Python process is the sure way: getOrCreate() may return the dead one) and run "
+                "the job again with restore='latest' to continue from its latest complete checkpoint"
+            ) from exc
+        if stopped:
+            raise ConfigError("SparkExecutor: the SparkContext of this SparkSession has been stopped (by Spark after "
+                              "an error, or by spark.stop()); create a new SparkSession and run the job again with "
+                              "restore='latest'")
         return sc
 
     @property
