@@ -49,6 +49,7 @@ when a Spark class is used; ``import storage`` never needs it.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import threading
 import weakref
@@ -117,7 +118,7 @@ def register(spark: "SparkSession") -> None:
         _REGISTERED.add(spark)
 
 
-def load(spark: "SparkSession", root: str, **options: Any) -> "Any":
+def load(spark: "SparkSession", root: "str | os.PathLike[str]", **options: Any) -> "Any":
     """``spark.read.format("abs-snapshot").options(**options).load(root)`` (registering the
     source first, once per session: :func:`register`), with the data source's own error raised as itself: Spark reports an error
     of a Python data source as an ``AnalysisException`` whose message starts with Spark's
@@ -130,7 +131,14 @@ def load(spark: "SparkSession", root: str, **options: Any) -> "Any":
     register(spark)
     # a relative path is the caller's: Spark plans and reads in its own Python workers, whose
     # working directory is where the session started (on a cluster, each executor's own)
-    root = absolute_url(root) if isinstance(root, str) else root
+    if isinstance(root, os.PathLike):
+        root = os.fspath(root)
+    if not isinstance(root, str):
+        raise StorageConfigError(
+            f"{SOURCE_NAME}: the snapshot root must be a path or URL (str or pathlib.Path), got "
+            f"{type(root).__name__} {root!r}; e.g. load(spark, '/data/ckpt', ...)"
+        )
+    root = absolute_url(root)
     try:
         return spark.read.format(SOURCE_NAME).options(**{k: str(v) for k, v in options.items()}).load(root)
     except Exception as exc:

@@ -119,4 +119,9 @@ def _parse_key_groups(text: Any) -> frozenset[int]:
                 f"{SOURCE_NAME}: option keyGroups={text!r}: {part!r} is not a key group or range; use e.g. '0-9,17'"
             )
         out.update(range(a, b + 1))
+    if not out:
+        raise StorageConfigError(
+            f"{SOURCE_NAME}: option keyGroups={text!r} names no key group; use e.g. '0-9,17', or leave the option "
+            "out to read them all"
+        )
     return frozenset(out)

@@ -23,7 +23,7 @@ import pytest
 
 from abs.cli import main as cli_main
 from abs.keygroups import key_group
-from storage import CompactionPolicy, FileRef, Manifest, SnapshotStore
+from storage import CompactionPolicy, FileRef, Manifest, SnapshotStore, StorageConfigError
 
 pytestmark = pytest.mark.integration
 
@@ -332,6 +332,11 @@ def test_a_relative_root_is_the_callers_not_sparks_working_directory(snapshot, r
     assert df.count() == len(snapshot["models"][4][("count", "n")])
     # a relative path given to Spark itself is planned against Spark's directory: the error
     # names the absolute path it was resolved to, not just the relative one
+    # a pathlib.Path (what tmp_path and most code hold) is a path too; it raised AttributeError
+    # "'PosixPath' object has no attribute '_get_object_id'" from Py4J
+    assert storage.spark.load(spark, root, operator="count", state="n", checkpoint=4).count() == df.count()
+    with pytest.raises(StorageConfigError, match=r"the snapshot root must be a path or URL.*got int"):
+        storage.spark.load(spark, 42, operator="count", state="n")
     msg = _error(lambda: reader("no/such/root", operator="count", state="n").schema)
     assert "holds no snapshots" in msg and re.search(r"/no/such/root: holds no snapshots", msg), msg
 
@@ -409,6 +414,10 @@ def test_options_and_types_without_a_session():
     assert opts.storage_options == {"key": "k", "secret": "123", "config_kwargs": {"retries": {"max_attempts": 2}},
                                     "client_kwargs": {"region_name": "x", "endpoint_url": "http://h:1"}}
     assert opts.key_groups == {0, 1, 2, 9} and opts.key_groups_per_partition is None and opts.checkpoint is None
+    # a keyGroups that names no key group read an empty DataFrame without a word
+    for nothing in (" ", ",", " , "):
+        with pytest.raises(StorageConfigError, match=r"option keyGroups=.* names no key group.*leave the option out"):
+            _parse_options({"path": "/r", "keyGroups": nothing})
     assert arrow_to_spark_type(pa.uint64()) == T.DecimalType(20, 0)
     assert arrow_to_spark_type(pa.large_string()) == T.StringType()
     assert arrow_to_spark_type(pa.timestamp("ns")) == T.TimestampNTZType()
