@@ -198,13 +198,19 @@ def test_a_dashboard_on_the_ipv6_loopback_serves_the_job(tmp_path):
         job.cancel()
 
 
-def test_a_restart_shows_with_its_cause_in_the_json_and_the_metrics(tmp_path):
+def restarting_job(tmp_path, delay: float) -> abs.JobHandle:
+    """A held job with a dashboard whose worker 0 fails at its 1,000th record, restarted once
+    after ``delay`` seconds."""
     from abs.faults import Fault
 
-    job = abs.submit(held_flow(str(tmp_path / "never-opened")), parallelism=2, storage=str(tmp_path / "root"),
-                     checkpoint=abs.CheckpointConfig(interval=0.3), dashboard=True,
-                     restart=abs.RestartStrategy(max_restarts=1, delay=0.0),
-                     runtime=abs.RuntimeOptions(faults=[Fault("records", "task1#0", nth=1_000)]))
+    return abs.submit(held_flow(str(tmp_path / "never-opened")), parallelism=2, storage=str(tmp_path / "root"),
+                      checkpoint=abs.CheckpointConfig(interval=0.3), dashboard=True,
+                      restart=abs.RestartStrategy(max_restarts=1, delay=delay),
+                      runtime=abs.RuntimeOptions(faults=[Fault("records", "task1#0", nth=1_000)]))
+
+
+def test_a_restart_shows_with_its_cause_in_the_json_and_the_metrics(tmp_path):
+    job = restarting_job(tmp_path, delay=0.0)
     server = job.dashboard
     try:
         deadline = time.monotonic() + 180
@@ -302,8 +308,6 @@ def test_a_restart_shows_at_once_not_only_after_its_back_off(tmp_path, caplog):
     import logging
     import threading
 
-    from abs.faults import Fault
-
     announced = threading.Event()
 
     class Announced(logging.Handler):
@@ -314,10 +318,7 @@ def test_a_restart_shows_at_once_not_only_after_its_back_off(tmp_path, caplog):
     handler = Announced()
     with caplog.at_level("INFO", logger="abs"):
         logging.getLogger("abs").addHandler(handler)
-        job = abs.submit(held_flow(str(tmp_path / "never-opened")), parallelism=2, storage=str(tmp_path / "root"),
-                         checkpoint=abs.CheckpointConfig(interval=0.3), dashboard=True,
-                         restart=abs.RestartStrategy(max_restarts=1, delay=3.0),
-                         runtime=abs.RuntimeOptions(faults=[Fault("records", "task1#0", nth=1_000)]))
+        job = restarting_job(tmp_path, delay=3.0)
         server = job.dashboard
         try:
             assert announced.wait(180), "the fault did not kill worker 0"
