@@ -3,24 +3,37 @@ running job to reach a state."""
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from typing import Any, Callable
 
 
-def abs_workers() -> list[int]:
-    """Pids of abs worker processes below this process (the Spark tasks' children)."""
-    parents: dict[int, int] = {}
-    commands: dict[int, bytes] = {}
+def parent_of(pid: int) -> int:
+    """The parent pid of ``pid`` (from /proc; OSError when the process is gone)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return int(f.read().rsplit(b")", 1)[1].split()[1])
+
+
+def processes() -> dict[int, tuple[int, bytes]]:
+    """Every process there is: pid -> (parent pid, command line as /proc has it, NUL-separated)."""
+    out: dict[int, tuple[int, bytes]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                parents[int(entry)] = int(f.read().rsplit(b")", 1)[1].split()[1])
+            parent = parent_of(int(entry))
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                commands[int(entry)] = f.read()
+                out[int(entry)] = (parent, f.read())
         except OSError:
             continue
+    return out
+
+
+def abs_workers() -> list[int]:
+    """Pids of abs worker processes below this process (the Spark tasks' children)."""
+    table = processes()
+    parents = {pid: parent for pid, (parent, _) in table.items()}
+    commands = {pid: cmd for pid, (_, cmd) in table.items()}
 
     def below_us(pid: int) -> bool:
         while pid > 1:
@@ -31,6 +44,15 @@ def abs_workers() -> list[int]:
 
     workers = {p for p, cmd in commands.items() if b"abs.runtime.worker_main" in cmd and below_us(p)}
     return sorted(p for p in workers if parents.get(p) not in workers)  # not their writer processes
+
+
+def killed_process() -> subprocess.Popen:
+    """A process killed by SIGKILL and reaped: what an executor's ``launch`` gives for a worker
+    lost before it could connect to the driver."""
+    proc = subprocess.Popen(["sleep", "60"])
+    proc.kill()
+    proc.wait()
+    return proc
 
 
 def wait_while_running(what: str, ready: Callable[[], Any], handle: Any, timeout: float = 180.0) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import collections
 import os
-import subprocess
 import threading
 
 import numpy as np
@@ -16,6 +15,7 @@ import abs
 from abs.faults import Fault
 from abs.connectors.file_sink import FileSink, read_output
 from pacing import PacedSource
+from processes import killed_process
 from recovery import NoUsableCheckpointError
 from storage import JobMismatchError, SnapshotStore, StorageUnavailableError
 from storage.testing import Fault as StorageFault
@@ -227,10 +227,7 @@ class _DiesBeforeItConnects(abs.LocalExecutor):
     def launch(self, index, boot):
         if index == 1 and self.times > 0:
             self.times -= 1
-            proc = subprocess.Popen(["sleep", "60"])
-            proc.kill()
-            proc.wait()
-            return proc
+            return killed_process()
         return super().launch(index, boot)
 
 

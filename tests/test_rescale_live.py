@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import os
 import signal
-import subprocess
 import threading
 import time
 
@@ -29,6 +28,7 @@ from abs.runtime.messages import SourceExhausted
 from abs.runtime.plan import task_key
 from storage import SnapshotStore
 from pacing import PacedSource
+from processes import killed_process
 from test_reconfig_live import HOLD, M, NUM_KEYS, TOTAL, check_counts, count_fn, counting_flow, run_through_a_crash
 
 
@@ -256,10 +256,7 @@ class _JoiningWorkerDiesBeforeItConnects(abs.LocalExecutor):
 
     def launch(self, index, boot):
         if index == 2:
-            proc = subprocess.Popen(["sleep", "60"])
-            proc.kill()
-            proc.wait()
-            return proc
+            return killed_process()
         return super().launch(index, boot)
 
 

@@ -17,7 +17,7 @@ import abs
 from abs.faults import Fault
 from abs.connectors.file_sink import FileSink, read_output
 from pacing import PacedSource
-from processes import abs_workers, wait_while_running
+from processes import abs_workers, parent_of, wait_while_running
 from storage import SnapshotStore
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
@@ -175,9 +175,7 @@ def test_a_killed_spark_python_worker_names_the_worker_of_its_task_and_sparks_re
     wait_while_running("two workers and a complete checkpoint",
                        lambda: len(pids) == 2 and job.metrics()["completed_checkpoints"] >= 1, job)
     victim = pids[1]  # (a restart binds the pids of its own workers)
-    with open(f"/proc/{victim}/stat", "rb") as f:
-        spark_python_worker = int(f.read().rsplit(b")", 1)[1].split()[1])
-    os.kill(spark_python_worker, signal.SIGKILL)
+    os.kill(parent_of(victim), signal.SIGKILL)  # the Spark Python worker running its task
     result = job.wait()
     assert result.status == "FINISHED"
     assert len(result.restarts) == 1, result.restarts
@@ -193,6 +191,7 @@ import os, signal, sys, time
 import pyarrow as pa
 from pyspark.sql import SparkSession
 import abs
+from processes import processes
 from test_spark_executor import count_fn
 
 os.environ["PYSPARK_PYTHON"] = sys.executable
@@ -205,16 +204,9 @@ job = abs.submit(flow, executor=abs.SparkExecutor(spark, num_workers=2), checkpo
 while job.metrics()["completed_checkpoints"] < 1:
     assert job.metrics()["status"] in ("CREATED", "RUNNING"), job.metrics()["status"]
     time.sleep(0.05)
-for pid in os.listdir("/proc"):  # the JVM this process started (pyspark's gateway)
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            parent = int(f.read().rsplit(b")", 1)[1].split()[1])
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            java = b"java" in f.read().split(b"\\0")[0]
-    except OSError:
-        continue
-    if parent == os.getpid() and java:
-        os.kill(int(pid), signal.SIGKILL)
+for pid, (parent, cmdline) in processes().items():  # the JVM this process started (pyspark's gateway)
+    if parent == os.getpid() and b"java" in cmdline.split(b"\\0")[0]:
+        os.kill(pid, signal.SIGKILL)
 try:
     job.wait()
 except Exception as e:
