@@ -2,7 +2,6 @@
 yield Arrow record batches with exactly the columns and types of the DataFrame's schema."""
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
@@ -14,7 +13,6 @@ from .errors import CheckpointNotFoundError, MissingFileError, StorageError
 from .file_ref import FileRef
 from .spark_plan import KEY_GROUP_COLUMN, _StatePlan
 from .spark_stores import _open_store
-from .store import SnapshotStore
 from .spark_types import _encoding
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -70,17 +68,6 @@ def _conform(plan: _StatePlan, kg: int, table: pa.Table, target: pa.Schema) -> p
     return pa.Table.from_arrays(arrays, schema=target)
 
 
-def _removed_meanwhile(store: SnapshotStore, checkpoint_id: int) -> bool:
-    """Whether checkpoint ``checkpoint_id``, a file of which is missing, was dropped since it
-    was planned: a GC deletes a dropped checkpoint's data files first and its manifest last, so
-    the manifest is looked for a few times over ~1 s before the file counts as lost."""
-    for pause in (0.0, 0.1, 0.3, 0.6):
-        time.sleep(pause)
-        if checkpoint_id not in store._catalog.paths():
-            return True
-    return False
-
-
 def _read_state(plan: _StatePlan, group: Sequence[tuple[int, list[FileRef]]], spark_schema: "StructType",
                 ) -> Iterator[pa.RecordBatch]:
     """Resolve the chains of ``group`` and yield record batches matching ``spark_schema``."""
@@ -90,7 +77,7 @@ def _read_state(plan: _StatePlan, group: Sequence[tuple[int, list[FileRef]]], sp
         try:
             table = store.read_chain(chain, checkpoint_id=plan.checkpoint_id)
         except MissingFileError:
-            if not _removed_meanwhile(store, plan.checkpoint_id):
+            if not store.dropped_meanwhile([plan.checkpoint_id], patience=1.0):
                 raise
             raise CheckpointNotFoundError(
                 f"{plan.root}: checkpoint {plan.checkpoint_id} was removed while Spark read it (its manifest was "

@@ -204,6 +204,21 @@ class SnapshotStore:
         (:meth:`list_checkpoints` lists only those that parse)."""
         return sorted(CheckpointId(cid) for cid in self._catalog.paths())
 
+    def dropped_meanwhile(self, checkpoint_ids: Iterable[int], *, patience: float = 0.0) -> set[int]:
+        """Which of ``checkpoint_ids`` (read before) have no manifest any more: dropped since by a
+        GC, such as the retention of a job writing this root; a file they lacked is then no fault
+        of the data. A GC deletes a dropped checkpoint's data files first and its manifest last:
+        with ``patience`` (seconds), a checkpoint whose manifest is still there is looked for
+        again a few times over that long, so a missing file read in between is told apart."""
+        wanted = set(checkpoint_ids)
+        gone = wanted - set(self._catalog.paths())
+        deadline, pause = time.monotonic() + patience, 0.1
+        while gone != wanted and time.monotonic() < deadline:
+            time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
+            pause *= 2
+            gone = wanted - set(self._catalog.paths())
+        return gone
+
     def record_committed(self, checkpoint_id: int) -> None:
         """Note ``checkpoint_id`` in ``_committed.json`` as the newest checkpoint whose sinks
         may have published output. Written after its manifest, before the sinks are told; it
@@ -407,7 +422,8 @@ class SnapshotStore:
                                                   limits=self.decode_limits)
         problems.extend(file_problems)
         if problems:  # a GC running meanwhile (a job's retention) deletes files of checkpoints it drops
-            problems = removed_meanwhile(problems, manifests.keys() | unreadable.keys(), self._catalog.paths())
+            checked = manifests.keys() | unreadable.keys()
+            problems = removed_meanwhile(problems, self.dropped_meanwhile(checked))
         return VerifyReport(
             checkpoints=tuple(CheckpointId(c) for c in sorted(paths)),
             files_checked=files,

@@ -139,14 +139,13 @@ def lineage_problems(checked: Mapping[int, Manifest], present: Mapping[int, Mani
     return problems
 
 
-def removed_meanwhile(problems: list[Problem], checked: Iterable[int], present: Iterable[int]) -> list[Problem]:
-    """``problems`` found in the ``checked`` checkpoints, given the manifests ``present`` after
-    the check: a checked checkpoint whose manifest is gone was deleted while it was verified (a
-    GC: the retention of a job writing the root deletes a dropped checkpoint's files first, its
-    manifest last), so the files it missed are no fault of the data. Its problems are replaced
-    by one of kind ``"removed"``; a problem shared with checkpoints still present names those
-    only (pure)."""
-    gone = sorted(set(checked) - set(present))
+def removed_meanwhile(problems: list[Problem], gone: Iterable[int]) -> list[Problem]:
+    """``problems`` of checked checkpoints, ``gone`` those among them whose manifest was deleted
+    while they were verified (a GC: the retention of a job writing the root deletes a dropped
+    checkpoint's files first, its manifest last; :meth:`SnapshotStore.dropped_meanwhile`), so
+    the files they missed are no fault of the data. Their problems are replaced by one of kind
+    ``"removed"`` each; a problem shared with checkpoints still present names those only (pure)."""
+    gone = sorted(gone)
     if not gone:
         return problems
     out = []
