@@ -293,11 +293,15 @@ class JobHandle:
 
         return self._ask(CheckpointRequest(queue.Queue()), timeout, "checkpoint")
 
-    def _ask(self, request: Any, timeout: float, what: str) -> Any:
-        """Put ``request`` to the driver and wait for what it puts on ``request.reply``."""
+    def _ask(self, request: Any, timeout: float, what: str,
+             not_running: Callable[[str], BaseException] | None = None) -> Any:
+        """Put ``request`` to the driver and wait for what it puts on ``request.reply``.
+        ``not_running(why)``: the error raised when the job does not run, or ends before it got
+        to the request (default: :class:`JobFailedError` of ``why``)."""
         _check_timeout(timeout, what)
+        gone = not_running or JobFailedError
         if not self._thread.is_alive():
-            raise JobFailedError(f"job {self._driver.flow.name!r} is not running ({self.status})")
+            raise gone(f"job {self._driver.flow.name!r} is not running ({self.status})")
         reply = request.reply
         self._driver.requests.put(request)
         deadline = time.monotonic() + timeout
@@ -312,9 +316,10 @@ class JobHandle:
                     value = reply.get_nowait()
                     break
                 except queue.Empty:
-                    raise JobFailedError(
+                    raise gone(
                         f"job {self._driver.flow.name!r} ended ({self.status}) before the requested {what} "
-                        "was done; request checkpoints, savepoints and reconfigurations while the job runs"
+                        "was done" + ("" if not_running else
+                                      "; request checkpoints, savepoints and reconfigurations while the job runs")
                     ) from None
             if time.monotonic() > deadline:
                 raise JobFailedError(f"{what} did not complete within {timeout:.0f} s") from None
@@ -377,19 +382,13 @@ class JobHandle:
         from .errors import ReconfigurationError
         from .runtime.messages import ReconfigRequest
 
-        _check_timeout(timeout, "reconfiguration")
-        if not self._thread.is_alive():
-            raise ReconfigurationError(f"{kind}: job {self._driver.flow.name!r} is not running ({self.status}); "
-                                       f"{self._after_the_end()}")
-        try:
-            return self._ask(ReconfigRequest(kind, args, strategy, batch, queue.Queue()), timeout, "reconfiguration")
-        except JobFailedError:
-            if self._thread.is_alive():
-                raise  # the reconfiguration timed out: the job runs on
-            # the job ended before the driver served the request (a finished or failed job is
-            # a request that cannot be carried out, as README says: ReconfigurationError)
-            raise ReconfigurationError(f"{kind}: job {self._driver.flow.name!r} ended ({self.status}) before the "
-                                       f"reconfiguration was done; nothing was changed; {self._after_the_end()}") from None
+        def not_running(why: str) -> ReconfigurationError:
+            # a job that ended (or ends before the driver gets to the request) is a request that
+            # cannot be carried out (README), and nothing was changed
+            return ReconfigurationError(f"{kind}: {why}; {self._after_the_end()}")
+
+        return self._ask(ReconfigRequest(kind, args, strategy, batch, queue.Queue()), timeout, "reconfiguration",
+                         not_running)
 
     def _after_the_end(self) -> str:
         """What to do instead of reconfiguring a job that is no longer running."""
