@@ -497,3 +497,31 @@ class TestS3Store(S3Root, StoreContract):
         fs = fsspec.filesystem("s3", skip_instance_cache=True, **s3_server.storage_options)
         with pytest.raises(FileExistsError):
             fs.pipe_file(f"{store._io.root}/{StoragePaths.manifest(1)}", b"{}", mode="create")
+
+
+def test_dropped_meanwhile_waits_for_a_manifest_a_gc_deletes_after_the_files(tmp_path, monkeypatch):
+    """A GC deletes a dropped checkpoint's data files before its manifest: a reader that found a
+    file missing while the manifest was still there is told, with patience, that the checkpoint
+    was dropped (the manifest is gone at a later look); without patience, or while the manifest
+    stays, it is not."""
+    store = SnapshotStore.open(str(tmp_path / "root"), fsync=False)
+    store.init_job(JOB)
+    for cid in (1, 2, 3):
+        store.commit(Manifest(checkpoint_id=cid, job_name="wordcount", max_parallelism=16))
+    assert store.dropped_meanwhile([1, 2], patience=0.3) == set()  # both stay: looked for again, not dropped
+
+    real = type(store._catalog).paths
+    victim: list[int] = []
+
+    def paths(self):  # the GC's last step, a manifest deleted, lands right after a reader's look
+        out = real(self)
+        while victim:
+            (tmp_path / "root" / StoragePaths.manifest(victim.pop())).unlink()
+        return out
+
+    monkeypatch.setattr(type(store._catalog), "paths", paths)
+    victim.append(1)
+    assert store.dropped_meanwhile([1]) == set()  # one look: it was still there
+    assert store.dropped_meanwhile([1]) == {1}  # the next look finds it gone
+    victim.append(3)
+    assert store.dropped_meanwhile([3], patience=30.0) == {3}  # looked for again until it went
